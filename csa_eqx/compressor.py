@@ -1,0 +1,155 @@
+"""Token compressors: CSA's overlapping windows and HCA's disjoint windows (SPEC §1).
+
+Compressed entries live in *slots*: entry ``j`` is the window whose last token has row index
+``end[j]`` with ``end[j] // m == j``. Windows are aligned to the start of each segment, so a
+packed row gives every document exactly the entries it would get alone; a slot whose window
+does not close inside the row is empty (``end = -1``). Without segments this is the plain layout
+``end[j] = j·m + m − 1``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from .config import YaRNScaling
+from .ops import init_linear, linear, rms_norm
+from .rope import apply_rope_interleaved, rope_inv_freq
+
+__all__ = ["EntryLayout", "entry_layout", "segment_positions", "pool_windows", "Compressor"]
+
+
+class EntryLayout(NamedTuple):
+    """Where each compressed-entry slot comes from (all ``[batch, slots]``)."""
+
+    end: Int[Array, "batch slots"]
+    segment: Int[Array, "batch slots"]
+    has_prior: Bool[Array, "batch slots"]
+
+
+def segment_positions(segment_ids: Int[Array, "batch seq"]) -> Int[Array, "batch seq"]:
+    """Index of each token inside its segment (segments are contiguous runs of one id)."""
+    s = segment_ids.shape[1]
+    idx = jnp.arange(s, dtype=jnp.int32)
+    starts = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1
+    )
+    first = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+    return idx - first
+
+
+def entry_layout(segment_ids: Int[Array, "batch seq"], m: int) -> EntryLayout:
+    """Slots of the compressed entries of a row, windows aligned to each segment's start."""
+    b, s = segment_ids.shape
+    slots = -(-s // m)
+    idx = jnp.arange(s, dtype=jnp.int32)
+    pos = segment_positions(segment_ids)
+    closes = (pos + 1) % m == 0
+    rows = jnp.arange(b)[:, None]
+    end = jnp.full((b, slots), -1, jnp.int32).at[rows, idx // m].max(jnp.where(closes, idx, -1))
+    safe = jnp.maximum(end, 0)
+    segment = jnp.take_along_axis(segment_ids, safe, axis=1)
+    has_prior = (end >= 0) & (jnp.take_along_axis(pos, safe, axis=1) >= 2 * m - 1)
+    return EntryLayout(end, segment, has_prior)
+
+
+def _gather_rows(x: Array, rows: Int[Array, "batch slots m"]) -> Array:
+    b, w, m = rows.shape
+    flat = jnp.clip(rows, 0, x.shape[1] - 1).reshape(b, w * m)
+    return jnp.take_along_axis(x, flat[..., None], axis=1).reshape(b, w, m, x.shape[-1])
+
+
+def pool_windows(
+    kv: Float[Array, "batch seq width"],
+    gate: Float[Array, "batch seq width"],
+    bias: Float[Array, "m width"],
+    layout: EntryLayout,
+    overlap: bool,
+) -> Float[Array, "batch slots dim"]:
+    """Gated pooling of each slot's window (float32 softmax per channel over the slots).
+
+    ``overlap=False`` (HCA): entry ``j`` pools its own ``m`` tokens. ``overlap=True`` (CSA):
+    ``width = 2·dim``; entry ``j`` pools the first halves of the previous window (when it exists
+    in the same segment) and the second halves of its own window, ``2m`` slots in all.
+    """
+    m = bias.shape[0]
+    d = kv.shape[-1] // 2 if overlap else kv.shape[-1]
+    own = layout.end[..., None] - m + 1 + jnp.arange(m)
+    vals = _gather_rows(kv[..., -d:], own)
+    gates = _gather_rows(gate[..., -d:], own).astype(jnp.float32) + bias[:, -d:]
+    if overlap:
+        prior_vals = _gather_rows(kv[..., :d], own - m)
+        prior_gates = _gather_rows(gate[..., :d], own - m).astype(jnp.float32) + bias[:, :d]
+        keep = layout.has_prior[..., None, None]
+        vals = jnp.concatenate([jnp.where(keep, prior_vals, 0), vals], axis=2)
+        gates = jnp.concatenate([jnp.where(keep, prior_gates, -jnp.inf), gates], axis=2)
+    weights = jax.nn.softmax(gates, axis=2)
+    return jnp.sum(weights * vals.astype(jnp.float32), axis=2).astype(kv.dtype)
+
+
+class Compressor(eqx.Module):
+    """Learned compressor producing one RMS-normed, RoPE'd entry per closed window."""
+
+    kv_proj: Float[Array, "width hidden"]
+    gate_proj: Float[Array, "width hidden"]
+    position_bias: Float[Array, "m width"]
+    kv_norm: Float[Array, " dim"]
+    compress_rate: int = eqx.field(static=True)
+    overlap: bool = eqx.field(static=True)
+    rope_dim: int = eqx.field(static=True)
+    rope_theta: float = eqx.field(static=True)
+    rope_scaling: YaRNScaling | None = eqx.field(static=True)
+    eps: float = eqx.field(static=True)
+
+    def __init__(
+        self,
+        hidden_size: int,
+        dim: int,
+        compress_rate: int,
+        overlap: bool,
+        rope_dim: int,
+        rope_theta: float,
+        rope_scaling: YaRNScaling | None,
+        eps: float,
+        *,
+        key: Array,
+        dtype=jnp.float32,
+    ):
+        width = 2 * dim if overlap else dim
+        k1, k2 = jax.random.split(key)
+        self.kv_proj = init_linear(k1, width, hidden_size, dtype)
+        self.gate_proj = init_linear(k2, width, hidden_size, dtype)
+        self.position_bias = jnp.zeros((compress_rate, width), jnp.float32)
+        self.kv_norm = jnp.ones((dim,), jnp.float32)
+        self.compress_rate = compress_rate
+        self.overlap = overlap
+        self.rope_dim = rope_dim
+        self.rope_theta = rope_theta
+        self.rope_scaling = rope_scaling
+        self.eps = eps
+
+    def project(self, x: Float[Array, "batch seq hidden"]) -> tuple[Array, Array]:
+        """Per-token ``(C, Z)`` before pooling (what the decode cache keeps for open windows)."""
+        return linear(x, self.kv_proj), linear(x, self.gate_proj)
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq hidden"],
+        positions: Int[Array, "batch seq"],
+        layout: EntryLayout,
+    ) -> Float[Array, "batch slots dim"]:
+        kv, gate = self.project(x)
+        return self.finish(
+            pool_windows(kv, gate, self.position_bias, layout, self.overlap), positions, layout
+        )
+
+    def finish(self, pooled: Array, positions: Int[Array, "batch seq"], layout: EntryLayout):
+        """RMSNorm, then RoPE at the position of each window's first token."""
+        first = jnp.clip(layout.end - self.compress_rate + 1, 0, positions.shape[1] - 1)
+        entry_pos = jnp.take_along_axis(positions, first, axis=1)
+        inv_freq = rope_inv_freq(self.rope_dim, self.rope_theta, self.rope_scaling)
+        return apply_rope_interleaved(rms_norm(pooled, self.kv_norm, self.eps), entry_pos, inv_freq)

@@ -1,0 +1,280 @@
+"""Load Hugging Face DeepSeek-V4 attention weights (state dicts or safetensors checkpoints).
+
+State-dict keys are the HF attention module's own parameter names (``q_a_proj.weight``,
+``compressor.indexer.kv_proj.weight``, …). Checkpoint folders are read with a small safetensors
+reader (JSON header + raw bytes, numpy/ml_dtypes only, never pickle) that touches only the
+requested layer's tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from .config import V4AttentionConfig, YaRNScaling
+from .v4 import V4Attention
+
+__all__ = [
+    "v4_config_from_hf",
+    "load_v4_attention",
+    "load_v4_attention_from_safetensors",
+    "read_safetensors",
+]
+
+_LAYER_TYPE_RATE_KEY = {
+    "compressed_sparse_attention": "compressed_sparse_attention",
+    "heavily_compressed_attention": "heavily_compressed_attention",
+}
+_LEGACY_RATE_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention"}
+
+
+def _as_dict(config: Any) -> dict:
+    if isinstance(config, Mapping):
+        return dict(config)
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    raise TypeError(f"config must be a transformers config or a dict, got {type(config).__name__}")
+
+
+def _yarn(params: Mapping | None) -> YaRNScaling | None:
+    if not params or params.get("rope_type", params.get("type", "default")) != "yarn":
+        return None
+    return YaRNScaling(
+        factor=float(params["factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        truncate=bool(params.get("truncate", True)),
+    )
+
+
+def _v4_layer_rate(d: dict, layer_idx: int) -> int:
+    rates = dict(d.get("compress_rates") or {})
+    rates.setdefault("compressed_sparse_attention", d.get("compress_rate_csa", 4))
+    rates.setdefault("heavily_compressed_attention", d.get("compress_rate_hca", 128))
+    types = d.get("layer_types")
+    if types is None and d.get("compress_ratios") is not None:
+        return int(d["compress_ratios"][layer_idx])
+    if types is None:
+        raise ValueError("config has neither layer_types nor compress_ratios")
+    if not 0 <= layer_idx < len(types):
+        raise ValueError(f"layer_idx={layer_idx} out of range for {len(types)} layers")
+    kind = types[layer_idx]
+    return 0 if kind == "sliding_attention" else int(rates[_LAYER_TYPE_RATE_KEY[kind]])
+
+
+def v4_config_from_hf(config: Any, layer_idx: int, **options) -> V4AttentionConfig:
+    """Build the ``V4AttentionConfig`` of layer ``layer_idx`` from an HF config (object/dict).
+
+    ``options`` set fields the HF config does not carry (``qk_head_chunk_size``, …).
+    """
+    d = _as_dict(config)
+    head_dim = int(d["head_dim"])
+    if d.get("qk_rope_head_dim") is not None:
+        rope_dim = int(d["qk_rope_head_dim"])
+    else:
+        rope_dim = int(head_dim * float(d.get("partial_rotary_factor") or 64 / 512))
+    rope = d.get("rope_parameters") or {}
+    compress_rope = rope.get("compress") if isinstance(rope.get("compress"), dict) else rope
+    compress_rope = compress_rope or d.get("rope_scaling")
+    fields = dict(
+        hidden_size=int(d["hidden_size"]),
+        num_heads=int(d["num_attention_heads"]),
+        head_dim=head_dim,
+        rope_dim=rope_dim,
+        q_lora_rank=int(d["q_lora_rank"]),
+        o_groups=int(d["o_groups"]),
+        o_lora_rank=int(d["o_lora_rank"]),
+        sliding_window=int(d["sliding_window"]),
+        compress_rate=_v4_layer_rate(d, layer_idx),
+        index_n_heads=int(d["index_n_heads"]),
+        index_head_dim=int(d["index_head_dim"]),
+        index_topk=int(d["index_topk"]),
+        rope_theta=float(d.get("rope_theta", 10000.0)),
+        compress_rope_theta=float(d.get("compress_rope_theta", 160000.0)),
+        rope_scaling=_yarn(compress_rope),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+    )
+    fields.update(options)
+    return V4AttentionConfig(**fields)
+
+
+def _to_numpy(name: str, value: Any) -> np.ndarray:
+    """Array from numpy / torch / jax; low-precision floats are upcast to float32."""
+    if hasattr(value, "detach"):  # torch tensor, without importing torch
+        value = value.detach().cpu()
+        if str(value.dtype) in ("torch.bfloat16", "torch.float16") or "float8" in str(value.dtype):
+            value = value.float()
+        value = value.numpy()
+    arr = np.asarray(value)
+    if arr.dtype in (ml_dtypes.bfloat16, np.float16) or "float8" in str(arr.dtype):
+        arr = arr.astype(np.float32)
+    if not np.issubdtype(arr.dtype, np.floating):
+        raise ValueError(f"tensor {name!r} has non-float dtype {arr.dtype}")
+    return arr
+
+
+def _is_fp8(value: Any) -> bool:
+    return "float8" in str(getattr(value, "dtype", ""))
+
+
+def _dequantize(name: str, weight: Any, state_dict: Mapping) -> np.ndarray:
+    """Upcast, applying DeepSeek's block-wise FP8 ``weight_scale_inv`` when present."""
+    w = _to_numpy(name, weight)
+    if not _is_fp8(weight):
+        return w
+    scale_key = name[: -len("weight")] + "weight_scale_inv" if name.endswith("weight") else None
+    if scale_key is None or scale_key not in state_dict:
+        raise ValueError(
+            f"tensor {name!r} is stored as FP8 without its block scale {scale_key!r}; "
+            "load a dequantised checkpoint or include the *_scale_inv tensors"
+        )
+    scale = _to_numpy(scale_key, state_dict[scale_key])
+    bo, bi = math.ceil(w.shape[0] / scale.shape[0]), math.ceil(w.shape[1] / scale.shape[1])
+    full = np.repeat(np.repeat(scale, bo, axis=0), bi, axis=1)[: w.shape[0], : w.shape[1]]
+    return w * full
+
+
+def _load_tree(module: eqx.Module, names: dict[str, Any], state_dict: Mapping, prefix: str):
+    """Replace each leaf named in ``names`` (path -> HF key) with the state-dict tensor."""
+    missing = [prefix + k for k in names.values() if prefix + k not in state_dict]
+    if missing:
+        raise ValueError(f"state dict is missing tensor(s): {', '.join(missing)}")
+    for path, key in names.items():
+        current = _get_path(module, path)
+        value = _dequantize(prefix + key, state_dict[prefix + key], state_dict)
+        if value.shape != current.shape:
+            raise ValueError(
+                f"tensor {prefix + key!r} has shape {value.shape}, expected {tuple(current.shape)}"
+            )
+        new = jnp.asarray(value, dtype=current.dtype)
+        module = eqx.tree_at(lambda m, p=path: _get_path(m, p), module, new)
+    return module
+
+
+def _get_path(module: Any, path: str) -> Any:
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def v4_parameter_names(config: V4AttentionConfig) -> dict[str, str]:
+    """Module attribute path -> HF parameter name, for one V4 layer."""
+    names = {
+        "q_a_proj": "q_a_proj.weight",
+        "q_a_norm": "q_a_norm.weight",
+        "q_b_proj": "q_b_proj.weight",
+        "kv_proj": "kv_proj.weight",
+        "kv_norm": "kv_norm.weight",
+        "o_a_proj": "o_a_proj.weight",
+        "o_b_proj": "o_b_proj.weight",
+        "sinks": "sinks",
+    }
+    compressor = {
+        "kv_proj": "kv_proj.weight",
+        "gate_proj": "gate_proj.weight",
+        "position_bias": "position_bias",
+        "kv_norm": "kv_norm.weight",
+    }
+    if config.layer_type != "sliding":
+        names.update({f"compressor.{k}": f"compressor.{v}" for k, v in compressor.items()})
+    if config.has_indexer:
+        names.update(
+            {f"indexer.compressor.{k}": f"compressor.indexer.{v}" for k, v in compressor.items()}
+        )
+        names["indexer.q_b_proj"] = "compressor.indexer.q_b_proj.weight"
+        names["indexer.weights_proj"] = "compressor.indexer.scorer.weights_proj.weight"
+    return names
+
+
+def load_v4_attention(
+    state_dict: Mapping[str, Any],
+    config: Any,
+    layer_idx: int,
+    *,
+    prefix: str = "",
+    dtype=jnp.float32,
+    **options,
+) -> V4Attention:
+    """A ``V4Attention`` holding layer ``layer_idx``'s weights from an HF attention state dict.
+
+    ``options`` set config fields the HF config lacks (e.g. ``qk_head_chunk_size=8``).
+    Raises ``ValueError`` naming any missing or mis-shaped tensor.
+    """
+    cfg = v4_config_from_hf(config, layer_idx, **options)
+    layer = V4Attention(cfg, key=jax.random.key(0), dtype=dtype)
+    return _load_tree(layer, v4_parameter_names(cfg), state_dict, prefix)
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+def read_safetensors(path: str | Path, keep=lambda name: True) -> dict[str, np.ndarray]:
+    """Read the tensors of one ``.safetensors`` file whose names pass ``keep``."""
+    out = {}
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        base = 8 + header_len
+        for name, info in header.items():
+            if name == "__metadata__" or not keep(name):
+                continue
+            if info["dtype"] not in _SAFETENSORS_DTYPES:
+                raise ValueError(f"tensor {name!r} in {path} has unsupported dtype {info['dtype']}")
+            start, end = info["data_offsets"]
+            f.seek(base + start)
+            data = f.read(end - start)
+            dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
+            out[name] = np.frombuffer(data, dtype=dtype).reshape(info["shape"]).copy()
+    return out
+
+
+def load_v4_attention_from_safetensors(
+    path: str | Path, layer_idx: int, *, dtype=jnp.float32, **options
+) -> V4Attention:
+    """Load layer ``layer_idx``'s attention from an HF checkpoint folder.
+
+    The folder holds ``config.json`` and one or more ``*.safetensors`` files (with or without
+    ``model.safetensors.index.json``); only ``model.layers.{i}.self_attn.*`` tensors are read.
+    """
+    folder = Path(path)
+    config = json.loads((folder / "config.json").read_text())
+    config = config.get("text_config", config)
+    prefix = f"model.layers.{layer_idx}.self_attn."
+    index_file = folder / "model.safetensors.index.json"
+    if index_file.exists():
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+        files = sorted({folder / f for k, f in weight_map.items() if k.startswith(prefix)})
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no safetensors files for layer {layer_idx} under {folder}")
+    tensors: dict[str, np.ndarray] = {}
+    for file in files:
+        tensors.update(read_safetensors(file, keep=lambda n: n.startswith(prefix)))
+    return load_v4_attention(tensors, config, layer_idx, prefix=prefix, dtype=dtype, **options)

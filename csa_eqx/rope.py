@@ -1,0 +1,86 @@
+"""Rotary position embeddings with explicit positions.
+
+Two channel layouts are used by the DeepSeek family: *interleaved* pairs ``(x0,x1),(x2,x3)…``
+(V4 everywhere, V3.2 MLA) and *half-split* pairs ``(x_i, x_{i+r/2})`` (V3.2 indexer). Tables
+are computed in float64 numpy at trace time and the rotation runs in float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from .config import YaRNScaling
+
+__all__ = ["rope_inv_freq", "yarn_mscale", "apply_rope_interleaved", "apply_rope_half_split"]
+
+
+def rope_inv_freq(rope_dim: int, theta: float, scaling: YaRNScaling | None = None) -> np.ndarray:
+    """Inverse frequencies ``[rope_dim // 2]`` (default RoPE, or YaRN-scaled when given)."""
+    base = theta ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+    inv_freq = 1.0 / base
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+
+    def correction_dim(rotations: float) -> float:
+        orig = scaling.original_max_position_embeddings
+        return rope_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rope_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(rope_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    keep = 1.0 - ramp  # 1 = extrapolate (high frequency), 0 = interpolate
+    scaled = inv_freq / scaling.factor * ramp + inv_freq * keep
+    return scaled.astype(np.float32)
+
+
+def yarn_mscale(scaling: YaRNScaling | None) -> float:
+    """YaRN's softmax magnitude factor ``0.1·mscale_all_dim·ln(factor) + 1`` (V3.2); 1 if off."""
+    if scaling is None or scaling.factor <= 1 or not scaling.mscale_all_dim:
+        return 1.0
+    return 0.1 * scaling.mscale_all_dim * math.log(scaling.factor) + 1.0
+
+
+def _cos_sin(positions: Int[Array, "*pos"], inv_freq: np.ndarray):
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope_interleaved(
+    x: Float[Array, "*batch dim"],
+    positions: Int[Array, "*#batch"],
+    inv_freq: np.ndarray,
+) -> Float[Array, "*batch dim"]:
+    """Rotate the **last** ``2·len(inv_freq)`` channels of ``x`` as interleaved pairs.
+
+    ``positions`` broadcasts against ``x.shape[:-1]`` (pass ``positions[..., None]`` for a
+    head axis). Negative positions rotate backwards (V4's output de-rotation).
+    """
+    r = 2 * inv_freq.shape[0]
+    cos, sin = _cos_sin(positions, inv_freq)
+    rot = x[..., x.shape[-1] - r :].astype(jnp.float32)
+    even, odd = rot[..., 0::2], rot[..., 1::2]
+    out = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+    out = out.reshape(rot.shape).astype(x.dtype)
+    return jnp.concatenate([x[..., : x.shape[-1] - r], out], axis=-1)
+
+
+def apply_rope_half_split(
+    x: Float[Array, "*batch dim"],
+    positions: Int[Array, "*#batch"],
+    inv_freq: np.ndarray,
+) -> Float[Array, "*batch dim"]:
+    """Rotate the **first** ``2·len(inv_freq)`` channels of ``x`` as half-split pairs."""
+    half = inv_freq.shape[0]
+    cos, sin = _cos_sin(positions, inv_freq)
+    rot = x[..., : 2 * half].astype(jnp.float32)
+    a, b = rot[..., :half], rot[..., half:]
+    out = jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
+    return jnp.concatenate([out, x[..., 2 * half :]], axis=-1)

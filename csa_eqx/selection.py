@@ -1,0 +1,56 @@
+"""Visibility of compressed entries and exact top-k selection with a ``-1`` sentinel.
+
+Ties go to the lower index everywhere. XLA's TopK orders ``-0.0`` below ``+0.0``, and ReLU-based
+scores produce both, so scores are canonicalised (all zeros made ``+0.0``) before sorting.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from .compressor import EntryLayout
+
+__all__ = ["entry_visibility", "select_topk", "canonical_scores"]
+
+
+def entry_visibility(
+    query_index: Int[Array, "batch seq"],
+    query_segment: Int[Array, "batch seq"],
+    layout: EntryLayout,
+) -> Bool[Array, "batch seq slots"]:
+    """Entry ``j`` is visible to query ``t`` iff its window closed at or before ``t`` in ``t``'s
+    segment (``w < (t + 1) // m`` without packing)."""
+    end = layout.end[:, None, :]
+    return (
+        (end >= 0)
+        & (end <= query_index[:, :, None])
+        & (layout.segment[:, None, :] == query_segment[:, :, None])
+    )
+
+
+def canonical_scores(scores: Array) -> Array:
+    """Map ``-0.0`` to ``+0.0`` so that equal scores tie (XLA sorts by total order)."""
+    return jnp.where(scores == 0, jnp.zeros_like(scores), scores)
+
+
+def select_topk(
+    scores: Float[Array, "batch seq entries"],
+    visible: Bool[Array, "batch seq entries"],
+    k: int,
+) -> Int[Array, "batch seq {k}"]:
+    """Indices of the ``k`` best visible entries per query, best first, ties to the lower index.
+
+    Picks beyond the visible count are ``-1``; when ``k`` exceeds the number of entries the
+    result is padded with ``-1`` so its shape is always ``[..., k]``.
+    """
+    if k <= 0:
+        raise ValueError(f"k must be positive (got {k})")
+    n = scores.shape[-1]
+    masked = jnp.where(visible, canonical_scores(scores.astype(jnp.float32)), -jnp.inf)
+    _, idx = jax.lax.top_k(masked, min(k, n))
+    idx = jnp.where(jnp.take_along_axis(visible, idx, axis=-1), idx, -1).astype(jnp.int32)
+    if k > n:
+        idx = jnp.pad(idx, [(0, 0)] * (idx.ndim - 1) + [(0, k - n)], constant_values=-1)
+    return idx

@@ -1,0 +1,193 @@
+"""DeepSeek-V4 attention layer: sliding window, CSA and HCA (SPEC §1)."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from .compressor import Compressor, EntryLayout, entry_layout, segment_positions
+from .config import V4AttentionConfig
+from .indexer import indexer_scores
+from .ops import init_linear, linear, rms_norm
+from .remat import tag_selection
+from .rope import apply_rope_interleaved, rope_inv_freq
+from .selection import entry_visibility, select_topk
+from .sparse import sparse_attention
+
+__all__ = ["V4Attention", "Indexer"]
+
+
+class Indexer(eqx.Module):
+    """V4 lightning indexer: its own CSA compressor at ``index_head_dim`` plus query heads."""
+
+    compressor: Compressor
+    q_b_proj: Float[Array, "heads_x_dim q_lora"]
+    weights_proj: Float[Array, "heads hidden"]
+    config: V4AttentionConfig = eqx.field(static=True)
+
+    def __init__(self, config: V4AttentionConfig, *, key: Array, dtype=jnp.float32):
+        c = config
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.compressor = Compressor(
+            c.hidden_size,
+            c.index_head_dim,
+            c.compress_rate,
+            True,
+            c.rope_dim,
+            c.compress_rope_theta,
+            c.rope_scaling,
+            c.rms_norm_eps,
+            key=k1,
+            dtype=dtype,
+        )
+        self.q_b_proj = init_linear(k2, c.index_n_heads * c.index_head_dim, c.q_lora_rank, dtype)
+        self.weights_proj = init_linear(k3, c.index_n_heads, c.hidden_size, dtype)
+        self.config = config
+
+    def queries(self, qr: Array, positions: Array) -> Array:
+        """Roped per-head queries ``[B,S,H_I,d_I]`` (from the query latent)."""
+        c = self.config
+        b, s, _ = qr.shape
+        q = linear(qr, self.q_b_proj).reshape(b, s, c.index_n_heads, c.index_head_dim)
+        inv_freq = rope_inv_freq(c.rope_dim, c.compress_rope_theta, c.rope_scaling)
+        return apply_rope_interleaved(q, positions[..., None], inv_freq)
+
+    def head_weights(self, x: Array) -> Array:
+        """Per-head weights ``[B,S,H_I]`` including the ``H_I^-1/2`` factor (float32)."""
+        return linear(x, self.weights_proj).astype(jnp.float32) * self.config.index_n_heads**-0.5
+
+    def scores(self, x: Array, qr: Array, positions: Array, layout: EntryLayout) -> Array:
+        """Float32 scores ``[B,S,slots]`` of every query against every entry slot."""
+        keys = self.compressor(x, positions, layout)
+        return indexer_scores(
+            self.queries(qr, positions),
+            self.head_weights(x),
+            keys,
+            head_chunk=self.config.qk_head_chunk_size,
+        )
+
+
+class V4Attention(eqx.Module):
+    """One DeepSeek-V4 attention layer; the type follows ``config.compress_rate``.
+
+    Parameters use the HF module's names and torch's ``[out, in]`` layout, so
+    ``csa_eqx.hf.load_v4_attention`` is a plain copy.
+    """
+
+    q_a_proj: Float[Array, "q_lora hidden"]
+    q_a_norm: Float[Array, " q_lora"]
+    q_b_proj: Float[Array, "heads_x_dim q_lora"]
+    kv_proj: Float[Array, "dim hidden"]
+    kv_norm: Float[Array, " dim"]
+    o_a_proj: Float[Array, "groups_x_rank group_in"]
+    o_b_proj: Float[Array, "hidden groups_x_rank"]
+    sinks: Float[Array, " heads"]
+    compressor: Compressor | None
+    indexer: Indexer | None
+    config: V4AttentionConfig = eqx.field(static=True)
+
+    def __init__(self, config: V4AttentionConfig, *, key: Array, dtype=jnp.float32):
+        c = config
+        ks = jax.random.split(key, 7)
+        self.q_a_proj = init_linear(ks[0], c.q_lora_rank, c.hidden_size, dtype)
+        self.q_a_norm = jnp.ones((c.q_lora_rank,), jnp.float32)
+        self.q_b_proj = init_linear(ks[1], c.num_heads * c.head_dim, c.q_lora_rank, dtype)
+        self.kv_proj = init_linear(ks[2], c.head_dim, c.hidden_size, dtype)
+        self.kv_norm = jnp.ones((c.head_dim,), jnp.float32)
+        group_in = c.num_heads * c.head_dim // c.o_groups
+        self.o_a_proj = init_linear(ks[3], c.o_groups * c.o_lora_rank, group_in, dtype)
+        self.o_b_proj = init_linear(ks[4], c.hidden_size, c.o_groups * c.o_lora_rank, dtype)
+        self.sinks = jnp.zeros((c.num_heads,), jnp.float32)
+        self.compressor = None
+        self.indexer = None
+        if c.layer_type != "sliding":
+            self.compressor = Compressor(
+                c.hidden_size,
+                c.head_dim,
+                c.compress_rate,
+                c.layer_type == "csa",
+                c.rope_dim,
+                c.compress_rope_theta,
+                c.rope_scaling,
+                c.rms_norm_eps,
+                key=ks[5],
+                dtype=dtype,
+            )
+        if c.has_indexer:
+            self.indexer = Indexer(c, key=ks[6], dtype=dtype)
+        self.config = config
+
+    @property
+    def inv_freq(self):
+        c = self.config
+        if c.layer_type == "sliding":
+            return rope_inv_freq(c.rope_dim, c.rope_theta)
+        return rope_inv_freq(c.rope_dim, c.compress_rope_theta, c.rope_scaling)
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq hidden"],
+        positions: Int[Array, "batch seq"] | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None,
+        return_aux: bool = False,
+    ) -> Float[Array, "batch seq hidden"] | tuple[Float[Array, "batch seq hidden"], dict]:
+        """Attend over the sliding window plus this layer's compressed entries.
+
+        Arguments:
+            x: hidden states ``[B, S, hidden]``.
+            positions: RoPE positions ``[B, S]``; default: the index inside each segment.
+            segment_ids: packed-document ids ``[B, S]`` (contiguous runs); tokens only see
+                their own segment, and compression windows restart at each segment.
+            return_aux: also return ``{"selection": int32 [B,S,k] or None,
+                "indexer_loss": scalar or None}``.
+        """
+        c = self.config
+        b, s, _ = x.shape
+        seg = jnp.zeros((b, s), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+        if positions is None:
+            positions = segment_positions(seg)
+        query_index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+
+        qr = rms_norm(linear(x, self.q_a_proj), self.q_a_norm, c.rms_norm_eps)
+        q = linear(qr, self.q_b_proj).reshape(b, s, c.num_heads, c.head_dim)
+        q = apply_rope_interleaved(
+            rms_norm(q, None, c.rms_norm_eps), positions[..., None], self.inv_freq
+        )
+        kv = rms_norm(linear(x, self.kv_proj), self.kv_norm, c.rms_norm_eps)
+        kv = apply_rope_interleaved(kv, positions, self.inv_freq)
+
+        window = query_index[..., None] - jnp.arange(c.sliding_window, dtype=jnp.int32)
+        in_window = (window >= 0) & (
+            jnp.take_along_axis(seg, jnp.clip(window, 0, s - 1).reshape(b, -1), axis=1).reshape(
+                window.shape
+            )
+            == seg[..., None]
+        )
+        indices = jnp.where(in_window, window, -1)
+        keys = kv
+        selection = None
+        if self.compressor is not None:
+            layout = entry_layout(seg, c.compress_rate)
+            entries = self.compressor(x, positions, layout)
+            visible = entry_visibility(query_index, seg, layout)
+            if self.indexer is not None:
+                scores = self.indexer.scores(x, qr, positions, layout)
+                selection = select_topk(scores, visible, c.index_topk)
+                selection = tag_selection(selection, c.indexer_save_selection)
+                picked = selection
+            else:
+                slots = jnp.arange(entries.shape[1], dtype=jnp.int32)
+                picked = jnp.where(visible, slots, -1)
+            indices = jnp.concatenate([indices, jnp.where(picked >= 0, picked + s, -1)], axis=-1)
+            keys = jnp.concatenate([kv, entries.astype(kv.dtype)], axis=1)
+
+        o = sparse_attention(q, keys, indices, self.sinks, c.head_dim**-0.5)
+        o = apply_rope_interleaved(o, -positions[..., None], self.inv_freq)
+        o = o.reshape(b, s, c.o_groups, -1)
+        w_a = self.o_a_proj.reshape(c.o_groups, c.o_lora_rank, -1).astype(o.dtype)
+        y = linear(jnp.einsum("bsgi,goi->bsgo", o, w_a).reshape(b, s, -1), self.o_b_proj)
+        if return_aux:
+            return y, {"selection": selection, "indexer_loss": None}
+        return y
