@@ -11,8 +11,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from .compressor import EntryLayout
+from .indexer import indexer_scores
 
-__all__ = ["entry_visibility", "select_topk", "canonical_scores"]
+__all__ = ["entry_visibility", "select_topk", "canonical_scores", "select_entries"]
 
 
 def entry_visibility(
@@ -54,3 +55,23 @@ def select_topk(
     if k > n:
         idx = jnp.pad(idx, [(0, 0)] * (idx.ndim - 1) + [(0, k - n)], constant_values=-1)
     return idx
+
+
+def select_entries(
+    q: Float[Array, "batch seq heads dim"],
+    weights: Float[Array, "batch seq heads"],
+    keys: Float[Array, "batch slots dim"],
+    query_index: Int[Array, "batch seq"],
+    query_segment: Int[Array, "batch seq"],
+    layout: EntryLayout,
+    k: int,
+    *,
+    head_chunk: int = 0,
+) -> Int[Array, "batch seq {k}"]:
+    """The indexer's selection: score, mask to visible entries, exact top-k with ``-1``.
+
+    This is the whole per-query-row selection stage; it is what row sharding and the streaming
+    path replace. V3.2 selects raw tokens with ``entry_layout(segment_ids, 1)``.
+    """
+    scores = indexer_scores(q, weights, keys, head_chunk=head_chunk)
+    return select_topk(scores, entry_visibility(query_index, query_segment, layout), k)

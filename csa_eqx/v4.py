@@ -9,11 +9,10 @@ from jaxtyping import Array, Float, Int
 
 from .compressor import Compressor, EntryLayout, entry_layout, segment_positions
 from .config import V4AttentionConfig
-from .indexer import indexer_scores
 from .ops import init_linear, linear, rms_norm
 from .remat import tag_selection
 from .rope import apply_rope_interleaved, rope_inv_freq
-from .selection import entry_visibility, select_topk
+from .selection import entry_visibility, select_entries
 from .sparse import sparse_attention
 
 __all__ = ["V4Attention", "Indexer"]
@@ -58,15 +57,15 @@ class Indexer(eqx.Module):
         """Per-head weights ``[B,S,H_I]`` including the ``H_I^-1/2`` factor (float32)."""
         return linear(x, self.weights_proj).astype(jnp.float32) * self.config.index_n_heads**-0.5
 
-    def scores(self, x: Array, qr: Array, positions: Array, layout: EntryLayout) -> Array:
-        """Float32 scores ``[B,S,slots]`` of every query against every entry slot."""
+    def select(self, x: Array, qr: Array, positions: Array, query_index: Array,
+               segment: Array, layout: EntryLayout) -> Array:
+        """Top-k entry slots ``[B,S,k]`` per query (``-1`` = none), tagged for remat."""
+        c = self.config
         keys = self.compressor(x, positions, layout)
-        return indexer_scores(
-            self.queries(qr, positions),
-            self.head_weights(x),
-            keys,
-            head_chunk=self.config.qk_head_chunk_size,
-        )
+        selection = select_entries(self.queries(qr, positions), self.head_weights(x), keys,
+                                   query_index, segment, layout, c.index_topk,
+                                   head_chunk=c.qk_head_chunk_size)
+        return tag_selection(selection, c.indexer_save_selection)
 
 
 class V4Attention(eqx.Module):
@@ -171,15 +170,12 @@ class V4Attention(eqx.Module):
         if self.compressor is not None:
             layout = entry_layout(seg, c.compress_rate)
             entries = self.compressor(x, positions, layout)
-            visible = entry_visibility(query_index, seg, layout)
             if self.indexer is not None:
-                scores = self.indexer.scores(x, qr, positions, layout)
-                selection = select_topk(scores, visible, c.index_topk)
-                selection = tag_selection(selection, c.indexer_save_selection)
+                selection = self.indexer.select(x, qr, positions, query_index, seg, layout)
                 picked = selection
             else:
                 slots = jnp.arange(entries.shape[1], dtype=jnp.int32)
-                picked = jnp.where(visible, slots, -1)
+                picked = jnp.where(entry_visibility(query_index, seg, layout), slots, -1)
             indices = jnp.concatenate([indices, jnp.where(picked >= 0, picked + s, -1)], axis=-1)
             keys = jnp.concatenate([kv, entries.astype(kv.dtype)], axis=1)
 
