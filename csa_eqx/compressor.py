@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from .config import YaRNScaling
-from .ops import init_linear, linear, rms_norm
+from .ops import init_linear, linear, rms_norm, upcast
 from .rope import apply_rope_interleaved, rope_inv_freq
 
 __all__ = ["EntryLayout", "entry_layout", "segment_positions", "pool_windows", "Compressor"]
@@ -80,15 +80,15 @@ def pool_windows(
     d = kv.shape[-1] // 2 if overlap else kv.shape[-1]
     own = layout.end[..., None] - m + 1 + jnp.arange(m)
     vals = _gather_rows(kv[..., -d:], own)
-    gates = _gather_rows(gate[..., -d:], own).astype(jnp.float32) + bias[:, -d:]
+    gates = upcast(_gather_rows(gate[..., -d:], own)) + bias[:, -d:]
     if overlap:
         prior_vals = _gather_rows(kv[..., :d], own - m)
-        prior_gates = _gather_rows(gate[..., :d], own - m).astype(jnp.float32) + bias[:, :d]
+        prior_gates = upcast(_gather_rows(gate[..., :d], own - m)) + bias[:, :d]
         keep = layout.has_prior[..., None, None]
         vals = jnp.concatenate([jnp.where(keep, prior_vals, 0), vals], axis=2)
         gates = jnp.concatenate([jnp.where(keep, prior_gates, -jnp.inf), gates], axis=2)
     weights = jax.nn.softmax(gates, axis=2)
-    return jnp.sum(weights * vals.astype(jnp.float32), axis=2).astype(kv.dtype)
+    return jnp.sum(weights * upcast(vals), axis=2).astype(kv.dtype)
 
 
 class Compressor(eqx.Module):

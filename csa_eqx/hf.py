@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -254,27 +255,155 @@ def read_safetensors(path: str | Path, keep=lambda name: True) -> dict[str, np.n
     return out
 
 
+# DeepSeek's own checkpoint names (what ``save_pretrained`` writes and the Hub ships) -> the HF
+# module's parameter names, applied in order to the part after ``layers.{i}.attn.``.
+_NATIVE_V4_RENAMES = [
+    (r"^indexer\.compressor\.", "compressor.indexer."),
+    (r"^indexer\.weights_proj\.", "compressor.indexer.scorer.weights_proj."),
+    (r"^indexer\.wq_b\.", "compressor.indexer.q_b_proj."),
+    (r"(^|\.)attn_sink$", r"\1sinks"),
+    (r"(^|\.)q_norm\.", r"\1q_a_norm."),
+    (r"(^|\.)norm\.", r"\1kv_norm."),
+    (r"(^|\.)ape$", r"\1position_bias"),
+    (r"(^|\.)wq_a\.", r"\1q_a_proj."),
+    (r"(^|\.)wq_b\.", r"\1q_b_proj."),
+    (r"(^|\.)wkv\.", r"\1kv_proj."),
+    (r"(^|\.)wgate\.", r"\1gate_proj."),
+    (r"(^|\.)wo_a\.", r"\1o_a_proj."),
+    (r"(^|\.)wo_b\.", r"\1o_b_proj."),
+    (r"\.scale$", ".weight_scale_inv"),
+]
+
+
+def native_v4_name(name: str) -> str:
+    """HF parameter name of a DeepSeek-native V4 attention tensor name (``wq_a.weight`` …)."""
+    for pattern, repl in _NATIVE_V4_RENAMES:
+        name = re.sub(pattern, repl, name)
+    return name
+
+
+def _checkpoint_files(folder: Path, prefixes: tuple[str, ...]) -> list[Path]:
+    index_file = folder / "model.safetensors.index.json"
+    if index_file.exists():
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+        return sorted({folder / f for k, f in weight_map.items() if k.startswith(prefixes)})
+    return sorted(folder.glob("*.safetensors"))
+
+
 def load_v4_attention_from_safetensors(
     path: str | Path, layer_idx: int, *, dtype=jnp.float32, **options
 ) -> V4Attention:
     """Load layer ``layer_idx``'s attention from an HF checkpoint folder.
 
     The folder holds ``config.json`` and one or more ``*.safetensors`` files (with or without
-    ``model.safetensors.index.json``); only ``model.layers.{i}.self_attn.*`` tensors are read.
+    ``model.safetensors.index.json``). Tensors may use DeepSeek's native names
+    (``model.layers.{i}.attn.wq_a.weight``, as written by ``save_pretrained``) or the HF module
+    names (``model.layers.{i}.self_attn.q_a_proj.weight``); only that layer's attention tensors
+    are read.
     """
     folder = Path(path)
     config = json.loads((folder / "config.json").read_text())
     config = config.get("text_config", config)
-    prefix = f"model.layers.{layer_idx}.self_attn."
-    index_file = folder / "model.safetensors.index.json"
-    if index_file.exists():
-        weight_map = json.loads(index_file.read_text())["weight_map"]
-        files = sorted({folder / f for k, f in weight_map.items() if k.startswith(prefix)})
-    else:
-        files = sorted(folder.glob("*.safetensors"))
+    hf_prefix = f"model.layers.{layer_idx}.self_attn."
+    native = (f"model.layers.{layer_idx}.attn.", f"layers.{layer_idx}.attn.")
+    prefixes = (hf_prefix, *native)
+    files = _checkpoint_files(folder, prefixes)
     if not files:
         raise ValueError(f"no safetensors files for layer {layer_idx} under {folder}")
     tensors: dict[str, np.ndarray] = {}
     for file in files:
-        tensors.update(read_safetensors(file, keep=lambda n: n.startswith(prefix)))
-    return load_v4_attention(tensors, config, layer_idx, prefix=prefix, dtype=dtype, **options)
+        for name, value in read_safetensors(file, keep=lambda n: n.startswith(prefixes)).items():
+            if name.startswith(hf_prefix):
+                tensors[name[len(hf_prefix):]] = value
+            else:
+                short = name[len(next(p for p in native if name.startswith(p))):]
+                tensors[native_v4_name(short)] = value
+    if not tensors:
+        raise ValueError(f"no attention tensors for layer {layer_idx} in {folder}")
+    return load_v4_attention(tensors, config, layer_idx, dtype=dtype, **options)
+
+
+# --- DeepSeek-V3.2 (DSA) -------------------------------------------------------------------
+
+from .config import V32AttentionConfig  # noqa: E402
+from .v32 import V32Attention  # noqa: E402
+
+__all__ += ["v32_config_from_hf", "v32_parameter_names", "load_v32_attention"]
+
+
+def v32_config_from_hf(config: Any, **options) -> V32AttentionConfig:
+    """Build the ``V32AttentionConfig`` (shared by every layer) from an HF config (object/dict).
+
+    HF's ``DeepseekV32Attention`` normalises with eps 1e-6 whatever ``rms_norm_eps`` says (as
+    DeepSeek's reference does), so ``rms_norm_eps`` is 1e-6 unless ``options`` set it.
+    ``options`` also set the memory flags (``qk_head_chunk_size``, …).
+    """
+    d = _as_dict(config)
+    if d.get("attention_bias"):
+        raise ValueError("attention_bias=True is not supported (released V3.2 models have none)")
+    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "yarn"):
+        raise ValueError(f"rope_type {rope_type!r} is not supported (only 'default' and 'yarn')")
+    if rope.get("attention_factor") is not None:
+        raise ValueError("an explicit rope attention_factor is not supported")
+    fields = dict(
+        hidden_size=int(d["hidden_size"]),
+        num_heads=int(d["num_attention_heads"]),
+        q_lora_rank=int(d["q_lora_rank"]),
+        kv_lora_rank=int(d["kv_lora_rank"]),
+        qk_nope_head_dim=int(d["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(d["qk_rope_head_dim"]),
+        v_head_dim=int(d["v_head_dim"]),
+        index_n_heads=int(d["index_n_heads"]),
+        index_head_dim=int(d["index_head_dim"]),
+        index_topk=int(d["index_topk"]),
+        rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+        rope_scaling=_yarn(rope),
+        rms_norm_eps=1e-6,
+    )
+    fields.update(options)
+    return V32AttentionConfig(**fields)
+
+
+def v32_parameter_names() -> dict[str, str]:
+    """Module attribute path -> HF parameter name, for one V3.2 attention layer."""
+    names = {
+        n: f"{n}.weight"
+        for n in (
+            "q_a_proj",
+            "q_a_layernorm",
+            "q_b_proj",
+            "kv_a_proj_with_mqa",
+            "kv_a_layernorm",
+            "kv_b_proj",
+            "o_proj",
+        )
+    }
+    for n in ("wq_b", "wk", "k_norm", "weights_proj"):
+        names[f"indexer.{n}"] = f"indexer.{n}.weight"
+    names["indexer.k_norm_bias"] = "indexer.k_norm.bias"
+    return names
+
+
+def load_v32_attention(
+    state_dict: Mapping[str, Any],
+    config: Any,
+    layer_idx: int,
+    *,
+    prefix: str = "",
+    dtype=jnp.float32,
+    **options,
+) -> V32Attention:
+    """A ``V32Attention`` holding layer ``layer_idx``'s weights from an HF attention state dict.
+
+    Every V3.2 layer is a DSA layer, so ``layer_idx`` only has to be in range. ``options`` set
+    config fields the HF config lacks. Raises ``ValueError`` naming any missing or mis-shaped
+    tensor.
+    """
+    n_layers = _as_dict(config).get("num_hidden_layers")
+    if n_layers is not None and not 0 <= layer_idx < int(n_layers):
+        raise ValueError(f"layer_idx={layer_idx} out of range for {n_layers} layers")
+    cfg = v32_config_from_hf(config, **options)
+    layer = V32Attention(cfg, key=jax.random.key(0), dtype=dtype)
+    return _load_tree(layer, v32_parameter_names(), state_dict, prefix)

@@ -15,8 +15,9 @@ __all__ = ["indexer_scores", "split_head_chunks"]
 
 
 def _score_heads(q: Array, w: Array, k: Array) -> Array:
-    logits = jnp.einsum("bshd,btd->bsht", q, k, preferred_element_type=jnp.float32)
-    return jnp.einsum("bsht,bsh->bst", jax.nn.relu(logits), w.astype(jnp.float32))
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    logits = jnp.einsum("bshd,btd->bsht", q, k, preferred_element_type=acc)
+    return jnp.einsum("bsht,bsh->bst", jax.nn.relu(logits), w.astype(acc))
 
 
 def split_head_chunks(x: Array, chunk: int) -> Array:

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-__all__ = ["linear", "rms_norm", "init_linear"]
+__all__ = ["linear", "rms_norm", "init_linear", "upcast"]
 
 
 def linear(x: Float[Array, "*batch d_in"], weight: Float[Array, "d_out d_in"]) -> Array:
@@ -14,12 +14,17 @@ def linear(x: Float[Array, "*batch d_in"], weight: Float[Array, "d_out d_in"]) -
     return jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype))
 
 
+def upcast(x: Array) -> Array:
+    """``x`` in at least float32 (float64 stays float64, so x64 gradient checks are exact)."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
 def rms_norm(x: Array, weight: Array | None, eps: float) -> Array:
     """RMSNorm over the last axis, computed in float32 and cast back to ``x.dtype``."""
-    xf = x.astype(jnp.float32)
+    xf = upcast(x)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     if weight is not None:
-        y = y * weight.astype(jnp.float32)
+        y = y * weight.astype(xf.dtype)
     return y.astype(x.dtype)
 
 

@@ -2,7 +2,7 @@
 
 Two channel layouts are used by the DeepSeek family: *interleaved* pairs ``(x0,x1),(x2,x3)…``
 (V4 everywhere, V3.2 MLA) and *half-split* pairs ``(x_i, x_{i+r/2})`` (V3.2 indexer). Tables
-are computed in float64 numpy at trace time and the rotation runs in float32.
+are computed in numpy at trace time and the rotation runs in (at least) float32.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from .config import YaRNScaling
+from .ops import upcast
 
 __all__ = ["rope_inv_freq", "yarn_mscale", "apply_rope_interleaved", "apply_rope_half_split"]
 
@@ -48,8 +49,8 @@ def yarn_mscale(scaling: YaRNScaling | None) -> float:
     return 0.1 * scaling.mscale_all_dim * math.log(scaling.factor) + 1.0
 
 
-def _cos_sin(positions: Int[Array, "*pos"], inv_freq: np.ndarray):
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+def _cos_sin(positions: Int[Array, "*pos"], inv_freq: np.ndarray, dtype):
+    angles = positions.astype(dtype)[..., None] * jnp.asarray(inv_freq, dtype)
     return jnp.cos(angles), jnp.sin(angles)
 
 
@@ -64,8 +65,8 @@ def apply_rope_interleaved(
     head axis). Negative positions rotate backwards (V4's output de-rotation).
     """
     r = 2 * inv_freq.shape[0]
-    cos, sin = _cos_sin(positions, inv_freq)
-    rot = x[..., x.shape[-1] - r :].astype(jnp.float32)
+    rot = upcast(x[..., x.shape[-1] - r :])
+    cos, sin = _cos_sin(positions, inv_freq, rot.dtype)
     even, odd = rot[..., 0::2], rot[..., 1::2]
     out = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
     out = out.reshape(rot.shape).astype(x.dtype)
@@ -79,8 +80,8 @@ def apply_rope_half_split(
 ) -> Float[Array, "*batch dim"]:
     """Rotate the **first** ``2·len(inv_freq)`` channels of ``x`` as half-split pairs."""
     half = inv_freq.shape[0]
-    cos, sin = _cos_sin(positions, inv_freq)
-    rot = x[..., : 2 * half].astype(jnp.float32)
+    rot = upcast(x[..., : 2 * half])
+    cos, sin = _cos_sin(positions, inv_freq, rot.dtype)
     a, b = rot[..., :half], rot[..., half:]
     out = jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
     return jnp.concatenate([out, x[..., 2 * half :]], axis=-1)

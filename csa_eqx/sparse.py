@@ -6,10 +6,13 @@ Each query attends to the keys named by its own index list (``-1`` = no key). Th
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-__all__ = ["sparse_attention", "gather_keys"]
+__all__ = ["sparse_attention", "gather_keys", "sparse_query_block"]
+
+_BLOCK_ELEMENTS = 1 << 24
 
 
 def gather_keys(kv: Float[Array, "batch keys dim"], indices: Int[Array, "batch seq k"]) -> Array:
@@ -21,8 +24,16 @@ def gather_keys(kv: Float[Array, "batch keys dim"], indices: Int[Array, "batch s
 
 def attention_logits(q: Array, keys: Array, indices: Array, scale: float) -> Array:
     """Masked float32 logits ``[B, S, H, k]`` of each query head against its gathered keys."""
-    logits = jnp.einsum("bshd,bskd->bshk", q, keys, preferred_element_type=jnp.float32) * scale
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    logits = jnp.einsum("bshd,bskd->bshk", q, keys, preferred_element_type=acc) * scale
     return jnp.where((indices >= 0)[:, :, None, :], logits, -jnp.inf)
+
+
+def sparse_query_block(batch: int, heads: int, dim: int, k: int) -> int:
+    """Automatic query block: keeps the gathered ``[B, Qb, k, dim]`` keys plus the
+    ``[B, Qb, H, k]`` logits of one block near 64 MiB of float32."""
+    rows = max(_BLOCK_ELEMENTS // max(batch * k * (dim + heads), 1), 1)
+    return 1 << (rows.bit_length() - 1)
 
 
 def sparse_attention(
@@ -32,17 +43,52 @@ def sparse_attention(
     sinks: Float[Array, " heads"] | None,
     scale: float,
     values: Float[Array, "batch keys vdim"] | None = None,
-) -> Float[Array, "batch seq heads vdim"]:
+    return_lse: bool = False,
+    *,
+    query_block: int = 0,
+) -> (
+    Float[Array, "batch seq heads vdim"]
+    | tuple[Float[Array, "batch seq heads vdim"], Float[Array, "batch seq heads"]]
+):
     """Softmax attention of each query over its selected keys (shared across heads).
 
     ``values`` defaults to ``kv`` (V4's key = value); pass it for MLA's separate values.
+    ``return_lse=True`` also returns each head's float32 log-normaliser (log of the softmax
+    denominator, sink included; ``-inf`` for a row with neither keys nor sink), which the
+    indexer's KL target needs to rebuild the attention probabilities.
+
+    Queries are processed ``query_block`` rows at a time (0 = automatic, see
+    ``sparse_query_block``) in a ``lax.map`` with a rematerialised body, so the gathered
+    ``[B, S, k, dim]`` keys never exist at once, in the forward or the backward pass.
     """
+    b, s, h, d = q.shape
+    qb = query_block or sparse_query_block(b, h, d, indices.shape[-1])
+    if qb >= s:
+        return _attend(q, kv, indices, sinks, scale, values, return_lse)
+    n = -(-s // qb)
+
+    def blocks(x: Array, fill) -> Array:
+        x = jnp.pad(x, [(0, 0), (0, n * qb - s)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+        return jnp.moveaxis(x.reshape(b, n, qb, *x.shape[2:]), 1, 0)
+
+    def unblocks(y: Array) -> Array:
+        return jnp.moveaxis(y, 0, 1).reshape(b, n * qb, *y.shape[3:])[:, :s]
+
+    def body(qi: tuple[Array, Array]):
+        return _attend(qi[0], kv, qi[1], sinks, scale, values, return_lse)
+
+    out = jax.lax.map(jax.checkpoint(body), (blocks(q, 0), blocks(indices, -1)))
+    return jax.tree.map(unblocks, out)
+
+
+def _attend(q, kv, indices, sinks, scale, values, return_lse):
+    """Unblocked sparse attention (one block of queries; see ``sparse_attention``)."""
     keys = gather_keys(kv, indices)
     vals = keys if values is None else gather_keys(values, indices)
     logits = attention_logits(q, keys, indices, scale)
     peak = jnp.max(logits, axis=-1)
     if sinks is not None:
-        sink = jnp.broadcast_to(sinks.astype(jnp.float32), peak.shape)
+        sink = jnp.broadcast_to(sinks.astype(peak.dtype), peak.shape)
         peak = jnp.maximum(peak, sink)
     peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
     p = jnp.exp(logits - peak[..., None])
@@ -51,6 +97,8 @@ def sparse_attention(
         denom = denom + jnp.exp(sink - peak)
     probs = p / jnp.where(denom > 0, denom, 1.0)[..., None]
     out = jnp.einsum(
-        "bshk,bskd->bshd", probs.astype(vals.dtype), vals, preferred_element_type=jnp.float32
+        "bshk,bskd->bshd", probs.astype(vals.dtype), vals, preferred_element_type=probs.dtype
     )
+    if return_lse:
+        return out.astype(q.dtype), peak + jnp.log(denom)
     return out.astype(q.dtype)

@@ -5,14 +5,18 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from beartype import beartype
+from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped
 
 from .compressor import Compressor, EntryLayout, entry_layout, segment_positions
 from .config import V4AttentionConfig
+from .indexer import indexer_scores
+from .loss import indexer_kl_loss, selection_mask
 from .ops import init_linear, linear, rms_norm
 from .remat import tag_selection
 from .rope import apply_rope_interleaved, rope_inv_freq
 from .selection import entry_visibility, select_entries
+from .sharding import constrain_heads, sharded_select_entries, tensor_axis_auto
 from .sparse import sparse_attention
 
 __all__ = ["V4Attention", "Indexer"]
@@ -51,20 +55,37 @@ class Indexer(eqx.Module):
         b, s, _ = qr.shape
         q = linear(qr, self.q_b_proj).reshape(b, s, c.index_n_heads, c.index_head_dim)
         inv_freq = rope_inv_freq(c.rope_dim, c.compress_rope_theta, c.rope_scaling)
-        return apply_rope_interleaved(q, positions[..., None], inv_freq)
+        q = apply_rope_interleaved(q, positions[..., None], inv_freq)
+        return constrain_heads(q, c.tensor_axis) if c.shard_indexer_acts else q
 
     def head_weights(self, x: Array) -> Array:
         """Per-head weights ``[B,S,H_I]`` including the ``H_I^-1/2`` factor (float32)."""
-        return linear(x, self.weights_proj).astype(jnp.float32) * self.config.index_n_heads**-0.5
+        c = self.config
+        w = linear(x, self.weights_proj).astype(jnp.float32) * c.index_n_heads**-0.5
+        return constrain_heads(w, c.tensor_axis) if c.shard_indexer_acts else w
 
     def select(self, x: Array, qr: Array, positions: Array, query_index: Array,
                segment: Array, layout: EntryLayout) -> Array:
-        """Top-k entry slots ``[B,S,k]`` per query (``-1`` = none), tagged for remat."""
+        """Top-k entry slots ``[B,S,k]`` per query (``-1`` = none), tagged for remat.
+
+        ``indexer_sharded_topk`` / ``shard_indexer_acts`` use the mesh set with
+        ``jax.set_mesh`` (see ``csa_eqx.sharding``).
+        """
         c = self.config
         keys = self.compressor(x, positions, layout)
-        selection = select_entries(self.queries(qr, positions), self.head_weights(x), keys,
-                                   query_index, segment, layout, c.index_topk,
-                                   head_chunk=c.qk_head_chunk_size)
+
+        def stage(x, qr, positions, keys, query_index, segment, layout):
+            args = (self.queries(qr, positions), self.head_weights(x), keys, query_index,
+                    segment, layout, c.index_topk)
+            if c.indexer_sharded_topk:
+                return sharded_select_entries(*args, head_chunk=c.qk_head_chunk_size,
+                                              tensor_axis=c.tensor_axis, data_axis=c.data_axis)
+            return select_entries(*args, head_chunk=c.qk_head_chunk_size,
+                                  key_block=c.indexer_key_block, query_block=c.query_block)
+
+        if c.shard_indexer_acts:
+            stage = tensor_axis_auto(stage, c.tensor_axis, query_index)
+        selection = stage(x, qr, positions, keys, query_index, segment, layout)
         return tag_selection(selection, c.indexer_save_selection)
 
 
@@ -125,11 +146,12 @@ class V4Attention(eqx.Module):
             return rope_inv_freq(c.rope_dim, c.rope_theta)
         return rope_inv_freq(c.rope_dim, c.compress_rope_theta, c.rope_scaling)
 
+    @jaxtyped(typechecker=beartype)
     def __call__(
         self,
-        x: Float[Array, "batch seq hidden"],
-        positions: Int[Array, "batch seq"] | None = None,
-        segment_ids: Int[Array, "batch seq"] | None = None,
+        x: Float[ArrayLike, "batch seq hidden"],
+        positions: Int[ArrayLike, "batch seq"] | None = None,
+        segment_ids: Int[ArrayLike, "batch seq"] | None = None,
         return_aux: bool = False,
     ) -> Float[Array, "batch seq hidden"] | tuple[Float[Array, "batch seq hidden"], dict]:
         """Attend over the sliding window plus this layer's compressed entries.
@@ -143,10 +165,12 @@ class V4Attention(eqx.Module):
                 "indexer_loss": scalar or None}``.
         """
         c = self.config
+        x = jnp.asarray(x)
         b, s, _ = x.shape
         seg = jnp.zeros((b, s), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
         if positions is None:
             positions = segment_positions(seg)
+        positions = jnp.asarray(positions, jnp.int32)
         query_index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
 
         qr = rms_norm(linear(x, self.q_a_proj), self.q_a_norm, c.rms_norm_eps)
@@ -170,20 +194,49 @@ class V4Attention(eqx.Module):
         if self.compressor is not None:
             layout = entry_layout(seg, c.compress_rate)
             entries = self.compressor(x, positions, layout)
+            visible = entry_visibility(query_index, seg, layout)
+            picked = jnp.where(visible, jnp.arange(entries.shape[1], dtype=jnp.int32), -1)
             if self.indexer is not None:
                 selection = self.indexer.select(x, qr, positions, query_index, seg, layout)
-                picked = selection
-            else:
-                slots = jnp.arange(entries.shape[1], dtype=jnp.int32)
-                picked = jnp.where(entry_visibility(query_index, seg, layout), slots, -1)
+                if c.indexer_loss != "dense":  # the dense warm-up attends to all visible entries
+                    picked = selection
             indices = jnp.concatenate([indices, jnp.where(picked >= 0, picked + s, -1)], axis=-1)
             keys = jnp.concatenate([kv, entries.astype(kv.dtype)], axis=1)
 
-        o = sparse_attention(q, keys, indices, self.sinks, c.head_dim**-0.5)
+        want_loss = return_aux and self.indexer is not None and c.indexer_loss != "off"
+        o = sparse_attention(
+            q,
+            keys,
+            indices,
+            self.sinks,
+            c.head_dim**-0.5,
+            return_lse=want_loss,
+            query_block=c.query_block,
+        )
+        if want_loss:
+            o, lse = o
         o = apply_rope_interleaved(o, -positions[..., None], self.inv_freq)
         o = o.reshape(b, s, c.o_groups, -1)
         w_a = self.o_a_proj.reshape(c.o_groups, c.o_lora_rank, -1).astype(o.dtype)
         y = linear(jnp.einsum("bsgi,goi->bsgo", o, w_a).reshape(b, s, -1), self.o_b_proj)
         if return_aux:
-            return y, {"selection": selection, "indexer_loss": None}
+            loss = None
+            if want_loss:
+                dense = c.indexer_loss == "dense"
+                candidates = visible if dense else selection_mask(selection, entries.shape[1])
+                loss = self._indexer_loss(x, qr, positions, layout, q, keys[:, s:], lse, candidates)
+            return y, {"selection": selection, "indexer_loss": loss}
         return y
+
+    def _indexer_loss(self, x, qr, positions, layout, q, entries, lse, candidates) -> Array:
+        """The indexer's KL distillation loss (SPEC §4). The indexer scores detached hidden
+        states and the target is detached, so its gradient reaches indexer parameters only."""
+        c, ix = self.config, self.indexer
+        x, qr = jax.lax.stop_gradient((x, qr))
+        keys = ix.compressor(x, positions, layout)
+        scores = indexer_scores(
+            ix.queries(qr, positions), ix.head_weights(x), keys, head_chunk=c.qk_head_chunk_size
+        )
+        return indexer_kl_loss(
+            q, entries, lse, scores, candidates, c.head_dim**-0.5, head_chunk=c.qk_head_chunk_size
+        )
