@@ -74,6 +74,12 @@ def _validate_memory_flags(cfg) -> None:
         f"must be 0 (off) or divide index_n_heads={cfg.index_n_heads}",
         c,
     )
+    _require(  # the KL target of the indexer loss is chunked over the attention heads
+        c == 0 or cfg.indexer_loss == "off" or cfg.num_heads % c == 0,
+        "qk_head_chunk_size",
+        f"must divide num_heads={cfg.num_heads} when indexer_loss is on",
+        c,
+    )
     _require(
         cfg.indexer_loss in ("off", "dense", "sparse"),
         "indexer_loss",
@@ -182,3 +188,64 @@ class V4AttentionConfig:
     @property
     def has_indexer(self) -> bool:
         return self.layer_type == "csa"
+
+
+@dataclasses.dataclass(frozen=True)
+class V32AttentionConfig:
+    """One DeepSeek-V3.2 DSA layer (SPEC §2): MLA plus a lightning indexer over raw tokens.
+
+    Field names follow the HF config. ``rope_scaling`` (YaRN) rescales the rotary frequencies,
+    multiplies the rotated channels by YaRN's attention factor (as HF's cos/sin do) and the
+    softmax scale by ``yarn_mscale(rope_scaling)**2``. The memory and sharding flags mean what
+    they mean in ``V4AttentionConfig``.
+    """
+
+    hidden_size: int = 7168
+    num_heads: int = 128
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 2048
+    rope_theta: float = 10000.0
+    rope_scaling: YaRNScaling | None = None
+    rms_norm_eps: float = 1e-6
+    qk_head_chunk_size: int = 0
+    indexer_key_block: int = 0
+    query_block: int = 0
+    indexer_save_selection: bool = False
+    indexer_sharded_topk: bool = False
+    shard_indexer_acts: bool = False
+    indexer_loss: IndexerLossStage = "off"
+    data_axis: str = "data"
+    tensor_axis: str = "tensor"
+
+    def __post_init__(self):
+        _positive(
+            self,
+            "hidden_size",
+            "num_heads",
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "index_n_heads",
+            "index_head_dim",
+            "index_topk",
+        )
+        _require(
+            self.qk_rope_head_dim % 2 == 0 and self.qk_rope_head_dim <= self.index_head_dim,
+            "qk_rope_head_dim",
+            f"must be even and at most index_head_dim={self.index_head_dim}",
+            self.qk_rope_head_dim,
+        )
+        for f in ("rope_theta", "rms_norm_eps"):
+            _require(getattr(self, f) > 0, f, "must be > 0", getattr(self, f))
+        _validate_memory_flags(self)
+
+
+__all__ += ["V32AttentionConfig"]

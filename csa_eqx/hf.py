@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from .config import V4AttentionConfig, YaRNScaling
+from .config import V4AttentionConfig, V32AttentionConfig, YaRNScaling
 from .v4 import V4Attention
+from .v32 import V32Attention
 
 __all__ = [
     "v4_config_from_hf",
@@ -325,8 +326,6 @@ def load_v4_attention_from_safetensors(
 
 # --- DeepSeek-V3.2 (DSA) -------------------------------------------------------------------
 
-from .config import V32AttentionConfig  # noqa: E402
-from .v32 import V32Attention  # noqa: E402
 
 __all__ += ["v32_config_from_hf", "v32_parameter_names", "load_v32_attention"]
 

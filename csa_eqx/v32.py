@@ -1,0 +1,257 @@
+"""DeepSeek-V3.2 DSA layer: MLA whose queries attend only to the tokens a lightning indexer
+selects (SPEC §2).
+
+The MLA runs in its absorbed form: every head's query is mapped into the kv latent
+(``q_nope · W_kb_h``) so all heads share one key ``[c_kv ; k_rope]`` and one value ``c_kv``
+per token; the sparse attention gathers each query's selected latents and ``W_vb_h`` maps the
+result back to per-head values. This equals expanding keys and values per head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from beartype import beartype
+from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped
+
+from .compressor import entry_layout, segment_positions
+from .config import V32AttentionConfig, YaRNScaling
+from .ops import init_linear, linear, rms_norm, upcast
+from .remat import tag_selection
+from .rope import apply_rope_half_split, apply_rope_interleaved, rope_inv_freq, yarn_mscale
+from .selection import select_entries
+from .sharding import constrain_heads, sharded_select_entries, tensor_axis_auto
+from .sparse import sparse_attention
+
+__all__ = ["V32Attention", "V32Indexer"]
+
+# The indexer's key LayerNorm uses a fixed epsilon in DeepSeek's reference and in HF.
+_INDEXER_NORM_EPS = 1e-6
+
+
+def _yarn_attention_factor(scaling: YaRNScaling | None) -> float:
+    """YaRN's magnitude factor on the rotated channels (HF folds it into cos/sin); 1 if off."""
+    if scaling is None or scaling.factor <= 1:
+        return 1.0
+
+    def mscale(m: float) -> float:
+        return 0.1 * m * math.log(scaling.factor) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return mscale(scaling.mscale) / mscale(scaling.mscale_all_dim)
+    return mscale(1.0)
+
+
+def _layer_norm(x: Array, weight: Array, bias: Array, eps: float) -> Array:
+    """LayerNorm over the last axis in (at least) float32 (biased variance), cast back."""
+    xf = upcast(x)
+    centred = xf - jnp.mean(xf, axis=-1, keepdims=True)
+    y = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + eps)
+    return (y * weight.astype(xf.dtype) + bias.astype(xf.dtype)).astype(x.dtype)
+
+
+def _rotary(config: V32AttentionConfig):
+    """Inverse frequencies and YaRN attention factor shared by the MLA and the indexer."""
+    c = config
+    inv_freq = rope_inv_freq(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling)
+    return inv_freq, _yarn_attention_factor(c.rope_scaling)
+
+
+class V32Indexer(eqx.Module):
+    """V3.2 lightning indexer: scores every earlier token of the segment, keeps the top-k."""
+
+    wq_b: Float[Array, "heads_x_dim q_lora"]
+    wk: Float[Array, "dim hidden"]
+    k_norm: Float[Array, " dim"]
+    k_norm_bias: Float[Array, " dim"]
+    weights_proj: Float[Array, "heads hidden"]
+    config: V32AttentionConfig = eqx.field(static=True)
+
+    def __init__(self, config: V32AttentionConfig, *, key: Array, dtype=jnp.float32):
+        c = config
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.wq_b = init_linear(k1, c.index_n_heads * c.index_head_dim, c.q_lora_rank, dtype)
+        self.wk = init_linear(k2, c.index_head_dim, c.hidden_size, dtype)
+        self.k_norm = jnp.ones((c.index_head_dim,), jnp.float32)
+        self.k_norm_bias = jnp.zeros((c.index_head_dim,), jnp.float32)
+        self.weights_proj = init_linear(k3, c.index_n_heads, c.hidden_size, dtype)
+        self.config = config
+
+    def _rope(self, x: Array, positions: Array) -> Array:
+        """Half-split RoPE on the first ``qk_rope_head_dim`` channels (YaRN-scaled)."""
+        r = self.config.qk_rope_head_dim
+        inv_freq, factor = _rotary(self.config)
+        rot = apply_rope_half_split(x[..., :r], positions, inv_freq) * factor
+        return jnp.concatenate([rot.astype(x.dtype), x[..., r:]], axis=-1)
+
+    def queries(
+        self, qr: Float[Array, "batch seq q_lora"], positions: Int[Array, "batch seq"]
+    ) -> Float[Array, "batch seq heads dim"]:
+        """Roped per-head queries ``[B,S,H_I,d_I]`` from the query latent."""
+        c = self.config
+        b, s, _ = qr.shape
+        q = linear(qr, self.wq_b).reshape(b, s, c.index_n_heads, c.index_head_dim)
+        q = self._rope(q, positions[..., None])
+        return constrain_heads(q, c.tensor_axis) if c.shard_indexer_acts else q
+
+    def keys(
+        self, x: Float[Array, "batch seq hidden"], positions: Int[Array, "batch seq"]
+    ) -> Float[Array, "batch seq dim"]:
+        """The one shared key per token: ``RoPE(LayerNorm(x W_k))`` ``[B,S,d_I]``."""
+        k = _layer_norm(linear(x, self.wk), self.k_norm, self.k_norm_bias, _INDEXER_NORM_EPS)
+        return self._rope(k, positions)
+
+    def head_weights(self, x: Float[Array, "batch seq hidden"]) -> Float[Array, "batch seq heads"]:
+        """Per-head weights ``[B,S,H_I]`` including the ``H_I^-1/2`` factor (float32)."""
+        c = self.config
+        w = linear(x, self.weights_proj).astype(jnp.float32) * c.index_n_heads**-0.5
+        return constrain_heads(w, c.tensor_axis) if c.shard_indexer_acts else w
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq hidden"],
+        qr: Float[Array, "batch seq q_lora"],
+        positions: Int[Array, "batch seq"],
+        segment_ids: Int[Array, "batch seq"],
+    ) -> Int[Array, "batch seq k"]:
+        """Top-k token indices ``[B,S,index_topk]`` per query (``-1`` = none), causal and
+        same-segment, tagged for remat.
+
+        ``indexer_sharded_topk`` / ``shard_indexer_acts`` use the mesh set with
+        ``jax.set_mesh`` (see ``csa_eqx.sharding``).
+        """
+        c = self.config
+        b, s, _ = x.shape
+        query_index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+
+        def stage(x, qr, positions, query_index, segment_ids):
+            args = (
+                self.queries(qr, positions),
+                self.head_weights(x),
+                self.keys(x, positions),
+                query_index,
+                segment_ids,
+                entry_layout(segment_ids, 1),
+                c.index_topk,
+            )
+            if c.indexer_sharded_topk:
+                return sharded_select_entries(
+                    *args,
+                    head_chunk=c.qk_head_chunk_size,
+                    tensor_axis=c.tensor_axis,
+                    data_axis=c.data_axis,
+                )
+            return select_entries(
+                *args,
+                head_chunk=c.qk_head_chunk_size,
+                key_block=c.indexer_key_block,
+                query_block=c.query_block,
+            )
+
+        if c.shard_indexer_acts:
+            stage = tensor_axis_auto(stage, c.tensor_axis, query_index)
+        selection = stage(x, qr, positions, query_index, segment_ids)
+        return tag_selection(selection, c.indexer_save_selection)
+
+
+class V32Attention(eqx.Module):
+    """One DeepSeek-V3.2 attention layer (MLA + DSA).
+
+    Parameters use the HF module's names and torch's ``[out, in]`` layout (``k_norm_bias`` holds
+    ``indexer.k_norm.bias``), so ``csa_eqx.hf.load_v32_attention`` is a plain copy.
+    """
+
+    q_a_proj: Float[Array, "q_lora hidden"]
+    q_a_layernorm: Float[Array, " q_lora"]
+    q_b_proj: Float[Array, "heads_x_qk q_lora"]
+    kv_a_proj_with_mqa: Float[Array, "kv_lora_plus_rope hidden"]
+    kv_a_layernorm: Float[Array, " kv_lora"]
+    kv_b_proj: Float[Array, "heads_x_kv kv_lora"]
+    o_proj: Float[Array, "hidden heads_x_v"]
+    indexer: V32Indexer
+    config: V32AttentionConfig = eqx.field(static=True)
+
+    def __init__(self, config: V32AttentionConfig, *, key: Array, dtype=jnp.float32):
+        c = config
+        ks = jax.random.split(key, 6)
+        qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+        self.q_a_proj = init_linear(ks[0], c.q_lora_rank, c.hidden_size, dtype)
+        self.q_a_layernorm = jnp.ones((c.q_lora_rank,), jnp.float32)
+        self.q_b_proj = init_linear(ks[1], c.num_heads * qk, c.q_lora_rank, dtype)
+        self.kv_a_proj_with_mqa = init_linear(
+            ks[2], c.kv_lora_rank + c.qk_rope_head_dim, c.hidden_size, dtype
+        )
+        self.kv_a_layernorm = jnp.ones((c.kv_lora_rank,), jnp.float32)
+        self.kv_b_proj = init_linear(
+            ks[3], c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank, dtype
+        )
+        self.o_proj = init_linear(ks[4], c.hidden_size, c.num_heads * c.v_head_dim, dtype)
+        self.indexer = V32Indexer(c, key=ks[5], dtype=dtype)
+        self.config = config
+
+    @property
+    def softmax_scale(self) -> float:
+        """``(d_nope + d_rope)^-1/2``, times YaRN's ``mscale²`` when the config uses YaRN."""
+        c = self.config
+        return (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5 * yarn_mscale(c.rope_scaling) ** 2
+
+    @jaxtyped(typechecker=beartype)
+    def __call__(
+        self,
+        x: Float[ArrayLike, "batch seq hidden"],
+        positions: Int[ArrayLike, "batch seq"] | None = None,
+        segment_ids: Int[ArrayLike, "batch seq"] | None = None,
+        return_aux: bool = False,
+    ) -> Float[Array, "batch seq hidden"] | tuple[Float[Array, "batch seq hidden"], dict]:
+        """Sparse MLA over the tokens the indexer selects.
+
+        Arguments:
+            x: hidden states ``[B, S, hidden]``.
+            positions: RoPE positions ``[B, S]``; default: the index inside each segment.
+            segment_ids: packed-document ids ``[B, S]`` (contiguous runs); tokens only see
+                earlier tokens of their own segment.
+            return_aux: also return ``{"selection": int32 [B,S,index_topk] (-1 = none),
+                "indexer_loss": None}``.
+        """
+        c = self.config
+        x = jnp.asarray(x)
+        b, s, _ = x.shape
+        seg = jnp.zeros((b, s), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids)
+        seg = seg.astype(jnp.int32)
+        positions = segment_positions(seg) if positions is None else jnp.asarray(positions)
+        positions = positions.astype(jnp.int32)
+        inv_freq, rope_factor = _rotary(c)
+
+        qr = rms_norm(linear(x, self.q_a_proj), self.q_a_layernorm, c.rms_norm_eps)
+        q = linear(qr, self.q_b_proj).reshape(b, s, c.num_heads, -1)
+        q_nope, q_rope = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
+        q_rope = apply_rope_interleaved(q_rope, positions[..., None], inv_freq) * rope_factor
+
+        latent = linear(x, self.kv_a_proj_with_mqa)
+        c_kv = rms_norm(latent[..., : c.kv_lora_rank], self.kv_a_layernorm, c.rms_norm_eps)
+        k_rope = apply_rope_interleaved(latent[..., c.kv_lora_rank :], positions, inv_freq)
+        keys = jnp.concatenate([c_kv, (k_rope * rope_factor).astype(c_kv.dtype)], axis=-1)
+
+        w_kv = self.kv_b_proj.reshape(c.num_heads, -1, c.kv_lora_rank).astype(q.dtype)
+        w_k, w_v = w_kv[:, : c.qk_nope_head_dim], w_kv[:, c.qk_nope_head_dim :]
+        q_latent = jnp.einsum("bshn,hnc->bshc", q_nope, w_k)
+        queries = jnp.concatenate([q_latent, q_rope.astype(q.dtype)], axis=-1)
+
+        selection = self.indexer(x, qr, positions, seg)
+        o = sparse_attention(
+            queries,
+            keys,
+            selection,
+            None,
+            self.softmax_scale,
+            values=c_kv,
+            query_block=c.query_block,
+        )
+        o = jnp.einsum("bshc,hvc->bshv", o, w_v).reshape(b, s, -1)
+        y = linear(o, self.o_proj)
+        if return_aux:
+            return y, {"selection": selection, "indexer_loss": None}
+        return y

@@ -1,0 +1,199 @@
+"""V3.2 DSA attention vs transformers' DeepseekV32Attention (float32, random weights)."""
+
+import jax
+import jax.numpy as jnp
+import jaxtyping
+import numpy as np
+import pytest
+import torch
+from hf_reference_v32 import random_v32_layer, run_v32_layer, state_dict_numpy, tiny_v32_config
+
+from csa_eqx import SELECTION_NAME, V32Attention, V32AttentionConfig, indexer_scores
+from csa_eqx.hf import load_v32_attention
+
+CASES = [
+    # batch, seq, topk, yarn
+    (2, 13, 5, False),  # S above index_topk
+    (2, 4, 6, False),  # S below index_topk: every earlier token is picked
+    (3, 7, 7, False),  # S == index_topk
+    (1, 30, 6, True),  # YaRN (attention factor != 1, mscale_all_dim set)
+]
+
+
+def _forward(layer, x, **kw):
+    return jax.jit(lambda m, x: m(x, return_aux=True, **kw))(layer, x)
+
+
+def untied_rows(scores: np.ndarray, k: int) -> np.ndarray:
+    """[B,S] mask of rows whose k-th and (k+1)-th best causal scores differ."""
+    b, s, _ = scores.shape
+    visible = np.tril(np.ones((s, s), bool))
+    srt = -np.sort(-np.where(visible[None], scores, -np.inf), axis=-1)
+    has_next = np.arange(1, s + 1) > k
+    kth, nxt = srt[..., k - 1], srt[..., min(k, s - 1)]
+    return ~(has_next[None] & (kth == nxt))
+
+
+def _setup(b, s, topk, yarn, seed=None):
+    seed = s if seed is None else seed
+    cfg = tiny_v32_config(topk=topk, yarn=yarn)
+    hf_layer = random_v32_layer(cfg, seed=seed)
+    x = np.random.default_rng(seed).normal(size=(b, s, cfg.hidden_size)).astype(np.float32)
+    return cfg, hf_layer, x
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}-s{c[1]}-k{c[2]}-yarn{c[3]}")
+def test_matches_hf(case):
+    b, s, topk, yarn = case
+    cfg, hf_layer, x = _setup(b, s, topk, yarn)
+    want, want_topk, scores = run_v32_layer(hf_layer, cfg, x)
+    layer = load_v32_attention(state_dict_numpy(hf_layer), cfg, 0)
+    got, aux = _forward(layer, x)
+    got, sel = np.asarray(got), np.asarray(aux["selection"])
+    assert aux["indexer_loss"] is None
+    assert sel.shape == (b, s, topk) and sel.dtype == np.int32
+
+    rows = untied_rows(scores, min(topk, s))
+    assert rows.mean() > 0.5, "too few untied rows to be a meaningful test"
+    for bi, si in zip(*np.nonzero(rows), strict=True):
+        mine = sel[bi, si]
+        assert (mine[: min(topk, si + 1)] >= 0).all() and (mine[min(topk, si + 1) :] == -1).all()
+        theirs = want_topk[bi, si]
+        assert set(mine[mine >= 0]) == set(theirs[theirs <= si])
+
+    assert np.isfinite(got).all()
+    err = np.abs(got[rows] - want[rows]).max() / np.abs(want[rows]).max()
+    assert err <= 1e-4, err
+
+
+def test_indexer_scores_match_hf():
+    """The indexer's float32 scores equal HF's on every causal entry (no tie caveat)."""
+    cfg, hf_layer, x = _setup(2, 11, 4, True)
+    _, _, want = run_v32_layer(hf_layer, cfg, x)
+    idx = load_v32_attention(state_dict_numpy(hf_layer), cfg, 0).indexer
+    pos = jnp.broadcast_to(jnp.arange(11), (2, 11))
+    qr = jnp.asarray(hf_layer.q_a_layernorm(hf_layer.q_a_proj(torch.tensor(x))).detach().numpy())
+    x = jnp.asarray(x)
+    got = np.asarray(indexer_scores(idx.queries(qr, pos), idx.head_weights(x), idx.keys(x, pos)))
+    causal = np.tril(np.ones((11, 11), bool))[None].repeat(2, 0)
+    err = np.abs(got[causal] - want[causal]).max() / np.abs(want[causal]).max()
+    assert err <= 1e-5, err
+
+
+def _random_layer(topk=6, seed=0, **options):
+    cfg, hf_layer, _ = _setup(1, 1, topk, False, seed=seed)
+    return load_v32_attention(state_dict_numpy(hf_layer), cfg, 0, **options)
+
+
+def test_head_chunking_is_exact():
+    x = np.random.default_rng(1).normal(size=(2, 12, 48)).astype(np.float32)
+    ref_y, ref = _forward(_random_layer(), x)
+    for chunk in (1, 2, 4):
+        y, aux = _forward(_random_layer(qk_head_chunk_size=chunk), x)
+        np.testing.assert_array_equal(np.asarray(aux["selection"]), np.asarray(ref["selection"]))
+        np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), rtol=1e-5, atol=1e-6)
+
+
+def test_streaming_and_sharded_selection_are_exact():
+    """Streaming top-k (key/query blocks), row-sharded top-k and head-sharded indexer
+    activations give the plain layer's selection and output."""
+    x = np.random.default_rng(4).normal(size=(2, 14, 48)).astype(np.float32)
+    seg = np.repeat([[0, 1]], [6, 8], axis=1).repeat(2, 0).astype(np.int32)
+    run = jax.jit(lambda m, x, s: m(x, segment_ids=s, return_aux=True))
+    ref_y, ref = run(_random_layer(), x, seg)
+    variants = [dict(indexer_key_block=3, query_block=5, qk_head_chunk_size=2)]
+    variants += [dict(indexer_sharded_topk=True), dict(shard_indexer_acts=True)]
+    with jax.set_mesh(jax.make_mesh((2, 4), ("data", "tensor"))):
+        for options in variants:
+            layer = _random_layer(**options)
+            if options.get("indexer_sharded_topk"):
+                assert "shard_map" in str(
+                    jax.make_jaxpr(lambda m, x, s: m(x, segment_ids=s))(layer, x, seg)
+                )
+            y, aux = run(layer, x, seg)
+            sel = np.asarray(aux["selection"])
+            np.testing.assert_array_equal(sel, np.asarray(ref["selection"]), err_msg=str(options))
+            np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), rtol=1e-5, atol=1e-6)
+
+
+def test_packed_equals_documents_alone():
+    layer = _random_layer(topk=5)
+    lengths = (11, 14)
+    x = np.random.default_rng(2).normal(size=(1, sum(lengths), 48)).astype(np.float32)
+    seg = np.repeat(np.arange(len(lengths)), lengths)[None].astype(np.int32)
+    y, aux = jax.jit(lambda m, x, s: m(x, segment_ids=s, return_aux=True))(layer, x, seg)
+    y, sel = np.asarray(y), np.asarray(aux["selection"])
+    start = 0
+    for n in lengths:
+        y_doc, aux_doc = _forward(layer, x[:, start : start + n])
+        sel_doc = np.asarray(aux_doc["selection"])
+        want_sel = np.where(sel_doc >= 0, sel_doc + start, -1)
+        np.testing.assert_array_equal(sel[:, start : start + n], want_sel)
+        np.testing.assert_allclose(y[:, start : start + n], np.asarray(y_doc), rtol=1e-5, atol=1e-6)
+        start += n
+
+
+def test_singleton_segments_attend_to_themselves_only():
+    """Every token alone in its segment: one pick (itself), finite output, no NaN."""
+    layer = _random_layer(topk=3)
+    x = np.random.default_rng(3).normal(size=(2, 6, 48)).astype(np.float32)
+    seg = np.broadcast_to(np.arange(6, dtype=np.int32), (2, 6))
+    y, aux = jax.jit(lambda m, x, s: m(x, segment_ids=s, return_aux=True))(layer, x, seg)
+    sel = np.asarray(aux["selection"])
+    np.testing.assert_array_equal(sel[..., 0], np.broadcast_to(np.arange(6), (2, 6)))
+    assert (sel[..., 1:] == -1).all()
+    assert np.isfinite(np.asarray(y)).all()
+    # a lone token at position 0 gives the same output wherever it sits
+    alone = np.asarray(_forward(layer, x[:, :1])[0])
+    np.testing.assert_allclose(np.asarray(y)[:, :1], alone, rtol=1e-5, atol=1e-6)
+
+
+def test_selection_is_tagged_for_remat():
+    layer = _random_layer(indexer_save_selection=True)
+    x = jnp.zeros((1, 5, 48))
+    assert SELECTION_NAME in str(jax.make_jaxpr(lambda m, x: m(x))(layer, x))
+    assert SELECTION_NAME not in str(jax.make_jaxpr(lambda m, x: m(x))(_random_layer(), x))
+
+
+def test_bad_config_names_the_field():
+    with pytest.raises(ValueError, match="qk_head_chunk_size"):
+        V32AttentionConfig(index_n_heads=4, qk_head_chunk_size=3)
+    with pytest.raises(ValueError, match="index_topk"):
+        V32AttentionConfig(index_topk=0)
+    with pytest.raises(ValueError, match="qk_rope_head_dim"):
+        V32AttentionConfig(qk_rope_head_dim=7)
+    with pytest.raises(ValueError, match="qk_head_chunk_size"):
+        _random_layer(qk_head_chunk_size=3)
+
+
+def test_bad_state_dict_names_the_tensor():
+    cfg, hf_layer, _ = _setup(1, 1, 4, False)
+    sd = state_dict_numpy(hf_layer)
+    missing = {k: v for k, v in sd.items() if k != "indexer.k_norm.bias"}
+    with pytest.raises(ValueError, match=r"indexer\.k_norm\.bias"):
+        load_v32_attention(missing, cfg, 0)
+    wrong = dict(sd, **{"kv_b_proj.weight": sd["kv_b_proj.weight"][:-1]})
+    with pytest.raises(ValueError, match=r"kv_b_proj\.weight"):
+        load_v32_attention(wrong, cfg, 0)
+
+
+def test_wrong_input_shape_is_a_jaxtyping_error():
+    layer = V32Attention(V32AttentionConfig(**_SMALL), key=jax.random.key(0))
+    with pytest.raises(jaxtyping.TypeCheckError):
+        layer(jnp.zeros((5, 32)))
+    with pytest.raises(jaxtyping.TypeCheckError):
+        layer(jnp.zeros((1, 5, 32)), positions=jnp.zeros((1, 4), jnp.int32))
+
+
+_SMALL = dict(
+    hidden_size=32,
+    num_heads=2,
+    q_lora_rank=8,
+    kv_lora_rank=8,
+    qk_nope_head_dim=4,
+    qk_rope_head_dim=4,
+    v_head_dim=4,
+    index_n_heads=2,
+    index_head_dim=8,
+    index_topk=2,
+)
