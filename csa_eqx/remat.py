@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
+from jax.extend.core import Primitive
 
 __all__ = ["SELECTION_NAME", "tag_selection", "compose_selection_policy"]
 
@@ -17,17 +19,30 @@ def tag_selection(selection: jax.Array, enabled: bool) -> jax.Array:
     return checkpoint_name(selection, SELECTION_NAME) if enabled else selection
 
 
+@dataclasses.dataclass(frozen=True)
+class _SaveSelection:
+    """Save ``SELECTION_NAME`` (or offload it, if ``policy`` says so); defer otherwise.
+
+    A frozen dataclass rather than a closure so that equal compositions compare equal (remat
+    caches key on the policy).
+    """
+
+    policy: Callable | None
+
+    def __call__(self, prim: Primitive, *args, **params):
+        decision = False if self.policy is None else self.policy(prim, *args, **params)
+        if prim.name == "name" and params.get("name") == SELECTION_NAME:
+            offloaded = isinstance(decision, jax.ad_checkpoint.Offloadable)
+            return decision if offloaded else True
+        return decision
+
+
 def compose_selection_policy(policy: Callable | None = None) -> Callable:
     """A remat policy that saves the indexer selection and otherwise defers to ``policy``.
 
-    ``policy=None`` means full rematerialisation (nothing else saved). Offload decisions of the
-    wrapped policy (``save_and_offload_only_these_names``) are returned unchanged.
+    ``policy=None`` means full rematerialisation (nothing else saved). Every decision of the
+    wrapped policy (save, recompute, ``Offloadable`` from ``save_and_offload_only_these_names``)
+    is returned unchanged for other values; the selection itself is saved, or offloaded where
+    the wrapped policy offloads that name.
     """
-    save_selection = jax.checkpoint_policies.save_only_these_names(SELECTION_NAME)
-
-    def composed(prim, *args, **params):
-        if save_selection(prim, *args, **params):
-            return True
-        return False if policy is None else policy(prim, *args, **params)
-
-    return composed
+    return _SaveSelection(policy)

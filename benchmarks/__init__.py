@@ -1,0 +1,1 @@
+"""Benchmark scripts; run each as ``python -m benchmarks.<name>`` from the repository root."""

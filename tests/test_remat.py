@@ -1,0 +1,234 @@
+"""indexer_save_selection: the saved selection removes the top-k recompute from the backward."""
+
+import contextlib
+import io
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.ad_checkpoint import name_p
+from jax._src.lax.lax import dot_general_p
+
+import csa_eqx
+from csa_eqx.remat import SELECTION_NAME, compose_selection_policy
+
+B, S, K = 2, 24, 3
+
+
+def config(**flags):
+    return csa_eqx.V4AttentionConfig(
+        hidden_size=48,
+        num_heads=4,
+        head_dim=32,
+        rope_dim=8,
+        q_lora_rank=24,
+        o_groups=2,
+        o_lora_rank=16,
+        sliding_window=6,
+        compress_rate=4,
+        index_n_heads=8,
+        index_head_dim=16,
+        index_topk=K,
+        **flags,
+    )
+
+
+def count_prim(jaxpr, name: str) -> int:
+    """Occurrences of primitive ``name`` in ``jaxpr`` and every nested jaxpr (scan, checkpoint,
+    shard_map, pjit, custom_jvp ...)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == name
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
+                    n += count_prim(sub, name)
+    return n
+
+
+def inputs():
+    x = jax.random.normal(jax.random.key(1), (B, S, 48))
+    seg = jnp.asarray(np.repeat([[0] * 10 + [1] * 14], B, 0), jnp.int32)
+    return x, seg
+
+
+def checkpointed_loss(wrap):
+    def loss(layer, x, seg):
+        return jnp.sum(wrap(lambda m, x, s: m(x, segment_ids=s))(layer, x, seg) ** 2)
+
+    return loss
+
+
+JAX_CKPT = lambda f: jax.checkpoint(f, policy=compose_selection_policy(None))  # noqa: E731
+EQX_CKPT = lambda f: eqx.filter_checkpoint(f, policy=compose_selection_policy(None))  # noqa: E731
+
+
+@pytest.mark.parametrize("wrap", [JAX_CKPT, EQX_CKPT], ids=["jax.checkpoint", "eqx"])
+def test_saved_selection_is_not_recomputed(wrap):
+    x, seg = inputs()
+    loss = checkpointed_loss(wrap)
+    grads, counts = {}, {}
+    for save in (False, True):
+        layer = csa_eqx.V4Attention(config(indexer_save_selection=save), key=jax.random.key(0))
+        forward = count_prim(jax.make_jaxpr(loss)(layer, x, seg), "top_k")
+        counts[save] = count_prim(jax.make_jaxpr(jax.grad(loss))(layer, x, seg), "top_k")
+        if wrap is JAX_CKPT:  # one compile pair is enough for the bitwise check
+            grads[save] = jax.jit(jax.grad(loss))(layer, x, seg)
+    assert forward == 1
+    assert counts[False] == 2 * forward  # full remat recomputes the indexer chain
+    assert counts[True] == forward
+    if grads:
+        for a, b in zip(jax.tree.leaves(grads[False]), jax.tree.leaves(grads[True]), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_saved_residuals_show_the_selection():
+    x, seg = inputs()
+    loss = checkpointed_loss(JAX_CKPT)
+    for save in (False, True):
+        layer = csa_eqx.V4Attention(config(indexer_save_selection=save), key=jax.random.key(0))
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            jax.ad_checkpoint.print_saved_residuals(loss, layer, x, seg)
+        saved = [ln.split(" from ")[0] for ln in buf.getvalue().splitlines() if " named " in ln]
+        assert saved == ([f"i32[{B},{S},{K}] named '{SELECTION_NAME}'"] if save else [])
+
+
+def test_scanned_layers():
+    """A ``lax.scan`` over stacked, checkpointed layers: one top-k in the scan body, none
+    recomputed in the backward scan when the selection is saved."""
+    x, seg = inputs()
+    keys = jax.random.split(jax.random.key(0), 2)
+    counts = {}
+    for save in (False, True):
+        make = lambda k, save=save: csa_eqx.V4Attention(  # noqa: E731
+            config(indexer_save_selection=save), key=k
+        )
+        params, static = eqx.partition(eqx.filter_vmap(make)(keys), eqx.is_array)
+
+        def body(h, p, static=static):
+            return eqx.combine(p, static)(h, segment_ids=seg), None
+
+        def loss(params, x, body=body):
+            ckpt = jax.checkpoint(body, policy=compose_selection_policy(None))
+            return jnp.sum(jax.lax.scan(ckpt, x, params)[0] ** 2)
+
+        assert count_prim(jax.make_jaxpr(loss)(params, x), "top_k") == 1
+        counts[save] = count_prim(jax.make_jaxpr(jax.grad(loss))(params, x), "top_k")
+    assert counts == {False: 2, True: 1}
+
+
+def test_sharded_topk_saved_under_remat():
+    """The saved selection also covers the shard_map'ed top-k (counted inside shard_map)."""
+    x, seg = inputs()
+    loss = checkpointed_loss(JAX_CKPT)
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"))
+    counts = {}
+    with jax.set_mesh(mesh):
+        for save in (False, True):
+            cfg = config(indexer_save_selection=save, indexer_sharded_topk=True)
+            layer = csa_eqx.V4Attention(cfg, key=jax.random.key(0))
+            counts[save] = count_prim(jax.make_jaxpr(jax.grad(loss))(layer, x, seg), "top_k")
+            assert count_prim(jax.make_jaxpr(loss)(layer, x, seg), "shard_map") == 1
+    assert counts == {False: 2, True: 1}
+
+
+class FakeVar:
+    """Stands in for a traced operand: policies only look at primitives and params."""
+
+    shape = (2, 3)
+
+
+def test_composition_keeps_other_decisions():
+    offload = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=["kept"],
+        names_which_can_be_offloaded=["moved"],
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+    base_policies = [
+        jax.checkpoint_policies.save_only_these_names("other"),
+        offload,
+        jax.checkpoint_policies.dots_saveable,
+        jax.checkpoint_policies.nothing_saveable,
+    ]
+    probes = [(name_p, {"name": n}) for n in ("other", "kept", "moved", "unnamed")]
+    probes.append((dot_general_p, {"dimension_numbers": (((1,), (0,)), ((), ()))}))
+    for base in base_policies:
+        composed = compose_selection_policy(base)
+        for prim, params in probes:
+            assert composed(prim, FakeVar(), **params) == base(prim, FakeVar(), **params), (
+                base,
+                prim,
+                params,
+            )
+        assert composed(name_p, FakeVar(), name=SELECTION_NAME) is True
+    none = compose_selection_policy(None)
+    assert none(name_p, FakeVar(), name=SELECTION_NAME) is True
+    assert none(name_p, FakeVar(), name="other") is False
+    assert none(dot_general_p, FakeVar(), dimension_numbers=(((1,), (0,)), ((), ()))) is False
+    # a wrapped policy that offloads the selection keeps offloading it
+    offload_sel = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=[SELECTION_NAME],
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+    decision = compose_selection_policy(offload_sel)(name_p, FakeVar(), name=SELECTION_NAME)
+    assert decision == jax.ad_checkpoint.Offloadable(src="device", dst="pinned_host")
+    assert compose_selection_policy(None) == compose_selection_policy(None)
+
+
+def test_composition_in_saved_residuals():
+    """End to end: with save_only_these_names("other") composed, both the selection and the
+    value named "other" are saved, nothing else from inside the checkpoint."""
+    x, seg = inputs()
+    layer = csa_eqx.V4Attention(config(indexer_save_selection=True), key=jax.random.key(0))
+    policy = compose_selection_policy(jax.checkpoint_policies.save_only_these_names("other"))
+
+    def loss(layer, x):
+        def f(m, x):
+            h = jax.ad_checkpoint.checkpoint_name(jnp.sin(x), "other")
+            return m(h, segment_ids=seg) * jnp.cos(x)
+
+        return jnp.sum(jax.checkpoint(f, policy=policy)(layer, x))
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        jax.ad_checkpoint.print_saved_residuals(loss, layer, x)
+    lines = [ln for ln in buf.getvalue().splitlines() if " named " in ln or " output of " in ln]
+    assert sorted(ln.split(" from ")[0] for ln in lines) == sorted(
+        [f"f32[{B},{S},48] named 'other'", f"i32[{B},{S},{K}] named '{SELECTION_NAME}'"]
+    )
+
+
+def test_v32_saved_selection_is_not_recomputed():
+    from csa_eqx.config import V32AttentionConfig
+    from csa_eqx.v32 import V32Attention
+
+    small = dict(
+        hidden_size=32,
+        num_heads=2,
+        q_lora_rank=8,
+        kv_lora_rank=8,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=4,
+        v_head_dim=4,
+        index_n_heads=2,
+        index_head_dim=8,
+        index_topk=3,
+    )
+    x = jax.random.normal(jax.random.key(1), (B, 12, 32))
+    seg = jnp.asarray(np.repeat([[0] * 5 + [1] * 7], B, 0), jnp.int32)
+    loss = checkpointed_loss(JAX_CKPT)
+    counts = {}
+    for save in (False, True):
+        layer = V32Attention(
+            V32AttentionConfig(**small, indexer_save_selection=save), key=jax.random.key(0)
+        )
+        assert count_prim(jax.make_jaxpr(loss)(layer, x, seg), "top_k") == 1
+        counts[save] = count_prim(jax.make_jaxpr(jax.grad(loss))(layer, x, seg), "top_k")
+    assert counts == {False: 2, True: 1}

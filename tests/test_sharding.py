@@ -1,0 +1,227 @@
+"""Row-sharded top-k (indexer_sharded_topk) and head-sharded indexer activations
+(shard_indexer_acts) on 8 CPU devices, plus the same selection across 2 processes."""
+
+import os
+import socket
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+from multiprocess_worker import MESHES, K, make_inputs
+from test_remat import config, count_prim
+
+import csa_eqx
+from csa_eqx.compressor import EntryLayout, entry_layout
+from csa_eqx.selection import select_entries
+from csa_eqx.sharding import sharded_select_entries
+
+MESH_SHAPES = [((8,), ("tensor",)), ((2, 4), ("data", "tensor"))]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def random_inputs(b, s, packed, ties, seed=0, h=4, d=8):
+    r = np.random.default_rng(seed)
+    seg = np.zeros((b, s), np.int32)
+    if packed:
+        seg[:, s // 3 :] = 1
+        seg[:, 2 * s // 3 :] = 2
+    layout = entry_layout(jnp.asarray(seg), 4)
+    t = layout.end.shape[1]
+
+    def draw(*shape):  # small integers: exact scores with many ties
+        return r.integers(-1, 2, shape) if ties else r.normal(size=shape)
+
+    q = jnp.asarray(draw(b, s, h, d), jnp.float32)
+    w = jnp.asarray(r.normal(size=(b, s, h)), jnp.float32)
+    keys = jnp.asarray(draw(b, t, d), jnp.float32)
+    qi = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    return q, w, keys, qi, jnp.asarray(seg), layout
+
+
+def walk_eqns(jaxpr):
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
+                    yield from walk_eqns(sub)
+
+
+@pytest.mark.parametrize("mesh_shape", MESH_SHAPES, ids=["tensor8", "data2_tensor4"])
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+@pytest.mark.parametrize("s", [32, 13], ids=["rows_divide", "rows_padded"])
+def test_sharded_selection_bitwise(mesh_shape, packed, s):
+    mesh = jax.make_mesh(*mesh_shape)
+    select = jax.jit(lambda *a: select_entries(*a, K))
+    for ties, tiles in [(False, {}), (True, {}), (True, dict(head_chunk=2, key_block=2))]:
+        sharded = jax.jit(lambda *a, tiles=tiles: sharded_select_entries(*a, K, **tiles))
+        args = random_inputs(2, s, packed, ties)
+        want = np.asarray(select(*args))
+        with jax.set_mesh(mesh):
+            got = sharded(*args)
+        assert got.shape == (2, s, K)
+        np.testing.assert_array_equal(np.asarray(got), want)
+        assert (want == -1).any() and (want >= 0).any()
+
+
+def test_explicit_mesh_argument_and_auto_axes():
+    args = random_inputs(2, 24, True, True)
+    want = np.asarray(select_entries(*args, K))
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"))
+    got = jax.jit(lambda *a: sharded_select_entries(*a, K, mesh=mesh))(*args)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    auto = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    with jax.set_mesh(auto):
+        select = partial(sharded_select_entries, k=K, tensor_axis="tp", data_axis="dp")
+        got = jax.jit(select)(*args)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_shard_map_specs_and_decode():
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"))
+    with jax.set_mesh(mesh):
+        jaxpr = jax.make_jaxpr(lambda *a: sharded_select_entries(*a, K))(
+            *random_inputs(2, 16, False, False)
+        )
+        (smap,) = [e for e in walk_eqns(jaxpr) if e.primitive.name == "shard_map"]
+        assert smap.params["in_specs"][:3] == (
+            P("data", "tensor", None, None),
+            P("data", "tensor", None),
+            P("data", None, None),
+        )
+        assert smap.params["out_specs"] == (P("data", None, None),)
+        assert count_prim(smap.params["jaxpr"], "top_k") == 1
+        assert count_prim(smap.params["jaxpr"], "all_gather") == 1
+        # batch 1 does not divide the data axis: replicated batch, rows still sharded
+        jaxpr = jax.make_jaxpr(lambda *a: sharded_select_entries(*a, K))(
+            *random_inputs(1, 16, False, False)
+        )
+        (smap,) = [e for e in walk_eqns(jaxpr) if e.primitive.name == "shard_map"]
+        assert smap.params["in_specs"][0] == P(None, "tensor", None, None)
+        # one query row (decode): no shard_map at all
+        args = random_inputs(2, 9, False, False)
+        row = tuple(a[:, 8:9] for a in args[:2]) + (args[2],) + tuple(a[:, 8:9] for a in args[3:5])
+        row = row + (args[5],)
+        jaxpr = jax.make_jaxpr(lambda *a: sharded_select_entries(*a, K))(*row)
+        assert count_prim(jaxpr, "shard_map") == 0
+        got = jax.jit(lambda *a: sharded_select_entries(*a, K))(*row)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(select_entries(*args, K))[:, 8:9])
+
+
+def test_missing_tensor_axis_is_a_clear_error():
+    args = random_inputs(2, 8, False, False)
+    with pytest.raises(ValueError, match="'tensor'.*\\('data',\\)"):
+        sharded_select_entries(*args, K, mesh=jax.make_mesh((8,), ("data",)))
+    with pytest.raises(ValueError, match="indexer_sharded_topk needs a mesh axis named 'tensor'"):
+        sharded_select_entries(*args, K)  # no mesh set
+
+
+def layer_inputs():
+    x = jax.random.normal(jax.random.key(1), (2, 24, 48))
+    seg = jnp.asarray(np.repeat([[0] * 10 + [1] * 14], 2, 0), jnp.int32)
+    return x, seg
+
+
+RUN_LAYER = jax.jit(lambda m, x, s: m(x, segment_ids=s, return_aux=True))
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, packed, axis_type",
+    [
+        (MESH_SHAPES[0], False, AxisType.Explicit),
+        (MESH_SHAPES[1], True, AxisType.Explicit),
+        (MESH_SHAPES[1], True, AxisType.Auto),
+    ],
+    ids=["tensor8-unpacked-explicit", "data2_tensor4-packed-explicit", "data2_tensor4-packed-auto"],
+)
+def test_layer_flags_keep_outputs(mesh_shape, packed, axis_type):
+    """V4 CSA layer with indexer_sharded_topk + shard_indexer_acts: the same selection
+    (bitwise) and output as with both off. On the Auto mesh the batch of x is split over
+    "data" (the layer's own ops do not take batch-sharded inputs on Explicit meshes)."""
+    x, seg = layer_inputs()
+    seg = seg if packed else None
+    base = csa_eqx.V4Attention(config(), key=jax.random.key(0))
+    y0, aux0 = RUN_LAYER(base, x, seg)
+    flags = dict(indexer_sharded_topk=True, shard_indexer_acts=True)
+    layer = csa_eqx.V4Attention(config(**flags), key=jax.random.key(0))
+    mesh = jax.make_mesh(*mesh_shape, axis_types=(axis_type,) * len(mesh_shape[0]))
+    with jax.set_mesh(mesh):
+        if axis_type == AxisType.Auto:
+            x, seg = jax.device_put((x, seg), P("data"))
+        y, aux = RUN_LAYER(layer, x, seg)
+    np.testing.assert_array_equal(np.asarray(aux["selection"]), np.asarray(aux0["selection"]))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y0), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_shard_indexer_acts_constraints(axis_type):
+    x, seg = layer_inputs()
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(axis_type,) * 2)
+    specs, outs = {}, {}
+    for on in (False, True):
+        layer = csa_eqx.V4Attention(config(shard_indexer_acts=on), key=jax.random.key(0))
+        with jax.set_mesh(mesh):
+            jaxpr = jax.make_jaxpr(lambda m, x: m(x, segment_ids=seg))(layer, x)
+            outs[on] = np.asarray(jax.jit(lambda m, x: m(x, segment_ids=seg))(layer, x))
+        specs[on] = [
+            e.params["sharding"].spec
+            for e in walk_eqns(jaxpr)
+            if e.primitive.name == "sharding_constraint"
+        ]
+    assert specs[False] == []
+    assert sorted(map(str, specs[True])) == sorted(
+        map(str, [P(None, None, "tensor", None), P(None, None, "tensor")])
+    )
+    np.testing.assert_allclose(outs[True], outs[False], rtol=1e-6, atol=1e-6)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_processes_match_single_process(tmp_path):
+    """2 processes x 4 CPU devices (jax.distributed on loopback, gloo collectives) run the
+    sharded selection on global (8,) and (2, 4) meshes; process 0's result must equal the
+    unsharded single-process selection."""
+    out = tmp_path / "sel.npz"
+    port = free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONPATH": str(ROOT)}
+    worker = str(ROOT / "tests" / "multiprocess_worker.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, worker, str(i), str(port), str(out)],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=90)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+
+    q, w, keys, qi, seg, layout = make_inputs()
+    args = [jnp.asarray(a) for a in (q, w, keys, qi, seg)]
+    want = np.asarray(select_entries(*args, EntryLayout(*map(jnp.asarray, layout)), K))
+    got = np.load(out)
+    assert sorted(got.files) == sorted(MESHES)
+    for name in MESHES:
+        np.testing.assert_array_equal(got[name], want)
