@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -12,10 +13,9 @@ def _simulated_devices(n: int) -> None:
     CPU backend is the only one it changes, so accelerators are used as they are)."""
     import jax
 
-    try:
+    # a backend that is already running (e.g. in a notebook) keeps its devices
+    with contextlib.suppress(RuntimeError):
         jax.config.update("jax_num_cpu_devices", n)
-    except RuntimeError:  # backend already running (e.g. called from a notebook): keep it
-        pass
 
 
 def _positive(text: str) -> int:
@@ -36,7 +36,9 @@ def _mesh(text: str) -> tuple[int, int]:
     try:
         data, tensor = (int(v) for v in text.lower().split("x"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"mesh must look like DATAxTENSOR, e.g. 2x2 (got {text})")
+        raise argparse.ArgumentTypeError(
+            f"mesh must look like DATAxTENSOR, e.g. 2x2 (got {text})"
+        ) from None
     if data <= 0 or tensor <= 0:
         raise argparse.ArgumentTypeError(f"mesh sizes must be positive (got {text})")
     return data, tensor
@@ -62,8 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-every", type=_positive, default=25)
     t.add_argument("--checkpoint-every", type=_positive, default=50)
     t.add_argument("--mesh", type=_mesh, default=(0, 0), help="DATAxTENSOR (default: automatic)")
-    t.add_argument("--devices", type=_positive, default=4,
-                   help="simulated CPU devices when JAX only finds one CPU (default 4)")
+    t.add_argument(
+        "--devices",
+        type=_positive,
+        default=4,
+        help="simulated CPU devices when JAX only finds one CPU (default 4)",
+    )
     t.add_argument("--seed", type=int, default=0)
 
     b = sub.add_parser("bench", help="regenerate the benchmark tables and plots")
@@ -87,20 +93,32 @@ def main(argv: list[str] | None = None) -> int:
         from .train import TrainConfig, train
 
         cfg = TrainConfig(
-            name=args.name, seq_len=args.seq_len, batch_size=args.batch_size, n_pairs=args.pairs,
-            dense_steps=args.dense_steps, warmup_steps=args.warmup_steps,
-            sparse_steps=args.sparse_steps, learning_rate=args.lr, index_topk=args.topk,
-            sliding_window=args.window, hidden_size=args.hidden, eval_every=args.eval_every,
-            checkpoint_every=args.checkpoint_every, mesh=args.mesh, seed=args.seed,
+            name=args.name,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            n_pairs=args.pairs,
+            dense_steps=args.dense_steps,
+            warmup_steps=args.warmup_steps,
+            sparse_steps=args.sparse_steps,
+            learning_rate=args.lr,
+            index_topk=args.topk,
+            sliding_window=args.window,
+            hidden_size=args.hidden,
+            eval_every=args.eval_every,
+            checkpoint_every=args.checkpoint_every,
+            mesh=args.mesh,
+            seed=args.seed,
         )
         try:
             report = train(cfg, args.runs / args.name, sys.stdout)
         except ValueError as err:
             print(f"csa-eqx train: error: {err}", file=sys.stderr)
             return 2
-        print(f"retrieval_accuracy={report.get('retrieval_accuracy', float('nan')):.3f} "
-              f"indexer_recall={report.get('indexer_recall', float('nan')):.3f} "
-              f"wall_seconds={report['wall_seconds']:.0f} -> {args.runs / args.name}")
+        print(
+            f"retrieval_accuracy={report.get('retrieval_accuracy', float('nan')):.3f} "
+            f"indexer_recall={report.get('indexer_recall', float('nan')):.3f} "
+            f"wall_seconds={report['wall_seconds']:.0f} -> {args.runs / args.name}"
+        )
         return 0
     if args.command == "bench":
         from benchmarks.run_all import main as bench_main

@@ -1,0 +1,183 @@
+"""A small decoder LM whose layer schedule mixes sliding, CSA and HCA attention (or V3.2 DSA)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from ..config import IndexerLossStage, V4AttentionConfig
+from ..ops import init_linear, linear, rms_norm
+from ..v4 import V4Attention
+
+__all__ = ["LMConfig", "DecoderLM", "Block", "with_indexer_stage"]
+
+_RATES = {"sliding": 0, "csa": 4}
+
+
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+    """Model shape. ``layers`` is the attention schedule: ``"sliding"``, ``"csa"``, ``"hca"``
+    (V4 family) or ``"dsa"`` (V3.2); ``attention`` is the V4 template each layer specialises."""
+
+    vocab_size: int
+    layers: tuple[str, ...] = ("sliding", "csa", "hca")
+    attention: V4AttentionConfig = V4AttentionConfig(
+        hidden_size=128,
+        num_heads=4,
+        head_dim=64,
+        rope_dim=16,
+        q_lora_rank=64,
+        o_groups=2,
+        o_lora_rank=64,
+        sliding_window=32,
+        compress_rate=4,
+        index_n_heads=4,
+        index_head_dim=32,
+        index_topk=8,
+    )
+    hca_rate: int = 16
+    mlp_ratio: int = 2
+
+    def __post_init__(self):
+        if self.vocab_size <= 0:
+            raise ValueError(f"vocab_size must be positive (got {self.vocab_size})")
+        bad = [kind for kind in self.layers if kind not in ("sliding", "csa", "hca", "dsa")]
+        if bad or not self.layers:
+            raise ValueError(
+                f"layers must be a non-empty schedule of sliding/csa/hca/dsa (got {self.layers})"
+            )
+        if self.hca_rate <= 4:
+            raise ValueError(f"hca_rate must be > 4 (got {self.hca_rate})")
+
+    def layer_config(self, kind: str) -> V4AttentionConfig:
+        rate = self.hca_rate if kind == "hca" else _RATES[kind]
+        return dataclasses.replace(self.attention, compress_rate=rate)
+
+
+class Block(eqx.Module):
+    """Pre-norm residual block: attention, then a SwiGLU MLP."""
+
+    attn_norm: Float[Array, " hidden"]
+    attn: eqx.Module
+    mlp_norm: Float[Array, " hidden"]
+    w_gate: Float[Array, "ffn hidden"]
+    w_up: Float[Array, "ffn hidden"]
+    w_down: Float[Array, "hidden ffn"]
+
+    def __init__(self, attn: eqx.Module, hidden: int, ffn: int, *, key: Array):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.attn_norm = jnp.ones((hidden,))
+        self.attn = attn
+        self.mlp_norm = jnp.ones((hidden,))
+        self.w_gate = init_linear(k1, ffn, hidden)
+        self.w_up = init_linear(k2, ffn, hidden)
+        self.w_down = init_linear(k3, hidden, ffn)
+
+    def __call__(self, h: Array, segment_ids: Array | None, return_aux: bool):
+        eps = 1e-6
+        out = self.attn(
+            rms_norm(h, self.attn_norm, eps), segment_ids=segment_ids, return_aux=return_aux
+        )
+        out, aux = out if return_aux else (out, None)
+        return self.mlp(h + out), aux
+
+    def mlp(self, h: Array) -> Array:
+        """The residual SwiGLU MLP half of the block."""
+        z = rms_norm(h, self.mlp_norm, 1e-6)
+        return h + linear(jax.nn.silu(linear(z, self.w_gate)) * linear(z, self.w_up), self.w_down)
+
+    def extend(self, h: Array, cache, lengths: Array | None, segment_ids: Array | None):
+        """The block over a chunk that follows ``cache`` (see ``V4Attention.extend``)."""
+        out, cache = self.attn.extend(
+            rms_norm(h, self.attn_norm, 1e-6), cache, lengths, segment_ids
+        )
+        return self.mlp(h + out), cache
+
+
+def _make_attention(cfg: LMConfig, kind: str, key: Array) -> eqx.Module:
+    if kind == "dsa":
+        from ..v32 import V32Attention, v32_config_like
+
+        return V32Attention(v32_config_like(cfg.attention), key=key)
+    return V4Attention(cfg.layer_config(kind), key=key)
+
+
+class DecoderLM(eqx.Module):
+    """Token embedding, a stack of ``Block`` s, final RMSNorm and an untied LM head."""
+
+    embed: Float[Array, "vocab hidden"]
+    blocks: tuple[Block, ...]
+    norm: Float[Array, " hidden"]
+    head: Float[Array, "vocab hidden"]
+    config: LMConfig = eqx.field(static=True)
+
+    def __init__(self, config: LMConfig, *, key: Array):
+        d = config.attention.hidden_size
+        keys = jax.random.split(key, 2 * len(config.layers) + 2)
+        self.embed = jax.random.normal(keys[0], (config.vocab_size, d)) * 0.02
+        self.blocks = tuple(
+            Block(
+                _make_attention(config, kind, keys[2 + 2 * i]),
+                d,
+                config.mlp_ratio * d,
+                key=keys[3 + 2 * i],
+            )
+            for i, kind in enumerate(config.layers)
+        )
+        self.norm = jnp.ones((d,))
+        self.head = init_linear(keys[1], config.vocab_size, d)
+        self.config = config
+
+    def __call__(
+        self,
+        tokens: Int[Array, "batch seq"],
+        segment_ids: Int[Array, "batch seq"] | None = None,
+        return_aux: bool = False,
+    ):
+        """Logits ``[B, S, vocab]``; with ``return_aux`` also ``{"selections": per-layer
+        selections (None for layers without an indexer), "indexer_loss": summed KL loss}``."""
+        h = self.embed[tokens]
+        auxes = []
+        for block in self.blocks:
+            h, aux = block(h, segment_ids, return_aux)
+            auxes.append(aux)
+        logits = linear(rms_norm(h, self.norm, 1e-6), self.head)
+        if not return_aux:
+            return logits
+        losses = [a["indexer_loss"] for a in auxes if a["indexer_loss"] is not None]
+        return logits, {
+            "selections": [a["selection"] for a in auxes],
+            "indexer_loss": sum(losses) if losses else jnp.zeros(()),
+        }
+
+    def init_caches(self, batch_size: int, max_length: int, dtype=jnp.float32) -> tuple:
+        """One empty decode cache per block."""
+        return tuple(b.attn.init_cache(batch_size, max_length, dtype) for b in self.blocks)
+
+    def extend(
+        self,
+        tokens: Int[Array, "batch seq"],
+        caches: tuple,
+        lengths: Int[Array, " batch"] | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None,
+    ) -> tuple[Float[Array, "batch seq vocab"], tuple]:
+        """Logits of a chunk that follows ``caches`` and the updated caches (prefill, chunked
+        prefill or one decode step; equal to the full forward over the whole stream)."""
+        h = self.embed[tokens]
+        new = []
+        for block, cache in zip(self.blocks, caches, strict=True):
+            h, cache = block.extend(h, cache, lengths, segment_ids)
+            new.append(cache)
+        return linear(rms_norm(h, self.norm, 1e-6), self.head), tuple(new)
+
+
+def with_indexer_stage(model: DecoderLM, stage: IndexerLossStage) -> DecoderLM:
+    """The same parameters with every indexer layer switched to KL stage ``stage``."""
+    attention = dataclasses.replace(model.config.attention, indexer_loss=stage)
+    config = dataclasses.replace(model.config, attention=attention)
+    template = jax.eval_shape(lambda: DecoderLM(config, key=jax.random.key(0)))
+    return jax.tree.unflatten(jax.tree.structure(template), jax.tree.leaves(model))

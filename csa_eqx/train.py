@@ -1,0 +1,305 @@
+"""``csa-eqx train``: a small CSA model on the embedded retrieval task (the project's main job).
+
+Three phases, as in DeepSeek's recipe for sparse attention:
+
+1. ``dense`` — the CSA layers attend to *all* visible compressed entries; the model learns the
+   task from the LM loss while the indexer is distilled (KL) from that dense attention.
+2. ``warmup`` — dense attention, everything frozen except the indexer (KL only).
+3. ``sparse`` — CSA layers attend to the indexer's top-k only; the model trains on the LM loss,
+   the indexer on the sparse-stage KL loss.
+
+Runs on all local devices with a ``data × tensor`` mesh (batch over ``data``, the indexer's
+top-k rows over ``tensor``), with the selection saved for the backward pass. Checkpoints every
+``checkpoint_every`` steps make an interrupted run resume where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from .models import DecoderLM, LMConfig, with_indexer_stage
+from .models.probe import indexer_recall
+from .tasks import RetrievalTask
+
+__all__ = ["TrainConfig", "train"]
+
+PHASES = ("dense", "warmup", "sparse")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run depends on (saved in the report and checked on resume)."""
+
+    name: str = "demo"
+    seq_len: int = 512
+    batch_size: int = 16
+    n_pairs: int = 16
+    dense_steps: int = 300
+    warmup_steps: int = 50
+    sparse_steps: int = 150
+    learning_rate: float = 3e-3
+    index_topk: int = 8
+    sliding_window: int = 32
+    hidden_size: int = 128
+    layers: tuple[str, ...] = ("sliding", "csa", "hca")
+    mesh: tuple[int, int] = (0, 0)  # (data, tensor); (0, 0) = automatic over local devices
+    eval_every: int = 25
+    eval_batches: int = 2
+    checkpoint_every: int = 50
+    seed: int = 0
+
+    def __post_init__(self):
+        for f in (
+            "seq_len",
+            "batch_size",
+            "n_pairs",
+            "index_topk",
+            "sliding_window",
+            "hidden_size",
+            "eval_every",
+            "eval_batches",
+            "checkpoint_every",
+        ):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"{f} must be positive (got {getattr(self, f)})")
+        for f in ("dense_steps", "warmup_steps", "sparse_steps"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"{f} must be >= 0 (got {getattr(self, f)})")
+        if self.learning_rate <= 0:
+            raise ValueError(f"learning_rate must be positive (got {self.learning_rate})")
+
+    @property
+    def total_steps(self) -> int:
+        return self.dense_steps + self.warmup_steps + self.sparse_steps
+
+    def phase_at(self, step: int) -> str:
+        if step < self.dense_steps:
+            return "dense"
+        return "warmup" if step < self.dense_steps + self.warmup_steps else "sparse"
+
+    def task(self) -> RetrievalTask:
+        return RetrievalTask(
+            seq_len=self.seq_len,
+            n_pairs=self.n_pairs,
+            n_queries=self.n_pairs,
+            min_distance=max(4 * self.sliding_window, 2 * self.n_pairs + 2),
+            seed=self.seed,
+        )
+
+    def model_config(self, mesh_axes=("data", "tensor")) -> LMConfig:
+        d = self.hidden_size
+        base = LMConfig(vocab_size=self.task().vocab_size)
+        attention = dataclasses.replace(
+            base.attention,
+            hidden_size=d,
+            sliding_window=self.sliding_window,
+            index_topk=self.index_topk,
+            indexer_save_selection=True,
+            indexer_sharded_topk=True,
+            data_axis=mesh_axes[0],
+            tensor_axis=mesh_axes[1],
+        )
+        return dataclasses.replace(base, layers=self.layers, attention=attention)
+
+
+def make_mesh(shape: tuple[int, int]) -> jax.sharding.Mesh:
+    """A ``data × tensor`` mesh over the local devices (``(0, 0)``: tensor 2 when possible)."""
+    n = jax.local_device_count()
+    data, tensor = shape
+    if (data, tensor) == (0, 0):
+        tensor = 2 if n % 2 == 0 else 1
+        data = n // tensor
+    if data * tensor != n:
+        raise ValueError(f"mesh {data}x{tensor} does not use the {n} local devices")
+    auto = jax.sharding.AxisType.Auto
+    return jax.make_mesh((data, tensor), ("data", "tensor"), axis_types=(auto, auto))
+
+
+def _labels(model: DecoderLM, phase: str):
+    """Which leaves train in ``phase`` (warm-up trains the indexers only)."""
+    params = eqx.filter(model, eqx.is_array)
+
+    def label(path, _):
+        in_indexer = any(getattr(p, "name", None) == "indexer" for p in path)
+        return "train" if phase != "warmup" or in_indexer else "freeze"
+
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
+def _optimizer(model: DecoderLM, cfg: TrainConfig, phase: str):
+    adam = optax.adamw(cfg.learning_rate, weight_decay=0.0)
+    labels = _labels(model, phase)  # a DecoderLM of strings: callable, so wrap it
+    return optax.multi_transform(
+        {"train": adam, "freeze": optax.set_to_zero()}, lambda _: labels
+    )
+
+
+def _answer_metrics(logits, targets):
+    """Cross-entropy and accuracy over the answer positions (``targets >= 0``)."""
+    mask = targets >= 0
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(targets, 0))
+    n = jnp.maximum(jnp.sum(mask), 1)
+    return jnp.sum(ce * mask) / n, jnp.sum((jnp.argmax(logits, -1) == targets) & mask) / n
+
+
+def _loss(model: DecoderLM, tokens, targets):
+    logits, aux = model(tokens, return_aux=True)
+    ce, acc = _answer_metrics(logits, targets)
+    return ce + aux["indexer_loss"], {"ce": ce, "accuracy": acc, "kl": aux["indexer_loss"]}
+
+
+def _train_step(opt):
+    @eqx.filter_jit(donate="all-except-first")
+    def step(model, opt_state, tokens, targets):
+        grads, metrics = eqx.filter_grad(_loss, has_aux=True)(model, tokens, targets)
+        updates, opt_state = opt.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, metrics
+
+    return step
+
+
+class Progress:
+    """A one-line progress bar on stderr-like streams (no dependency)."""
+
+    def __init__(self, total: int, stream):
+        self.total, self.stream, self.start = total, stream, time.perf_counter()
+
+    def update(self, step: int, text: str) -> None:
+        frac = step / max(self.total, 1)
+        bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
+        self.stream.write(f"\r[{bar}] {step}/{self.total} {text}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.write("\n")
+
+
+def _save(path: Path, model, opt_state, step: int, history: list, cfg: TrainConfig) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(json.dumps({"step": step, "config": dataclasses.asdict(cfg)}).encode() + b"\n")
+        eqx.tree_serialise_leaves(f, (model, opt_state))
+    tmp.replace(path)
+    (path.parent / "history.json").write_text(json.dumps(history))
+
+
+def _load(path: Path, cfg: TrainConfig, start: Callable[[str], tuple]):
+    """Resume: ``(step, phase, model, opt, opt_state, history)`` from ``path``;
+    ``start(phase)`` builds a fresh ``(model, opt, opt_state)`` of the right structure."""
+    with open(path, "rb") as f:
+        meta = json.loads(f.readline())
+        if meta["config"] != json.loads(json.dumps(dataclasses.asdict(cfg))):
+            raise ValueError(
+                f"checkpoint {path} was written by a different configuration; "
+                "use a new --name or delete the run folder"
+            )
+        step = meta["step"]
+        phase = cfg.phase_at(min(step, cfg.total_steps - 1))
+        model, opt, opt_state = start(phase)
+        model, opt_state = eqx.tree_deserialise_leaves(f, (model, opt_state))
+    history = json.loads((path.parent / "history.json").read_text())
+    return step, phase, model, opt, opt_state, history
+
+
+def evaluate(model: DecoderLM, cfg: TrainConfig, mesh) -> dict:
+    """Retrieval accuracy and indexer recall on held-out batches (steps < 0 never train)."""
+    task = cfg.task()
+    accs, recalls = [], []
+    run = eqx.filter_jit(lambda m, t, y: _answer_metrics(m(t), y)[1])
+    for i in range(cfg.eval_batches):
+        tokens, targets = (_shard_batch(a, mesh) for a in task.batch(-1 - i, cfg.batch_size))
+        accs.append(float(run(model, tokens, targets)))
+        recalls.append(float(indexer_recall(model, tokens, targets >= 0)))
+    return {"retrieval_accuracy": float(np.mean(accs)), "indexer_recall": float(np.mean(recalls))}
+
+
+def _shard_batch(x: np.ndarray, mesh) -> jax.Array:
+    spec = jax.sharding.PartitionSpec("data") if x.shape[0] % mesh.shape["data"] == 0 else None
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec or jax.sharding.PartitionSpec()))
+
+
+def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = None) -> dict:
+    """Run (or resume) training; writes checkpoints, ``report.json`` and plots to ``out_dir``.
+
+    ``stop_after`` ends the run early after that many steps in this call (used to test resume).
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mesh = make_mesh(cfg.mesh)
+    task = cfg.task()
+    start_time = time.perf_counter()
+    ckpt = out_dir / "checkpoint.eqx"
+    with jax.set_mesh(mesh):
+        initial = DecoderLM(cfg.model_config(), key=jax.random.key(cfg.seed))
+
+        def start(phase: str, model: DecoderLM = initial):
+            model = with_indexer_stage(model, "sparse" if phase == "sparse" else "dense")
+            opt = _optimizer(model, cfg, phase)
+            return model, opt, opt.init(eqx.filter(model, eqx.is_array))
+
+        step, history, phase = 0, [], cfg.phase_at(0)
+        model, opt, opt_state = start(phase)
+        if ckpt.exists():
+            step, phase, model, opt, opt_state, history = _load(ckpt, cfg, start)
+        step_fn = _train_step(opt)
+        progress = Progress(cfg.total_steps, stream)
+        done_here, tokens_seen, t0 = 0, 0, time.perf_counter()
+        while step < cfg.total_steps and (stop_after is None or done_here < stop_after):
+            if cfg.phase_at(step) != phase:
+                phase = cfg.phase_at(step)
+                model, opt, opt_state = start(phase, model)
+                step_fn = _train_step(opt)
+            tokens, targets = task.batch(step, cfg.batch_size)
+            model, opt_state, metrics = step_fn(
+                model, opt_state, _shard_batch(tokens, mesh), _shard_batch(targets, mesh)
+            )
+            step += 1
+            done_here += 1
+            tokens_seen += tokens.size
+            if step % cfg.eval_every == 0 or step == cfg.total_steps:
+                record = {
+                    "step": step,
+                    "phase": phase,
+                    **{k: float(v) for k, v in metrics.items()},
+                    **evaluate(model, cfg, mesh),
+                    "tokens_per_second": tokens_seen / (time.perf_counter() - t0),
+                }
+                history.append(record)
+                progress.update(
+                    step,
+                    f"{phase} loss={record['ce']:.3f} "
+                    f"acc={record['retrieval_accuracy']:.2f} "
+                    f"recall={record['indexer_recall']:.2f} "
+                    f"tok/s={record['tokens_per_second']:.0f}",
+                )
+            if step % cfg.checkpoint_every == 0 or step == cfg.total_steps:
+                _save(ckpt, model, opt_state, step, history, cfg)
+        progress.close()
+        final = evaluate(model, cfg, mesh) if step >= cfg.total_steps else {}
+    report = {
+        "name": cfg.name,
+        "finished": step >= cfg.total_steps,
+        "step": step,
+        **final,
+        "wall_seconds": time.perf_counter() - start_time,
+        "devices": jax.local_device_count(),
+        "mesh": dict(mesh.shape),
+        "config": dataclasses.asdict(cfg),
+        "history": history,
+    }
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2))
+    if history:
+        from .plots import plot_run
+
+        with jax.set_mesh(mesh):
+            plot_run(history, model, cfg, out_dir, mesh)
+    return report

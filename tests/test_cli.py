@@ -1,0 +1,70 @@
+"""The ``csa-eqx`` command: a short training run with resume, inspect, and argument errors."""
+
+import io
+import json
+
+import pytest
+
+from csa_eqx.cli import main
+from csa_eqx.train import TrainConfig, train
+
+TINY = dict(seq_len=96, batch_size=4, n_pairs=4, dense_steps=3, warmup_steps=2, sparse_steps=3,
+            index_topk=4, sliding_window=8, hidden_size=32, eval_every=2, eval_batches=1,
+            checkpoint_every=2)
+
+
+def test_train_smoke_and_resume(tmp_path):
+    cfg = TrainConfig(name="smoke", **TINY)
+    partial = train(cfg, tmp_path / "smoke", io.StringIO(), stop_after=4)
+    assert not partial["finished"] and partial["step"] == 4
+    assert (tmp_path / "smoke" / "checkpoint.eqx").exists()
+    out = io.StringIO()
+    report = train(cfg, tmp_path / "smoke", out)  # resumes from step 4
+    assert report["finished"] and report["step"] == cfg.total_steps
+    saved = json.loads((tmp_path / "smoke" / "report.json").read_text())
+    for key in ("retrieval_accuracy", "indexer_recall", "wall_seconds", "config", "history"):
+        assert key in saved
+    assert 0.0 <= saved["retrieval_accuracy"] <= 1.0 and 0.0 <= saved["indexer_recall"] <= 1.0
+    assert saved["config"]["seq_len"] == 96
+    steps = [h["step"] for h in saved["history"]]
+    assert steps == sorted(set(steps)) and steps[-1] == cfg.total_steps
+    assert {h["phase"] for h in saved["history"]} == {"dense", "warmup", "sparse"}
+    for plot in ("loss.png", "recall.png", "selections.png"):
+        assert (tmp_path / "smoke" / plot).stat().st_size > 1000
+    assert f"{cfg.total_steps}/{cfg.total_steps}" in out.getvalue()
+
+
+def test_resume_refuses_a_different_config(tmp_path):
+    train(TrainConfig(name="a", **TINY), tmp_path / "a", io.StringIO(), stop_after=2)
+    with pytest.raises(ValueError, match="different configuration"):
+        train(TrainConfig(name="a", **{**TINY, "seq_len": 128}), tmp_path / "a", io.StringIO())
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--seq-len", "0"], "positive"),
+        (["train", "--mesh", "3"], "DATAxTENSOR"),
+        (["train", "--dense-steps", "-1"], ">= 0"),
+        (["train", "--lr", "-1"], "--lr must be positive"),
+        (["inspect", "--layer", "mla"], "invalid choice"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_train_reports_bad_config(tmp_path, capsys):
+    argv = ["train", "--runs", str(tmp_path), "--seq-len", "40", "--pairs", "16"]
+    assert main(argv) == 2
+    assert "seq_len=40" in capsys.readouterr().err
+
+
+def test_inspect(capsys):
+    assert main(["inspect", "--layer", "hca", "--preset", "tiny", "--seq-len", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "compressor.kv_proj" in out and "forward+backward" in out and "total" in out
