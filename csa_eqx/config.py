@@ -138,7 +138,7 @@ class V4AttentionConfig:
     indexer_save_selection: bool = False
     indexer_sharded_topk: bool = False
     shard_indexer_acts: bool = False
-    indexer_loss: IndexerLossStage = "off"
+    indexer_loss: str = "off"  # IndexerLossStage; validated in __post_init__
     data_axis: str = "data"
     tensor_axis: str = "tensor"
 
@@ -219,7 +219,7 @@ class V32AttentionConfig:
     indexer_save_selection: bool = False
     indexer_sharded_topk: bool = False
     shard_indexer_acts: bool = False
-    indexer_loss: IndexerLossStage = "off"
+    indexer_loss: str = "off"  # IndexerLossStage; validated in __post_init__
     data_axis: str = "data"
     tensor_axis: str = "tensor"
 

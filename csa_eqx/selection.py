@@ -67,11 +67,32 @@ def select_entries(
     k: int,
     *,
     head_chunk: int = 0,
+    key_block: int = 0,
+    query_block: int = 0,
 ) -> Int[Array, "batch seq {k}"]:
     """The indexer's selection: score, mask to visible entries, exact top-k with ``-1``.
 
-    This is the whole per-query-row selection stage; it is what row sharding and the streaming
-    path replace. V3.2 selects raw tokens with ``entry_layout(segment_ids, 1)``.
+    This is the whole per-query-row selection stage; it is what row sharding replaces. V3.2
+    selects raw tokens with ``entry_layout(segment_ids, 1)``. When the dense score tensor would
+    be large, or ``key_block > 0`` asks for it, the same selection is computed by
+    ``csa_eqx.streaming.stream_select_entries`` (tiles of ``query_block x key_block``,
+    0 = automatic) without materialising any score matrix.
     """
+    from .streaming import prefers_streaming, stream_select_entries  # streaming imports us
+
+    b, s, h, _ = q.shape
+    if key_block or prefers_streaming(b, s, keys.shape[1], head_chunk or h):
+        return stream_select_entries(
+            q,
+            weights,
+            keys,
+            query_index,
+            query_segment,
+            layout,
+            k,
+            head_chunk=head_chunk,
+            key_block=key_block,
+            query_block=query_block,
+        )
     scores = indexer_scores(q, weights, keys, head_chunk=head_chunk)
     return select_topk(scores, entry_visibility(query_index, query_segment, layout), k)

@@ -30,8 +30,8 @@ def attention_logits(q: Array, keys: Array, indices: Array, scale: float) -> Arr
 
 
 def sparse_query_block(batch: int, heads: int, dim: int, k: int) -> int:
-    """Automatic query block: keeps the gathered ``[B, Qb, k, dim]`` keys plus the
-    ``[B, Qb, H, k]`` logits of one block near 64 MiB of float32."""
+    """Automatic query block: keeps the gathered ``[B, Qb, k, dim]`` keys (and values) plus
+    the ``[B, Qb, H, k]`` logits of one block near 64 MiB of float32."""
     rows = max(_BLOCK_ELEMENTS // max(batch * k * (dim + heads), 1), 1)
     return 1 << (rows.bit_length() - 1)
 
@@ -62,7 +62,8 @@ def sparse_attention(
     ``[B, S, k, dim]`` keys never exist at once, in the forward or the backward pass.
     """
     b, s, h, d = q.shape
-    qb = query_block or sparse_query_block(b, h, d, indices.shape[-1])
+    width = d if values is None else d + values.shape[-1]  # gathered keys (+ values) per pick
+    qb = query_block or sparse_query_block(b, h, width, indices.shape[-1])
     if qb >= s:
         return _attend(q, kv, indices, sinks, scale, values, return_lse)
     n = -(-s // qb)
