@@ -10,6 +10,7 @@ from .remat import SELECTION_NAME, compose_selection_policy
 from .selection import entry_visibility, select_topk
 from .sharding import sharded_select_entries
 from .sparse import sparse_attention
+from .streaming import select_projected_entries, stream_select_entries
 from .v4 import Indexer, V4Attention
 from .v32 import V32Attention, V32Indexer
 
@@ -37,5 +38,7 @@ __all__ = [
     "segment_positions",
     "select_topk",
     "sharded_select_entries",
+    "select_projected_entries",
     "sparse_attention",
+    "stream_select_entries",
 ]

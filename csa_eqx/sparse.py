@@ -2,15 +2,36 @@
 
 Each query attends to the keys named by its own index list (``-1`` = no key). The sink adds
 ``exp(s_h)`` to the softmax denominator only. A query with no valid key returns zeros.
+
+Keys that *every* query may see once visible (HCA's compressed entries, CSA's entries in the
+dense warm-up) are better attended with a plain matmul than gathered per query: pass them as
+``dense=DenseKeys(...)``; their visibility is computed per query block from the entry layout,
+and they share one softmax with the gathered keys.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-__all__ = ["sparse_attention", "gather_keys", "sparse_query_block"]
+from .compressor import EntryLayout
+from .selection import entry_visibility
+
+__all__ = ["sparse_attention", "gather_keys", "sparse_query_block", "DenseKeys"]
+
+
+class DenseKeys(NamedTuple):
+    """Entries attended by matmul: ``keys [B, T, d]`` (also the values), visible to query ``t``
+    per ``entry_visibility(query_index, query_segment, layout)``."""
+
+    keys: Float[Array, "batch entries dim"]
+    layout: EntryLayout
+    query_index: Int[Array, "batch seq"]
+    query_segment: Int[Array, "batch seq"]
+
 
 _BLOCK_ELEMENTS = 1 << 24
 
@@ -46,6 +67,7 @@ def sparse_attention(
     return_lse: bool = False,
     *,
     query_block: int = 0,
+    dense: DenseKeys | None = None,
 ) -> (
     Float[Array, "batch seq heads vdim"]
     | tuple[Float[Array, "batch seq heads vdim"], Float[Array, "batch seq heads"]]
@@ -60,12 +82,16 @@ def sparse_attention(
     Queries are processed ``query_block`` rows at a time (0 = automatic, see
     ``sparse_query_block``) in a ``lax.map`` with a rematerialised body, so the gathered
     ``[B, S, k, dim]`` keys never exist at once, in the forward or the backward pass.
+
+    ``dense`` adds entries every query attends to (when visible) through a matmul, in the
+    same softmax (values = keys, as in V4).
     """
     b, s, h, d = q.shape
     width = d if values is None else d + values.shape[-1]  # gathered keys (+ values) per pick
-    qb = query_block or sparse_query_block(b, h, width, indices.shape[-1])
+    picks = indices.shape[-1] + (0 if dense is None else dense.keys.shape[1])
+    qb = query_block or sparse_query_block(b, h, width, picks)
     if qb >= s:
-        return _attend(q, kv, indices, sinks, scale, values, return_lse)
+        return _attend(q, kv, indices, sinks, scale, values, return_lse, dense)
     n = -(-s // qb)
 
     def blocks(x: Array, fill) -> Array:
@@ -75,18 +101,37 @@ def sparse_attention(
     def unblocks(y: Array) -> Array:
         return jnp.moveaxis(y, 0, 1).reshape(b, n * qb, *y.shape[3:])[:, :s]
 
-    def body(qi: tuple[Array, Array]):
-        return _attend(qi[0], kv, qi[1], sinks, scale, values, return_lse)
+    def body(qi: tuple[Array, ...]):
+        block_dense = (
+            None if dense is None else dense._replace(query_index=qi[2], query_segment=qi[3])
+        )
+        return _attend(qi[0], kv, qi[1], sinks, scale, values, return_lse, block_dense)
 
-    out = jax.lax.map(jax.checkpoint(body), (blocks(q, 0), blocks(indices, -1)))
+    rows = (q, indices) if dense is None else (q, indices, dense.query_index, dense.query_segment)
+    fills = (0, -1, -1, -1)  # padded query rows see no key
+    out = jax.lax.map(
+        jax.checkpoint(body),
+        tuple(blocks(x, f) for x, f in zip(rows, fills[: len(rows)], strict=True)),
+    )
     return jax.tree.map(unblocks, out)
 
 
-def _attend(q, kv, indices, sinks, scale, values, return_lse):
+def _attend(q, kv, indices, sinks, scale, values, return_lse, dense=None):
     """Unblocked sparse attention (one block of queries; see ``sparse_attention``)."""
     keys = gather_keys(kv, indices)
     vals = keys if values is None else gather_keys(values, indices)
     logits = attention_logits(q, keys, indices, scale)
+    k = logits.shape[-1]
+    if dense is not None:
+        dense_logits = (
+            jnp.einsum(
+                "bshd,btd->bsht", q, dense.keys.astype(q.dtype), preferred_element_type=logits.dtype
+            )
+            * scale
+        )
+        visible = entry_visibility(dense.query_index, dense.query_segment, dense.layout)
+        dense_logits = jnp.where(visible[:, :, None, :], dense_logits, -jnp.inf)
+        logits = jnp.concatenate([logits, dense_logits], axis=-1)
     peak = jnp.max(logits, axis=-1)
     if sinks is not None:
         sink = jnp.broadcast_to(sinks.astype(peak.dtype), peak.shape)
@@ -98,8 +143,18 @@ def _attend(q, kv, indices, sinks, scale, values, return_lse):
         denom = denom + jnp.exp(sink - peak)
     probs = p / jnp.where(denom > 0, denom, 1.0)[..., None]
     out = jnp.einsum(
-        "bshk,bskd->bshd", probs.astype(vals.dtype), vals, preferred_element_type=probs.dtype
+        "bshk,bskd->bshd",
+        probs[..., :k].astype(vals.dtype),
+        vals,
+        preferred_element_type=probs.dtype,
     )
+    if dense is not None:
+        out = out + jnp.einsum(
+            "bsht,btd->bshd",
+            probs[..., k:].astype(vals.dtype),
+            dense.keys.astype(vals.dtype),
+            preferred_element_type=probs.dtype,
+        )
     if return_lse:
         return out.astype(q.dtype), peak + jnp.log(denom)
     return out.astype(q.dtype)

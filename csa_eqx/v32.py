@@ -17,8 +17,10 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped
 
+from .cache import V32Cache, init_v32_cache
 from .compressor import entry_layout, segment_positions
 from .config import V32AttentionConfig, YaRNScaling
+from .decode import v32_extend
 from .ops import init_linear, linear, rms_norm, upcast
 from .remat import tag_selection
 from .rope import apply_rope_half_split, apply_rope_interleaved, rope_inv_freq, yarn_mscale
@@ -198,10 +200,50 @@ class V32Attention(eqx.Module):
         c = self.config
         return (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5 * yarn_mscale(c.rope_scaling) ** 2
 
+    def _kv_up(self) -> tuple[Array, Array]:
+        """Per-head ``W_kb`` ``[H, d_nope, kv_lora]`` and ``W_vb`` ``[H, d_v, kv_lora]``."""
+        c = self.config
+        w_kv = self.kv_b_proj.reshape(c.num_heads, -1, c.kv_lora_rank)
+        return w_kv[:, : c.qk_nope_head_dim], w_kv[:, c.qk_nope_head_dim :]
+
+    def project_qkv(
+        self, x: Float[Array, "batch seq hidden"], positions: Int[Array, "batch seq"]
+    ) -> tuple[
+        Float[Array, "batch seq q_lora"],
+        Float[Array, "batch seq heads latent"],
+        Float[Array, "batch seq latent"],
+    ]:
+        """Query latent ``qr``, absorbed per-head queries ``[q_nope·W_kb ; q_rope]`` and the
+        shared per-token key ``[c_kv ; k_rope]`` (its first ``kv_lora_rank`` channels are the
+        value)."""
+        c = self.config
+        b, s, _ = x.shape
+        inv_freq, rope_factor = _rotary(c)
+        qr = rms_norm(linear(x, self.q_a_proj), self.q_a_layernorm, c.rms_norm_eps)
+        q = linear(qr, self.q_b_proj).reshape(b, s, c.num_heads, -1)
+        q_nope, q_rope = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
+        q_rope = apply_rope_interleaved(q_rope, positions[..., None], inv_freq) * rope_factor
+
+        latent = linear(x, self.kv_a_proj_with_mqa)
+        c_kv = rms_norm(latent[..., : c.kv_lora_rank], self.kv_a_layernorm, c.rms_norm_eps)
+        k_rope = apply_rope_interleaved(latent[..., c.kv_lora_rank :], positions, inv_freq)
+        keys = jnp.concatenate([c_kv, (k_rope * rope_factor).astype(c_kv.dtype)], axis=-1)
+
+        q_latent = jnp.einsum("bshn,hnc->bshc", q_nope, self._kv_up()[0].astype(q.dtype))
+        return qr, jnp.concatenate([q_latent, q_rope.astype(q.dtype)], axis=-1), keys
+
+    def project_out(
+        self, o: Float[Array, "batch seq heads kv_lora"]
+    ) -> Float[Array, "batch seq hidden"]:
+        """Per-head values from the attended latents (``W_vb``), then the output projection."""
+        b, s = o.shape[:2]
+        o = jnp.einsum("bshc,hvc->bshv", o, self._kv_up()[1].astype(o.dtype)).reshape(b, s, -1)
+        return linear(o, self.o_proj)
+
     @jaxtyped(typechecker=beartype)
     def __call__(
         self,
-        x: Float[ArrayLike, "batch seq hidden"],
+        x: Float[ArrayLike, "batch seq {self.config.hidden_size}"],
         positions: Int[ArrayLike, "batch seq"] | None = None,
         segment_ids: Int[ArrayLike, "batch seq"] | None = None,
         return_aux: bool = False,
@@ -223,23 +265,7 @@ class V32Attention(eqx.Module):
         seg = seg.astype(jnp.int32)
         positions = segment_positions(seg) if positions is None else jnp.asarray(positions)
         positions = positions.astype(jnp.int32)
-        inv_freq, rope_factor = _rotary(c)
-
-        qr = rms_norm(linear(x, self.q_a_proj), self.q_a_layernorm, c.rms_norm_eps)
-        q = linear(qr, self.q_b_proj).reshape(b, s, c.num_heads, -1)
-        q_nope, q_rope = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
-        q_rope = apply_rope_interleaved(q_rope, positions[..., None], inv_freq) * rope_factor
-
-        latent = linear(x, self.kv_a_proj_with_mqa)
-        c_kv = rms_norm(latent[..., : c.kv_lora_rank], self.kv_a_layernorm, c.rms_norm_eps)
-        k_rope = apply_rope_interleaved(latent[..., c.kv_lora_rank :], positions, inv_freq)
-        keys = jnp.concatenate([c_kv, (k_rope * rope_factor).astype(c_kv.dtype)], axis=-1)
-
-        w_kv = self.kv_b_proj.reshape(c.num_heads, -1, c.kv_lora_rank).astype(q.dtype)
-        w_k, w_v = w_kv[:, : c.qk_nope_head_dim], w_kv[:, c.qk_nope_head_dim :]
-        q_latent = jnp.einsum("bshn,hnc->bshc", q_nope, w_k)
-        queries = jnp.concatenate([q_latent, q_rope.astype(q.dtype)], axis=-1)
-
+        qr, queries, keys = self.project_qkv(x, positions)
         selection = self.indexer(x, qr, positions, seg)
         o = sparse_attention(
             queries,
@@ -247,11 +273,27 @@ class V32Attention(eqx.Module):
             selection,
             None,
             self.softmax_scale,
-            values=c_kv,
+            values=keys[..., : c.kv_lora_rank],
             query_block=c.query_block,
         )
-        o = jnp.einsum("bshc,hvc->bshv", o, w_v).reshape(b, s, -1)
-        y = linear(o, self.o_proj)
+        y = self.project_out(o)
         if return_aux:
             return y, {"selection": selection, "indexer_loss": None}
         return y
+
+    def init_cache(self, batch_size: int, max_length: int, dtype=jnp.float32) -> V32Cache:
+        """An empty decode cache (latents and indexer keys of up to ``max_length`` tokens per
+        row; see ``csa_eqx.cache.V32Cache``)."""
+        return init_v32_cache(self, batch_size, max_length, dtype)
+
+    def extend(
+        self,
+        x: Float[Array, "batch seq hidden"],
+        cache: V32Cache,
+        lengths: Int[Array, " batch"] | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None,
+        return_aux: bool = False,
+    ):
+        """Run the chunk ``x`` after the tokens in ``cache``: ``(y, cache)`` equal to the full
+        forward over the whole stream (see ``csa_eqx.decode``)."""
+        return v32_extend(self, x, cache, lengths, segment_ids, return_aux)

@@ -8,18 +8,32 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped
 
+from .cache import V4Cache, init_v4_cache
 from .compressor import Compressor, EntryLayout, entry_layout, segment_positions
 from .config import V4AttentionConfig
+from .decode import v4_extend
 from .indexer import indexer_scores
-from .loss import indexer_kl_loss, selection_mask
+from .loss import attention_target, indexer_kl_loss, selection_mask
 from .ops import init_linear, linear, rms_norm
 from .remat import tag_selection
 from .rope import apply_rope_interleaved, rope_inv_freq
-from .selection import entry_visibility, select_entries
+from .selection import entry_visibility
 from .sharding import constrain_heads, sharded_select_entries, tensor_axis_auto
-from .sparse import sparse_attention
+from .sparse import DenseKeys, sparse_attention
+from .streaming import select_projected_entries
 
-__all__ = ["V4Attention", "Indexer"]
+__all__ = ["V4Attention", "Indexer", "window_indices"]
+
+
+def window_indices(
+    query_index: Int[Array, "batch seq"], segment: Int[Array, "batch seq"], window: int
+) -> Int[Array, "batch seq {window}"]:
+    """Raw-token keys of each query's sliding window (``t − window < j ≤ t``, same segment;
+    ``-1`` where none)."""
+    b, s = query_index.shape
+    idx = query_index[..., None] - jnp.arange(window, dtype=jnp.int32)
+    seg_at = jnp.take_along_axis(segment, jnp.clip(idx, 0, s - 1).reshape(b, -1), axis=1)
+    return jnp.where((idx >= 0) & (seg_at.reshape(idx.shape) == segment[..., None]), idx, -1)
 
 
 class Indexer(eqx.Module):
@@ -75,13 +89,17 @@ class Indexer(eqx.Module):
         keys = self.compressor(x, positions, layout)
 
         def stage(x, qr, positions, keys, query_index, segment, layout):
-            args = (self.queries(qr, positions), self.head_weights(x), keys, query_index,
-                    segment, layout, c.index_topk)
+            tiles = dict(head_chunk=c.qk_head_chunk_size, key_block=c.indexer_key_block,
+                         query_block=c.query_block)
             if c.indexer_sharded_topk:
-                return sharded_select_entries(*args, head_chunk=c.qk_head_chunk_size,
-                                              tensor_axis=c.tensor_axis, data_axis=c.data_axis)
-            return select_entries(*args, head_chunk=c.qk_head_chunk_size,
-                                  key_block=c.indexer_key_block, query_block=c.query_block)
+                args = (self.queries(qr, positions), self.head_weights(x), keys, query_index,
+                        segment, layout, c.index_topk)
+                return sharded_select_entries(*args, **tiles, tensor_axis=c.tensor_axis,
+                                              data_axis=c.data_axis)
+            # project the indexer queries block by block inside the streaming loop
+            return select_projected_entries(
+                lambda x, qr, pos: (self.queries(qr, pos), self.head_weights(x)),
+                (x, qr, positions), keys, query_index, segment, layout, c.index_topk, **tiles)
 
         if c.shard_indexer_acts:
             stage = tensor_axis_auto(stage, c.tensor_axis, query_index)
@@ -146,10 +164,39 @@ class V4Attention(eqx.Module):
             return rope_inv_freq(c.rope_dim, c.rope_theta)
         return rope_inv_freq(c.rope_dim, c.compress_rope_theta, c.rope_scaling)
 
+    def project_qkv(
+        self, x: Float[Array, "batch seq hidden"], positions: Int[Array, "batch seq"]
+    ) -> tuple[
+        Float[Array, "batch seq q_lora"],
+        Float[Array, "batch seq heads dim"],
+        Float[Array, "batch seq dim"],
+    ]:
+        """Query latent ``qr``, roped per-head queries and the roped shared key/value."""
+        c = self.config
+        b, s, _ = x.shape
+        qr = rms_norm(linear(x, self.q_a_proj), self.q_a_norm, c.rms_norm_eps)
+        q = linear(qr, self.q_b_proj).reshape(b, s, c.num_heads, c.head_dim)
+        q = apply_rope_interleaved(
+            rms_norm(q, None, c.rms_norm_eps), positions[..., None], self.inv_freq
+        )
+        kv = rms_norm(linear(x, self.kv_proj), self.kv_norm, c.rms_norm_eps)
+        return qr, q, apply_rope_interleaved(kv, positions, self.inv_freq)
+
+    def project_out(
+        self, o: Float[Array, "batch seq heads dim"], positions: Int[Array, "batch seq"]
+    ) -> Float[Array, "batch seq hidden"]:
+        """De-rotate the attention output (RoPE at ``-t``), then the grouped output projection."""
+        c = self.config
+        b, s = o.shape[:2]
+        o = apply_rope_interleaved(o, -positions[..., None], self.inv_freq)
+        o = o.reshape(b, s, c.o_groups, -1)
+        w_a = self.o_a_proj.reshape(c.o_groups, c.o_lora_rank, -1).astype(o.dtype)
+        return linear(jnp.einsum("bsgi,goi->bsgo", o, w_a).reshape(b, s, -1), self.o_b_proj)
+
     @jaxtyped(typechecker=beartype)
     def __call__(
         self,
-        x: Float[ArrayLike, "batch seq hidden"],
+        x: Float[ArrayLike, "batch seq {self.config.hidden_size}"],
         positions: Int[ArrayLike, "batch seq"] | None = None,
         segment_ids: Int[ArrayLike, "batch seq"] | None = None,
         return_aux: bool = False,
@@ -173,58 +220,37 @@ class V4Attention(eqx.Module):
         positions = jnp.asarray(positions, jnp.int32)
         query_index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
 
-        qr = rms_norm(linear(x, self.q_a_proj), self.q_a_norm, c.rms_norm_eps)
-        q = linear(qr, self.q_b_proj).reshape(b, s, c.num_heads, c.head_dim)
-        q = apply_rope_interleaved(
-            rms_norm(q, None, c.rms_norm_eps), positions[..., None], self.inv_freq
-        )
-        kv = rms_norm(linear(x, self.kv_proj), self.kv_norm, c.rms_norm_eps)
-        kv = apply_rope_interleaved(kv, positions, self.inv_freq)
+        qr, q, kv = self.project_qkv(x, positions)
 
-        window = query_index[..., None] - jnp.arange(c.sliding_window, dtype=jnp.int32)
-        in_window = (window >= 0) & (
-            jnp.take_along_axis(seg, jnp.clip(window, 0, s - 1).reshape(b, -1), axis=1).reshape(
-                window.shape
-            )
-            == seg[..., None]
-        )
-        indices = jnp.where(in_window, window, -1)
-        keys = kv
-        selection = None
+        indices = window_indices(query_index, seg, c.sliding_window)
+        keys, dense, selection = kv, None, None
         if self.compressor is not None:
             layout = entry_layout(seg, c.compress_rate)
-            entries = self.compressor(x, positions, layout)
-            visible = entry_visibility(query_index, seg, layout)
-            picked = jnp.where(visible, jnp.arange(entries.shape[1], dtype=jnp.int32), -1)
+            entries = self.compressor(x, positions, layout).astype(kv.dtype)
             if self.indexer is not None:
                 selection = self.indexer.select(x, qr, positions, query_index, seg, layout)
-                if c.indexer_loss != "dense":  # the dense warm-up attends to all visible entries
-                    picked = selection
-            indices = jnp.concatenate([indices, jnp.where(picked >= 0, picked + s, -1)], axis=-1)
-            keys = jnp.concatenate([kv, entries.astype(kv.dtype)], axis=1)
+            if self.indexer is None or c.indexer_loss == "dense":
+                # HCA, and CSA's dense warm-up: every visible entry, attended by one matmul
+                dense = DenseKeys(entries, layout, query_index, seg)
+            else:
+                picked = jnp.where(selection >= 0, selection + s, -1)
+                indices = jnp.concatenate([indices, picked], axis=-1)
+                keys = jnp.concatenate([kv, entries], axis=1)
 
         want_loss = return_aux and self.indexer is not None and c.indexer_loss != "off"
-        o = sparse_attention(
-            q,
-            keys,
-            indices,
-            self.sinks,
-            c.head_dim**-0.5,
-            return_lse=want_loss,
-            query_block=c.query_block,
-        )
+        o = sparse_attention(q, keys, indices, self.sinks, c.head_dim**-0.5,
+                             return_lse=want_loss, query_block=c.query_block, dense=dense)
         if want_loss:
             o, lse = o
-        o = apply_rope_interleaved(o, -positions[..., None], self.inv_freq)
-        o = o.reshape(b, s, c.o_groups, -1)
-        w_a = self.o_a_proj.reshape(c.o_groups, c.o_lora_rank, -1).astype(o.dtype)
-        y = linear(jnp.einsum("bsgi,goi->bsgo", o, w_a).reshape(b, s, -1), self.o_b_proj)
+        y = self.project_out(o, positions)
         if return_aux:
             loss = None
             if want_loss:
-                dense = c.indexer_loss == "dense"
-                candidates = visible if dense else selection_mask(selection, entries.shape[1])
-                loss = self._indexer_loss(x, qr, positions, layout, q, keys[:, s:], lse, candidates)
+                if c.indexer_loss == "dense":
+                    candidates = entry_visibility(query_index, seg, layout)
+                else:
+                    candidates = selection_mask(selection, entries.shape[1])
+                loss = self._indexer_loss(x, qr, positions, layout, q, entries, lse, candidates)
             return y, {"selection": selection, "indexer_loss": loss}
         return y
 
@@ -240,3 +266,52 @@ class V4Attention(eqx.Module):
         return indexer_kl_loss(
             q, entries, lse, scores, candidates, c.head_dim**-0.5, head_chunk=c.qk_head_chunk_size
         )
+
+    def entry_attention(
+        self,
+        x: Float[Array, "batch seq hidden"],
+        segment_ids: Int[Array, "batch seq"] | None = None,
+    ) -> tuple[Float[Array, "batch seq slots"], Int[Array, "batch seq k"]]:
+        """Where *dense* attention looks, next to what the indexer picks (CSA layers).
+
+        Returns the attention mass on each compressed-entry slot when the layer attends to its
+        window and *all* visible entries (summed over heads, L1-normalised over entries: the
+        dense-stage KL target), and the indexer's selection ``[B, S, k]``.
+        """
+        c = self.config
+        if self.indexer is None:
+            raise ValueError(f"entry_attention needs a CSA layer (this one is {c.layer_type})")
+        b, s, _ = x.shape
+        seg = jnp.zeros((b, s), jnp.int32) if segment_ids is None else segment_ids
+        positions = segment_positions(seg)
+        query_index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        qr, q, kv = self.project_qkv(x, positions)
+        layout = entry_layout(seg, c.compress_rate)
+        entries = self.compressor(x, positions, layout).astype(kv.dtype)
+        visible = entry_visibility(query_index, seg, layout)
+        _, lse = sparse_attention(q, kv, window_indices(query_index, seg, c.sliding_window),
+                                  self.sinks, c.head_dim**-0.5, return_lse=True,
+                                  query_block=c.query_block,
+                                  dense=DenseKeys(entries, layout, query_index, seg))
+        mass = attention_target(q, entries, lse, visible, c.head_dim**-0.5,
+                                head_chunk=c.qk_head_chunk_size)
+        selection = self.indexer.select(x, qr, positions, query_index, seg, layout)
+        return mass, selection
+
+    def init_cache(self, batch_size: int, max_length: int, dtype=jnp.float32) -> V4Cache:
+        """An empty decode cache of fixed-size buffers for up to ``max_length`` tokens per row
+        (see ``csa_eqx.cache.V4Cache``)."""
+        return init_v4_cache(self, batch_size, max_length, dtype)
+
+    def extend(
+        self,
+        x: Float[Array, "batch seq hidden"],
+        cache: V4Cache,
+        lengths: Int[Array, " batch"] | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None,
+        return_aux: bool = False,
+    ):
+        """Run the chunk ``x`` after the tokens in ``cache``: ``(y, cache)`` equal to the full
+        forward over the whole stream (prefill, chunked prefill or a decode step; see
+        ``csa_eqx.decode`` for ``lengths`` / ``segment_ids`` and ``return_aux``)."""
+        return v4_extend(self, x, cache, lengths, segment_ids, return_aux)

@@ -12,9 +12,20 @@ import csa_eqx as ce
 
 def tiny(kind: str, **over) -> ce.V4AttentionConfig:
     rate = {"sliding": 0, "csa": 4, "hca": 8}[kind]
-    fields = dict(hidden_size=32, num_heads=4, head_dim=16, rope_dim=8, q_lora_rank=16,
-                  o_groups=2, o_lora_rank=8, sliding_window=5, compress_rate=rate,
-                  index_n_heads=4, index_head_dim=16, index_topk=3)
+    fields = dict(
+        hidden_size=32,
+        num_heads=4,
+        head_dim=16,
+        rope_dim=8,
+        q_lora_rank=16,
+        o_groups=2,
+        o_lora_rank=8,
+        sliding_window=5,
+        compress_rate=rate,
+        index_n_heads=4,
+        index_head_dim=16,
+        index_topk=3,
+    )
     fields.update(over)
     return ce.V4AttentionConfig(**fields)
 
@@ -23,8 +34,10 @@ def randomise(layer, seed=0):
     """Give every leaf (norms, biases, sinks included) non-trivial random values."""
     leaves, tree = jax.tree.flatten(layer)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    new = [0.3 * jax.random.normal(k, leaf.shape, leaf.dtype) + (leaf.ndim == 1)
-           for k, leaf in zip(keys, leaves, strict=True)]
+    new = [
+        0.3 * jax.random.normal(k, leaf.shape, leaf.dtype) + (leaf.ndim == 1)
+        for k, leaf in zip(keys, leaves, strict=True)
+    ]
     return jax.tree.unflatten(tree, new)
 
 
@@ -129,13 +142,29 @@ def test_wrong_shape_names_dimension():
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("hidden_size", 0), ("num_heads", -1), ("head_dim", 0), ("rope_dim", 7),
-        ("rope_dim", 64), ("q_lora_rank", 0), ("o_groups", 3), ("o_lora_rank", 0),
-        ("sliding_window", 0), ("compress_rate", 2), ("index_n_heads", 0),
-        ("index_head_dim", 0), ("index_topk", 0), ("rope_theta", 0.0),
-        ("compress_rope_theta", -1.0), ("rms_norm_eps", 0.0), ("qk_head_chunk_size", 3),
-        ("qk_head_chunk_size", -1), ("indexer_key_block", -1), ("query_block", -2),
-        ("indexer_loss", "warm"), ("tensor_axis", ""), ("data_axis", ""),
+        ("hidden_size", 0),
+        ("num_heads", -1),
+        ("head_dim", 0),
+        ("rope_dim", 7),
+        ("rope_dim", 64),
+        ("q_lora_rank", 0),
+        ("o_groups", 3),
+        ("o_lora_rank", 0),
+        ("sliding_window", 0),
+        ("compress_rate", 2),
+        ("index_n_heads", 0),
+        ("index_head_dim", 0),
+        ("index_topk", 0),
+        ("rope_theta", 0.0),
+        ("compress_rope_theta", -1.0),
+        ("rms_norm_eps", 0.0),
+        ("qk_head_chunk_size", 3),
+        ("qk_head_chunk_size", -1),
+        ("indexer_key_block", -1),
+        ("query_block", -2),
+        ("indexer_loss", "warm"),
+        ("tensor_axis", ""),
+        ("data_axis", ""),
     ],
 )
 def test_invalid_config_names_field(field, value):
@@ -147,3 +176,65 @@ def test_invalid_yarn():
     with pytest.raises(ValueError, match="factor"):
         ce.YaRNScaling(factor=0.5, original_max_position_embeddings=64)
 
+
+@pytest.mark.parametrize("query_block", [0, 4])
+def test_dense_keys_equal_gathered_keys(query_block):
+    """Entries attended by matmul (DenseKeys) == the same entries gathered per query."""
+    from csa_eqx.sparse import DenseKeys, sparse_attention
+    from csa_eqx.v4 import window_indices
+
+    b, s, h, d = 2, 23, 3, 8
+    q = jax.random.normal(jax.random.key(0), (b, s, h, d))
+    kv = jax.random.normal(jax.random.key(1), (b, s, d))
+    seg = jnp.array([[0] * 9 + [1] * 14, [0] * 23])
+    qi = jnp.broadcast_to(jnp.arange(s), (b, s))
+    layout = ce.entry_layout(seg, 4)
+    entries = jax.random.normal(jax.random.key(2), (b, layout.end.shape[1], d))
+    win = window_indices(qi, seg, 5)
+    vis = ce.entry_visibility(qi, seg, layout)
+    picked = jnp.where(vis, jnp.arange(entries.shape[1]) + s, -1)
+    sinks = jnp.array([0.3, -1.0, 2.0])
+
+    def both(q, kv, entries):
+        gathered = sparse_attention(
+            q,
+            jnp.concatenate([kv, entries], 1),
+            jnp.concatenate([win, picked], -1),
+            sinks,
+            0.4,
+            return_lse=True,
+            query_block=query_block,
+        )
+        dense = sparse_attention(
+            q,
+            kv,
+            win,
+            sinks,
+            0.4,
+            return_lse=True,
+            query_block=query_block,
+            dense=DenseKeys(entries, layout, qi, seg),
+        )
+        return gathered, dense
+
+    (o1, l1), (o2, l2) = both(q, kv, entries)
+    np.testing.assert_allclose(o1, o2, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(l1, l2, rtol=1e-5, atol=1e-6)
+    g1, g2 = (jax.grad(lambda e, i=i: jnp.sum(both(q, kv, e)[i][0] ** 2))(entries) for i in (0, 1))
+    np.testing.assert_allclose(g1, g2, rtol=1e-4, atol=1e-5)
+
+
+def test_entry_attention_is_the_dense_target():
+    """entry_attention: a per-query distribution over visible entries only, and the same
+    selection as the forward pass."""
+    layer = make("csa", index_topk=2)
+    x = jax.random.normal(jax.random.key(6), (2, 19, 32))
+    mass, sel = eqx.filter_jit(lambda m, x: m.entry_attention(x))(layer, x)
+    _, aux = call(layer, x, return_aux=True)
+    np.testing.assert_array_equal(sel, aux["selection"])
+    t = np.arange(19)[:, None]
+    visible = np.arange(mass.shape[-1])[None, :] < (t + 1) // 4
+    assert (np.asarray(mass)[:, ~visible] == 0).all()
+    sums = np.asarray(mass).sum(-1)
+    np.testing.assert_allclose(sums[:, 3:], 1.0, rtol=1e-5)
+    assert (sums[:, :3] == 0).all()

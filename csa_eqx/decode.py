@@ -1,0 +1,304 @@
+"""Incremental forward (prefill, chunked prefill, decode) over the caches of ``csa_eqx.cache``.
+
+``extend`` runs a chunk ``x [B, T, D]`` that follows what the cache already holds and returns
+exactly what the full forward over the whole stream returns for those tokens (SPEC §3).
+
+* ``lengths [B]``: real tokens per row in this chunk (right padding). Padded tokens are not
+  written and their outputs are unspecified; each row continues at its own position.
+* ``segment_ids [B, T]`` (``>= 0``): packed documents, contiguous runs. The first token of the
+  chunk continues the cache's last segment when its id equals it; positions restart at each new
+  segment, compression windows are aligned to segment starts and no token sees another
+  segment's keys or entries, as in the full forward. ``None`` continues the last segment.
+* Entry ``j`` of the cache is the ``j``-th window that closed in the row; a window closes at the
+  token with ``(position + 1) % m == 0`` and is visible to that token. Its slot order is the
+  closing order, so top-k ties still go to the earlier entry.
+* Writing past ``max_length`` raises (``eqx.error_if``: an ``EquinoxRuntimeError`` under jit);
+  nothing wraps around.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from .cache import CompressorState, V4Cache, V32Cache
+from .compressor import EntryLayout, pool_windows
+from .selection import entry_visibility, select_entries
+from .sparse import sparse_attention
+
+__all__ = ["ChunkRows", "chunk_rows", "v4_extend", "v32_extend"]
+
+
+class ChunkRows(eqx.Module):
+    """Where each token of a chunk sits: ``valid``, segment, RoPE position and stream index
+    (all ``[B, T]``), plus the cache's bookkeeping after the chunk (``[B]``)."""
+
+    valid: Bool[Array, "batch seq"]
+    segment: Int[Array, "batch seq"]
+    position: Int[Array, "batch seq"]
+    index: Int[Array, "batch seq"]
+    lengths: Int[Array, " batch"]
+    new_length: Int[Array, " batch"]
+    new_position: Int[Array, " batch"]
+    new_segment: Int[Array, " batch"]
+
+
+def chunk_rows(
+    cache: V4Cache | V32Cache,
+    seq: int,
+    lengths: Int[Array, " batch"] | None,
+    segment_ids: Int[Array, "batch seq"] | None,
+) -> ChunkRows:
+    """Segments, positions and stream indices of a chunk of ``seq`` tokens after ``cache``;
+    checks (static shapes, then at run time) that the chunk fits in ``max_length``."""
+    if seq > cache.max_length:
+        raise ValueError(
+            f"a chunk of {seq} tokens exceeds the cache's max_length {cache.max_length}"
+        )
+    b = cache.length.shape[0]
+    idx = jnp.arange(seq, dtype=jnp.int32)
+    n = jnp.full((b,), seq, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+    n = jnp.clip(n, 0, seq)
+    valid = idx < n[:, None]
+    if segment_ids is None:
+        seg = jnp.broadcast_to(cache.segment[:, None], (b, seq))
+    else:
+        seg = jnp.asarray(segment_ids, jnp.int32)
+    previous = jnp.concatenate([cache.segment[:, None], seg[:, :-1]], axis=1)
+    starts = seg != previous
+    first = jnp.maximum(
+        jax.lax.cummax(jnp.where(starts, idx, -(2**30)), axis=1), -cache.position[:, None]
+    )
+    pos = idx - first
+    seg = jnp.where(valid, seg, -1)
+    last = jnp.maximum(n - 1, 0)[:, None]
+    some = n > 0
+    new_length = cache.length + n
+    new_length = eqx.error_if(
+        new_length,
+        new_length > cache.max_length,
+        f"decode cache overflow: a row would exceed max_length={cache.max_length}",
+    )
+    return ChunkRows(
+        valid=valid,
+        segment=seg,
+        position=pos,
+        index=cache.length[:, None] + idx,
+        lengths=n,
+        new_length=new_length,
+        new_position=jnp.where(some, jnp.take_along_axis(pos, last, 1)[:, 0] + 1, cache.position),
+        new_segment=jnp.where(some, jnp.take_along_axis(seg, last, 1)[:, 0], cache.segment),
+    )
+
+
+def shift_in(old: Array, new: Array, n: Int[Array, " batch"]) -> Array:
+    """The last ``old.shape[1]`` rows of ``concat(old, new[:, :n])`` per row (a ring as a
+    shift register: the newest row last)."""
+    ring = old.shape[1]
+    both = jnp.concatenate([old, new.astype(old.dtype)], axis=1)
+    rows = n[:, None] + jnp.arange(ring, dtype=jnp.int32)
+    shape = rows.shape + (1,) * (both.ndim - 2)
+    return jnp.take_along_axis(both, rows.reshape(shape), axis=1)
+
+
+def append_rows(buffer: Array, values: Array, start: Int[Array, " batch"], count) -> Array:
+    """Write ``values[:, i]`` to ``buffer[:, start + i]`` for ``i < count`` (per row)."""
+    i = jnp.arange(values.shape[1], dtype=jnp.int32)
+    slot = jnp.where(i < jnp.asarray(count)[:, None], start[:, None] + i, buffer.shape[1])
+    rows = jnp.arange(buffer.shape[0])[:, None]
+    return buffer.at[rows, slot].set(values.astype(buffer.dtype), mode="drop")
+
+
+def _window_indices(window_segment: Array, rows: ChunkRows, window: int) -> Array:
+    """Indices ``[B, T, window]`` into ``concat(ring, chunk)`` of each query's window keys
+    (newest first, ``-1`` = outside the segment or empty)."""
+    ring = window_segment.shape[1]
+    seq = rows.segment.shape[1]
+    seg = jnp.concatenate([window_segment, rows.segment], axis=1)
+    idx = ring + jnp.arange(seq, dtype=jnp.int32)[:, None] - jnp.arange(window, dtype=jnp.int32)
+    idx = jnp.broadcast_to(idx, (seg.shape[0],) + idx.shape)
+    key_seg = jnp.take_along_axis(seg, idx.reshape(seg.shape[0], -1), 1).reshape(idx.shape)
+    keep = (key_seg == rows.segment[..., None]) & rows.valid[..., None]
+    return jnp.where(keep, idx, -1)
+
+
+def _closing_layout(rows: ChunkRows, ring: int, m: int) -> tuple[EntryLayout, Array]:
+    """Windows closing in this chunk, in ``ceil(T/m)`` slots (closes are ``>= m`` apart), as an
+    ``EntryLayout`` over ``concat(ring, chunk)``; also how many closed per row."""
+    b, seq = rows.valid.shape
+    slots = -(-seq // m)
+    closes = rows.valid & ((rows.position + 1) % m == 0)
+    rank = jnp.where(closes, jnp.cumsum(closes, axis=1) - 1, slots)
+    batch = jnp.arange(b)[:, None]
+
+    def scatter(values: Array) -> Array:
+        return jnp.full((b, slots), -1, jnp.int32).at[batch, rank].set(values, mode="drop")
+
+    end = scatter(ring + jnp.arange(seq, dtype=jnp.int32))
+    has_prior = (end >= 0) & (scatter(rows.position) >= 2 * m - 1)
+    return EntryLayout(end, scatter(rows.segment), has_prior), jnp.sum(closes, axis=1)
+
+
+def _compress(
+    compressor,
+    state: CompressorState,
+    x: Array,
+    rows: ChunkRows,
+    cache_position,
+    layout: EntryLayout,
+    start: Array,
+    count: Array,
+) -> CompressorState:
+    """Pool the windows closing in this chunk, append them, and shift the chunk into the ring."""
+    kv, gate = compressor.project(x)
+    ring = state.kv.shape[1]
+    both_kv = jnp.concatenate([state.kv, kv.astype(state.kv.dtype)], axis=1)
+    both_gate = jnp.concatenate([state.gate, gate.astype(state.gate.dtype)], axis=1)
+    # ring tokens that can start a window here belong to the cache's current segment
+    ring_pos = cache_position[:, None] - ring + jnp.arange(ring, dtype=jnp.int32)
+    positions = jnp.concatenate([ring_pos, rows.position], axis=1)
+    pooled = pool_windows(both_kv, both_gate, compressor.position_bias, layout, compressor.overlap)
+    entries = compressor.finish(pooled, positions, layout)
+    return CompressorState(
+        kv=shift_in(state.kv, kv, rows.lengths),
+        gate=shift_in(state.gate, gate, rows.lengths),
+        entries=append_rows(state.entries, entries, start, count),
+    )
+
+
+def v4_extend(
+    layer,
+    x: Float[Array, "batch seq hidden"],
+    cache: V4Cache,
+    lengths: Int[Array, " batch"] | None = None,
+    segment_ids: Int[Array, "batch seq"] | None = None,
+    return_aux: bool = False,
+):
+    """``V4Attention.extend``: outputs ``[B, T, D]`` of a chunk and the updated cache; with
+    ``return_aux`` also ``{"selection": [B, T, k] cache-slot indices or None}``."""
+    c = layer.config
+    x = jnp.asarray(x)
+    b, seq, _ = x.shape
+    rows = chunk_rows(cache, seq, lengths, segment_ids)
+    qr, q, kv = layer.project_qkv(x, rows.position)
+
+    ring = cache.window_kv.shape[1]
+    indices = _window_indices(cache.window_segment, rows, c.sliding_window)
+    keys = jnp.concatenate([cache.window_kv, kv.astype(cache.window_kv.dtype)], axis=1)
+    selection = None
+    new = dict(
+        length=rows.new_length,
+        position=rows.new_position,
+        segment=rows.new_segment,
+        window_kv=shift_in(cache.window_kv, kv, rows.lengths),
+        window_segment=shift_in(cache.window_segment, rows.segment, rows.lengths),
+    )
+    if layer.compressor is not None:
+        m = c.compress_rate
+        closing, count = _closing_layout(rows, cache.compressor.kv.shape[1], m)
+        start = cache.entry_count
+        args = (x, rows, cache.position, closing, start, count)
+        new["compressor"] = _compress(layer.compressor, cache.compressor, *args)
+        end = closing.end - cache.compressor.kv.shape[1] + cache.length[:, None]
+        new["entry_end"] = append_rows(
+            cache.entry_end, jnp.where(closing.end >= 0, end, -1), start, count
+        )
+        new["entry_segment"] = append_rows(cache.entry_segment, closing.segment, start, count)
+        new["entry_count"] = start + count
+        layout = EntryLayout(new["entry_end"], new["entry_segment"], new["entry_end"] >= 0)
+        visible = entry_visibility(rows.index, rows.segment, layout)
+        slots = jnp.arange(layout.end.shape[1], dtype=jnp.int32)
+        picked = jnp.where(visible, slots, -1)
+        if layer.indexer is not None:
+            ix = layer.indexer
+            new["indexer"] = _compress(ix.compressor, cache.indexer, *args)
+            selection = select_entries(
+                ix.queries(qr, rows.position),
+                ix.head_weights(x),
+                new["indexer"].entries,
+                rows.index,
+                rows.segment,
+                layout,
+                c.index_topk,
+                head_chunk=c.qk_head_chunk_size,
+                key_block=c.indexer_key_block,
+                query_block=c.query_block,
+            )
+            if c.indexer_loss != "dense":  # as in the full forward
+                picked = selection
+        offset = ring + seq
+        indices = jnp.concatenate([indices, jnp.where(picked >= 0, picked + offset, -1)], -1)
+        entries = new["compressor"].entries.astype(keys.dtype)
+        keys = jnp.concatenate([keys, entries], axis=1)
+
+    o = sparse_attention(
+        q, keys.astype(q.dtype), indices, layer.sinks, c.head_dim**-0.5, query_block=c.query_block
+    )
+    y = layer.project_out(o, rows.position)
+    cache = dataclasses.replace(cache, **new)
+    if return_aux:
+        return y, cache, {"selection": selection}
+    return y, cache
+
+
+def v32_extend(
+    layer,
+    x: Float[Array, "batch seq hidden"],
+    cache: V32Cache,
+    lengths: Int[Array, " batch"] | None = None,
+    segment_ids: Int[Array, "batch seq"] | None = None,
+    return_aux: bool = False,
+):
+    """``V32Attention.extend``: outputs ``[B, T, D]`` of a chunk and the updated cache; with
+    ``return_aux`` also ``{"selection": [B, T, index_topk] stream indices}``."""
+    c = layer.config
+    x = jnp.asarray(x)
+    rows = chunk_rows(cache, x.shape[1], lengths, segment_ids)
+    qr, queries, keys = layer.project_qkv(x, rows.position)
+    ix = layer.indexer
+    latent = append_rows(cache.latent, keys, cache.length, rows.lengths)
+    index_keys = append_rows(
+        cache.index_keys, ix.keys(x, rows.position), cache.length, rows.lengths
+    )
+    token_segment = append_rows(cache.token_segment, rows.segment, cache.length, rows.lengths)
+    slots = jnp.arange(latent.shape[1], dtype=jnp.int32)
+    written = slots < rows.new_length[:, None]
+    layout = EntryLayout(jnp.where(written, slots, -1), token_segment, written)
+    selection = select_entries(
+        ix.queries(qr, rows.position),
+        ix.head_weights(x),
+        index_keys,
+        rows.index,
+        rows.segment,
+        layout,
+        c.index_topk,
+        head_chunk=c.qk_head_chunk_size,
+        key_block=c.indexer_key_block,
+        query_block=c.query_block,
+    )
+    o = sparse_attention(
+        queries,
+        latent.astype(queries.dtype),
+        selection,
+        None,
+        layer.softmax_scale,
+        values=latent[..., : c.kv_lora_rank].astype(queries.dtype),
+        query_block=c.query_block,
+    )
+    y = layer.project_out(o)
+    cache = V32Cache(
+        length=rows.new_length,
+        position=rows.new_position,
+        segment=rows.new_segment,
+        latent=latent,
+        index_keys=index_keys,
+        token_segment=token_segment,
+        max_length=cache.max_length,
+    )
+    if return_aux:
+        return y, cache, {"selection": selection}
+    return y, cache
