@@ -12,8 +12,10 @@ exactly what the full forward over the whole stream returns for those tokens (SP
 * Entry ``j`` of the cache is the ``j``-th window that closed in the row; a window closes at the
   token with ``(position + 1) % m == 0`` and is visible to that token. Its slot order is the
   closing order, so top-k ties still go to the earlier entry.
-* Writing past ``max_length`` raises (``eqx.error_if``: an ``EquinoxRuntimeError`` under jit);
-  nothing wraps around.
+* RoPE positions are the index inside the segment (the full forward's default positions).
+* Writing past ``max_length`` raises: a chunk longer than ``max_length`` at trace time
+  (``ValueError``), otherwise at run time through ``eqx.error_if`` (``EquinoxRuntimeError``
+  under jit; a donated cache is then gone). Nothing wraps around or is silently dropped.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import dataclasses
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from .cache import CompressorState, V4Cache, V32Cache
 from .compressor import EntryLayout, pool_windows
@@ -50,8 +52,8 @@ class ChunkRows(eqx.Module):
 def chunk_rows(
     cache: V4Cache | V32Cache,
     seq: int,
-    lengths: Int[Array, " batch"] | None,
-    segment_ids: Int[Array, "batch seq"] | None,
+    lengths: Int[ArrayLike, " batch"] | None,
+    segment_ids: Int[ArrayLike, "batch seq"] | None,
 ) -> ChunkRows:
     """Segments, positions and stream indices of a chunk of ``seq`` tokens after ``cache``;
     checks (static shapes, then at run time) that the chunk fits in ``max_length``."""
@@ -105,10 +107,12 @@ def shift_in(old: Array, new: Array, n: Int[Array, " batch"]) -> Array:
     return jnp.take_along_axis(both, rows.reshape(shape), axis=1)
 
 
-def append_rows(buffer: Array, values: Array, start: Int[Array, " batch"], count) -> Array:
+def append_rows(
+    buffer: Array, values: Array, start: Int[Array, " batch"], count: Int[Array, " batch"]
+) -> Array:
     """Write ``values[:, i]`` to ``buffer[:, start + i]`` for ``i < count`` (per row)."""
     i = jnp.arange(values.shape[1], dtype=jnp.int32)
-    slot = jnp.where(i < jnp.asarray(count)[:, None], start[:, None] + i, buffer.shape[1])
+    slot = jnp.where(i < count[:, None], start[:, None] + i, buffer.shape[1])
     rows = jnp.arange(buffer.shape[0])[:, None]
     return buffer.at[rows, slot].set(values.astype(buffer.dtype), mode="drop")
 
@@ -148,7 +152,7 @@ def _compress(
     state: CompressorState,
     x: Array,
     rows: ChunkRows,
-    cache_position,
+    cache_position: Int[Array, " batch"],
     layout: EntryLayout,
     start: Array,
     count: Array,
@@ -172,10 +176,10 @@ def _compress(
 
 def v4_extend(
     layer,
-    x: Float[Array, "batch seq hidden"],
+    x: Float[ArrayLike, "batch seq hidden"],
     cache: V4Cache,
-    lengths: Int[Array, " batch"] | None = None,
-    segment_ids: Int[Array, "batch seq"] | None = None,
+    lengths: Int[ArrayLike, " batch"] | None = None,
+    segment_ids: Int[ArrayLike, "batch seq"] | None = None,
     return_aux: bool = False,
 ):
     """``V4Attention.extend``: outputs ``[B, T, D]`` of a chunk and the updated cache; with
@@ -247,10 +251,10 @@ def v4_extend(
 
 def v32_extend(
     layer,
-    x: Float[Array, "batch seq hidden"],
+    x: Float[ArrayLike, "batch seq hidden"],
     cache: V32Cache,
-    lengths: Int[Array, " batch"] | None = None,
-    segment_ids: Int[Array, "batch seq"] | None = None,
+    lengths: Int[ArrayLike, " batch"] | None = None,
+    segment_ids: Int[ArrayLike, "batch seq"] | None = None,
     return_aux: bool = False,
 ):
     """``V32Attention.extend``: outputs ``[B, T, D]`` of a chunk and the updated cache; with

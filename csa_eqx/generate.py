@@ -8,7 +8,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, ArrayLike, Float, Int
 
 __all__ = ["generate", "sample_next"]
 
@@ -52,12 +52,12 @@ _decode = eqx.filter_jit(_decode, donate="all-except-first")
 
 def generate(
     model: LogitsFn,
-    prompt: Int[Array, "batch seq"],
+    prompt: Int[ArrayLike, "batch seq"],
     max_new_tokens: int,
     *,
     caches: Any = None,
     max_length: int | None = None,
-    prompt_lengths: Int[Array, " batch"] | None = None,
+    prompt_lengths: Int[ArrayLike, " batch"] | None = None,
     temperature: float = 0.0,
     key: Array | None = None,
 ) -> tuple[Int[Array, "batch new"], Any]:
@@ -75,6 +75,7 @@ def generate(
     """
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be positive (got {max_new_tokens})")
+    prompt = jnp.asarray(prompt)
     b, s = prompt.shape
     fn = getattr(model, "extend", model)
     if caches is None:

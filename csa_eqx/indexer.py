@@ -7,11 +7,13 @@ the forward or the backward pass; only the float32 ``[B, S, T]`` accumulator doe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-__all__ = ["indexer_scores", "split_head_chunks"]
+__all__ = ["indexer_scores", "sum_head_chunks"]
 
 
 def _score_heads(q: Array, w: Array, k: Array) -> Array:
@@ -20,10 +22,23 @@ def _score_heads(q: Array, w: Array, k: Array) -> Array:
     return jnp.einsum("bsht,bsh->bst", jax.nn.relu(logits), w.astype(acc))
 
 
-def split_head_chunks(x: Array, chunk: int) -> Array:
-    """``[B, S, H, ...] -> [H/chunk, B, S, chunk, ...]`` (scan-major head chunks)."""
-    b, s, h = x.shape[:3]
-    return jnp.moveaxis(x.reshape(b, s, h // chunk, chunk, *x.shape[3:]), 2, 0)
+def sum_head_chunks(fn: Callable[..., Array], head_chunk: int, shape, *per_head: Array) -> Array:
+    """``Σ_c fn(*chunk_c)`` over chunks of ``head_chunk`` heads (axis 2 of every ``per_head``
+    array), float32, in a ``lax.scan`` with a rematerialised body.
+
+    Heads are sliced in place: a head-major copy of the queries can be as large as the score
+    tensor itself at V4 sizes, which would defeat the point of chunking.
+    """
+    heads = per_head[0].shape[2]
+    if heads % head_chunk:
+        raise ValueError(f"head_chunk={head_chunk} must divide the {heads} heads")
+
+    def body(acc, i):
+        chunk = (jax.lax.dynamic_slice_in_dim(a, i * head_chunk, head_chunk, 2) for a in per_head)
+        return acc + fn(*chunk), None
+
+    init = jnp.zeros(shape, jnp.float32)
+    return jax.lax.scan(jax.checkpoint(body), init, jnp.arange(heads // head_chunk))[0]
 
 
 def indexer_scores(
@@ -44,14 +59,5 @@ def indexer_scores(
     w = weights.astype(jnp.float32) * d**-0.5
     if not head_chunk:
         return _score_heads(q, w, keys)
-
-    def body(acc, qw):
-        return acc + _score_heads(qw[0], qw[1], keys), None
-
-    acc = jnp.zeros((q.shape[0], q.shape[1], keys.shape[1]), jnp.float32)
-    acc, _ = jax.lax.scan(
-        jax.checkpoint(body),
-        acc,
-        (split_head_chunks(q, head_chunk), split_head_chunks(w, head_chunk)),
-    )
-    return acc
+    shape = (q.shape[0], q.shape[1], keys.shape[1])
+    return sum_head_chunks(lambda q, w: _score_heads(q, w, keys), head_chunk, shape, q, w)

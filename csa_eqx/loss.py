@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from .indexer import sum_head_chunks
+
 __all__ = ["indexer_kl_loss", "attention_target", "selection_mask"]
 
 
@@ -64,18 +66,9 @@ def attention_target(
     if not head_chunk:
         mass = _head_mass(q, lse, keys, candidates, scale)
     else:
-
-        def body(acc, i):  # slice the heads in place: a head-major copy of q would be as big
-            # as the score tensor itself at V4 sizes (d = 512, T = S / 4)
-            q_c, lse_c = (
-                jax.lax.dynamic_slice_in_dim(a, i * head_chunk, head_chunk, 2) for a in (q, lse)
-            )
-            return acc + _head_mass(q_c, lse_c, keys, candidates, scale), None
-
-        mass, _ = jax.lax.scan(
-            jax.checkpoint(body),
-            jnp.zeros(candidates.shape, jnp.float32),
-            jnp.arange(h // head_chunk),
+        mass = sum_head_chunks(
+            lambda q, lse: _head_mass(q, lse, keys, candidates, scale),
+            head_chunk, candidates.shape, q, lse,
         )
     total = jnp.sum(mass, axis=-1, keepdims=True)
     return mass / jnp.where(total > 0, total, 1.0)

@@ -288,10 +288,10 @@ class V32Attention(eqx.Module):
 
     def extend(
         self,
-        x: Float[Array, "batch seq hidden"],
+        x: Float[ArrayLike, "batch seq hidden"],
         cache: V32Cache,
-        lengths: Int[Array, " batch"] | None = None,
-        segment_ids: Int[Array, "batch seq"] | None = None,
+        lengths: Int[ArrayLike, " batch"] | None = None,
+        segment_ids: Int[ArrayLike, "batch seq"] | None = None,
         return_aux: bool = False,
     ):
         """Run the chunk ``x`` after the tokens in ``cache``: ``(y, cache)`` equal to the full

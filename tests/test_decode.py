@@ -30,6 +30,10 @@ def make(kind: str, seed: int = 0):
             index_topk=5,
         )
         return randomise(ce.V32Attention(cfg, key=jax.random.key(seed)), seed)
+    if kind == "csa-dense":  # the dense warm-up attends to every visible entry
+        return randomise(
+            ce.V4Attention(tiny("csa", indexer_loss="dense"), key=jax.random.key(seed)), seed
+        )
     return randomise(ce.V4Attention(tiny(kind), key=jax.random.key(seed)), seed)
 
 
@@ -80,7 +84,7 @@ def reference(layer, docs):
     ]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + ["csa-dense"])
 def test_prefill_steps_and_chunks_equal_full(kind):
     """Full forward == prefill(S) + single steps == random chunks, outputs and selections."""
     rng = np.random.default_rng(len(kind))
@@ -89,10 +93,11 @@ def test_prefill_steps_and_chunks_equal_full(kind):
     x = jax.random.normal(jax.random.key(1), (B, T, D))
     want, aux = full(layer, x, jnp.zeros((B, T), jnp.int32))
     cache = layer.init_cache(B, MAXLEN)
-    for sizes in ([s] + [1] * (T - s), random_chunks(rng, T)):
+    chunked = [] if kind == "csa-dense" else [random_chunks(rng, T)]  # same path as csa
+    for sizes in [[s] + [1] * (T - s)] + chunked:
         got, sel, _ = run_chunks(layer, x, sizes, cache)
         assert rel_err(got, want) <= 1e-5, sizes
-        if kind in ("csa", "dsa"):
+        if kind in ("csa", "csa-dense", "dsa"):
             np.testing.assert_array_equal(sel, aux["selection"])
             assert (sel >= 0).any() and (sel == -1).any()
 
