@@ -5,7 +5,7 @@ from .compressor import Compressor, EntryLayout, entry_layout, pool_windows, seg
 from .config import V4AttentionConfig, V32AttentionConfig, YaRNScaling
 from .generate import generate
 from .indexer import indexer_scores
-from .loss import indexer_kl_loss
+from .loss import indexer_kl_loss, projected_indexer_kl_loss
 from .remat import SELECTION_NAME, compose_selection_policy
 from .selection import entry_visibility, select_topk
 from .sharding import sharded_select_entries
@@ -33,6 +33,7 @@ __all__ = [
     "entry_layout",
     "entry_visibility",
     "indexer_kl_loss",
+    "projected_indexer_kl_loss",
     "indexer_scores",
     "pool_windows",
     "segment_positions",

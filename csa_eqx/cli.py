@@ -121,6 +121,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     if args.command == "bench":
+        # benchmarks/ is a top-level folder of the source checkout, not part of the package
+        root = Path(__file__).resolve().parent.parent
+        if not (root / "benchmarks" / "run_all.py").is_file():
+            print(
+                "csa-eqx bench: error: needs a source checkout (benchmarks/ next to csa_eqx/)",
+                file=sys.stderr,
+            )
+            return 2
+        if str(root) not in sys.path:
+            sys.path.insert(0, str(root))
         from benchmarks.run_all import main as bench_main
 
         return bench_main(args.out, quick=args.quick)

@@ -20,7 +20,9 @@ from .config import YaRNScaling
 from .ops import init_linear, linear, rms_norm, upcast
 from .rope import apply_rope_interleaved, rope_inv_freq
 
-__all__ = ["EntryLayout", "entry_layout", "segment_positions", "pool_windows", "Compressor"]
+__all__ = [
+    "EntryLayout", "entry_layout", "segment_positions", "token_rows", "pool_windows", "Compressor",
+]
 
 
 class EntryLayout(NamedTuple):
@@ -42,15 +44,25 @@ def segment_positions(segment_ids: Int[Array, "batch seq"]) -> Int[Array, "batch
     return idx - first
 
 
+def token_rows(
+    x: Float[Array, "batch seq *rest"], segment_ids: Int[Array, "batch seq"] | None
+) -> tuple[Int[Array, "batch seq"], Int[Array, "batch seq"]]:
+    """``(segment ids, row index)`` of every token, int32, laid out like ``x``'s first two axes
+    (so they carry its sharding on Explicit meshes; no segments = one segment)."""
+    base = jnp.zeros_like(x[..., 0] if x.ndim > 2 else x, dtype=jnp.int32)
+    seg = base if segment_ids is None else base + jnp.asarray(segment_ids, jnp.int32)
+    return seg, base + jnp.arange(x.shape[1], dtype=jnp.int32)
+
+
 def entry_layout(segment_ids: Int[Array, "batch seq"], m: int) -> EntryLayout:
     """Slots of the compressed entries of a row, windows aligned to each segment's start."""
     b, s = segment_ids.shape
     slots = -(-s // m)
-    idx = jnp.arange(s, dtype=jnp.int32)
     pos = segment_positions(segment_ids)
-    closes = (pos + 1) % m == 0
-    rows = jnp.arange(b)[:, None]
-    end = jnp.full((b, slots), -1, jnp.int32).at[rows, idx // m].max(jnp.where(closes, idx, -1))
+    # slot j holds the (at most one) window closing at a row in [j*m, j*m + m)
+    closing = jnp.where((pos + 1) % m == 0, jnp.arange(s, dtype=jnp.int32), -1)
+    closing = jnp.pad(closing, [(0, 0), (0, slots * m - s)], constant_values=-1)
+    end = jnp.max(closing.reshape(b, slots, m), axis=-1)
     safe = jnp.maximum(end, 0)
     segment = jnp.take_along_axis(segment_ids, safe, axis=1)
     has_prior = (end >= 0) & (jnp.take_along_axis(pos, safe, axis=1) >= 2 * m - 1)

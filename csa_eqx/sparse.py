@@ -24,13 +24,15 @@ __all__ = ["sparse_attention", "gather_keys", "sparse_query_block", "DenseKeys"]
 
 
 class DenseKeys(NamedTuple):
-    """Entries attended by matmul: ``keys [B, T, d]`` (also the values), visible to query ``t``
-    per ``entry_visibility(query_index, query_segment, layout)``."""
+    """Entries attended by matmul: ``keys [B, T, d]``, visible to query ``t`` per
+    ``entry_visibility(query_index, query_segment, layout)``; ``values [B, T, vdim]`` default to
+    the keys (V4) and are separate for MLA (V3.2)."""
 
     keys: Float[Array, "batch entries dim"]
     layout: EntryLayout
     query_index: Int[Array, "batch seq"]
     query_segment: Int[Array, "batch seq"]
+    values: Float[Array, "batch entries vdim"] | None = None
 
 
 _BLOCK_ELEMENTS = 1 << 24
@@ -84,7 +86,7 @@ def sparse_attention(
     ``[B, S, k, dim]`` keys never exist at once, in the forward or the backward pass.
 
     ``dense`` adds entries every query attends to (when visible) through a matmul, in the
-    same softmax (values = keys, as in V4).
+    same softmax (their values: ``dense.values``, else the keys as in V4).
     """
     b, s, h, d = q.shape
     width = d if values is None else d + values.shape[-1]  # gathered keys (+ values) per pick
@@ -149,10 +151,11 @@ def _attend(q, kv, indices, sinks, scale, values, return_lse, dense=None):
         preferred_element_type=probs.dtype,
     )
     if dense is not None:
+        dense_vals = dense.keys if dense.values is None else dense.values
         out = out + jnp.einsum(
             "bsht,btd->bshd",
             probs[..., k:].astype(vals.dtype),
-            dense.keys.astype(vals.dtype),
+            dense_vals.astype(vals.dtype),
             preferred_element_type=probs.dtype,
         )
     if return_lse:

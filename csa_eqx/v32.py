@@ -21,12 +21,14 @@ from .cache import V32Cache, init_v32_cache
 from .compressor import entry_layout, segment_positions
 from .config import V32AttentionConfig, YaRNScaling
 from .decode import v32_extend
+from .indexer import indexer_scores
+from .loss import indexer_kl_loss, selection_mask
 from .ops import init_linear, linear, rms_norm, upcast
 from .remat import tag_selection
 from .rope import apply_rope_half_split, apply_rope_interleaved, rope_inv_freq, yarn_mscale
-from .selection import select_entries
+from .selection import entry_visibility, select_entries
 from .sharding import constrain_heads, sharded_select_entries, tensor_axis_auto
-from .sparse import sparse_attention
+from .sparse import DenseKeys, sparse_attention
 
 __all__ = ["V32Attention", "V32Indexer"]
 
@@ -139,19 +141,16 @@ class V32Indexer(eqx.Module):
                 entry_layout(segment_ids, 1),
                 c.index_topk,
             )
-            if c.indexer_sharded_topk:
-                return sharded_select_entries(
-                    *args,
-                    head_chunk=c.qk_head_chunk_size,
-                    tensor_axis=c.tensor_axis,
-                    data_axis=c.data_axis,
-                )
-            return select_entries(
-                *args,
+            tiles = dict(
                 head_chunk=c.qk_head_chunk_size,
                 key_block=c.indexer_key_block,
                 query_block=c.query_block,
             )
+            if c.indexer_sharded_topk:
+                return sharded_select_entries(
+                    *args, **tiles, tensor_axis=c.tensor_axis, data_axis=c.data_axis
+                )
+            return select_entries(*args, **tiles)
 
         if c.shard_indexer_acts:
             stage = tensor_axis_auto(stage, c.tensor_axis, query_index)
@@ -248,7 +247,8 @@ class V32Attention(eqx.Module):
         segment_ids: Int[ArrayLike, "batch seq"] | None = None,
         return_aux: bool = False,
     ) -> Float[Array, "batch seq hidden"] | tuple[Float[Array, "batch seq hidden"], dict]:
-        """Sparse MLA over the tokens the indexer selects.
+        """Sparse MLA over the tokens the indexer selects (with ``indexer_loss="dense"``, the
+        warm-up: plain causal MLA over every earlier token of the segment).
 
         Arguments:
             x: hidden states ``[B, S, hidden]``.
@@ -256,7 +256,7 @@ class V32Attention(eqx.Module):
             segment_ids: packed-document ids ``[B, S]`` (contiguous runs); tokens only see
                 earlier tokens of their own segment.
             return_aux: also return ``{"selection": int32 [B,S,index_topk] (-1 = none),
-                "indexer_loss": None}``.
+                "indexer_loss": scalar, or None when config.indexer_loss is "off"}``.
         """
         c = self.config
         x = jnp.asarray(x)
@@ -267,19 +267,60 @@ class V32Attention(eqx.Module):
         positions = positions.astype(jnp.int32)
         qr, queries, keys = self.project_qkv(x, positions)
         selection = self.indexer(x, qr, positions, seg)
+        values = keys[..., : c.kv_lora_rank]
+        indices, dense = selection, None
+        if c.indexer_loss == "dense":
+            # warm-up: every visible token (causal, same segment), attended by one matmul
+            query_index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+            dense = DenseKeys(keys, entry_layout(seg, 1), query_index, seg, values)
+            indices = jnp.zeros((b, s, 0), jnp.int32)
+        want_loss = return_aux and c.indexer_loss != "off"
         o = sparse_attention(
             queries,
             keys,
-            selection,
+            indices,
             None,
             self.softmax_scale,
-            values=keys[..., : c.kv_lora_rank],
+            values=values,
+            return_lse=want_loss,
             query_block=c.query_block,
+            dense=dense,
         )
+        if want_loss:
+            o, lse = o
         y = self.project_out(o)
         if return_aux:
-            return y, {"selection": selection, "indexer_loss": None}
+            loss = None
+            if want_loss:
+                if dense is not None:
+                    candidates = entry_visibility(dense.query_index, seg, dense.layout)
+                else:
+                    candidates = selection_mask(selection, s)
+                loss = self._indexer_loss(x, qr, positions, queries, keys, lse, candidates)
+            return y, {"selection": selection, "indexer_loss": loss}
         return y
+
+    def _indexer_loss(self, x, qr, positions, queries, keys, lse, candidates) -> Array:
+        """The indexer's KL distillation loss (SPEC §4) over token candidates, against the
+        absorbed MLA queries and keys the attention used. The indexer scores detached hidden
+        states and the target is detached, so its gradient reaches indexer parameters only."""
+        c, ix = self.config, self.indexer
+        x, qr = jax.lax.stop_gradient((x, qr))
+        scores = indexer_scores(
+            ix.queries(qr, positions),
+            ix.head_weights(x),
+            ix.keys(x, positions),
+            head_chunk=c.qk_head_chunk_size,
+        )
+        return indexer_kl_loss(
+            queries,
+            keys,
+            lse,
+            scores,
+            candidates,
+            self.softmax_scale,
+            head_chunk=c.qk_head_chunk_size,
+        )
 
     def init_cache(self, batch_size: int, max_length: int, dtype=jnp.float32) -> V32Cache:
         """An empty decode cache (latents and indexer keys of up to ``max_length`` tokens per

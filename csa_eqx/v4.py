@@ -9,11 +9,16 @@ from beartype import beartype
 from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped
 
 from .cache import V4Cache, init_v4_cache
-from .compressor import Compressor, EntryLayout, entry_layout, segment_positions
+from .compressor import (
+    Compressor,
+    EntryLayout,
+    entry_layout,
+    segment_positions,
+    token_rows,
+)
 from .config import V4AttentionConfig
 from .decode import v4_extend
-from .indexer import indexer_scores
-from .loss import attention_target, indexer_kl_loss, selection_mask
+from .loss import attention_target, projected_indexer_kl_loss
 from .ops import init_linear, linear, rms_norm
 from .remat import tag_selection
 from .rope import apply_rope_interleaved, rope_inv_freq
@@ -189,7 +194,7 @@ class V4Attention(eqx.Module):
         c = self.config
         b, s = o.shape[:2]
         o = apply_rope_interleaved(o, -positions[..., None], self.inv_freq)
-        o = o.reshape(b, s, c.o_groups, -1)
+        o = o.reshape(b, s, c.o_groups, -1, c.head_dim).reshape(b, s, c.o_groups, -1)
         w_a = self.o_a_proj.reshape(c.o_groups, c.o_lora_rank, -1).astype(o.dtype)
         return linear(jnp.einsum("bsgi,goi->bsgo", o, w_a).reshape(b, s, -1), self.o_b_proj)
 
@@ -213,12 +218,10 @@ class V4Attention(eqx.Module):
         """
         c = self.config
         x = jnp.asarray(x)
-        b, s, _ = x.shape
-        seg = jnp.zeros((b, s), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+        seg, query_index = token_rows(x, segment_ids)
         if positions is None:
             positions = segment_positions(seg)
         positions = jnp.asarray(positions, jnp.int32)
-        query_index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
 
         qr, q, kv = self.project_qkv(x, positions)
 
@@ -233,7 +236,7 @@ class V4Attention(eqx.Module):
                 # HCA, and CSA's dense warm-up: every visible entry, attended by one matmul
                 dense = DenseKeys(entries, layout, query_index, seg)
             else:
-                picked = jnp.where(selection >= 0, selection + s, -1)
+                picked = jnp.where(selection >= 0, selection + x.shape[1], -1)
                 indices = jnp.concatenate([indices, picked], axis=-1)
                 keys = jnp.concatenate([kv, entries], axis=1)
 
@@ -246,25 +249,26 @@ class V4Attention(eqx.Module):
         if return_aux:
             loss = None
             if want_loss:
-                if c.indexer_loss == "dense":
-                    candidates = entry_visibility(query_index, seg, layout)
-                else:
-                    candidates = selection_mask(selection, entries.shape[1])
-                loss = self._indexer_loss(x, qr, positions, layout, q, entries, lse, candidates)
+                loss = self._indexer_loss(x, qr, positions, query_index, seg, layout, q, entries,
+                                          lse, selection)
             return y, {"selection": selection, "indexer_loss": loss}
         return y
 
-    def _indexer_loss(self, x, qr, positions, layout, q, entries, lse, candidates) -> Array:
+    def _indexer_loss(self, x, qr, positions, query_index, seg, layout, q, entries, lse,
+                      selection) -> Array:
         """The indexer's KL distillation loss (SPEC §4). The indexer scores detached hidden
-        states and the target is detached, so its gradient reaches indexer parameters only."""
+        states and the target is detached, so its gradient reaches indexer parameters only.
+        Candidates: every visible entry (dense warm-up) or the selection (sparse stage); long
+        sequences stream (``projected_indexer_kl_loss``), never forming ``[B, S, T]``."""
         c, ix = self.config, self.indexer
         x, qr = jax.lax.stop_gradient((x, qr))
         keys = ix.compressor(x, positions, layout)
-        scores = indexer_scores(
-            ix.queries(qr, positions), ix.head_weights(x), keys, head_chunk=c.qk_head_chunk_size
-        )
-        return indexer_kl_loss(
-            q, entries, lse, scores, candidates, c.head_dim**-0.5, head_chunk=c.qk_head_chunk_size
+        return projected_indexer_kl_loss(
+            lambda x, qr, pos: (ix.queries(qr, pos), ix.head_weights(x)),
+            (x, qr, positions), keys, q, entries, lse, query_index, seg, layout,
+            c.head_dim**-0.5, None if c.indexer_loss == "dense" else selection,
+            head_chunk=c.qk_head_chunk_size, key_block=c.indexer_key_block,
+            query_block=c.query_block,
         )
 
     def entry_attention(
@@ -281,10 +285,8 @@ class V4Attention(eqx.Module):
         c = self.config
         if self.indexer is None:
             raise ValueError(f"entry_attention needs a CSA layer (this one is {c.layer_type})")
-        b, s, _ = x.shape
-        seg = jnp.zeros((b, s), jnp.int32) if segment_ids is None else segment_ids
+        seg, query_index = token_rows(x, segment_ids)
         positions = segment_positions(seg)
-        query_index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         qr, q, kv = self.project_qkv(x, positions)
         layout = entry_layout(seg, c.compress_rate)
         entries = self.compressor(x, positions, layout).astype(kv.dtype)

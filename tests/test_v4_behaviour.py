@@ -238,3 +238,27 @@ def test_entry_attention_is_the_dense_target():
     sums = np.asarray(mass).sum(-1)
     np.testing.assert_allclose(sums[:, 3:], 1.0, rtol=1e-5)
     assert (sums[:, :3] == 0).all()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_explicit_mesh_batch_sharded_input(kind):
+    """A batch sharded over an Explicit "data" axis (top-k rows over "tensor") gives the
+    unsharded outputs and selections."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    layer = make(kind)
+    sharded = jax.tree.unflatten(
+        jax.tree.structure(make(kind, indexer_sharded_topk=True)), jax.tree.leaves(layer)
+    )
+    x = jax.random.normal(jax.random.key(7), (2, 24, 32))
+    seg = jnp.array([[0] * 10 + [1] * 14, [0] * 24])
+    want, want_aux = call(layer, x, segment_ids=seg, return_aux=True)
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"))
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        segs = jax.device_put(seg, NamedSharding(mesh, P("data")))
+        got, aux = call(sharded, xs, segment_ids=segs, return_aux=True)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    if kind == "csa":
+        np.testing.assert_array_equal(aux["selection"], want_aux["selection"])

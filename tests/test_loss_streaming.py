@@ -1,0 +1,227 @@
+"""The streaming indexer KL loss equals the dense ``indexer_kl_loss`` (value and gradients).
+
+Reference: ``indexer_kl_loss`` over dense ``indexer_scores`` with the ``entry_visibility``
+(dense warm-up) or ``selection_mask`` (sparse stage) candidates; it is itself checked against
+transformers and a numpy formula in test_loss.py.
+"""
+
+import equinox as eqx
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from csa_eqx import V4Attention, V4AttentionConfig, entry_layout
+from csa_eqx.indexer import indexer_scores
+from csa_eqx.loss import indexer_kl_loss, projected_indexer_kl_loss, selection_mask
+from csa_eqx.selection import entry_visibility, select_topk
+
+H, D, H_I, D_I, HIDDEN = 4, 6, 4, 8, 12
+
+
+def problem(seed: int, b: int, s: int, m: int, packed: bool):
+    """Random main-attention and indexer inputs; some rows see no entry (foreign segment)."""
+    rng = np.random.default_rng(seed)
+    seg = np.sort(rng.integers(0, 3, (b, s)), axis=1) if packed else np.zeros((b, s), np.int64)
+    layout = entry_layout(jnp.asarray(seg, jnp.int32), m)
+    t = layout.end.shape[1]
+    qseg = seg.copy()
+    qseg[rng.random((b, s)) < 0.15] = 99  # rows with no candidate
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    params = {"wq": f(H_I * D_I, HIDDEN) * 0.5, "ww": f(H_I, HIDDEN), "keys": f(b, t, D_I)}
+    fixed = {
+        "x": f(b, s, HIDDEN),
+        "q": f(b, s, H, D),
+        "entries": f(b, t, D),
+        "lse": f(b, s, H) + 2.0,
+        "qidx": jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)),
+        "qseg": jnp.asarray(qseg, jnp.int32),
+        "layout": layout,
+    }
+    return params, fixed
+
+
+def project_with(params):
+    def project(x):
+        b, s, _ = x.shape
+        q = jnp.einsum("bsi,oi->bso", x, params["wq"]).reshape(b, s, H_I, D_I)
+        return q, jnp.einsum("bsi,hi->bsh", x, params["ww"]) * H_I**-0.5
+
+    return project
+
+
+def dense_loss(params, fx, selection=None, head_chunk=0):
+    scores = indexer_scores(*project_with(params)(fx["x"]), params["keys"], head_chunk=head_chunk)
+    if selection is None:
+        cand = entry_visibility(fx["qidx"], fx["qseg"], fx["layout"])
+    else:
+        cand = selection_mask(selection, params["keys"].shape[1])
+    return indexer_kl_loss(
+        fx["q"], fx["entries"], fx["lse"], scores, cand, 0.3, head_chunk=head_chunk
+    )
+
+
+def streaming_loss(params, fx, selection=None, **tiles):
+    return projected_indexer_kl_loss(
+        project_with(params),
+        (fx["x"],),
+        params["keys"],
+        fx["q"],
+        fx["entries"],
+        fx["lse"],
+        fx["qidx"],
+        fx["qseg"],
+        fx["layout"],
+        0.3,
+        selection,
+        **tiles,
+    )
+
+
+def some_selection(params, fx, k, seed):
+    scores = jax.random.normal(jax.random.key(seed), fx["qidx"].shape + params["keys"].shape[1:2])
+    return select_topk(scores, entry_visibility(fx["qidx"], fx["qseg"], fx["layout"]), k)
+
+
+def assert_same(params, fx, selection, head_chunk, **tiles):
+    want, want_g = jax.jit(jax.value_and_grad(lambda p: dense_loss(p, fx, selection, head_chunk)))(
+        params
+    )
+    got, got_g = jax.jit(
+        jax.value_and_grad(
+            lambda p: streaming_loss(p, fx, selection, head_chunk=head_chunk, **tiles)
+        )
+    )(params)
+    assert float(want) > 0.05
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    for name in params:
+        scale = np.abs(np.asarray(want_g[name])).max()
+        assert scale > 0, name
+        np.testing.assert_allclose(
+            np.asarray(got_g[name]),
+            np.asarray(want_g[name]),
+            rtol=1e-4,
+            atol=1e-6 * scale,
+            err_msg=name,
+        )
+
+
+CASES = [  # (seed, b, s, m, packed, key_block, query_block, head_chunk)
+    (0, 2, 37, 4, True, 3, 5, 0),
+    (1, 1, 40, 2, False, 7, 16, 2),
+    (2, 2, 29, 1, True, 29, 0, 1),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_dense_stage_streaming_equals_dense(case):
+    seed, b, s, m, packed, kb, qb, hc = case
+    params, fx = problem(seed, b, s, m, packed)
+    assert_same(params, fx, None, hc, key_block=kb, query_block=qb)
+
+
+@pytest.mark.parametrize("case", CASES[:2])
+def test_sparse_stage_streaming_equals_dense(case):
+    seed, b, s, m, packed, kb, qb, hc = case
+    params, fx = problem(seed, b, s, m, packed)
+    selection = some_selection(params, fx, k=2 + seed * 2, seed=seed)
+    assert (selection == -1).any() and (selection >= 0).any()
+    assert_same(params, fx, selection, hc, key_block=kb, query_block=qb)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_no_candidates_anywhere(sparse):
+    """Every row in a foreign segment, or no entry at all: 0, zero gradients, no NaN."""
+    for s, m in [(9, 2), (3, 4)]:  # (3, 4): no entry slot at all
+        params, fx = problem(5, 2, s, m, False)
+        fx["qseg"] = jnp.full_like(fx["qseg"], 99)
+        sel = some_selection(params, fx, 2, 5) if sparse else None
+        fn = lambda p, fx=fx, sel=sel: streaming_loss(p, fx, sel, key_block=2)  # noqa: E731
+        loss, g = jax.jit(jax.value_and_grad(fn))(params)
+        assert float(loss) == 0.0
+        assert all(np.all(np.asarray(v) == 0) for v in jax.tree.leaves(g))
+
+
+def _walk_avals(jaxpr):
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            yield v.aval
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _walk_avals(sub)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_streaming_forms_no_score_matrix(sparse):
+    """fwd+bwd jaxpr holds no float array as large as [B, S, T] (nor the [B, S, H_I, d_I]
+    queries), while the dense path does."""
+    b, s, m = 1, 512, 4
+    params, fx = problem(7, b, s, m, True)
+    t = params["keys"].shape[1]
+    sel = some_selection(params, fx, 16, 7) if sparse else None
+
+    def floats(fn):
+        jaxpr = jax.make_jaxpr(jax.grad(fn))(params).jaxpr
+        return [a for a in _walk_avals(jaxpr) if jnp.issubdtype(a.dtype, jnp.floating)]
+
+    assert max(a.size for a in floats(lambda p: dense_loss(p, fx, sel))) >= b * s * t
+    stream = floats(lambda p: streaming_loss(p, fx, sel, key_block=32, query_block=64))
+    assert max(a.size for a in stream) < b * s * t // 2
+    assert (b, s, H_I, D_I) not in {a.shape for a in stream}
+
+
+def test_v4_layer_streaming_loss_matches_dense():
+    """The layer's indexer loss and its indexer gradients, both stages: streaming (key blocks
+    set) == dense, packed input."""
+    base = dict(
+        hidden_size=32,
+        num_heads=4,
+        head_dim=16,
+        rope_dim=8,
+        q_lora_rank=16,
+        o_lora_rank=8,
+        o_groups=2,
+        sliding_window=4,
+        compress_rate=4,
+        index_n_heads=4,
+        index_head_dim=8,
+        index_topk=3,
+        qk_head_chunk_size=2,
+    )
+    x = jax.random.normal(jax.random.key(0), (2, 30, 32))
+    seg = jnp.asarray(np.repeat([[0] * 17 + [1] * 13], 2, 0), jnp.int32)
+
+    def loss(indexer, layer):
+        layer = eqx.tree_at(lambda a: a.indexer, layer, indexer)
+        return layer(x, segment_ids=seg, return_aux=True)[1]["indexer_loss"]
+
+    for stage in ["dense", "sparse"]:
+        out = []
+        for tiles in [{}, {"indexer_key_block": 2, "query_block": 8}]:
+            cfg = V4AttentionConfig(**base, indexer_loss=stage, **tiles)
+            layer = V4Attention(cfg, key=jax.random.key(1))
+            out.append(eqx.filter_jit(eqx.filter_value_and_grad(loss))(layer.indexer, layer))
+        (want, want_g), (got, got_g) = out
+        assert float(want) > 0.01
+        np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+        pairs = zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True)
+        for a, w in pairs:
+            scale = np.abs(np.asarray(w)).max()
+            assert scale > 0
+            np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-4, atol=1e-6 * scale)
+
+
+def _primitives(jaxpr) -> set[str]:
+    names = {eqn.primitive.name for eqn in jaxpr.eqns}
+    for eqn in jaxpr.eqns:
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            names |= _primitives(sub)
+    return names
+
+
+def test_automatic_choice_streams_long_sequences_only():
+    """Without block sizes: dense path (no loop) when short, streaming loops when long."""
+    for s, streams in [(64, False), (8192, True)]:
+        params, fx = problem(8, 1, s, 4, False)
+        jaxpr = jax.make_jaxpr(jax.grad(lambda p, fx=fx: streaming_loss(p, fx)))(params).jaxpr
+        assert ("while" in _primitives(jaxpr)) == streams
