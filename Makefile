@@ -18,7 +18,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 demo: $(STAMP)
-	$(BIN)/python -m csa_eqx.demo
+	$(BIN)/csa-eqx train --name demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check csa_eqx tests benchmarks

@@ -141,6 +141,26 @@ def indexer_flops(b: int, s: int, heads: int, dim: int, m: int) -> tuple[float, 
     return b * s * t * per_pair, b * visible * per_pair
 
 
+def output_check(torch_layer, hf_forward: Callable, layer, x) -> dict:
+    """Same function, checked once outside the timing: the rows whose top-k set equals HF's
+    (float summation order can swap near-tied picks) and the output error on those rows."""
+    captured = {}
+
+    def keep_topk(_module, _inputs, out):  # returns None: the output is left unchanged
+        captured["topk"] = out.numpy()
+
+    hook = torch_layer.compressor.indexer.register_forward_hook(keep_topk)
+    want = hf_forward().numpy()
+    hook.remove()
+    got, aux = jax.jit(lambda m, x: m(x, return_aux=True))(layer, x)
+    got, sel, hf_sel = np.asarray(got), np.sort(np.asarray(aux["selection"]), -1), captured["topk"]
+    k = hf_sel.shape[-1]
+    same = (np.sort(hf_sel, -1) == sel[..., sel.shape[-1] - k :]).all(-1)
+    same &= (sel[..., : sel.shape[-1] - k] == -1).all(-1)
+    err = np.abs(got - want).max(-1) / np.abs(want).max()
+    return dict(same_rows=float(same.mean()), err_same=float(err[same].max()), err=float(err.max()))
+
+
 def interleaved(runs: dict[str, Callable], reps: int) -> dict[str, list[float]]:
     """Run each callable once (warm-up/compile), then ``reps`` rounds of one call each."""
     for fn in runs.values():
@@ -186,12 +206,9 @@ def measure(seq: int = 4096, reps: int = 5, quick: bool = False, with_hf: bool =
         hf_f, hf_fb = hf_runner(torch_layer, cfg, x_np)
         runs["HF eager fwd"] = hf_f
         runs["HF eager fwd+bwd"] = hf_fb
-        # same function: the HF output and ours agree (checked once, outside the timing)
-        want = hf_f().numpy()
-        got = np.asarray(jax.jit(lambda m, x: m(x))(layer, x))
-        rel_err = float(np.abs(got - want).max() / np.abs(want).max())
+        check = output_check(torch_layer, hf_f, layer, x)
     else:
-        rel_err = float("nan")
+        check = None
     times = interleaved(runs, reps)
     med = {k: statistics.median(v) for k, v in times.items()}
     low = {k: min(v) for k, v in times.items()}
@@ -208,7 +225,7 @@ def measure(seq: int = 4096, reps: int = 5, quick: bool = False, with_hf: bool =
         gemm_n=n,
         gemm_flops_per_s={k: gemm / v["f32 GEMM"] for k, v in (("median", med), ("min", low))},
         indexer_flops=dict(all_pairs=all_pairs, visible=visible),
-        hf_rel_err=rel_err,
+        hf_check=check,
         threads=torch.get_num_threads(),
     )
 
@@ -250,12 +267,16 @@ def markdown(r: dict) -> str:
         "| FLOPs counted | GFLOP | achieved GFLOP/s (min time) | fraction of best f32 GEMM |",
         "|---|---|---|---|",
     ]
-    for key, label in (("visible", "visible pairs only"), ("all_pairs", "all S x T pairs")):
+    for key, label in (
+        ("visible", "visible pairs only"),
+        ("all_pairs", "all S x T pairs (a dense count; block skipping never computes them)"),
+    ):
         rate = flops[key] / low["selection stage"]
         lines.append(
             f"| {label} | {flops[key] / 1e9:.1f} | {rate / 1e9:.1f} | {rate / gemm['min']:.0%} |"
         )
     if "HF eager fwd" in med:
+        c = r["hf_check"]
         speedup = med["HF eager fwd+bwd"] / med["csa_eqx fwd+bwd"]
         lines += [
             "",
@@ -265,8 +286,10 @@ def markdown(r: dict) -> str:
             f"{'met' if flops['visible'] / low['selection stage'] >= gemm['min'] / 2 else 'missed'}"
             "**.",
             "",
-            f"Output check (same weights, same input): max |ours - HF| / max |HF| = "
-            f"{r['hf_rel_err']:.1e}.",
+            f"Output check (same weights and input): {c['same_rows']:.2%} of the query rows "
+            f"select the same top-k set as HF; on them max |ours - HF| / max |HF| = "
+            f"{c['err_same']:.1e} (all rows: {c['err']:.1e}; the other rows swap near-tied "
+            "picks, float summation order differs between torch and XLA).",
         ]
     return "\n".join(lines)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -39,9 +40,31 @@ def _mesh(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(
             f"mesh must look like DATAxTENSOR, e.g. 2x2 (got {text})"
         ) from None
-    if data <= 0 or tensor <= 0:
-        raise argparse.ArgumentTypeError(f"mesh sizes must be positive (got {text})")
+    if data < 0 or tensor < 0 or (data == 0) != (tensor == 0):
+        raise argparse.ArgumentTypeError(f"mesh sizes must be positive, or 0x0 (got {text})")
     return data, tensor
+
+
+_TRAIN_FLAGS = [  # flag, TrainConfig field, parser, help
+    ("--name", "name", str, "run name; output goes to RUNS/NAME"),
+    ("--seq-len", "seq_len", _positive, "tokens per sequence"),
+    ("--start-seq-len", "start_seq_len", _positive, "first length of the dense curriculum"),
+    ("--batch-size", "batch_size", _positive, "sequences per step"),
+    ("--pairs", "n_pairs", _positive, "key/value pairs (and queries) per sequence"),
+    ("--keys", "n_keys", _positive, "distinct keys"),
+    ("--values", "n_values", _positive, "distinct values"),
+    ("--dense-steps", "dense_steps", _non_negative, "dense-attention steps"),
+    ("--warmup-steps", "warmup_steps", _non_negative, "indexer-only warm-up steps"),
+    ("--sparse-steps", "sparse_steps", _non_negative, "sparse (top-k) steps"),
+    ("--lr", "learning_rate", float, "AdamW learning rate"),
+    ("--topk", "index_topk", _positive, "indexer top-k"),
+    ("--window", "sliding_window", _positive, "sliding window"),
+    ("--hidden", "hidden_size", _positive, "model width"),
+    ("--eval-every", "eval_every", _positive, "steps between evaluations"),
+    ("--checkpoint-every", "checkpoint_every", _positive, "steps between checkpoints"),
+    ("--mesh", "mesh", _mesh, "DATAxTENSOR device mesh, 0x0 = automatic"),
+    ("--seed", "seed", int, "data and init seed"),
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,28 +72,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a small CSA model on the embedded retrieval task")
-    t.add_argument("--name", default="demo", help="run name; output goes to RUNS/NAME")
     t.add_argument("--runs", type=Path, default=Path("runs"), help="folder for runs")
-    t.add_argument("--seq-len", type=_positive, default=512)
-    t.add_argument("--batch-size", type=_positive, default=16)
-    t.add_argument("--pairs", type=_positive, default=16, help="key/value pairs per sequence")
-    t.add_argument("--dense-steps", type=_non_negative, default=300)
-    t.add_argument("--warmup-steps", type=_non_negative, default=50)
-    t.add_argument("--sparse-steps", type=_non_negative, default=150)
-    t.add_argument("--lr", type=float, default=3e-3)
-    t.add_argument("--topk", type=_positive, default=8)
-    t.add_argument("--window", type=_positive, default=32)
-    t.add_argument("--hidden", type=_positive, default=128)
-    t.add_argument("--eval-every", type=_positive, default=25)
-    t.add_argument("--checkpoint-every", type=_positive, default=50)
-    t.add_argument("--mesh", type=_mesh, default=(0, 0), help="DATAxTENSOR (default: automatic)")
     t.add_argument(
         "--devices",
         type=_positive,
         default=4,
         help="simulated CPU devices when JAX only finds one CPU (default 4)",
     )
-    t.add_argument("--seed", type=int, default=0)
+    from .train import TrainConfig  # imports JAX without starting its backend
+
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    for flag, field, kind, text in _TRAIN_FLAGS:
+        default = defaults[field]
+        t.add_argument(
+            flag, dest=field, type=kind, default=default, help=f"{text} (default {default})"
+        )
 
     b = sub.add_parser("bench", help="regenerate the benchmark tables and plots")
     b.add_argument("--out", type=Path, default=Path("docs"), help="where tables/plots go")
@@ -87,30 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "train":
-        if args.lr <= 0:
-            build_parser().error(f"--lr must be positive (got {args.lr})")
         _simulated_devices(args.devices)
         from .train import TrainConfig, train
 
-        cfg = TrainConfig(
-            name=args.name,
-            seq_len=args.seq_len,
-            batch_size=args.batch_size,
-            n_pairs=args.pairs,
-            dense_steps=args.dense_steps,
-            warmup_steps=args.warmup_steps,
-            sparse_steps=args.sparse_steps,
-            learning_rate=args.lr,
-            index_topk=args.topk,
-            sliding_window=args.window,
-            hidden_size=args.hidden,
-            eval_every=args.eval_every,
-            checkpoint_every=args.checkpoint_every,
-            mesh=args.mesh,
-            seed=args.seed,
-        )
+        fields = {field: getattr(args, field) for _, field, _, _ in _TRAIN_FLAGS}
         try:
-            report = train(cfg, args.runs / args.name, sys.stdout)
+            cfg = TrainConfig(**fields)
+        except ValueError as err:
+            print(f"csa-eqx train: error: {err}", file=sys.stderr)
+            return 2
+        try:
+            report = train(cfg, args.runs / cfg.name, sys.stdout)
         except ValueError as err:
             print(f"csa-eqx train: error: {err}", file=sys.stderr)
             return 2

@@ -9,7 +9,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-__all__ = ["YaRNScaling", "V4AttentionConfig", "IndexerLossStage"]
+__all__ = [
+    "YaRNScaling",
+    "MemoryFlags",
+    "V4AttentionConfig",
+    "V32AttentionConfig",
+    "IndexerLossStage",
+]
 
 IndexerLossStage = Literal["off", "dense", "sparse"]
 
@@ -95,8 +101,24 @@ def _validate_memory_flags(cfg) -> None:
         )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryFlags:
+    """Memory and sharding options shared by every layer config (SPEC §5); see
+    ``V4AttentionConfig`` for what each does."""
+
+    qk_head_chunk_size: int = 0
+    indexer_key_block: int = 0
+    query_block: int = 0
+    indexer_save_selection: bool = False
+    indexer_sharded_topk: bool = False
+    shard_indexer_acts: bool = False
+    indexer_loss: str = "off"  # IndexerLossStage; validated in __post_init__
+    data_axis: str = "data"
+    tensor_axis: str = "tensor"
+
+
 @dataclasses.dataclass(frozen=True)
-class V4AttentionConfig:
+class V4AttentionConfig(MemoryFlags):
     """One DeepSeek-V4 attention layer (SPEC §1). Field names follow the HF config.
 
     ``compress_rate`` picks the layer type: 0 sliding window only, 4 CSA (overlapping
@@ -132,15 +154,6 @@ class V4AttentionConfig:
     compress_rope_theta: float = 160000.0
     rope_scaling: YaRNScaling | None = None
     rms_norm_eps: float = 1e-6
-    qk_head_chunk_size: int = 0
-    indexer_key_block: int = 0
-    query_block: int = 0
-    indexer_save_selection: bool = False
-    indexer_sharded_topk: bool = False
-    shard_indexer_acts: bool = False
-    indexer_loss: str = "off"  # IndexerLossStage; validated in __post_init__
-    data_axis: str = "data"
-    tensor_axis: str = "tensor"
 
     def __post_init__(self):
         _positive(
@@ -191,7 +204,7 @@ class V4AttentionConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class V32AttentionConfig:
+class V32AttentionConfig(MemoryFlags):
     """One DeepSeek-V3.2 DSA layer (SPEC §2): MLA plus a lightning indexer over raw tokens.
 
     Field names follow the HF config. ``rope_scaling`` (YaRN) rescales the rotary frequencies,
@@ -213,15 +226,6 @@ class V32AttentionConfig:
     rope_theta: float = 10000.0
     rope_scaling: YaRNScaling | None = None
     rms_norm_eps: float = 1e-6
-    qk_head_chunk_size: int = 0
-    indexer_key_block: int = 0
-    query_block: int = 0
-    indexer_save_selection: bool = False
-    indexer_sharded_topk: bool = False
-    shard_indexer_acts: bool = False
-    indexer_loss: str = "off"  # IndexerLossStage; validated in __post_init__
-    data_axis: str = "data"
-    tensor_axis: str = "tensor"
 
     def __post_init__(self):
         _positive(
@@ -246,6 +250,3 @@ class V32AttentionConfig:
         for f in ("rope_theta", "rms_norm_eps"):
             _require(getattr(self, f) > 0, f, "must be > 0", getattr(self, f))
         _validate_memory_flags(self)
-
-
-__all__ += ["V32AttentionConfig"]

@@ -41,19 +41,22 @@ class TrainConfig:
     """Everything a run depends on (saved in the report and checked on resume)."""
 
     name: str = "demo"
-    seq_len: int = 512
-    batch_size: int = 16
-    n_pairs: int = 16
-    dense_steps: int = 300
-    warmup_steps: int = 50
-    sparse_steps: int = 150
-    learning_rate: float = 3e-3
+    seq_len: int = 1024
+    start_seq_len: int = 64
+    batch_size: int = 32
+    n_pairs: int = 1
+    n_keys: int = 1
+    n_values: int = 16
+    dense_steps: int = 400
+    warmup_steps: int = 30
+    sparse_steps: int = 80
+    learning_rate: float = 1e-2
     index_topk: int = 8
-    sliding_window: int = 32
+    sliding_window: int = 16
     hidden_size: int = 128
-    layers: tuple[str, ...] = ("sliding", "csa", "hca")
+    layers: tuple[str, ...] = ("csa", "sliding", "hca")
     mesh: tuple[int, int] = (0, 0)  # (data, tensor); (0, 0) = automatic over local devices
-    eval_every: int = 25
+    eval_every: int = 50
     eval_batches: int = 2
     checkpoint_every: int = 50
     seed: int = 0
@@ -63,6 +66,9 @@ class TrainConfig:
             "seq_len",
             "batch_size",
             "n_pairs",
+            "n_keys",
+            "n_values",
+            "start_seq_len",
             "index_topk",
             "sliding_window",
             "hidden_size",
@@ -87,12 +93,31 @@ class TrainConfig:
             return "dense"
         return "warmup" if step < self.dense_steps + self.warmup_steps else "sparse"
 
-    def task(self) -> RetrievalTask:
+    def seq_len_at(self, step: int) -> int:
+        """Curriculum: the dense phase starts at ``start_seq_len`` for half of its steps (a
+        retrieval circuit is found far faster in short rows), then doubles the length in equal
+        shares of the other half up to ``seq_len``; the later phases use ``seq_len``."""
+        lengths = [min(self.start_seq_len, self.seq_len)]
+        while lengths[-1] < self.seq_len:
+            lengths.append(min(2 * lengths[-1], self.seq_len))
+        if step >= self.dense_steps:
+            return self.seq_len
+        half = self.dense_steps // 2
+        if step < half or len(lengths) == 1:
+            return lengths[0]
+        rest = lengths[1:]
+        return rest[(step - half) * len(rest) // (self.dense_steps - half)]
+
+    def task(self, seq_len: int | None = None) -> RetrievalTask:
+        """The retrieval task at ``seq_len`` (default: the full length). Every stored pair is
+        more than ``sliding_window`` tokens before the first query."""
         return RetrievalTask(
-            seq_len=self.seq_len,
+            seq_len=seq_len or self.seq_len,
             n_pairs=self.n_pairs,
             n_queries=self.n_pairs,
-            min_distance=max(4 * self.sliding_window, 2 * self.n_pairs + 2),
+            n_keys=self.n_keys,
+            n_values=self.n_values,
+            min_distance=self.sliding_window + 2 * self.n_pairs + 2,
             seed=self.seed,
         )
 
@@ -139,9 +164,7 @@ def _labels(model: DecoderLM, phase: str):
 def _optimizer(model: DecoderLM, cfg: TrainConfig, phase: str):
     adam = optax.adamw(cfg.learning_rate, weight_decay=0.0)
     labels = _labels(model, phase)  # a DecoderLM of strings: callable, so wrap it
-    return optax.multi_transform(
-        {"train": adam, "freeze": optax.set_to_zero()}, lambda _: labels
-    )
+    return optax.multi_transform({"train": adam, "freeze": optax.set_to_zero()}, lambda _: labels)
 
 
 def _answer_metrics(logits, targets):
@@ -235,7 +258,6 @@ def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = N
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     mesh = make_mesh(cfg.mesh)
-    task = cfg.task()
     start_time = time.perf_counter()
     ckpt = out_dir / "checkpoint.eqx"
     with jax.set_mesh(mesh):
@@ -258,7 +280,7 @@ def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = N
                 phase = cfg.phase_at(step)
                 model, opt, opt_state = start(phase, model)
                 step_fn = _train_step(opt)
-            tokens, targets = task.batch(step, cfg.batch_size)
+            tokens, targets = cfg.task(cfg.seq_len_at(step)).batch(step, cfg.batch_size)
             model, opt_state, metrics = step_fn(
                 model, opt_state, _shard_batch(tokens, mesh), _shard_batch(targets, mesh)
             )

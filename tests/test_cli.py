@@ -46,7 +46,7 @@ def test_resume_refuses_a_different_config(tmp_path):
         (["train", "--seq-len", "0"], "positive"),
         (["train", "--mesh", "3"], "DATAxTENSOR"),
         (["train", "--dense-steps", "-1"], ">= 0"),
-        (["train", "--lr", "-1"], "--lr must be positive"),
+        (["train", "--mesh", "0x2"], "0x0"),
         (["inspect", "--layer", "mla"], "invalid choice"),
         (["frobnicate"], "invalid choice"),
     ],
@@ -58,10 +58,17 @@ def test_bad_arguments(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_train_reports_bad_config(tmp_path, capsys):
-    argv = ["train", "--runs", str(tmp_path), "--seq-len", "40", "--pairs", "16"]
-    assert main(argv) == 2
-    assert "seq_len=40" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seq-len", "40", "--pairs", "16", "--keys", "16"], "seq_len=40"),
+        (["--lr", "-1"], "learning_rate must be positive"),
+        (["--pairs", "8", "--keys", "4"], "n_keys"),
+    ],
+)
+def test_train_reports_bad_config(argv, message, tmp_path, capsys):
+    assert main(["train", "--runs", str(tmp_path), *argv]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_inspect(capsys):

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ..config import IndexerLossStage, V4AttentionConfig, V32AttentionConfig
+from ..config import IndexerLossStage, MemoryFlags, V4AttentionConfig, V32AttentionConfig
 from ..ops import init_linear, linear, rms_norm
 from ..v4 import V4Attention
 from ..v32 import V32Attention
@@ -102,15 +102,19 @@ class Block(eqx.Module):
 def dsa_config(t: V4AttentionConfig) -> V32AttentionConfig:
     """The V3.2 DSA layer matching a V4 template's sizes and memory/sharding flags."""
     return V32AttentionConfig(
-        hidden_size=t.hidden_size, num_heads=t.num_heads, q_lora_rank=t.q_lora_rank,
-        kv_lora_rank=t.head_dim, qk_nope_head_dim=t.head_dim - t.rope_dim,
-        qk_rope_head_dim=t.rope_dim, v_head_dim=t.head_dim, index_n_heads=t.index_n_heads,
-        index_head_dim=t.index_head_dim, index_topk=t.index_topk, rope_theta=t.rope_theta,
-        rms_norm_eps=t.rms_norm_eps, qk_head_chunk_size=t.qk_head_chunk_size,
-        indexer_key_block=t.indexer_key_block, query_block=t.query_block,
-        indexer_save_selection=t.indexer_save_selection,
-        indexer_sharded_topk=t.indexer_sharded_topk, shard_indexer_acts=t.shard_indexer_acts,
-        indexer_loss=t.indexer_loss, data_axis=t.data_axis, tensor_axis=t.tensor_axis,
+        hidden_size=t.hidden_size,
+        num_heads=t.num_heads,
+        q_lora_rank=t.q_lora_rank,
+        kv_lora_rank=t.head_dim,
+        qk_nope_head_dim=t.head_dim - t.rope_dim,
+        qk_rope_head_dim=t.rope_dim,
+        v_head_dim=t.head_dim,
+        index_n_heads=t.index_n_heads,
+        index_head_dim=t.index_head_dim,
+        index_topk=t.index_topk,
+        rope_theta=t.rope_theta,
+        rms_norm_eps=t.rms_norm_eps,
+        **{f.name: getattr(t, f.name) for f in dataclasses.fields(MemoryFlags)},
     )
 
 
