@@ -64,7 +64,7 @@ def plot_run(history: list[dict], model, cfg, out_dir: Path, mesh) -> None:
     ax.set_xlabel("compressed entry")
     ax.set_ylabel("query position")
     ax.set_title(f"layer {layer} (CSA): entries each query selects")
-    ax.legend(loc="lower left")
+    ax.legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(out_dir / "selections.png", dpi=100)
     plt.close(fig)

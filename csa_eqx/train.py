@@ -41,15 +41,15 @@ class TrainConfig:
     """Everything a run depends on (saved in the report and checked on resume)."""
 
     name: str = "demo"
-    seq_len: int = 1024
+    seq_len: int = 512
     start_seq_len: int = 64
     batch_size: int = 32
     n_pairs: int = 1
     n_keys: int = 1
     n_values: int = 16
-    dense_steps: int = 400
-    warmup_steps: int = 30
-    sparse_steps: int = 80
+    dense_steps: int = 300
+    warmup_steps: int = 20
+    sparse_steps: int = 60
     learning_rate: float = 1e-2
     index_topk: int = 8
     sliding_window: int = 16
@@ -57,7 +57,7 @@ class TrainConfig:
     layers: tuple[str, ...] = ("csa", "sliding", "hca")
     mesh: tuple[int, int] = (0, 0)  # (data, tensor); (0, 0) = automatic over local devices
     eval_every: int = 50
-    eval_batches: int = 2
+    eval_batches: int = 1
     checkpoint_every: int = 50
     seed: int = 0
 
