@@ -8,9 +8,22 @@ import pytest
 from csa_eqx.cli import main
 from csa_eqx.train import TrainConfig, train
 
-TINY = dict(seq_len=96, batch_size=4, n_pairs=4, dense_steps=3, warmup_steps=2, sparse_steps=3,
-            index_topk=4, sliding_window=8, hidden_size=32, eval_every=2, eval_batches=1,
-            checkpoint_every=2)
+TINY = dict(
+    seq_len=96,
+    start_seq_len=96,
+    batch_size=4,
+    n_pairs=4,
+    n_keys=4,
+    dense_steps=3,
+    warmup_steps=2,
+    sparse_steps=3,
+    index_topk=4,
+    sliding_window=8,
+    hidden_size=32,
+    eval_every=2,
+    eval_batches=1,
+    checkpoint_every=2,
+)
 
 
 def test_train_smoke_and_resume(tmp_path):
