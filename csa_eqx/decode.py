@@ -30,7 +30,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int
 from .cache import CompressorState, V4Cache, V32Cache
 from .compressor import EntryLayout, pool_windows
 from .selection import entry_visibility, select_entries
-from .sparse import sparse_attention
+from .sparse import DenseKeys, sparse_attention
 
 __all__ = ["ChunkRows", "chunk_rows", "v4_extend", "v32_extend"]
 
@@ -284,15 +284,29 @@ def v32_extend(
         key_block=c.indexer_key_block,
         query_block=c.query_block,
     )
-    o = sparse_attention(
-        queries,
-        latent.astype(queries.dtype),
-        selection,
-        None,
-        layer.softmax_scale,
-        values=latent[..., : c.kv_lora_rank].astype(queries.dtype),
-        query_block=c.query_block,
-    )
+    keys, values = latent.astype(queries.dtype), latent[..., : c.kv_lora_rank]
+    if c.indexer_loss == "dense":  # the dense warm-up attends to every visible token
+        dense = DenseKeys(keys, layout, rows.index, rows.segment, values.astype(queries.dtype))
+        o = sparse_attention(
+            queries,
+            keys,
+            selection[..., :0],
+            None,
+            layer.softmax_scale,
+            values=values.astype(queries.dtype),
+            query_block=c.query_block,
+            dense=dense,
+        )
+    else:
+        o = sparse_attention(
+            queries,
+            keys,
+            selection,
+            None,
+            layer.softmax_scale,
+            values=values.astype(queries.dtype),
+            query_block=c.query_block,
+        )
     y = layer.project_out(o)
     cache = V32Cache(
         length=rows.new_length,

@@ -16,8 +16,9 @@ KINDS = ["sliding", "csa", "hca", "dsa"]
 
 
 def make(kind: str, seed: int = 0):
-    if kind == "dsa":
+    if kind in ("dsa", "dsa-dense"):
         cfg = ce.V32AttentionConfig(
+            indexer_loss="dense" if kind == "dsa-dense" else "off",
             hidden_size=D,
             num_heads=4,
             q_lora_rank=16,
@@ -84,7 +85,7 @@ def reference(layer, docs):
     ]
 
 
-@pytest.mark.parametrize("kind", KINDS + ["csa-dense"])
+@pytest.mark.parametrize("kind", KINDS + ["csa-dense", "dsa-dense"])
 def test_prefill_steps_and_chunks_equal_full(kind):
     """Full forward == prefill(S) + single steps == random chunks, outputs and selections."""
     rng = np.random.default_rng(len(kind))
@@ -93,11 +94,11 @@ def test_prefill_steps_and_chunks_equal_full(kind):
     x = jax.random.normal(jax.random.key(1), (B, T, D))
     want, aux = full(layer, x, jnp.zeros((B, T), jnp.int32))
     cache = layer.init_cache(B, MAXLEN)
-    chunked = [] if kind == "csa-dense" else [random_chunks(rng, T)]  # same path as csa
+    chunked = [] if kind.endswith("-dense") else [random_chunks(rng, T)]  # same path
     for sizes in [[s] + [1] * (T - s)] + chunked:
         got, sel, _ = run_chunks(layer, x, sizes, cache)
         assert rel_err(got, want) <= 1e-5, sizes
-        if kind in ("csa", "csa-dense", "dsa"):
+        if kind in ("csa", "csa-dense", "dsa", "dsa-dense"):
             np.testing.assert_array_equal(sel, aux["selection"])
             assert (sel >= 0).any() and (sel == -1).any()
 
