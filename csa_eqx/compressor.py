@@ -21,7 +21,12 @@ from .ops import init_linear, linear, rms_norm, upcast
 from .rope import apply_rope_interleaved, rope_inv_freq
 
 __all__ = [
-    "EntryLayout", "entry_layout", "segment_positions", "token_rows", "pool_windows", "Compressor",
+    "EntryLayout",
+    "entry_layout",
+    "segment_positions",
+    "token_rows",
+    "pool_windows",
+    "Compressor",
 ]
 
 

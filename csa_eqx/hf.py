@@ -315,9 +315,9 @@ def load_v4_attention_from_safetensors(
     for file in files:
         for name, value in read_safetensors(file, keep=lambda n: n.startswith(prefixes)).items():
             if name.startswith(hf_prefix):
-                tensors[name[len(hf_prefix):]] = value
+                tensors[name[len(hf_prefix) :]] = value
             else:
-                short = name[len(next(p for p in native if name.startswith(p))):]
+                short = name[len(next(p for p in native if name.startswith(p))) :]
                 tensors[native_v4_name(short)] = value
     if not tensors:
         raise ValueError(f"no attention tensors for layer {layer_idx} in {folder}")

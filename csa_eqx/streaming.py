@@ -1,14 +1,16 @@
 """Streaming indexer selection: exact top-k over key blocks, no score matrix.
 
-Queries are processed in blocks. For each query block a loop visits only the key blocks that
-can hold a visible entry (a dynamic trip count, so fully invisible blocks cost nothing under
-``jit``), scores one ``[B, Qb, Kb]`` tile with :func:`csa_eqx.indexer_scores` (head-chunked when
-asked), takes the tile's top-k and merges it into the running top-k of each query. Neither
+Queries are processed in blocks. For each query block a loop visits only the key tiles that
+can hold a visible entry (a dynamic trip count, so fully invisible tiles cost nothing under
+``jit``) and scores each ``[B, Qb, Kb]`` tile with :func:`csa_eqx.indexer_scores` (head-chunked
+when asked) into a row buffer of ``topk_block`` entries; each buffer gets one top-k, merged
+into the running top-k of each query. The buffer holds all entries unless ``[B, Qb, T]`` would
+pass ~64 MiB, so at usual sizes there is one top-k per query row and no merge at all. Neither
 ``[B, H, S, T]`` nor ``[B, S, T]`` is ever formed: memory is linear in the sequence length.
 ``select_projected_entries`` also projects the indexer queries one query block at a time, so
 the ``[B, S, H, d]`` queries (the largest remaining tensor at V4 sizes) never exist either.
 
-Given the same scores this is exactly :func:`csa_eqx.select_topk`: blocks are merged in
+Given the same scores this is exactly :func:`csa_eqx.select_topk`: buffers are merged in
 increasing order with the running list first, so ties keep the lower index; invisible picks
 become ``-1``. The selection is integer-valued, so its inputs are ``stop_gradient``-ed and the
 loops never need differentiating.
@@ -31,12 +33,13 @@ __all__ = [
     "stream_select_projected",
     "select_projected_entries",
     "streaming_block_sizes",
+    "topk_block_size",
     "prefers_streaming",
 ]
 
 _TILE_ELEMENTS = 1 << 24  # largest per-tile tensor [B, Qb, heads at once, Kb] (64 MiB float32)
-_KEY_BLOCK = 1024
-_MAX_QUERY_BLOCK = 512
+_KEY_BLOCK = 128
+_MAX_QUERY_BLOCK = 256
 _BIG = jnp.iinfo(jnp.int32).max
 
 
@@ -58,6 +61,21 @@ def streaming_block_sizes(
         budget = max(_TILE_ELEMENTS // (batch * max(heads_at_once, 1) * kb), 1)
         qb = min(max(1 << (budget.bit_length() - 1), 16), _MAX_QUERY_BLOCK)
     return max(1, min(qb, seq)), kb
+
+
+def topk_block_size(
+    batch: int, query_block: int, entries: int, key_block: int, topk_block: int = 0
+) -> int:
+    """Entries per top-k pass, a multiple of ``key_block``: ``topk_block`` rounded up, or
+    (0 = automatic) all entries when one ``[B, Qb, T]`` score buffer fits near 64 MiB of
+    float32, else as many key tiles as do."""
+    tiles = -(-entries // key_block)
+    per_pass = (
+        -(-topk_block // key_block)
+        if topk_block
+        else _TILE_ELEMENTS // (batch * query_block * key_block)
+    )
+    return max(1, min(per_pass, tiles)) * key_block
 
 
 def _block_starts(n: int, block: int) -> Array:
@@ -93,17 +111,29 @@ def _key_block_ranges(
     return lo, hi
 
 
-def _merge_tile(
-    running: tuple[Array, Array], scores: Array, visible: Array, offset: Array, k: int
-) -> tuple[Array, Array]:
-    """Merge one tile's top-k into the running top-k (running first: ties keep lower index)."""
-    run_val, run_idx = running
-    idx = select_topk(scores, visible, min(k, scores.shape[-1]))
-    picked = jnp.take_along_axis(canonical_scores(scores), jnp.maximum(idx, 0), axis=-1)
-    val = jnp.where(idx >= 0, picked, -jnp.inf)
-    idx = jnp.where(idx >= 0, idx + offset, -1)
-    val, pos = jax.lax.top_k(jnp.concatenate([run_val, val], axis=-1), k)
-    return val, jnp.take_along_axis(jnp.concatenate([run_idx, idx], axis=-1), pos, axis=-1)
+def _padded_keys(keys: Array, layout: EntryLayout, width: int) -> tuple[Array, EntryLayout]:
+    """Keys and layout padded with invalid entries to a multiple of ``width`` slots."""
+    pad = -keys.shape[1] % width
+    if not pad:
+        return keys, layout
+    keys = jnp.pad(keys, ((0, 0), (0, pad), (0, 0)))
+    end = jnp.pad(layout.end, ((0, 0), (0, pad)), constant_values=-1)
+    segment = jnp.pad(layout.segment, ((0, 0), (0, pad)), constant_values=-1)
+    return keys, EntryLayout(end, segment, jnp.pad(layout.has_prior, ((0, 0), (0, pad))))
+
+
+def _top_of(scores: Array, visible: Array, offset: Array, k: int) -> tuple[Array, Array]:
+    """``(values, slots)`` of the ``k`` best visible scores of a row group, padded to ``k``
+    with ``(-inf, -1)``; ties to the lower slot, as ``select_topk``."""
+    idx = select_topk(scores, visible, k)
+    val = jnp.take_along_axis(canonical_scores(scores), jnp.maximum(idx, 0), axis=-1)
+    return jnp.where(idx >= 0, val, -jnp.inf), jnp.where(idx >= 0, idx + offset, -1)
+
+
+def _merge(running: tuple[Array, Array], new: tuple[Array, Array], k: int):
+    """Top-k of two candidate lists, the running (lower-slot) one first so ties keep it."""
+    val, pos = jax.lax.top_k(jnp.concatenate([running[0], new[0]], axis=-1), k)
+    return val, jnp.take_along_axis(jnp.concatenate([running[1], new[1]], axis=-1), pos, axis=-1)
 
 
 def stream_select_entries(
@@ -118,6 +148,7 @@ def stream_select_entries(
     head_chunk: int = 0,
     key_block: int = 0,
     query_block: int = 0,
+    topk_block: int = 0,
 ) -> Int[Array, "batch seq {k}"]:
     """Exact indexer top-k (as ``select_topk`` of the dense scores) without a score matrix.
 
@@ -128,6 +159,8 @@ def stream_select_entries(
         k: picks per query; padded with ``-1`` beyond the visible count.
         head_chunk: heads scored at once inside a tile (0 = all).
         key_block, query_block: entries and queries per tile (0 = automatic).
+        topk_block: entries scored into one row buffer per top-k (0 = automatic, see
+            ``topk_block_size``); more entries are merged into a running top-k.
     """
     return stream_select_projected(
         lambda q, w: (q, w),
@@ -140,6 +173,7 @@ def stream_select_entries(
         head_chunk=head_chunk,
         key_block=key_block,
         query_block=query_block,
+        topk_block=topk_block,
     )
 
 
@@ -186,6 +220,7 @@ def stream_select_projected(
     head_chunk: int = 0,
     key_block: int = 0,
     query_block: int = 0,
+    topk_block: int = 0,
 ) -> Int[Array, "batch seq {k}"]:
     """``stream_select_entries`` with queries and weights computed per query block by
     ``project(*row_block)`` (see ``select_projected_entries``)."""
@@ -196,12 +231,15 @@ def stream_select_projected(
     if t == 0 or s == 0:
         return jnp.full((b, s, k), -1, jnp.int32)
     qb, kb = streaming_block_sizes(b, s, t, head_chunk or h, key_block, query_block)
+    group = topk_block_size(b, qb, t, kb, topk_block)
     # Integer output: nothing here is differentiated (closed-over parameters included).
     block = [jax.ShapeDtypeStruct((r.shape[0], qb, *r.shape[2:]), r.dtype) for r in rows]
     project, consts = jax.closure_convert(project, *block)
     rows, consts, keys = jax.lax.stop_gradient((rows, consts, keys))
+    keys, layout = _padded_keys(keys, layout, group)
+    tiles_per_group, last_group = group // kb, keys.shape[1] // group - 1
     lo, hi = _key_block_ranges(query_index, query_segment, layout, qb, kb)
-    q_starts, k_starts = _block_starts(s, qb), _block_starts(t, kb)
+    q_starts = _block_starts(s, qb)
 
     def take(x: Array, start: Array, size: int) -> Array:
         return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
@@ -211,19 +249,30 @@ def stream_select_projected(
         qi, qs = take(query_index, r0, qb), take(query_segment, r0, qb)
         qx, wx = project(*(take(r, r0, qb) for r in rows), *consts)
 
-        def key_block_body(j, running):
-            c0 = k_starts[j]
-            end = take(layout.end, c0, kb)
-            tile = EntryLayout(end, take(layout.segment, c0, kb), end >= 0)
-            # A pulled-back last block re-reads entries already merged: hide them.
-            fresh = c0 + jnp.arange(kb) >= j * kb
-            visible = entry_visibility(qi, qs, tile) & fresh
-            scores = indexer_scores(qx, wx, take(keys, c0, kb), head_chunk=head_chunk)
-            return _merge_tile(running, scores, visible, c0, k)
+        def group_top(g):
+            """Score the needed key tiles of group ``g`` into one row buffer, then its top-k."""
+            first = g * tiles_per_group
 
-        running = (jnp.full((b, qb, k), -jnp.inf), jnp.full((b, qb, k), -1, jnp.int32))
-        _, idx = jax.lax.fori_loop(lo[i], hi[i], key_block_body, running)
-        return jax.lax.dynamic_update_slice_in_dim(out, idx, r0, axis=1)
+            def tile(j, buffer):
+                scores = indexer_scores(qx, wx, take(keys, j * kb, kb), head_chunk=head_chunk)
+                return jax.lax.dynamic_update_slice_in_dim(buffer, scores, (j - first) * kb, 2)
+
+            tiles = (jnp.maximum(lo[i], first), jnp.minimum(hi[i], first + tiles_per_group))
+            buffer = jax.lax.fori_loop(*tiles, tile, jnp.zeros((b, qb, group), jnp.float32))
+            c0 = first * kb
+            end = take(layout.end, c0, group)
+            visible = entry_visibility(
+                qi, qs, EntryLayout(end, take(layout.segment, c0, group), end >= 0)
+            )
+            return _top_of(buffer, visible, c0, k)
+
+        # Groups before lo hold nothing visible; the first needed one starts the running list.
+        g_lo, g_hi = lo[i] // tiles_per_group, -(-hi[i] // tiles_per_group)
+        running = group_top(jnp.minimum(g_lo, last_group))
+        running = jax.lax.fori_loop(
+            g_lo + 1, g_hi, lambda g, r: _merge(r, group_top(g), k), running
+        )
+        return jax.lax.dynamic_update_slice_in_dim(out, running[1], r0, axis=1)
 
     out = jnp.full((b, s, k), -1, jnp.int32)
     return jax.lax.fori_loop(0, q_starts.shape[0], query_block_body, out)

@@ -24,7 +24,7 @@ from .remat import tag_selection
 from .rope import apply_rope_interleaved, rope_inv_freq
 from .selection import entry_visibility
 from .sharding import constrain_heads, sharded_select_entries, tensor_axis_auto
-from .sparse import DenseKeys, sparse_attention
+from .sparse import DenseKeys, prefers_masked_picks, sparse_attention
 from .streaming import select_projected_entries
 
 __all__ = ["V4Attention", "Indexer", "window_indices"]
@@ -83,8 +83,15 @@ class Indexer(eqx.Module):
         w = linear(x, self.weights_proj).astype(jnp.float32) * c.index_n_heads**-0.5
         return constrain_heads(w, c.tensor_axis) if c.shard_indexer_acts else w
 
-    def select(self, x: Array, qr: Array, positions: Array, query_index: Array,
-               segment: Array, layout: EntryLayout) -> Array:
+    def select(
+        self,
+        x: Array,
+        qr: Array,
+        positions: Array,
+        query_index: Array,
+        segment: Array,
+        layout: EntryLayout,
+    ) -> Array:
         """Top-k entry slots ``[B,S,k]`` per query (``-1`` = none), tagged for remat.
 
         ``indexer_sharded_topk`` / ``shard_indexer_acts`` use the mesh set with
@@ -94,17 +101,35 @@ class Indexer(eqx.Module):
         keys = self.compressor(x, positions, layout)
 
         def stage(x, qr, positions, keys, query_index, segment, layout):
-            tiles = dict(head_chunk=c.qk_head_chunk_size, key_block=c.indexer_key_block,
-                         query_block=c.query_block)
+            tiles = dict(
+                head_chunk=c.qk_head_chunk_size,
+                key_block=c.indexer_key_block,
+                query_block=c.query_block,
+            )
             if c.indexer_sharded_topk:
-                args = (self.queries(qr, positions), self.head_weights(x), keys, query_index,
-                        segment, layout, c.index_topk)
-                return sharded_select_entries(*args, **tiles, tensor_axis=c.tensor_axis,
-                                              data_axis=c.data_axis)
+                args = (
+                    self.queries(qr, positions),
+                    self.head_weights(x),
+                    keys,
+                    query_index,
+                    segment,
+                    layout,
+                    c.index_topk,
+                )
+                return sharded_select_entries(
+                    *args, **tiles, tensor_axis=c.tensor_axis, data_axis=c.data_axis
+                )
             # project the indexer queries block by block inside the streaming loop
             return select_projected_entries(
                 lambda x, qr, pos: (self.queries(qr, pos), self.head_weights(x)),
-                (x, qr, positions), keys, query_index, segment, layout, c.index_topk, **tiles)
+                (x, qr, positions),
+                keys,
+                query_index,
+                segment,
+                layout,
+                c.index_topk,
+                **tiles,
+            )
 
         if c.shard_indexer_acts:
             stage = tensor_axis_auto(stage, c.tensor_axis, query_index)
@@ -235,27 +260,40 @@ class V4Attention(eqx.Module):
             if self.indexer is None or c.indexer_loss == "dense":
                 # HCA, and CSA's dense warm-up: every visible entry, attended by one matmul
                 dense = DenseKeys(entries, layout, query_index, seg)
+            elif prefers_masked_picks(entries.shape[1], c.index_topk):
+                # few entries per pick: a matmul masked to the picks beats gathering them
+                dense = DenseKeys(entries, layout, query_index, seg, picks=selection)
             else:
                 picked = jnp.where(selection >= 0, selection + x.shape[1], -1)
                 indices = jnp.concatenate([indices, picked], axis=-1)
                 keys = jnp.concatenate([kv, entries], axis=1)
 
         want_loss = return_aux and self.indexer is not None and c.indexer_loss != "off"
-        o = sparse_attention(q, keys, indices, self.sinks, c.head_dim**-0.5,
-                             return_lse=want_loss, query_block=c.query_block, dense=dense)
+        o = sparse_attention(
+            q,
+            keys,
+            indices,
+            self.sinks,
+            c.head_dim**-0.5,
+            return_lse=want_loss,
+            query_block=c.query_block,
+            dense=dense,
+        )
         if want_loss:
             o, lse = o
         y = self.project_out(o, positions)
         if return_aux:
             loss = None
             if want_loss:
-                loss = self._indexer_loss(x, qr, positions, query_index, seg, layout, q, entries,
-                                          lse, selection)
+                loss = self._indexer_loss(
+                    x, qr, positions, query_index, seg, layout, q, entries, lse, selection
+                )
             return y, {"selection": selection, "indexer_loss": loss}
         return y
 
-    def _indexer_loss(self, x, qr, positions, query_index, seg, layout, q, entries, lse,
-                      selection) -> Array:
+    def _indexer_loss(
+        self, x, qr, positions, query_index, seg, layout, q, entries, lse, selection
+    ) -> Array:
         """The indexer's KL distillation loss (SPEC §4). The indexer scores detached hidden
         states and the target is detached, so its gradient reaches indexer parameters only.
         Candidates: every visible entry (dense warm-up) or the selection (sparse stage); long
@@ -265,9 +303,18 @@ class V4Attention(eqx.Module):
         keys = ix.compressor(x, positions, layout)
         return projected_indexer_kl_loss(
             lambda x, qr, pos: (ix.queries(qr, pos), ix.head_weights(x)),
-            (x, qr, positions), keys, q, entries, lse, query_index, seg, layout,
-            c.head_dim**-0.5, None if c.indexer_loss == "dense" else selection,
-            head_chunk=c.qk_head_chunk_size, key_block=c.indexer_key_block,
+            (x, qr, positions),
+            keys,
+            q,
+            entries,
+            lse,
+            query_index,
+            seg,
+            layout,
+            c.head_dim**-0.5,
+            None if c.indexer_loss == "dense" else selection,
+            head_chunk=c.qk_head_chunk_size,
+            key_block=c.indexer_key_block,
             query_block=c.query_block,
         )
 
@@ -291,12 +338,19 @@ class V4Attention(eqx.Module):
         layout = entry_layout(seg, c.compress_rate)
         entries = self.compressor(x, positions, layout).astype(kv.dtype)
         visible = entry_visibility(query_index, seg, layout)
-        _, lse = sparse_attention(q, kv, window_indices(query_index, seg, c.sliding_window),
-                                  self.sinks, c.head_dim**-0.5, return_lse=True,
-                                  query_block=c.query_block,
-                                  dense=DenseKeys(entries, layout, query_index, seg))
-        mass = attention_target(q, entries, lse, visible, c.head_dim**-0.5,
-                                head_chunk=c.qk_head_chunk_size)
+        _, lse = sparse_attention(
+            q,
+            kv,
+            window_indices(query_index, seg, c.sliding_window),
+            self.sinks,
+            c.head_dim**-0.5,
+            return_lse=True,
+            query_block=c.query_block,
+            dense=DenseKeys(entries, layout, query_index, seg),
+        )
+        mass = attention_target(
+            q, entries, lse, visible, c.head_dim**-0.5, head_chunk=c.qk_head_chunk_size
+        )
         selection = self.indexer.select(x, qr, positions, query_index, seg, layout)
         return mass, selection
 

@@ -22,9 +22,14 @@ from csa_eqx.hf import (
 def checkpoint(tmp_path_factory):
     """A 3-layer (sliding, CSA, HCA) HF model saved as sharded safetensors."""
     cfg = tiny_v4_config(
-        "csa", num_hidden_layers=3, mlp_layer_types=["moe"] * 3,
-        layer_types=["sliding_attention", "compressed_sparse_attention",
-                     "heavily_compressed_attention"],
+        "csa",
+        num_hidden_layers=3,
+        mlp_layer_types=["moe"] * 3,
+        layer_types=[
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+        ],
     )
     torch.manual_seed(0)
     model = DeepseekV4ForCausalLM(cfg).eval()
@@ -70,8 +75,10 @@ def test_hf_named_safetensors(checkpoint, tmp_path):
     save_file(sd, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     layer = load_v4_attention_from_safetensors(tmp_path, 1)
-    np.testing.assert_array_equal(np.asarray(layer.indexer.q_b_proj),
-                                  sd["model.layers.1.self_attn.compressor.indexer.q_b_proj.weight"])
+    np.testing.assert_array_equal(
+        np.asarray(layer.indexer.q_b_proj),
+        sd["model.layers.1.self_attn.compressor.indexer.q_b_proj.weight"],
+    )
 
 
 def test_bf16_checkpoint_upcasts(checkpoint, tmp_path):

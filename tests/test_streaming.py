@@ -16,11 +16,13 @@ from hypothesis import strategies as st
 from csa_eqx import V4Attention, V4AttentionConfig, entry_layout, sparse_attention
 from csa_eqx.indexer import indexer_scores
 from csa_eqx.selection import entry_visibility, select_entries, select_topk
+from csa_eqx.sparse import DenseKeys, prefers_masked_picks
 from csa_eqx.streaming import (
     _key_block_ranges,
     select_projected_entries,
     stream_select_entries,
     streaming_block_sizes,
+    topk_block_size,
 )
 
 SETTINGS = settings(
@@ -45,6 +47,7 @@ def selection_case(draw):
         "head_chunk": draw(st.sampled_from([c for c in (0, 1, 2, 4) if c <= heads])),
         "key_block": draw(st.integers(1, 12)),
         "query_block": draw(st.integers(0, 16)),
+        "topk_block": draw(st.integers(0, 30)),  # < entries: several merged row buffers
         "kind": draw(st.sampled_from(["exact", "relu_ties", "float"])),
     }
     seed = draw(st.integers(0, 2**31 - 1))
@@ -91,7 +94,7 @@ def dense_selection(q, w, keys, qidx, qseg, layout, k):
 def test_streaming_equals_dense(case):
     k, args = case["k"], case["args"]
     want = np.asarray(dense_selection(*args, k))
-    opts = {n: case[n] for n in ("head_chunk", "key_block", "query_block")}
+    opts = {n: case[n] for n in ("head_chunk", "key_block", "query_block", "topk_block")}
     got = np.asarray(jax.jit(lambda *a: stream_select_entries(*a, k, **opts))(*args))
     assert got.shape == want.shape
     if case["kind"] != "float":
@@ -253,11 +256,14 @@ def test_projected_selection_matches_and_never_forms_queries():
     ).jaxpr
     shapes = {tuple(a.shape) for a in _walk_avals(jaxpr) if hasattr(a, "shape")}
     assert (1, s_long, h, d) not in shapes and (1, s_long, h * d) not in shapes
-    assert (1, 512, h, d) in shapes  # one query block's queries
+    assert (1, 256, h, d) in shapes  # one query block's queries
 
 
 def test_automatic_block_sizes():
-    assert streaming_block_sizes(1, 16384, 4096, 64) == (256, 1024)
+    assert streaming_block_sizes(1, 16384, 4096, 64) == (256, 128)
+    assert topk_block_size(1, 256, 4096, 128) == 4096  # one top-k per query row
+    assert topk_block_size(1, 256, 1 << 18, 1024) == 1 << 16  # [B, Qb, buffer] = 2^24
+    assert topk_block_size(1, 16, 100, 8, topk_block=20) == 24  # rounded up to whole tiles
     assert streaming_block_sizes(1, 100, 7, 64, key_block=3, query_block=5) == (5, 3)
     assert streaming_block_sizes(1, 10, 7, 1) == (10, 7)
 
@@ -286,6 +292,59 @@ def test_blocked_sparse_attention_matches_unblocked(sinks, separate_values, qb):
     for a, r in zip(g, g_ref, strict=True):
         if r is not None:
             np.testing.assert_allclose(a, r, 1e-5, 1e-6)
+
+
+@pytest.mark.parametrize("qb", [0, 7])
+def test_masked_picks_equal_gathered_picks(qb):
+    """Entries attended through ``DenseKeys(picks=...)`` (masked matmul) equal the same picks
+    gathered next to the window keys: outputs, log-normalisers and gradients, with ``-1`` picks,
+    rows that see nothing, packed segments and sinks."""
+    b, s, h, d, m, w, k = 2, 30, 3, 8, 4, 4, 5
+    rng = np.random.default_rng(qb)
+    seg = jnp.asarray(np.sort(rng.integers(0, 3, (b, s)), axis=1), jnp.int32)
+    layout = entry_layout(seg, m)
+    t = layout.end.shape[1]
+    qidx = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    visible = np.asarray(entry_visibility(qidx, seg, layout))
+    picks = np.full((b, s, k), -1)
+    for i in np.ndindex(b, s):  # distinct visible picks, in random order, some rows fewer
+        slots = rng.permutation(np.flatnonzero(visible[i]))[: rng.integers(0, k + 1)]
+        picks[i][: len(slots)] = slots
+    picks = jnp.asarray(picks, jnp.int32)
+    window = jnp.where(qidx[..., None] - jnp.arange(w) >= 0, qidx[..., None] - jnp.arange(w), -1)
+    window = jnp.where(window == 0, -1, window)  # query 0 sees nothing but its picks (none)
+    q = jnp.asarray(rng.normal(size=(b, s, h, d)), jnp.float32)
+    kv = jnp.asarray(rng.normal(size=(b, s, d)), jnp.float32)
+    entries = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+    sink = jnp.asarray(rng.normal(size=h), jnp.float32)
+
+    def masked(q, kv, entries):
+        dense = DenseKeys(entries, layout, qidx, seg, picks=picks)
+        return sparse_attention(q, kv, window, sink, 0.3, None, True, query_block=qb, dense=dense)
+
+    def gathered(q, kv, entries):
+        idx = jnp.concatenate([window, jnp.where(picks >= 0, picks + s, -1)], axis=-1)
+        keys = jnp.concatenate([kv, entries], axis=1)
+        return sparse_attention(q, keys, idx, sink, 0.3, None, True, query_block=qb)
+
+    def loss(fn, *args):
+        o, lse = fn(*args)
+        return jnp.sum(jnp.sin(o)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (o, lse)
+
+    grad = jax.grad(loss, argnums=(1, 2, 3), has_aux=True)
+    (g, (o, lse)), (g_ref, (o_ref, lse_ref)) = (
+        grad(masked, q, kv, entries),
+        grad(gathered, q, kv, entries),
+    )
+    np.testing.assert_allclose(o, o_ref, 1e-5, 1e-6)
+    np.testing.assert_allclose(lse, lse_ref, 1e-5, 1e-6)
+    for a, r in zip(g, g_ref, strict=True):
+        np.testing.assert_allclose(a, r, 1e-5, 1e-5)
+    assert np.asarray(picks < 0).all(-1).any()  # the case holds rows without picks
+
+
+def test_masked_picks_rule():
+    assert prefers_masked_picks(2048, 512) and not prefers_masked_picks(2049, 512)
 
 
 def test_blocked_sparse_attention_never_gathers_all_rows():

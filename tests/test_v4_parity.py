@@ -22,6 +22,7 @@ CASES = [
     ("csa", 2, 16, 2, 2, 8, False),  # window smaller than m
     ("csa", 2, 22, 6, 9, 8, True),  # k larger than the visible entries; YaRN
     ("csa", 1, 40, 12, 4, 8, False),  # window larger than m
+    ("csa", 1, 72, 6, 3, 8, False),  # T = 18 > 4k: picks gathered, not masked
     ("hca", 2, 21, 6, 3, 8, False),
     ("hca", 2, 5, 3, 3, 8, False),  # S < m
     ("hca", 1, 40, 12, 3, 16, True),
