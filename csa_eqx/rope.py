@@ -63,14 +63,22 @@ def apply_rope_interleaved(
 
     ``positions`` broadcasts against ``x.shape[:-1]`` (pass ``positions[..., None]`` for a
     head axis). Negative positions rotate backwards (V4's output de-rotation).
+
+    Computed over all channels at once (cos 1 / sin 0 on the unrotated ones): one fused
+    elementwise pass, where slicing out the rotated channels and concatenating them back
+    would cost two more copies of ``x`` (the indexer queries are the largest tensor here).
     """
-    r = 2 * inv_freq.shape[0]
-    rot = upcast(x[..., x.shape[-1] - r :])
-    cos, sin = _cos_sin(positions, inv_freq, rot.dtype)
-    even, odd = rot[..., 0::2], rot[..., 1::2]
-    out = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
-    out = out.reshape(rot.shape).astype(x.dtype)
-    return jnp.concatenate([x[..., : x.shape[-1] - r], out], axis=-1)
+    r, d = 2 * inv_freq.shape[0], x.shape[-1]
+    if (d - r) % 2:
+        raise ValueError(f"interleaved RoPE of {r} of {d} channels: {d - r} unrotated is odd")
+    xf = upcast(x)
+    # per channel: frequency 0 (cos 1, sin 0) on the unrotated ones; -sin / +sin in each pair
+    freq = np.concatenate([np.zeros(d - r), np.repeat(inv_freq, 2)])
+    sign = np.concatenate([np.zeros(d - r), np.tile([-1.0, 1.0], r // 2)])
+    cos, sin = _cos_sin(positions, freq, xf.dtype)
+    sin = sin * jnp.asarray(sign, xf.dtype)
+    swapped = xf.reshape(*x.shape[:-1], d // 2, 2)[..., ::-1].reshape(x.shape)  # pairs (b, a)
+    return (xf * cos + swapped * sin).astype(x.dtype)
 
 
 def apply_rope_half_split(

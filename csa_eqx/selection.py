@@ -1,19 +1,30 @@
 """Visibility of compressed entries and exact top-k selection with a ``-1`` sentinel.
 
-Ties go to the lower index everywhere. XLA's TopK orders ``-0.0`` below ``+0.0``, and ReLU-based
-scores produce both, so scores are canonicalised (all zeros made ``+0.0``) before sorting.
+Ties go to the lower index everywhere. ReLU-based scores produce both ``-0.0`` and ``+0.0``,
+which must tie, so scores are canonicalised (all zeros made ``+0.0``) before they are ranked.
+Selections list their picks in increasing index order (a set; the attention does not care
+about order), which lets an exact radix select replace a sort (``exact_topk``).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from .compressor import EntryLayout
 from .indexer import indexer_scores
 
-__all__ = ["entry_visibility", "select_topk", "canonical_scores", "select_entries"]
+__all__ = [
+    "entry_visibility",
+    "select_topk",
+    "exact_topk",
+    "canonical_scores",
+    "scatter_rows",
+    "select_entries",
+]
 
 
 def entry_visibility(
@@ -32,8 +43,64 @@ def entry_visibility(
 
 
 def canonical_scores(scores: Array) -> Array:
-    """Map ``-0.0`` to ``+0.0`` so that equal scores tie (XLA sorts by total order)."""
+    """Map ``-0.0`` to ``+0.0`` so that equal scores tie (XLA sorts by total order). XLA
+    flushes subnormals to zero, so they become ``+0.0`` here too."""
     return jnp.where(scores == 0, jnp.zeros_like(scores), scores)
+
+
+def scatter_rows(index: Int[Array, "*rows n"], updates: Array, width: int, fill) -> Array:
+    """``out[..., index[..., i]] = updates[..., i]`` in a new ``[*rows, width]`` array of
+    ``fill``; indices outside ``[0, width)`` are dropped. Under an Explicit mesh the result's
+    rows are sharded like ``index``'s rows (a scatter cannot infer that by itself)."""
+    lead = index.shape[:-1]
+    rows = tuple(jnp.arange(n).reshape((n,) + (1,) * (len(lead) - i)) for i, n in enumerate(lead))
+    sharding = jax.typeof(index).sharding
+    explicit = any(t == AxisType.Explicit for t in getattr(sharding.mesh, "axis_types", ()))
+    out = NamedSharding(sharding.mesh, P(*sharding.spec[:-1], None)) if explicit else None
+    target = jnp.full((*lead, width), fill, jnp.result_type(updates))
+    return target.at[(*rows, index)].set(updates, mode="drop", out_sharding=out)
+
+
+def _order_keys(values: Array) -> Array:
+    """``uint32`` keys in the order of the float32 ``values`` (``-0.0`` and ``+0.0`` equal)."""
+    bits = jax.lax.bitcast_convert_type(canonical_scores(values.astype(jnp.float32)), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def exact_topk(
+    values: Float[Array, "*rows n"], valid: Bool[Array, "*rows n"], k: int
+) -> tuple[Float[Array, "*rows {k}"], Int[Array, "*rows {k}"]]:
+    """The ``k`` largest valid values of each row and their positions, in increasing position
+    order (the set a full sort would pick, ties to the lower position); ``(-inf, -1)`` fill
+    the rest.
+
+    A radix select, not a sort: 32 halving steps find each row's k-th largest value (as an
+    order-preserving ``uint32`` key) by counting, then the picks are compacted in place. On
+    CPU this is ~4x faster than ``lax.top_k`` at indexer sizes (k = 512 of 1024), and the
+    cost does not grow with ``k``.
+    """
+    want = min(k, values.shape[-1])
+    key = jnp.where(valid, _order_keys(values), jnp.uint32(0))  # valid keys are > 0
+
+    def halve(_, bounds):  # invariant: at least `want` keys >= lo; none >= hi + 1 would do
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2 + (hi - lo) % 2
+        enough = jnp.sum(key >= mid[..., None], axis=-1, dtype=jnp.int32) >= want
+        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid - 1)
+
+    lo = jnp.zeros(key.shape[:-1], jnp.uint32)
+    # 32 short steps: unrolled on accelerators, where each loop iteration costs a predicate
+    # round trip (H200: selection 3x faster); a loop on CPU, where unrolling only slows compiles
+    unroll = jax.default_backend() != "cpu"
+    kth, _ = jax.lax.fori_loop(0, 32, halve, (lo, jnp.full_like(lo, 0xFFFFFFFF)), unroll=unroll)
+    above, tied = key > kth[..., None], key == kth[..., None]
+    room = want - jnp.sum(above, axis=-1, dtype=jnp.int32)
+    pick = valid & (above | (tied & (jnp.cumsum(tied, -1, dtype=jnp.int32) <= room[..., None])))
+    slot = jnp.where(pick, jnp.cumsum(pick, -1, dtype=jnp.int32) - 1, k)  # k: dropped
+    positions = jnp.broadcast_to(jnp.arange(values.shape[-1], dtype=jnp.int32), values.shape)
+    pos = scatter_rows(slot, positions, k, -1)
+    picked = jnp.take_along_axis(values.astype(jnp.float32), jnp.maximum(pos, 0), axis=-1)
+    return jnp.where(pos >= 0, picked, -jnp.inf), pos
 
 
 def select_topk(
@@ -41,20 +108,15 @@ def select_topk(
     visible: Bool[Array, "batch seq entries"],
     k: int,
 ) -> Int[Array, "batch seq {k}"]:
-    """Indices of the ``k`` best visible entries per query, best first, ties to the lower index.
+    """Indices of the ``k`` best visible entries per query, in increasing index order.
 
-    Picks beyond the visible count are ``-1``; when ``k`` exceeds the number of entries the
-    result is padded with ``-1`` so its shape is always ``[..., k]``.
+    Exact: the set a full sort would pick, ties to the lower index (see ``exact_topk``).
+    Picks beyond the visible count are ``-1`` (at the end); when ``k`` exceeds the number of
+    entries the result is padded with ``-1`` so its shape is always ``[..., k]``.
     """
     if k <= 0:
         raise ValueError(f"k must be positive (got {k})")
-    n = scores.shape[-1]
-    masked = jnp.where(visible, canonical_scores(scores.astype(jnp.float32)), -jnp.inf)
-    _, idx = jax.lax.top_k(masked, min(k, n))
-    idx = jnp.where(jnp.take_along_axis(visible, idx, axis=-1), idx, -1).astype(jnp.int32)
-    if k > n:
-        idx = jnp.pad(idx, [(0, 0)] * (idx.ndim - 1) + [(0, k - n)], constant_values=-1)
-    return idx
+    return exact_topk(scores, visible, k)[1]
 
 
 def select_entries(

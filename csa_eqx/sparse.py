@@ -18,12 +18,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from .compressor import EntryLayout
-from .selection import entry_visibility
+from .selection import entry_visibility, scatter_rows
 
 __all__ = [
     "sparse_attention",
@@ -61,15 +59,9 @@ def prefers_masked_picks(entries: int, picks: int) -> bool:
 def picked_mask(
     picks: Int[Array, "batch seq p"], entries: int
 ) -> Bool[Array, "batch seq {entries}"]:
-    """``mask[b, s, j]``: entry ``j`` is among ``picks[b, s]`` (``-1`` picks nothing).
-
-    The mask's rows are sharded like the picks' rows (needed under an Explicit mesh)."""
-    b, s, _ = picks.shape
+    """``mask[b, s, j]``: entry ``j`` is among ``picks[b, s]`` (``-1`` picks nothing)."""
     slot = jnp.where(picks >= 0, picks, entries)  # out of range: dropped
-    rows = (jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None], slot)
-    mesh, spec = jax.typeof(picks).sharding.mesh, jax.typeof(picks).sharding.spec
-    out = None if mesh.empty else NamedSharding(mesh, P(*spec[:2], None))
-    return jnp.zeros((b, s, entries), bool).at[rows].set(True, mode="drop", out_sharding=out)
+    return scatter_rows(slot, jnp.ones(picks.shape, bool), entries, False)
 
 
 _BLOCK_ELEMENTS = 1 << 24
@@ -80,13 +72,6 @@ def gather_keys(kv: Float[Array, "batch keys dim"], indices: Int[Array, "batch s
     b, s, k = indices.shape
     flat = jnp.clip(indices, 0, kv.shape[1] - 1).reshape(b, s * k)
     return jnp.take_along_axis(kv, flat[..., None], axis=1).reshape(b, s, k, kv.shape[-1])
-
-
-def attention_logits(q: Array, keys: Array, indices: Array, scale: float) -> Array:
-    """Masked float32 logits ``[B, S, H, k]`` of each query head against its gathered keys."""
-    acc = jnp.promote_types(q.dtype, jnp.float32)
-    logits = jnp.einsum("bshd,bskd->bshk", q, keys, preferred_element_type=acc) * scale
-    return jnp.where((indices >= 0)[:, :, None, :], logits, -jnp.inf)
 
 
 def sparse_query_block(batch: int, heads: int, dim: int, k: int, entries: int = 0) -> int:
@@ -109,6 +94,8 @@ def sparse_attention(
     *,
     query_block: int = 0,
     dense: DenseKeys | None = None,
+    window: int = 0,
+    segment: Int[Array, "batch seq"] | None = None,
 ) -> (
     Float[Array, "batch seq heads vdim"]
     | tuple[Float[Array, "batch seq heads vdim"], Float[Array, "batch seq heads"]]
@@ -126,59 +113,99 @@ def sparse_attention(
 
     ``dense`` adds entries every query attends to (when visible) through a matmul, in the
     same softmax (their values: ``dense.values``, else the keys as in V4).
+
+    ``window > 0`` adds a sliding window by a banded matmul instead of a gather: query ``t``
+    also sees rows ``t - window < j <= t`` of ``kv`` (and ``values``) in its own ``segment``
+    (ids ``[B, S]``); rows ``0..S-1`` of ``kv`` must be the queries' own tokens. Each query
+    block then reads one slab of ``query_block + window - 1`` rows.
     """
     b, s, h, d = q.shape
+    if window and segment is None:
+        raise ValueError("a sliding window needs the tokens' segment ids (segment=...)")
     width = d if values is None else d + values.shape[-1]  # gathered keys (+ values) per pick
     entries = 0 if dense is None else dense.keys.shape[1]
     qb = query_block or sparse_query_block(b, h, width, indices.shape[-1], entries)
-    if qb >= s:
-        return _attend(q, kv, indices, sinks, scale, values, return_lse, dense)
+    if window and not query_block:  # a slab of qb + window - 1 rows: keep qb near the window
+        qb = min(qb, 1 << max(window - 1, 1).bit_length())
+    qb = min(qb, s) if s else 1
     n = -(-s // qb)
+    band = None
+    if window:  # kv rows (and segments) padded so that every block's slab is in range
+        pad = [(0, 0), (window - 1, n * qb - s)]
+        band = (
+            jnp.pad(kv[:, :s], pad + [(0, 0)]),
+            None if values is None else jnp.pad(values[:, :s], pad + [(0, 0)]),
+            jnp.pad(segment, pad, constant_values=-1),
+        )
 
-    def blocks(x: Array, fill) -> Array:
+    def body(start: Array, r: dict[str, Array]):
+        parts = []
+        if indices.shape[-1] or not (window or dense):
+            keys = gather_keys(kv, r["indices"])
+            vals = keys if values is None else gather_keys(values, r["indices"])
+            parts.append((keys, vals, r["indices"] >= 0, True))
+        if band is not None:
+            parts.append(_band_part(band, start, r["segment"], window, s))
+        if dense is not None:
+            visible = entry_visibility(r["query_index"], r["query_segment"], dense.layout)
+            if dense.picks is not None:
+                visible &= picked_mask(r["picks"], dense.keys.shape[1])
+            vals = dense.keys if dense.values is None else dense.values
+            parts.append((dense.keys, vals, visible, False))
+        return _attend(r["q"], parts, sinks, scale, return_lse)
+
+    rows = {"q": q, "indices": indices}
+    if window:
+        rows["segment"] = segment
+    if dense is not None:
+        rows.update(query_index=dense.query_index, query_segment=dense.query_segment)
+        if dense.picks is not None:
+            rows["picks"] = dense.picks
+    if n <= 1:
+        return body(jnp.int32(0), rows)
+
+    def blocks(x: Array) -> Array:
+        fill = 0 if x is q else -1  # padded query rows see no key
         x = jnp.pad(x, [(0, 0), (0, n * qb - s)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
         return jnp.moveaxis(x.reshape(b, n, qb, *x.shape[2:]), 1, 0)
 
     def unblocks(y: Array) -> Array:
         return jnp.moveaxis(y, 0, 1).reshape(b, n * qb, *y.shape[3:])[:, :s]
 
-    def body(qi: tuple[Array, ...]):
-        block_dense = None
-        if dense is not None:
-            picks = qi[4] if len(qi) > 4 else None
-            block_dense = dense._replace(query_index=qi[2], query_segment=qi[3], picks=picks)
-        return _attend(qi[0], kv, qi[1], sinks, scale, values, return_lse, block_dense)
-
-    rows = (q, indices)
-    if dense is not None:
-        rows += (dense.query_index, dense.query_segment)
-        rows += () if dense.picks is None else (dense.picks,)
-    fills = (0, -1, -1, -1, -1)  # padded query rows see no key
-    out = jax.lax.map(
-        jax.checkpoint(body),
-        tuple(blocks(x, f) for x, f in zip(rows, fills[: len(rows)], strict=True)),
-    )
+    starts = jnp.arange(n, dtype=jnp.int32) * qb
+    blocked = {name: blocks(x) for name, x in rows.items()}
+    out = jax.lax.map(jax.checkpoint(lambda x: body(*x)), (starts, blocked))
     return jax.tree.map(unblocks, out)
 
 
-def _attend(q, kv, indices, sinks, scale, values, return_lse, dense=None):
-    """Unblocked sparse attention (one block of queries; see ``sparse_attention``)."""
-    keys = gather_keys(kv, indices)
-    vals = keys if values is None else gather_keys(values, indices)
-    logits = attention_logits(q, keys, indices, scale)
-    k = logits.shape[-1]
-    if dense is not None:
-        dense_logits = (
-            jnp.einsum(
-                "bshd,btd->bsht", q, dense.keys.astype(q.dtype), preferred_element_type=logits.dtype
-            )
-            * scale
-        )
-        visible = entry_visibility(dense.query_index, dense.query_segment, dense.layout)
-        if dense.picks is not None:
-            visible &= picked_mask(dense.picks, dense.keys.shape[1])
-        dense_logits = jnp.where(visible[:, :, None, :], dense_logits, -jnp.inf)
-        logits = jnp.concatenate([logits, dense_logits], axis=-1)
+def _band_part(band, start: Array, query_segment: Array, window: int, seq: int):
+    """Keys, values and mask of the sliding-window slab of the query block starting at row
+    ``start``: padded rows ``start .. start + rows + window - 2``, i.e. tokens
+    ``start - window + 1 .. start + rows - 1``."""
+    kv, values, key_segment = band
+    rows = query_segment.shape[1]
+    size = rows + window - 1
+    keys = jax.lax.dynamic_slice_in_dim(kv, start, size, axis=1)
+    vals = keys if values is None else jax.lax.dynamic_slice_in_dim(values, start, size, axis=1)
+    key_segment = jax.lax.dynamic_slice_in_dim(key_segment, start, size, axis=1)
+    row = start + jnp.arange(rows)
+    token = start - window + 1 + jnp.arange(size)
+    lag = row[:, None] - token[None, :]  # [rows, size]
+    mask = (token >= 0) & (lag >= 0) & (lag < window) & (row < seq)[:, None]
+    return keys, vals, mask[None] & (key_segment[:, None, :] == query_segment[:, :, None]), False
+
+
+def _attend(q, parts, sinks, scale, return_lse):
+    """Attention of one block of queries over ``parts``: ``(keys, values, mask, per_query)``
+    with keys ``[B, S, n, d]`` gathered per query (``per_query``) or ``[B, n, d]`` shared by
+    the block, mask ``[B, S, n]``; one softmax over all parts (see ``sparse_attention``)."""
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    logits = []
+    for keys, _, mask, per_query in parts:
+        spec = "bshd,bskd->bshk" if per_query else "bshd,bkd->bshk"
+        part = jnp.einsum(spec, q, keys.astype(q.dtype), preferred_element_type=acc) * scale
+        logits.append(jnp.where(mask[:, :, None, :], part, -jnp.inf))
+    logits = jnp.concatenate(logits, axis=-1)
     peak = jnp.max(logits, axis=-1)
     if sinks is not None:
         sink = jnp.broadcast_to(sinks.astype(peak.dtype), peak.shape)
@@ -189,20 +216,13 @@ def _attend(q, kv, indices, sinks, scale, values, return_lse, dense=None):
     if sinks is not None:
         denom = denom + jnp.exp(sink - peak)
     probs = p / jnp.where(denom > 0, denom, 1.0)[..., None]
-    out = jnp.einsum(
-        "bshk,bskd->bshd",
-        probs[..., :k].astype(vals.dtype),
-        vals,
-        preferred_element_type=probs.dtype,
-    )
-    if dense is not None:
-        dense_vals = dense.keys if dense.values is None else dense.values
-        out = out + jnp.einsum(
-            "bsht,btd->bshd",
-            probs[..., k:].astype(vals.dtype),
-            dense_vals.astype(vals.dtype),
-            preferred_element_type=probs.dtype,
-        )
+    out, offset = 0.0, 0
+    for keys, vals, _, per_query in parts:
+        n = keys.shape[-2]
+        spec = "bshk,bskd->bshd" if per_query else "bshk,bkd->bshd"
+        p_part = probs[..., offset : offset + n].astype(vals.dtype)
+        out = out + jnp.einsum(spec, p_part, vals, preferred_element_type=probs.dtype)
+        offset += n
     if return_lse:
         return out.astype(q.dtype), peak + jnp.log(denom)
     return out.astype(q.dtype)

@@ -27,18 +27,7 @@ from .sharding import constrain_heads, sharded_select_entries, tensor_axis_auto
 from .sparse import DenseKeys, prefers_masked_picks, sparse_attention
 from .streaming import select_projected_entries
 
-__all__ = ["V4Attention", "Indexer", "window_indices"]
-
-
-def window_indices(
-    query_index: Int[Array, "batch seq"], segment: Int[Array, "batch seq"], window: int
-) -> Int[Array, "batch seq {window}"]:
-    """Raw-token keys of each query's sliding window (``t − window < j ≤ t``, same segment;
-    ``-1`` where none)."""
-    b, s = query_index.shape
-    idx = query_index[..., None] - jnp.arange(window, dtype=jnp.int32)
-    seg_at = jnp.take_along_axis(segment, jnp.clip(idx, 0, s - 1).reshape(b, -1), axis=1)
-    return jnp.where((idx >= 0) & (seg_at.reshape(idx.shape) == segment[..., None]), idx, -1)
+__all__ = ["V4Attention", "Indexer"]
 
 
 class Indexer(eqx.Module):
@@ -250,7 +239,7 @@ class V4Attention(eqx.Module):
 
         qr, q, kv = self.project_qkv(x, positions)
 
-        indices = window_indices(query_index, seg, c.sliding_window)
+        indices = jnp.zeros((*query_index.shape, 0), jnp.int32)  # gathered keys: none yet
         keys, dense, selection = kv, None, None
         if self.compressor is not None:
             layout = entry_layout(seg, c.compress_rate)
@@ -263,9 +252,8 @@ class V4Attention(eqx.Module):
             elif prefers_masked_picks(entries.shape[1], c.index_topk):
                 # few entries per pick: a matmul masked to the picks beats gathering them
                 dense = DenseKeys(entries, layout, query_index, seg, picks=selection)
-            else:
-                picked = jnp.where(selection >= 0, selection + x.shape[1], -1)
-                indices = jnp.concatenate([indices, picked], axis=-1)
+            else:  # picks gathered from the entries, stored after the S token rows
+                indices = jnp.where(selection >= 0, selection + x.shape[1], -1)
                 keys = jnp.concatenate([kv, entries], axis=1)
 
         want_loss = return_aux and self.indexer is not None and c.indexer_loss != "off"
@@ -278,6 +266,8 @@ class V4Attention(eqx.Module):
             return_lse=want_loss,
             query_block=c.query_block,
             dense=dense,
+            window=c.sliding_window,
+            segment=seg,
         )
         if want_loss:
             o, lse = o
@@ -341,12 +331,14 @@ class V4Attention(eqx.Module):
         _, lse = sparse_attention(
             q,
             kv,
-            window_indices(query_index, seg, c.sliding_window),
+            jnp.zeros((*query_index.shape, 0), jnp.int32),
             self.sinks,
             c.head_dim**-0.5,
             return_lse=True,
             query_block=c.query_block,
             dense=DenseKeys(entries, layout, query_index, seg),
+            window=c.sliding_window,
+            segment=seg,
         )
         mass = attention_target(
             q, entries, lse, visible, c.head_dim**-0.5, head_chunk=c.qk_head_chunk_size

@@ -270,10 +270,10 @@ def test_dense_keys_with_separate_values(query_block):
 
 
 def _topk_widths(jaxpr) -> set[int]:
-    """Last-axis sizes of every top_k operand, nested jaxprs (shard_map, loops) included."""
+    """Last-axis sizes of every exact_topk operand, nested jaxprs (shard_map, loops) included."""
     widths = set()
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "top_k":
+        if eqn.primitive.name == "bitcast_convert_type":  # one per exact top-k
             widths.add(eqn.invars[0].aval.shape[-1])
         for p in eqn.params.values():
             for sub in p if isinstance(p, (list, tuple)) else [p]:
@@ -284,14 +284,14 @@ def _topk_widths(jaxpr) -> set[int]:
 
 
 def test_sharded_selection_uses_the_key_and_query_blocks():
-    """indexer_sharded_topk passes key_block / query_block on (streaming top-k over tiles of
-    3 keys: top_k over 3, then k + 3 = 7 values; unblocked it would be over all 14 tokens)
-    and stays exact."""
+    """indexer_sharded_topk passes key_block / query_block on (streaming over tiles of 3 keys:
+    one row buffer of 15 = the 14 tokens padded to whole tiles, and a compiled-in k + k = 8
+    merge; unblocked it would be one exact top-k over the 14 tokens) and stays exact."""
     x = _inputs(14, seed=4)
     selection = lambda m, x: m(x, return_aux=True)[1]["selection"]  # noqa: E731
     ref = jax.jit(selection)(_layer("off")[2], x)
     with jax.set_mesh(jax.make_mesh((2, 4), ("data", "tensor"))):
         layer = _layer("off", indexer_sharded_topk=True, indexer_key_block=3, query_block=5)[2]
         jaxpr = jax.make_jaxpr(selection)(layer, x)
-        assert "shard_map" in str(jaxpr) and _topk_widths(jaxpr.jaxpr) == {3, 7}
+        assert "shard_map" in str(jaxpr) and _topk_widths(jaxpr.jaxpr) == {15, 8}
         np.testing.assert_array_equal(np.asarray(jax.jit(selection)(layer, x)), np.asarray(ref))

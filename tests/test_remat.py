@@ -35,6 +35,11 @@ def config(**flags):
     )
 
 
+# Each exact top-k (csa_eqx.selection.exact_topk, a radix select) starts with one float ->
+# uint32 bitcast of its scores; nothing else in the layers bitcasts: count those.
+TOPK = "bitcast_convert_type"
+
+
 def count_prim(jaxpr, name: str) -> int:
     """Occurrences of primitive ``name`` in ``jaxpr`` and every nested jaxpr (scan, checkpoint,
     shard_map, pjit, custom_jvp ...)."""
@@ -73,8 +78,8 @@ def test_saved_selection_is_not_recomputed(wrap):
     grads, counts = {}, {}
     for save in (False, True):
         layer = csa_eqx.V4Attention(config(indexer_save_selection=save), key=jax.random.key(0))
-        forward = count_prim(jax.make_jaxpr(loss)(layer, x, seg), "top_k")
-        counts[save] = count_prim(jax.make_jaxpr(jax.grad(loss))(layer, x, seg), "top_k")
+        forward = count_prim(jax.make_jaxpr(loss)(layer, x, seg), TOPK)
+        counts[save] = count_prim(jax.make_jaxpr(jax.grad(loss))(layer, x, seg), TOPK)
         if wrap is JAX_CKPT:  # one compile pair is enough for the bitwise check
             grads[save] = jax.jit(jax.grad(loss))(layer, x, seg)
     assert forward == 1
@@ -98,7 +103,7 @@ def test_saved_residuals_show_the_selection():
 
 
 def test_scanned_layers():
-    """A ``lax.scan`` over stacked, checkpointed layers: one top-k in the scan body, none
+    """A ``lax.scan`` over stacked, checkpointed layers: one exact top-k in the scan body, none
     recomputed in the backward scan when the selection is saved."""
     x, seg = inputs()
     keys = jax.random.split(jax.random.key(0), 2)
@@ -116,8 +121,8 @@ def test_scanned_layers():
             ckpt = jax.checkpoint(body, policy=compose_selection_policy(None))
             return jnp.sum(jax.lax.scan(ckpt, x, params)[0] ** 2)
 
-        assert count_prim(jax.make_jaxpr(loss)(params, x), "top_k") == 1
-        counts[save] = count_prim(jax.make_jaxpr(jax.grad(loss))(params, x), "top_k")
+        assert count_prim(jax.make_jaxpr(loss)(params, x), TOPK) == 1
+        counts[save] = count_prim(jax.make_jaxpr(jax.grad(loss))(params, x), TOPK)
     assert counts == {False: 2, True: 1}
 
 
@@ -131,7 +136,7 @@ def test_sharded_topk_saved_under_remat():
         for save in (False, True):
             cfg = config(indexer_save_selection=save, indexer_sharded_topk=True)
             layer = csa_eqx.V4Attention(cfg, key=jax.random.key(0))
-            counts[save] = count_prim(jax.make_jaxpr(jax.grad(loss))(layer, x, seg), "top_k")
+            counts[save] = count_prim(jax.make_jaxpr(jax.grad(loss))(layer, x, seg), TOPK)
             assert count_prim(jax.make_jaxpr(loss)(layer, x, seg), "shard_map") == 1
     assert counts == {False: 2, True: 1}
 
@@ -229,6 +234,6 @@ def test_v32_saved_selection_is_not_recomputed():
         layer = V32Attention(
             V32AttentionConfig(**small, indexer_save_selection=save), key=jax.random.key(0)
         )
-        assert count_prim(jax.make_jaxpr(loss)(layer, x, seg), "top_k") == 1
-        counts[save] = count_prim(jax.make_jaxpr(jax.grad(loss))(layer, x, seg), "top_k")
+        assert count_prim(jax.make_jaxpr(loss)(layer, x, seg), TOPK) == 1
+        counts[save] = count_prim(jax.make_jaxpr(jax.grad(loss))(layer, x, seg), TOPK)
     assert counts == {False: 2, True: 1}

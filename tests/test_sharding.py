@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from multiprocess_worker import MESHES, K, make_inputs
-from test_remat import config, count_prim
+from test_remat import TOPK, config, count_prim
 
 import csa_eqx
 from csa_eqx.compressor import EntryLayout, entry_layout
@@ -98,7 +98,7 @@ def test_shard_map_specs_and_decode():
             P("data", None, None),
         )
         assert smap.params["out_specs"] == (P("data", None, None),)
-        assert count_prim(smap.params["jaxpr"], "top_k") == 1
+        assert count_prim(smap.params["jaxpr"], TOPK) == 1
         assert count_prim(smap.params["jaxpr"], "all_gather") == 1
         # batch 1 does not divide the data axis: replicated batch, rows still sharded
         jaxpr = jax.make_jaxpr(lambda *a: sharded_select_entries(*a, K))(

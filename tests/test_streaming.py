@@ -25,6 +25,17 @@ from csa_eqx.streaming import (
     topk_block_size,
 )
 
+
+def window_indices(query_index, segment, window: int):
+    """Reference for ``sparse_attention(window=...)``: the raw-token keys of each query's
+    sliding window as gather indices (``t − window < j ≤ t``, same segment; ``-1`` where
+    none)."""
+    b, s = query_index.shape
+    idx = query_index[..., None] - jnp.arange(window, dtype=jnp.int32)
+    seg_at = jnp.take_along_axis(segment, jnp.clip(idx, 0, s - 1).reshape(b, -1), axis=1)
+    return jnp.where((idx >= 0) & (seg_at.reshape(idx.shape) == segment[..., None]), idx, -1)
+
+
 SETTINGS = settings(
     max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None
 )
@@ -341,6 +352,45 @@ def test_masked_picks_equal_gathered_picks(qb):
     for a, r in zip(g, g_ref, strict=True):
         np.testing.assert_allclose(a, r, 1e-5, 1e-5)
     assert np.asarray(picks < 0).all(-1).any()  # the case holds rows without picks
+
+
+@pytest.mark.parametrize("window, qb", [(4, 0), (4, 5), (1, 3), (9, 64), (30, 7)])
+def test_band_window_equals_gathered_window(window, qb):
+    """``window=`` (banded matmul over a slab of rows) equals gathering ``window_indices``:
+    outputs, log-normalisers and gradients, packed segments, sinks, separate values, other
+    gathered keys beside it, windows longer than a segment or the sequence."""
+    b, s, h, d, extra = 2, 23, 3, 8, 3
+    rng = np.random.default_rng(window * 100 + qb)
+    seg = jnp.asarray(np.sort(rng.integers(0, 4, (b, s)), axis=1), jnp.int32)
+    qidx = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    q = jnp.asarray(rng.normal(size=(b, s, h, d)), jnp.float32)
+    kv = jnp.asarray(rng.normal(size=(b, s + 5, d)), jnp.float32)  # 5 rows beyond the tokens
+    vals = jnp.asarray(rng.normal(size=(b, s + 5, 4)), jnp.float32)
+    other = jnp.asarray(rng.integers(-1, 5, (b, s, extra)) + s, jnp.int32)  # the 5 extra rows
+    other = jnp.where(other >= s, other, -1)
+    sink = jnp.asarray(rng.normal(size=h), jnp.float32)
+
+    def band(q, kv, vals):
+        return sparse_attention(q, kv, other, sink, 0.3, vals, True, query_block=qb,
+                                window=window, segment=seg)  # fmt: skip
+
+    def gathered(q, kv, vals):
+        idx = jnp.concatenate([window_indices(qidx, seg, window), other], axis=-1)
+        return sparse_attention(q, kv, idx, sink, 0.3, vals, True, query_block=qb)
+
+    def loss(fn, *args):
+        o, lse = fn(*args)
+        return jnp.sum(jnp.sin(o)) + jnp.sum(lse), (o, lse)
+
+    grad = jax.grad(loss, argnums=(1, 2, 3), has_aux=True)
+    (g, (o, lse)), (g_ref, (o_ref, lse_ref)) = (
+        grad(band, q, kv, vals),
+        grad(gathered, q, kv, vals),
+    )
+    np.testing.assert_allclose(o, o_ref, 1e-5, 1e-6)
+    np.testing.assert_allclose(lse, lse_ref, 1e-5, 1e-6)
+    for a, r in zip(g, g_ref, strict=True):
+        np.testing.assert_allclose(a, r, 1e-5, 1e-5)
 
 
 def test_masked_picks_rule():
