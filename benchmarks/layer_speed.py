@@ -183,13 +183,20 @@ def output_check(torch_layer, hf_forward: Callable, layer, x) -> dict:
     return dict(same_rows=float(same.mean()), err_same=float(err[same].max()), err=float(err.max()))
 
 
-def interleaved(runs: dict[str, Callable], reps: int) -> dict[str, list[float]]:
-    """Run each callable once (warm-up/compile), then ``reps`` rounds of one call each."""
+def interleaved(runs: dict[str, Callable], reps: int, settle: int = 0) -> dict[str, list[float]]:
+    """Run each callable once (warm-up/compile), then ``reps`` rounds of one timed call each.
+
+    ``settle`` untimed calls precede each timed one: a call right after another
+    implementation's multi-GiB temporaries were freed pays for re-faulting its own buffers
+    (measured: the selection stage ran ~30% slower right after the naive layer's fwd+bwd).
+    """
     for fn in runs.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(reps):
         for name, fn in runs.items():
+            for _ in range(settle):
+                fn()
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
@@ -231,7 +238,7 @@ def measure(seq: int = 4096, reps: int = 5, quick: bool = False, with_hf: bool =
         check = output_check(torch_layer, hf_f, layer, x)
     else:
         check = None
-    times = interleaved(runs, reps)
+    times = interleaved(runs, reps, settle=1)
     med = {k: statistics.median(v) for k, v in times.items()}
     low = {k: min(v) for k, v in times.items()}
     gemm = 2 * n**3
@@ -254,7 +261,8 @@ def markdown(r: dict) -> str:
     """The result as markdown tables (times, ratios, FLOP fraction)."""
     med, low = r["median"], r["min"]
     lines = [
-        f"B = 1, S = {r['seq']}, float32, {r['reps']} interleaved rounds after one warm-up "
+        f"B = 1, S = {r['seq']}, float32, {r['reps']} interleaved rounds (each timed call right "
+        "after an untimed call of the same function) after one warm-up "
         f"call each; torch threads = {r['threads']}, XLA CPU default threads.",
         "",
         "| implementation | fwd median (s) | fwd min (s) | fwd+bwd median (s) | fwd+bwd min (s) |",

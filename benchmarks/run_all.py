@@ -355,8 +355,9 @@ alone (`python -m benchmarks.<name>`); the command is given in each section.
   running at the same time). Every speed comparison is measured *in one process with the
   variants interleaved* (one call of each per round), and both the median and the minimum are
   reported; read ratios, not absolute seconds.
-- **No GPU/TPU numbers**: no accelerator was available to the session that produced this page,
-  so the fp32/bf16 accelerator table asked for in issue 5 is not here.
+- **GPU numbers** (an H200, fp32 and bf16) are on their own page, [Benchmarks (GPU)](
+  benchmarks_gpu.md), made by `python -m benchmarks.gpu_table` on a lent machine: this command
+  runs where it is started (here, the CPU).
 
 ## Machine
 
