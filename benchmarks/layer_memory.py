@@ -17,9 +17,6 @@ import jax
 import jax.numpy as jnp
 
 from csa_eqx import V4Attention, V4AttentionConfig
-from csa_eqx.remat import tag_selection
-from csa_eqx.streaming import select_projected_entries
-from csa_eqx.v4 import Indexer
 
 from .naive_baseline import naive_v4_csa
 
@@ -40,38 +37,9 @@ CONFIG = V4AttentionConfig(
 )
 
 
-def _projected_select(self, x, qr, positions, query_index, segment, layout):
-    """``Indexer.select`` projecting the indexer queries per query block (a proposed change)."""
-    c = self.config
-    keys = self.compressor(x, positions, layout)
-    selection = select_projected_entries(
-        lambda x, qr, pos: (self.queries(qr, pos), self.head_weights(x)),
-        (x, qr, positions),
-        keys,
-        query_index,
-        segment,
-        layout,
-        c.index_topk,
-        head_chunk=c.qk_head_chunk_size,
-        key_block=c.indexer_key_block,
-        query_block=c.query_block,
-    )
-    return tag_selection(selection, c.indexer_save_selection)
-
-
-def _with_projected_queries(layer: V4Attention, x):
-    saved = Indexer.select
-    Indexer.select = _projected_select
-    try:
-        return layer(x)
-    finally:
-        Indexer.select = saved
-
-
 VARIANTS = {
     "csa_eqx": lambda m, x: m(x),
     "csa_eqx qk_head_chunk_size=8": lambda m, x: m(x),
-    "csa_eqx + per-block indexer queries": _with_projected_queries,
     "naive dense-mask": naive_v4_csa,
 }
 
@@ -101,7 +69,6 @@ def main() -> None:
     configs = {
         "csa_eqx": CONFIG,
         "csa_eqx qk_head_chunk_size=8": dataclasses.replace(CONFIG, qk_head_chunk_size=8),
-        "csa_eqx + per-block indexer queries": CONFIG,
         "naive dense-mask": CONFIG,
     }
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")

@@ -28,7 +28,7 @@ from .remat import tag_selection
 from .rope import apply_rope_half_split, apply_rope_interleaved, rope_inv_freq, yarn_mscale
 from .selection import entry_visibility, select_entries
 from .sharding import constrain_heads, sharded_select_entries, tensor_axis_auto
-from .sparse import DenseKeys, sparse_attention
+from .sparse import DenseKeys, prefers_masked_picks, sparse_attention
 
 __all__ = ["V32Attention", "V32Indexer"]
 
@@ -269,10 +269,14 @@ class V32Attention(eqx.Module):
         selection = self.indexer(x, qr, positions, seg)
         values = keys[..., : c.kv_lora_rank]
         indices, dense = selection, None
+        query_index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         if c.indexer_loss == "dense":
             # warm-up: every visible token (causal, same segment), attended by one matmul
-            query_index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
             dense = DenseKeys(keys, entry_layout(seg, 1), query_index, seg, values)
+        elif prefers_masked_picks(s, c.index_topk):
+            # few tokens per pick: a matmul masked to the picks beats gathering them
+            dense = DenseKeys(keys, entry_layout(seg, 1), query_index, seg, values, selection)
+        if dense is not None:
             indices = jnp.zeros((b, s, 0), jnp.int32)
         want_loss = return_aux and c.indexer_loss != "off"
         o = sparse_attention(
@@ -292,7 +296,7 @@ class V32Attention(eqx.Module):
         if return_aux:
             loss = None
             if want_loss:
-                if dense is not None:
+                if c.indexer_loss == "dense":
                     candidates = entry_visibility(dense.query_index, seg, dense.layout)
                 else:
                     candidates = selection_mask(selection, s)

@@ -54,3 +54,34 @@ def test_quick_run_writes_tables_and_plots(tmp_path):
     assert "HF transformers eager (torch)" in page
     assert "fraction of best f32 GEMM" in page
     assert "made with `--quick`" in page
+
+
+def test_gpu_table_quick_run(tmp_path, monkeypatch):
+    """``benchmarks.gpu_table`` (run on a lent GPU machine, never in CI) still runs end to end
+    here in its quick CPU mode, without the HF layer: every section written, no run failed."""
+    import json
+    import sys
+
+    from benchmarks import gpu_table
+
+    argv = ["gpu_table", "--quick", "--no-hf", "--reps", "1", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    gpu_table.main()
+    page = (tmp_path / "gpu_table.md").read_text()
+    titles = (
+        "## GEMM throughput",
+        "### float32, B = 1, S = 256",
+        "### bfloat16",
+        "## Selection stage vs streaming key tile",
+        "## Compiled temp memory",
+    )
+    for title in titles:
+        assert title in page, title
+    result = json.loads((tmp_path / "gpu_table.json").read_text())
+    sections = result["layer"] + result["tiles"] + [{"times": result["gemm"]["runs"]}]
+    for section in sections:
+        for name, timing in section["times"].items():
+            assert "error" not in timing, (name, timing)
+    assert all(
+        "error" not in v for row in result["memory"] for v in row.values() if v != row["seq"]
+    )
