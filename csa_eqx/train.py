@@ -57,7 +57,7 @@ class TrainConfig:
     layers: tuple[str, ...] = ("csa", "sliding", "hca")
     mesh: tuple[int, int] = (0, 0)  # (data, tensor); (0, 0) = automatic over local devices
     eval_every: int = 50
-    eval_batches: int = 1
+    eval_batches: int = 4  # held-out batches per evaluation (4 x 32 queries by default)
     checkpoint_every: int = 50
     seed: int = 0
 
