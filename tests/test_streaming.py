@@ -305,6 +305,22 @@ def test_blocked_sparse_attention_matches_unblocked(sinks, separate_values, qb):
             np.testing.assert_allclose(a, r, 1e-5, 1e-6)
 
 
+def assert_same_attention(fn, reference, *args):
+    """``fn(*args)`` and ``reference(*args)`` (each ``(out, lse)``) agree, and so do the
+    gradients of a loss on both w.r.t. every argument."""
+
+    def loss(f, *args):
+        o, lse = f(*args)
+        return jnp.sum(jnp.sin(o)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (o, lse)
+
+    grad = jax.grad(loss, argnums=tuple(range(1, len(args) + 1)), has_aux=True)
+    (g, (o, lse)), (g_ref, (o_ref, lse_ref)) = grad(fn, *args), grad(reference, *args)
+    np.testing.assert_allclose(o, o_ref, 1e-5, 1e-6)
+    np.testing.assert_allclose(lse, lse_ref, 1e-5, 1e-6)
+    for a, r in zip(g, g_ref, strict=True):
+        np.testing.assert_allclose(a, r, 1e-5, 1e-5)
+
+
 @pytest.mark.parametrize("qb", [0, 7])
 def test_masked_picks_equal_gathered_picks(qb):
     """Entries attended through ``DenseKeys(picks=...)`` (masked matmul) equal the same picks
@@ -338,19 +354,7 @@ def test_masked_picks_equal_gathered_picks(qb):
         keys = jnp.concatenate([kv, entries], axis=1)
         return sparse_attention(q, keys, idx, sink, 0.3, None, True, query_block=qb)
 
-    def loss(fn, *args):
-        o, lse = fn(*args)
-        return jnp.sum(jnp.sin(o)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (o, lse)
-
-    grad = jax.grad(loss, argnums=(1, 2, 3), has_aux=True)
-    (g, (o, lse)), (g_ref, (o_ref, lse_ref)) = (
-        grad(masked, q, kv, entries),
-        grad(gathered, q, kv, entries),
-    )
-    np.testing.assert_allclose(o, o_ref, 1e-5, 1e-6)
-    np.testing.assert_allclose(lse, lse_ref, 1e-5, 1e-6)
-    for a, r in zip(g, g_ref, strict=True):
-        np.testing.assert_allclose(a, r, 1e-5, 1e-5)
+    assert_same_attention(masked, gathered, q, kv, entries)
     assert np.asarray(picks < 0).all(-1).any()  # the case holds rows without picks
 
 
@@ -378,19 +382,7 @@ def test_band_window_equals_gathered_window(window, qb):
         idx = jnp.concatenate([window_indices(qidx, seg, window), other], axis=-1)
         return sparse_attention(q, kv, idx, sink, 0.3, vals, True, query_block=qb)
 
-    def loss(fn, *args):
-        o, lse = fn(*args)
-        return jnp.sum(jnp.sin(o)) + jnp.sum(lse), (o, lse)
-
-    grad = jax.grad(loss, argnums=(1, 2, 3), has_aux=True)
-    (g, (o, lse)), (g_ref, (o_ref, lse_ref)) = (
-        grad(band, q, kv, vals),
-        grad(gathered, q, kv, vals),
-    )
-    np.testing.assert_allclose(o, o_ref, 1e-5, 1e-6)
-    np.testing.assert_allclose(lse, lse_ref, 1e-5, 1e-6)
-    for a, r in zip(g, g_ref, strict=True):
-        np.testing.assert_allclose(a, r, 1e-5, 1e-5)
+    assert_same_attention(band, gathered, q, kv, vals)
 
 
 def test_masked_picks_rule():
