@@ -249,16 +249,7 @@ def layer_section(
     x_np = np.random.default_rng(0).normal(size=(1, seq, jlayer.config.hidden_size))
     x_np = x_np.astype(np.float32)
     x = jnp.asarray(x_np, DTYPES[dtype_name])
-    ours_f, ours_fb = layer_speed.jax_runners(lambda m, x: m(x), jlayer, x)
-    naive_f, naive_fb = layer_speed.jax_runners(naive_v4_csa, jlayer, x)
-    select = jax.jit(layer_speed.selection_stage)
-    runs = {
-        "csa_eqx fwd": ours_f,
-        "naive fwd": naive_f,
-        "csa_eqx fwd+bwd": ours_fb,
-        "naive fwd+bwd": naive_fb,
-        "selection stage": lambda: jax.block_until_ready(select(jlayer, x)),
-    }
+    runs = layer_speed.jax_layer_runs(jlayer, x)
     hf_check, on_cuda = None, torch_layer is not None and hf["device"] == "cuda"
     if torch_layer is not None:
         tl, hf_f, more = hf_runs(torch_layer, cfg, hf["device"], dtype_name, x_np)

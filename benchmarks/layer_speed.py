@@ -127,6 +127,21 @@ def jax_runners(forward: Callable, layer, x) -> tuple[Callable, Callable]:
     )
 
 
+def jax_layer_runs(layer, x) -> dict[str, Callable]:
+    """The JAX runs timed side by side: csa_eqx and the naive baseline, fwd and fwd+bwd, and
+    csa_eqx's selection stage alone."""
+    ours_f, ours_fb = jax_runners(lambda m, x: m(x), layer, x)
+    naive_f, naive_fb = jax_runners(naive_v4_csa, layer, x)
+    select = jax.jit(selection_stage)
+    return {
+        "csa_eqx fwd": ours_f,
+        "naive fwd": naive_f,
+        "csa_eqx fwd+bwd": ours_fb,
+        "naive fwd+bwd": naive_fb,
+        "selection stage": lambda: jax.block_until_ready(select(layer, x)),
+    }
+
+
 def selection_stage(layer, x):
     """The indexer's selection stage of ``layer(x)`` (compressor, queries, scores, top-k)."""
     b, s, _ = x.shape
@@ -216,21 +231,12 @@ def measure(seq: int = 4096, reps: int = 5, quick: bool = False, with_hf: bool =
     x_np = np.random.default_rng(0).normal(size=(1, seq, sizes["hidden_size"])).astype(np.float32)
     x = jnp.asarray(x_np)
 
-    ours_f, ours_fb = jax_runners(lambda m, x: m(x), layer, x)
-    naive_f, naive_fb = jax_runners(naive_v4_csa, layer, x)
-    select = jax.jit(selection_stage)
     n = 512 if quick else 2048
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     bmat = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
     dot = jax.jit(jnp.dot)
-    runs = {
-        "csa_eqx fwd": ours_f,
-        "naive fwd": naive_f,
-        "csa_eqx fwd+bwd": ours_fb,
-        "naive fwd+bwd": naive_fb,
-        "selection stage": lambda: jax.block_until_ready(select(layer, x)),
-        "f32 GEMM": lambda: jax.block_until_ready(dot(a, bmat)),
-    }
+    runs = jax_layer_runs(layer, x)
+    runs["f32 GEMM"] = lambda: jax.block_until_ready(dot(a, bmat))
     if with_hf:
         hf_f, hf_fb = hf_runner(torch_layer, cfg, x_np)
         runs["HF eager fwd"] = hf_f

@@ -72,6 +72,11 @@ class Indexer(eqx.Module):
         w = linear(x, self.weights_proj).astype(jnp.float32) * c.index_n_heads**-0.5
         return constrain_heads(w, c.tensor_axis) if c.shard_indexer_acts else w
 
+    def project(self, x: Array, qr: Array, positions: Array) -> tuple[Array, Array]:
+        """Per-token indexer inputs: roped queries and head weights (row by row, so the
+        streaming selection can call it one query block at a time)."""
+        return self.queries(qr, positions), self.head_weights(x)
+
     def select(
         self,
         x: Array,
@@ -97,8 +102,7 @@ class Indexer(eqx.Module):
             )
             if c.indexer_sharded_topk:
                 args = (
-                    self.queries(qr, positions),
-                    self.head_weights(x),
+                    *self.project(x, qr, positions),
                     keys,
                     query_index,
                     segment,
@@ -110,7 +114,7 @@ class Indexer(eqx.Module):
                 )
             # project the indexer queries block by block inside the streaming loop
             return select_projected_entries(
-                lambda x, qr, pos: (self.queries(qr, pos), self.head_weights(x)),
+                lambda *rows: self.project(*rows),  # hashable (a bound Module method is not)
                 (x, qr, positions),
                 keys,
                 query_index,
@@ -292,7 +296,7 @@ class V4Attention(eqx.Module):
         x, qr = jax.lax.stop_gradient((x, qr))
         keys = ix.compressor(x, positions, layout)
         return projected_indexer_kl_loss(
-            lambda x, qr, pos: (ix.queries(qr, pos), ix.head_weights(x)),
+            lambda *rows: ix.project(*rows),  # hashable (a bound Module method is not)
             (x, qr, positions),
             keys,
             q,
