@@ -1,45 +1,66 @@
 """csa_eqx: DeepSeek sparse attention (V4 CSA / HCA / sliding, V3.2 DSA) in JAX + Equinox."""
 
+from .auto import AutoPicks, AutoSelection
 from .cache import CompressorState, V4Cache, V32Cache
 from .compressor import Compressor, EntryLayout, entry_layout, pool_windows, segment_positions
 from .config import V4AttentionConfig, V32AttentionConfig, YaRNScaling
+from .execution import Execution, IndexerLossStage
 from .generate import generate
 from .indexer import indexer_scores
-from .loss import indexer_kl_loss, projected_indexer_kl_loss
+from .loss import AttentionTarget, indexer_kl_loss, projected_indexer_kl_loss
 from .remat import SELECTION_NAME, compose_selection_policy
-from .selection import entry_visibility, select_topk
-from .sharding import sharded_select_entries
-from .sparse import sparse_attention
-from .streaming import select_projected_entries, stream_select_entries
+from .selection import (
+    AbstractSelection,
+    DenseSelection,
+    SelectionProblem,
+    Visibility,
+    entry_visibility,
+    select_topk,
+)
+from .sharding import ShardedSelection
+from .sparse import AbstractPicks, DenseKeys, GatheredPicks, MaskedPicks, sparse_attention
+from .streaming import StreamingSelection
 from .v4 import Indexer, V4Attention
 from .v32 import V32Attention, V32Indexer
 
 __all__ = [
-    "CompressorState",
-    "V4Cache",
-    "V32Cache",
-    "generate",
-    "SELECTION_NAME",
+    "AbstractPicks",
+    "AbstractSelection",
+    "AttentionTarget",
+    "AutoPicks",
+    "AutoSelection",
     "Compressor",
+    "CompressorState",
+    "DenseKeys",
+    "DenseSelection",
     "EntryLayout",
+    "Execution",
+    "GatheredPicks",
     "Indexer",
+    "IndexerLossStage",
+    "MaskedPicks",
+    "SELECTION_NAME",
+    "SelectionProblem",
+    "ShardedSelection",
+    "StreamingSelection",
     "V4Attention",
     "V4AttentionConfig",
+    "V4Cache",
     "V32Attention",
     "V32AttentionConfig",
+    "V32Cache",
     "V32Indexer",
+    "Visibility",
     "YaRNScaling",
     "compose_selection_policy",
     "entry_layout",
     "entry_visibility",
+    "generate",
     "indexer_kl_loss",
-    "projected_indexer_kl_loss",
     "indexer_scores",
     "pool_windows",
+    "projected_indexer_kl_loss",
     "segment_positions",
     "select_topk",
-    "sharded_select_entries",
-    "select_projected_entries",
     "sparse_attention",
-    "stream_select_entries",
 ]

@@ -1,4 +1,4 @@
-"""Frozen, validated layer configurations.
+"""Frozen, validated layer configurations: the architecture of a checkpoint's layer only.
 
 Configs are hashable frozen dataclasses so that a module can hold one as a static field; every
 invalid value raises ``ValueError`` naming the field and the rule when the config is built.
@@ -11,13 +11,9 @@ from typing import Literal
 
 __all__ = [
     "YaRNScaling",
-    "MemoryFlags",
     "V4AttentionConfig",
     "V32AttentionConfig",
-    "IndexerLossStage",
 ]
-
-IndexerLossStage = Literal["off", "dense", "sparse"]
 
 
 def _require(ok: bool, field: str, rule: str, value: object) -> None:
@@ -71,71 +67,13 @@ class YaRNScaling:
         )
 
 
-def _validate_memory_flags(cfg) -> None:
-    _non_negative(cfg, "qk_head_chunk_size", "indexer_key_block", "query_block")
-    c = cfg.qk_head_chunk_size
-    _require(
-        c == 0 or cfg.index_n_heads % c == 0,
-        "qk_head_chunk_size",
-        f"must be 0 (off) or divide index_n_heads={cfg.index_n_heads}",
-        c,
-    )
-    _require(  # the KL target of the indexer loss is chunked over the attention heads
-        c == 0 or cfg.indexer_loss == "off" or cfg.num_heads % c == 0,
-        "qk_head_chunk_size",
-        f"must divide num_heads={cfg.num_heads} when indexer_loss is on",
-        c,
-    )
-    _require(
-        cfg.indexer_loss in ("off", "dense", "sparse"),
-        "indexer_loss",
-        "must be 'off', 'dense' or 'sparse'",
-        cfg.indexer_loss,
-    )
-    for f in ("data_axis", "tensor_axis"):
-        _require(
-            isinstance(getattr(cfg, f), str) and getattr(cfg, f) != "",
-            f,
-            "must be a non-empty mesh axis name",
-            getattr(cfg, f),
-        )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MemoryFlags:
-    """Memory and sharding options shared by every layer config (SPEC §5); see
-    ``V4AttentionConfig`` for what each does."""
-
-    qk_head_chunk_size: int = 0
-    indexer_key_block: int = 0
-    query_block: int = 0
-    indexer_save_selection: bool = False
-    indexer_sharded_topk: bool = False
-    shard_indexer_acts: bool = False
-    indexer_loss: str = "off"  # IndexerLossStage; validated in __post_init__
-    data_axis: str = "data"
-    tensor_axis: str = "tensor"
-
-
 @dataclasses.dataclass(frozen=True)
-class V4AttentionConfig(MemoryFlags):
-    """One DeepSeek-V4 attention layer (SPEC §1). Field names follow the HF config.
+class V4AttentionConfig:
+    """One DeepSeek-V4 attention layer's architecture (docs/concepts.md, "DeepSeek-V4 layers").
+    Field names follow the HF config; how the layer runs is ``csa_eqx.Execution``.
 
     ``compress_rate`` picks the layer type: 0 sliding window only, 4 CSA (overlapping
     compressor + lightning indexer), any other value > 4 HCA (all visible compressed entries).
-
-    Memory and sharding flags (SPEC §5):
-
-    - ``qk_head_chunk_size``: score the indexer in chunks of this many heads (0 = all at once).
-    - ``indexer_key_block``: compressed entries scored per block by the streaming top-k
-      (0 = automatic).
-    - ``query_block``: queries per block in the sparse attention (0 = automatic).
-    - ``indexer_save_selection``: tag the selection so remat policies can save it.
-    - ``indexer_sharded_topk``: run masking + top-k with query rows sharded over
-      ``tensor_axis`` in an explicit ``shard_map``.
-    - ``shard_indexer_acts``: constrain per-head indexer tensors to ``tensor_axis`` over heads.
-    - ``indexer_loss``: KL distillation stage for the indexer: ``"off"``, ``"dense"`` (warm-up:
-      all visible entries) or ``"sparse"`` (selected entries).
     """
 
     hidden_size: int = 4096
@@ -190,7 +128,6 @@ class V4AttentionConfig(MemoryFlags):
         )
         for f in ("rope_theta", "compress_rope_theta", "rms_norm_eps"):
             _require(getattr(self, f) > 0, f, "must be > 0", getattr(self, f))
-        _validate_memory_flags(self)
 
     @property
     def layer_type(self) -> Literal["sliding", "csa", "hca"]:
@@ -204,13 +141,13 @@ class V4AttentionConfig(MemoryFlags):
 
 
 @dataclasses.dataclass(frozen=True)
-class V32AttentionConfig(MemoryFlags):
-    """One DeepSeek-V3.2 DSA layer (SPEC §2): MLA plus a lightning indexer over raw tokens.
+class V32AttentionConfig:
+    """One DeepSeek-V3.2 DSA layer's architecture (docs/concepts.md, "DeepSeek-V3.2"): MLA
+    plus a lightning indexer over raw tokens. How it runs is ``csa_eqx.Execution``.
 
     Field names follow the HF config. ``rope_scaling`` (YaRN) rescales the rotary frequencies,
     multiplies the rotated channels by YaRN's attention factor (as HF's cos/sin do) and the
-    softmax scale by ``yarn_mscale(rope_scaling)**2``. The memory and sharding flags mean what
-    they mean in ``V4AttentionConfig``.
+    softmax scale by ``yarn_mscale(rope_scaling)**2``.
     """
 
     hidden_size: int = 7168
@@ -249,4 +186,3 @@ class V32AttentionConfig(MemoryFlags):
         )
         for f in ("rope_theta", "rms_norm_eps"):
             _require(getattr(self, f) > 0, f, "must be > 0", getattr(self, f))
-        _validate_memory_flags(self)

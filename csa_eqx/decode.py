@@ -29,7 +29,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from .cache import CompressorState, V4Cache, V32Cache
 from .compressor import EntryLayout, pool_windows
-from .selection import entry_visibility, select_entries
+from .selection import Visibility, entry_visibility
 from .sparse import DenseKeys, sparse_attention
 
 __all__ = ["ChunkRows", "chunk_rows", "v4_extend", "v32_extend"]
@@ -181,6 +181,7 @@ def v4_extend(
     lengths: Int[ArrayLike, " batch"] | None = None,
     segment_ids: Int[ArrayLike, "batch seq"] | None = None,
     return_aux: bool = False,
+    stage: str = "off",
 ):
     """``V4Attention.extend``: outputs ``[B, T, D]`` of a chunk and the updated cache; with
     ``return_aux`` also ``{"selection": [B, T, k] cache-slot indices or None}``."""
@@ -220,19 +221,12 @@ def v4_extend(
         if layer.indexer is not None:
             ix = layer.indexer
             new["indexer"] = _compress(ix.compressor, cache.indexer, *args)
-            selection = select_entries(
-                ix.queries(qr, rows.position),
-                ix.head_weights(x),
-                new["indexer"].entries,
-                rows.index,
-                rows.segment,
-                layout,
-                c.index_topk,
-                head_chunk=c.qk_head_chunk_size,
-                key_block=c.indexer_key_block,
-                query_block=c.query_block,
+            visibility = Visibility(rows.index, rows.segment, layout)
+            problem = layer.indexer_problem(
+                x, qr, rows.position, new["indexer"].entries, visibility
             )
-            if c.indexer_loss != "dense":  # as in the full forward
+            selection = layer.execution.select(problem, c.index_topk)  # as in the forward
+            if stage != "dense":  # as in the full forward
                 picked = selection
         offset = ring + seq
         indices = jnp.concatenate([indices, jnp.where(picked >= 0, picked + offset, -1)], -1)
@@ -240,7 +234,12 @@ def v4_extend(
         keys = jnp.concatenate([keys, entries], axis=1)
 
     o = sparse_attention(
-        q, keys.astype(q.dtype), indices, layer.sinks, c.head_dim**-0.5, query_block=c.query_block
+        q,
+        keys.astype(q.dtype),
+        indices,
+        layer.sinks,
+        c.head_dim**-0.5,
+        query_block=layer.execution.query_block,
     )
     y = layer.project_out(o, rows.position)
     cache = dataclasses.replace(cache, **new)
@@ -256,6 +255,7 @@ def v32_extend(
     lengths: Int[ArrayLike, " batch"] | None = None,
     segment_ids: Int[ArrayLike, "batch seq"] | None = None,
     return_aux: bool = False,
+    stage: str = "off",
 ):
     """``V32Attention.extend``: outputs ``[B, T, D]`` of a chunk and the updated cache; with
     ``return_aux`` also ``{"selection": [B, T, index_topk] stream indices}``."""
@@ -272,20 +272,11 @@ def v32_extend(
     slots = jnp.arange(latent.shape[1], dtype=jnp.int32)
     written = slots < rows.new_length[:, None]
     layout = EntryLayout(jnp.where(written, slots, -1), token_segment, written)
-    selection = select_entries(
-        ix.queries(qr, rows.position),
-        ix.head_weights(x),
-        index_keys,
-        rows.index,
-        rows.segment,
-        layout,
-        c.index_topk,
-        head_chunk=c.qk_head_chunk_size,
-        key_block=c.indexer_key_block,
-        query_block=c.query_block,
-    )
+    visibility = Visibility(rows.index, rows.segment, layout)
+    problem = layer.indexer_problem(x, qr, rows.position, index_keys, visibility)
+    selection = layer.execution.select(problem, c.index_topk)  # as in the forward
     keys, values = latent.astype(queries.dtype), latent[..., : c.kv_lora_rank]
-    if c.indexer_loss == "dense":  # the dense warm-up attends to every visible token
+    if stage == "dense":  # the dense warm-up attends to every visible token
         dense = DenseKeys(keys, layout, rows.index, rows.segment, values.astype(queries.dtype))
         o = sparse_attention(
             queries,
@@ -294,7 +285,7 @@ def v32_extend(
             None,
             layer.softmax_scale,
             values=values.astype(queries.dtype),
-            query_block=c.query_block,
+            query_block=layer.execution.query_block,
             dense=dense,
         )
     else:
@@ -305,7 +296,7 @@ def v32_extend(
             None,
             layer.softmax_scale,
             values=values.astype(queries.dtype),
-            query_block=c.query_block,
+            query_block=layer.execution.query_block,
         )
     y = layer.project_out(o)
     cache = V32Cache(

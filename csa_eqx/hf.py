@@ -8,6 +8,7 @@ requested layer's tensors.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import re
@@ -23,6 +24,7 @@ import ml_dtypes
 import numpy as np
 
 from .config import V4AttentionConfig, V32AttentionConfig, YaRNScaling
+from .execution import Execution
 from .v4 import V4Attention
 from .v32 import V32Attention
 
@@ -77,10 +79,11 @@ def _v4_layer_rate(d: dict, layer_idx: int) -> int:
     return 0 if kind == "sliding_attention" else int(rates[_LAYER_TYPE_RATE_KEY[kind]])
 
 
-def v4_config_from_hf(config: Any, layer_idx: int, **options) -> V4AttentionConfig:
+def v4_config_from_hf(config: Any, layer_idx: int, **overrides) -> V4AttentionConfig:
     """Build the ``V4AttentionConfig`` of layer ``layer_idx`` from an HF config (object/dict).
 
-    ``options`` set fields the HF config does not carry (``qk_head_chunk_size``, …).
+    ``overrides`` replace architecture fields (e.g. ``index_topk=``); execution options belong
+    to ``csa_eqx.Execution`` (see ``load_v4_attention``).
     """
     d = _as_dict(config)
     head_dim = int(d["head_dim"])
@@ -109,7 +112,7 @@ def v4_config_from_hf(config: Any, layer_idx: int, **options) -> V4AttentionConf
         rope_scaling=_yarn(compress_rope),
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
     )
-    fields.update(options)
+    fields.update(overrides)
     return V4AttentionConfig(**fields)
 
 
@@ -201,6 +204,25 @@ def v4_parameter_names(config: V4AttentionConfig) -> dict[str, str]:
     return names
 
 
+def _execution(execution: Execution | None, options: dict) -> Execution:
+    """``execution``, or the one the loaders' keyword ``options`` describe."""
+    if execution is not None and options:
+        raise ValueError(
+            f"pass either execution= or execution keyword options, not both (got {sorted(options)})"
+        )
+    if execution is not None:
+        return execution
+    unknown = sorted(set(options) - set(_EXECUTION_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"unknown loader options {unknown}; expected one of {list(_EXECUTION_OPTIONS)}"
+        )
+    return Execution.from_options(**options)
+
+
+_EXECUTION_OPTIONS = tuple(inspect.signature(Execution.from_options).parameters)
+
+
 def load_v4_attention(
     state_dict: Mapping[str, Any],
     config: Any,
@@ -208,15 +230,29 @@ def load_v4_attention(
     *,
     prefix: str = "",
     dtype=jnp.float32,
+    execution: Execution | None = None,
     **options,
 ) -> V4Attention:
     """A ``V4Attention`` holding layer ``layer_idx``'s weights from an HF attention state dict.
 
-    ``options`` set config fields the HF config lacks (e.g. ``qk_head_chunk_size=8``).
-    Raises ``ValueError`` naming any missing or mis-shaped tensor.
+    Arguments:
+        state_dict: HF attention parameters by name (numpy, torch or JAX arrays).
+        config: the HF config (object or dict).
+        layer_idx: which layer (its type follows the config's layer schedule).
+        prefix: prefix of the names in ``state_dict``.
+        dtype: parameter dtype.
+        execution: how the layer runs (``csa_eqx.Execution``), or instead
+        **options: the keyword options of ``Execution.from_options`` (``qk_head_chunk_size=``,
+            ``indexer_key_block=``, ``query_block=``, ``indexer_save_selection=``,
+            ``indexer_sharded_topk=``, ``shard_indexer_acts=``, ``indexer_loss=``,
+            ``data_axis=``, ``tensor_axis=``).
+
+    Returns:
+        The ``V4Attention``. Raises ``ValueError`` naming any missing or mis-shaped tensor.
     """
-    cfg = v4_config_from_hf(config, layer_idx, **options)
-    layer = V4Attention(cfg, key=jax.random.key(0), dtype=dtype)
+    ex = _execution(execution, options)
+    cfg = v4_config_from_hf(config, layer_idx)
+    layer = V4Attention(cfg, key=jax.random.key(0), dtype=dtype, execution=ex)
     return _load_tree(layer, v4_parameter_names(cfg), state_dict, prefix)
 
 
@@ -294,7 +330,8 @@ def _checkpoint_files(folder: Path, prefixes: tuple[str, ...]) -> list[Path]:
 def load_v4_attention_from_safetensors(
     path: str | Path, layer_idx: int, *, dtype=jnp.float32, **options
 ) -> V4Attention:
-    """Load layer ``layer_idx``'s attention from an HF checkpoint folder.
+    """Load layer ``layer_idx``'s attention from an HF checkpoint folder; ``options`` as for
+    ``load_v4_attention`` (``execution=`` or its keyword options).
 
     The folder holds ``config.json`` and one or more ``*.safetensors`` files (with or without
     ``model.safetensors.index.json``). Tensors may use DeepSeek's native names
@@ -330,12 +367,12 @@ def load_v4_attention_from_safetensors(
 __all__ += ["v32_config_from_hf", "v32_parameter_names", "load_v32_attention"]
 
 
-def v32_config_from_hf(config: Any, **options) -> V32AttentionConfig:
+def v32_config_from_hf(config: Any, **overrides) -> V32AttentionConfig:
     """Build the ``V32AttentionConfig`` (shared by every layer) from an HF config (object/dict).
 
     HF's ``DeepseekV32Attention`` normalises with eps 1e-6 whatever ``rms_norm_eps`` says (as
-    DeepSeek's reference does), so ``rms_norm_eps`` is 1e-6 unless ``options`` set it.
-    ``options`` also set the memory flags (``qk_head_chunk_size``, …).
+    DeepSeek's reference does), so ``rms_norm_eps`` is 1e-6 unless ``overrides`` set it.
+    ``overrides`` replace architecture fields.
     """
     d = _as_dict(config)
     if d.get("attention_bias"):
@@ -361,7 +398,7 @@ def v32_config_from_hf(config: Any, **options) -> V32AttentionConfig:
         rope_scaling=_yarn(rope),
         rms_norm_eps=1e-6,
     )
-    fields.update(options)
+    fields.update(overrides)
     return V32AttentionConfig(**fields)
 
 
@@ -392,17 +429,21 @@ def load_v32_attention(
     *,
     prefix: str = "",
     dtype=jnp.float32,
+    execution: Execution | None = None,
     **options,
 ) -> V32Attention:
     """A ``V32Attention`` holding layer ``layer_idx``'s weights from an HF attention state dict.
 
-    Every V3.2 layer is a DSA layer, so ``layer_idx`` only has to be in range. ``options`` set
-    config fields the HF config lacks. Raises ``ValueError`` naming any missing or mis-shaped
-    tensor.
+    Every V3.2 layer is a DSA layer, so ``layer_idx`` only has to be in range. ``execution``
+    and ``options`` as for ``load_v4_attention``.
+
+    Returns:
+        The ``V32Attention``. Raises ``ValueError`` naming any missing or mis-shaped tensor.
     """
     n_layers = _as_dict(config).get("num_hidden_layers")
     if n_layers is not None and not 0 <= layer_idx < int(n_layers):
         raise ValueError(f"layer_idx={layer_idx} out of range for {n_layers} layers")
-    cfg = v32_config_from_hf(config, **options)
-    layer = V32Attention(cfg, key=jax.random.key(0), dtype=dtype)
+    ex = _execution(execution, options)
+    cfg = v32_config_from_hf(config)
+    layer = V32Attention(cfg, key=jax.random.key(0), dtype=dtype, execution=ex)
     return _load_tree(layer, v32_parameter_names(), state_dict, prefix)

@@ -1,4 +1,5 @@
-"""Indexer KL distillation (SPEC §4): teach the indexer where the main attention looks.
+"""Indexer KL distillation: teach the indexer where the main attention looks (docs/concepts.md,
+"Training the indexer").
 
 For query ``t`` and candidate ``j`` (V4: a compressed-entry slot; V3.2: a token), head ``h`` of
 the main attention gives ``P_h[t, j] = exp(l_h[t, j] - lse_h[t])``, its softmax over the layer's
@@ -19,7 +20,6 @@ backward), the sparse stage gathers each query block's selected keys; memory is 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
@@ -27,17 +27,20 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from .auto import AutoSelection
+from .blocks import block_starts, key_block_ranges, take
 from .compressor import EntryLayout
 from .indexer import indexer_scores, sum_head_chunks
-from .selection import entry_visibility
+from .selection import AbstractSelection, SelectionProblem, entry_visibility
 from .sparse import gather_keys, sparse_query_block
-from .streaming import _block_starts, _key_block_ranges, prefers_streaming, streaming_block_sizes
+from .streaming import StreamingSelection, streaming_block_sizes
 
 __all__ = [
     "indexer_kl_loss",
     "attention_target",
     "selection_mask",
     "projected_indexer_kl_loss",
+    "AttentionTarget",
 ]
 
 
@@ -210,33 +213,29 @@ class _Fixed(NamedTuple):
     layout: EntryLayout
 
 
-def _take(x: Array, start: Array, size: int) -> Array:
-    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
-
-
 def _dense_tiles(static, index_keys, fx: _Fixed, init, query_block_body):
     """Drive the block loops: for each query block ``i`` (rows ``r0..r0+qb``, of which
     ``fresh`` are new: the last block is pulled back), ``query_block_body`` gets a per key
     block ``tile(j) -> (scores_fn, mass, visible)`` over the visible key-block range."""
     scale, head_chunk, qb, kb = static
     s, t = fx.query_index.shape[1], index_keys.shape[1]
-    lo, hi = _key_block_ranges(fx.query_index, fx.query_segment, fx.layout, qb, kb)
-    q_starts, k_starts = _block_starts(s, qb), _block_starts(t, kb)
+    lo, hi = key_block_ranges(fx.query_index, fx.query_segment, fx.layout, qb, kb)
+    q_starts, k_starts = block_starts(s, qb), block_starts(t, kb)
 
     def body(i, carry):
         r0 = q_starts[i]
         fresh = r0 + jnp.arange(qb) >= i * qb
-        qi, qs = _take(fx.query_index, r0, qb), _take(fx.query_segment, r0, qb)
-        qm, lm = _take(fx.q, r0, qb), _take(fx.lse, r0, qb)
-        rows = tuple(_take(r, r0, qb) for r in fx.rows)
+        qi, qs = take(fx.query_index, r0, qb), take(fx.query_segment, r0, qb)
+        qm, lm = take(fx.q, r0, qb), take(fx.lse, r0, qb)
+        rows = tuple(take(r, r0, qb) for r in fx.rows)
 
         def tile(j):
             c0 = k_starts[j]
-            end = _take(fx.layout.end, c0, kb)
-            layout = EntryLayout(end, _take(fx.layout.segment, c0, kb), end >= 0)
+            end = take(fx.layout.end, c0, kb)
+            layout = EntryLayout(end, take(fx.layout.segment, c0, kb), end >= 0)
             # a pulled-back last key block re-reads entries already counted: hide them
             visible = entry_visibility(qi, qs, layout) & (c0 + jnp.arange(kb) >= j * kb)
-            mass = _target_mass(qm, _take(fx.entries, c0, kb), lm, visible, scale, head_chunk)
+            mass = _target_mass(qm, take(fx.entries, c0, kb), lm, visible, scale, head_chunk)
             return c0, mass, visible
 
         return query_block_body(carry, r0, fresh, rows, tile, lo[i], hi[i])
@@ -266,7 +265,7 @@ def _streaming_dense_fwd(project, static, consts, index_keys, fx: _Fixed):
 
         def key_block_body(j, st):
             c0, mass, visible = tile(j)
-            return _online_update(st, score(qx, wx, _take(index_keys, c0, kb)), mass, visible)
+            return _online_update(st, score(qx, wx, take(index_keys, c0, kb)), mass, visible)
 
         st = jax.lax.fori_loop(lo, hi, key_block_body, _online_init((b, fresh.shape[0])))
         kl, has, lse_i = _online_kl(st)
@@ -296,19 +295,19 @@ def _streaming_dense_bwd(project, static, res, g):
     def query_block_body(carry, r0, fresh, rows, tile, lo, hi):
         d_consts, d_keys = carry
         (qx, wx), pull = jax.vjp(lambda *c: project(*rows, *c), *consts)
-        lse_b, tot_b = _take(lse_i, r0, fresh.shape[0]), _take(total, r0, fresh.shape[0])
+        lse_b, tot_b = take(lse_i, r0, fresh.shape[0]), take(total, r0, fresh.shape[0])
         live = (fresh & (tot_b > 0))[..., None]
 
         def key_block_body(j, acc):
             d_qx, d_wx, d_keys = acc
             c0, mass, visible = tile(j)
-            scores, tile_pull = jax.vjp(score, qx, wx, _take(index_keys, c0, kb))
+            scores, tile_pull = jax.vjp(score, qx, wx, take(index_keys, c0, kb))
             q_prob = jnp.exp(jnp.where(visible, scores - lse_b[..., None], -jnp.inf))
             p = mass / jnp.where(tot_b > 0, tot_b, 1.0)[..., None]
             d_scores = jnp.where(visible & live, q_prob - p, 0.0) * coef
             dq, dw, dk = tile_pull(d_scores.astype(scores.dtype))
             d_keys = jax.lax.dynamic_update_slice_in_dim(
-                d_keys, _take(d_keys, c0, kb) + dk, c0, axis=1
+                d_keys, take(d_keys, c0, kb) + dk, c0, axis=1
             )
             return d_qx + dq, d_wx + dw, d_keys
 
@@ -347,18 +346,18 @@ def _streaming_sparse_kl(
     """Sparse stage by query blocks: gather each block's selected indexer keys and entries,
     score and weigh only those (``lax.scan`` with a rematerialised body)."""
     s = selection.shape[1]
-    starts = _block_starts(s, qb)
+    starts = block_starts(s, qb)
 
     def body(carry, i):
         r0 = starts[i]
-        qx, wx = project(*(_take(r, r0, qb) for r in rows))
-        sel = _take(selection, r0, qb)
+        qx, wx = project(*(take(r, r0, qb) for r in rows))
+        sel = take(selection, r0, qb)
         candidates = (sel >= 0) & (r0 + jnp.arange(qb) >= i * qb)[:, None]
         scores = _gathered_scores(qx, wx, gather_keys(index_keys, sel), head_chunk)
         mass = _target_mass(
-            _take(q, r0, qb),
+            take(q, r0, qb),
             gather_keys(entries, sel),
-            _take(lse, r0, qb),
+            take(lse, r0, qb),
             candidates,
             scale,
             head_chunk,
@@ -372,47 +371,63 @@ def _streaming_sparse_kl(
     return kl / jnp.maximum(count, 1)
 
 
-def projected_indexer_kl_loss(
-    project: Callable[..., tuple[Array, Array]],
-    rows: tuple[Array, ...],
-    index_keys: Float[Array, "batch slots index_dim"],
-    q: Float[Array, "batch seq heads dim"],
-    entries: Float[Array, "batch slots dim"],
-    log_normalizer: Float[Array, "batch seq heads"],
-    query_index: Int[Array, "batch seq"],
-    query_segment: Int[Array, "batch seq"],
-    layout: EntryLayout,
-    scale: float,
-    selection: Int[Array, "batch seq k"] | None = None,
-    *,
-    head_chunk: int = 0,
-    key_block: int = 0,
-    query_block: int = 0,
-) -> Float[Array, ""]:
-    """``indexer_kl_loss`` with the indexer scores ``indexer_scores(*project(*rows),
-    index_keys)``, streaming when the dense ``[B, S, T]`` tensors would be large.
+_AUTO = AutoSelection()
+
+
+class AttentionTarget(NamedTuple):
+    """The main attention the indexer learns from (all detached by the loss).
 
     Arguments:
-        project: maps per-token ``rows`` (each ``[B, S, ...]``) to the indexer queries
-            ``[B, S, H_I, d_I]`` and head weights ``[B, S, H_I]``, row by row (it runs one
-            query block at a time). Gradient reaches the arrays it closes over and
-            ``index_keys``; ``rows`` are treated as constants.
-        q, entries, log_normalizer, scale: the main attention (detached), as in
-            ``indexer_kl_loss``; ``entries`` are its keys of the candidate slots.
-        query_index, query_segment, layout: entry visibility (``entry_visibility``).
+        q: the attention's queries ``[B, S, H, d]``.
+        keys: its keys of the candidates ``[B, T, d]`` (V4: the compressed entries; V3.2: the
+            absorbed MLA keys of the tokens).
+        log_normalizer: each head's float32 log softmax denominator ``[B, S, H]`` over its whole
+            key set, sink included (``sparse_attention(..., return_lse=True)``).
+        scale: its softmax scale.
+    """
+
+    q: Float[Array, "batch seq heads dim"]
+    keys: Float[Array, "batch cands dim"]
+    log_normalizer: Float[Array, "batch seq heads"]
+    scale: float
+
+
+def projected_indexer_kl_loss(
+    problem: SelectionProblem,
+    target: AttentionTarget,
+    selection: Int[Array, "batch seq k"] | None = None,
+    *,
+    strategy: AbstractSelection = _AUTO,
+) -> Float[Array, ""]:
+    """``indexer_kl_loss`` with the indexer scores of a selection problem, streaming when the
+    dense ``[B, S, T]`` tensors would be large.
+
+    Arguments:
+        problem: the indexer side, exactly what the selection got (``SelectionProblem``):
+            ``project`` runs one query block at a time; gradient reaches the arrays it closes
+            over and ``problem.keys``; ``problem.rows`` are treated as constants.
+            ``problem.head_chunk`` also chunks the attention heads of the target.
+        target: the main attention (detached), as in ``indexer_kl_loss``.
         selection: ``None`` for the dense warm-up (candidates = every visible entry), else the
             sparse stage's top-k ``[B, S, k]`` (``-1`` = none).
-        head_chunk: heads at once, for both the indexer and the main heads (0 = all).
-        key_block, query_block: tile sizes (0 = automatic); ``key_block > 0`` forces streaming.
+        strategy: the selection strategy; its ``tiling`` decides dense vs streaming and the
+            tile sizes (``StreamingSelection`` forces streaming).
+
+    Returns:
+        A float32 scalar; 0 when no query has a candidate.
 
     The dense warm-up streams key blocks per query block with an online log-sum-exp and skips
     key blocks invisible to a whole query block; its backward (``∂/∂I = (q − p)/n``) is
     blockwise too. The sparse stage gathers only each query block's selected keys.
     """
-    rows = jax.lax.stop_gradient(rows)
+    project, head_chunk = problem.project, problem.head_chunk
+    index_keys, (query_index, query_segment, layout) = problem.keys, problem.visibility
+    rows = jax.lax.stop_gradient(problem.rows)
+    q, entries, log_normalizer, scale = target
     b, s, h_i, _ = jax.eval_shape(project, *rows)[0].shape
     t, heads = index_keys.shape[1], head_chunk or max(h_i, q.shape[2])
-    if not (key_block or prefers_streaming(b, s, t, heads)):
+    plan = strategy.tiling(b, s, t, heads)
+    if not isinstance(plan, StreamingSelection):
         candidates = (
             entry_visibility(query_index, query_segment, layout)
             if selection is None
@@ -422,6 +437,7 @@ def projected_indexer_kl_loss(
         return indexer_kl_loss(
             q, entries, log_normalizer, scores, candidates, scale, head_chunk=head_chunk
         )
+    key_block, query_block = plan.key_block, plan.query_block
     q, entries, lse = jax.lax.stop_gradient((q, entries, log_normalizer.astype(jnp.float32)))
     if t == 0 or s == 0:
         return jnp.zeros((), jnp.float32)

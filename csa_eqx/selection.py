@@ -1,4 +1,10 @@
-"""Visibility of compressed entries and exact top-k selection with a ``-1`` sentinel.
+"""Visibility of compressed entries, exact top-k with a ``-1`` sentinel, and the selection
+strategy interface (docs/concepts.md, "The lightning indexer" and "Exact top-k").
+
+A selection strategy (``AbstractSelection``) answers one question, "which ``k`` entries does
+each query read?", for a ``SelectionProblem``; ``DenseSelection`` scores every entry at once.
+The streaming, sharded and automatic strategies live in ``csa_eqx.streaming``,
+``csa_eqx.sharding`` and ``csa_eqx.auto``.
 
 Ties go to the lower index everywhere. ReLU-based scores produce both ``-0.0`` and ``+0.0``,
 which must tie, so scores are canonicalised (all zeros made ``+0.0``) before they are ranked.
@@ -8,6 +14,11 @@ about order), which lets an exact radix select replace a sort (``exact_topk``).
 
 from __future__ import annotations
 
+import abc
+from collections.abc import Callable
+from typing import NamedTuple
+
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
@@ -23,7 +34,10 @@ __all__ = [
     "exact_topk",
     "canonical_scores",
     "scatter_rows",
-    "select_entries",
+    "Visibility",
+    "SelectionProblem",
+    "AbstractSelection",
+    "DenseSelection",
 ]
 
 
@@ -119,42 +133,90 @@ def select_topk(
     return exact_topk(scores, visible, k)[1]
 
 
-def select_entries(
-    q: Float[Array, "batch seq heads dim"],
-    weights: Float[Array, "batch seq heads"],
-    keys: Float[Array, "batch slots dim"],
-    query_index: Int[Array, "batch seq"],
-    query_segment: Int[Array, "batch seq"],
-    layout: EntryLayout,
-    k: int,
-    *,
-    head_chunk: int = 0,
-    key_block: int = 0,
-    query_block: int = 0,
-) -> Int[Array, "batch seq {k}"]:
-    """The indexer's selection: score, mask to visible entries, exact top-k with ``-1``.
+class Visibility(NamedTuple):
+    """Which entries each query may see (``entry_visibility``): query stream indices and
+    segments ``[B, S]`` and the entries' ``EntryLayout`` (``[B, T]`` each)."""
 
-    This is the whole per-query-row selection stage; it is what row sharding replaces. V3.2
-    selects raw tokens with ``entry_layout(segment_ids, 1)``. When the dense score tensor would
-    be large, or ``key_block > 0`` asks for it, the same selection is computed by
-    ``csa_eqx.streaming.stream_select_entries`` (tiles of ``query_block x key_block``,
-    0 = automatic) without materialising any score matrix.
+    query_index: Int[Array, "batch seq"]
+    query_segment: Int[Array, "batch seq"]
+    layout: EntryLayout
+
+    def mask(self) -> Bool[Array, "batch seq entries"]:
+        """The dense ``[B, S, T]`` visibility mask."""
+        return entry_visibility(self.query_index, self.query_segment, self.layout)
+
+
+class SelectionProblem(NamedTuple):
+    """Everything a selection strategy needs: "what may each query read, and how good is it".
+
+    Arguments:
+        project: maps per-token ``rows`` to the indexer queries ``[B, S, H, d]`` and head
+            weights ``[B, S, H]`` (float32, ``H^-1/2`` included). It must act row by row, so a
+            strategy may call it on any block of rows (streaming never forms the whole
+            ``[B, S, H, d]`` queries). Must be hashable (a lambda, not a bound Module method).
+        rows: per-token inputs of ``project``, each ``[B, S, ...]``.
+        keys: the entries' indexer keys ``[B, T, d]``.
+        visibility: query indices / segments and the entries' layout.
+        head_chunk: indexer heads scored at once (0 = all; must divide ``H``).
     """
-    from .streaming import prefers_streaming, stream_select_entries  # streaming imports us
 
-    b, s, h, _ = q.shape
-    if key_block or prefers_streaming(b, s, keys.shape[1], head_chunk or h):
-        return stream_select_entries(
-            q,
-            weights,
-            keys,
-            query_index,
-            query_segment,
-            layout,
-            k,
-            head_chunk=head_chunk,
-            key_block=key_block,
-            query_block=query_block,
-        )
-    scores = indexer_scores(q, weights, keys, head_chunk=head_chunk)
-    return select_topk(scores, entry_visibility(query_index, query_segment, layout), k)
+    project: Callable[..., tuple[Array, Array]]
+    rows: tuple[Array, ...]
+    keys: Float[Array, "batch entries dim"]
+    visibility: Visibility
+    head_chunk: int = 0
+
+    @classmethod
+    def from_queries(
+        cls,
+        q: Float[Array, "batch seq heads dim"],
+        weights: Float[Array, "batch seq heads"],
+        keys: Float[Array, "batch entries dim"],
+        visibility: Visibility,
+        head_chunk: int = 0,
+    ) -> SelectionProblem:
+        """A problem whose queries and head weights are already projected."""
+        return cls(_identity, (q, weights), keys, visibility, head_chunk)
+
+    def sizes(self) -> tuple[int, int, int, int]:
+        """``(batch, seq, entries, heads scored at once)``."""
+        b, s, h, _ = jax.eval_shape(self.project, *self.rows)[0].shape
+        return b, s, self.keys.shape[1], self.head_chunk or h
+
+    def queries(self) -> tuple[Array, Array]:
+        """The whole ``[B, S, H, d]`` queries and ``[B, S, H]`` weights."""
+        return self.project(*self.rows)
+
+
+def _identity(q: Array, w: Array) -> tuple[Array, Array]:
+    return q, w
+
+
+class AbstractSelection(eqx.Module):
+    """How the indexer's top-k is computed. Every strategy returns the same selection bitwise:
+    the ``k`` best visible entries per query (ties to the lower index), in increasing index
+    order, ``-1`` past the visible count."""
+
+    @abc.abstractmethod
+    def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
+        """Arguments: the ``problem`` and ``k > 0`` picks per query.
+
+        Returns: int32 ``[B, S, k]`` entry indices, ``-1`` = none.
+        """
+
+    @abc.abstractmethod
+    def tiling(self, batch: int, seq: int, entries: int, heads: int) -> AbstractSelection:
+        """The single-device strategy this one runs per shard for a problem of these sizes
+        (``DenseSelection`` or ``StreamingSelection``); the KL loss tiles the same way."""
+
+
+class DenseSelection(AbstractSelection):
+    """Score every query against every entry (``[B, S, T]`` float32), then one exact top-k.
+    Fastest while that tensor is small; see ``csa_eqx.auto.AutoSelection``."""
+
+    def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
+        scores = indexer_scores(*problem.queries(), problem.keys, head_chunk=problem.head_chunk)
+        return select_topk(scores, problem.visibility.mask(), k)
+
+    def tiling(self, batch: int, seq: int, entries: int, heads: int) -> AbstractSelection:
+        return self

@@ -1,6 +1,7 @@
-"""Row-sharded indexer selection and head-sharded indexer activations (SPEC §5).
+"""Row-sharded indexer selection and head-sharded indexer activations (docs/memory.md,
+"Sharding").
 
-``sharded_select_entries`` runs the per-query-row selection stage (scores, visibility, exact
+``ShardedSelection`` runs the per-query-row selection stage (scores, visibility, exact
 top-k) inside an explicit ``jax.shard_map``: query rows are split over the tensor axis, the batch
 over the data axis when the mesh has it and it divides the batch; keys and the entry layout are
 replicated over the tensor axis. Every row's top-k depends on that row only, so after the
@@ -25,10 +26,11 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from .auto import AutoSelection
 from .compressor import EntryLayout
-from .selection import select_entries
+from .selection import AbstractSelection, SelectionProblem, Visibility
 
-__all__ = ["mesh_with_axis", "sharded_select_entries", "constrain_heads", "tensor_axis_auto"]
+__all__ = ["mesh_with_axis", "ShardedSelection", "constrain_heads", "tensor_axis_auto"]
 
 MeshLike = Mesh | AbstractMesh
 
@@ -68,79 +70,82 @@ def _row_spec(x: Array) -> P:
     return P(*(spec + (None,) * (2 - len(spec)))[:2])
 
 
-def sharded_select_entries(
-    q: Float[Array, "batch seq heads dim"],
-    weights: Float[Array, "batch seq heads"],
-    keys: Float[Array, "batch slots dim"],
-    query_index: Int[Array, "batch seq"],
-    query_segment: Int[Array, "batch seq"],
-    layout: EntryLayout,
-    k: int,
-    *,
-    head_chunk: int = 0,
-    key_block: int = 0,
-    query_block: int = 0,
-    tensor_axis: str = "tensor",
-    data_axis: str = "data",
-    mesh: MeshLike | None = None,
-) -> Int[Array, "batch seq {k}"]:
-    """``select_entries`` with query rows sharded over ``tensor_axis`` in ``jax.shard_map``.
+class ShardedSelection(AbstractSelection):
+    """The selection with query rows sharded over ``tensor_axis`` in an explicit
+    ``jax.shard_map``; each shard runs ``inner`` on its rows.
 
-    ``head_chunk`` / ``key_block`` / ``query_block`` go to ``select_entries`` on each shard.
+    Arguments:
+        inner: the single-device strategy each shard runs (default ``AutoSelection()``).
+        tensor_axis: mesh axis the query rows are split over; the mesh must have it.
+        data_axis: mesh axis the batch is split over, when the mesh has it and its size
+            divides the batch (otherwise the batch is replicated).
+        mesh: the mesh (``None``: the one set with ``jax.set_mesh``).
 
-    The mesh (``mesh`` or the ``jax.set_mesh`` one) must have ``tensor_axis`` (else
-    ``ValueError``). The batch is split over ``data_axis`` when the mesh has that axis and its
-    size divides the batch, otherwise the batch is replicated. A single query row (decode) is
-    not sharded. Rows that do not divide evenly are **padded** to a multiple of the tensor size
-    with rows that see no entry, and the padding is sliced off. The gathered ``[B, S, k]``
-    result is returned in the ``[B, S]`` layout ``query_index`` came in, and equals the
-    unsharded selection bitwise.
+    A single query row (decode) is not sharded. Rows that do not divide evenly are **padded**
+    to a multiple of the tensor size with rows that see no entry, and the padding is sliced
+    off. The gathered ``[B, S, k]`` result comes back in the ``[B, S]`` layout the query
+    indices came in, and equals the unsharded selection bitwise.
     """
-    mesh = mesh_with_axis(tensor_axis, "indexer_sharded_topk", mesh)
-    b, s = query_index.shape
-    tiles = dict(head_chunk=head_chunk, key_block=key_block, query_block=query_block)
-    if s == 1:
-        return select_entries(q, weights, keys, query_index, query_segment, layout, k, **tiles)
-    out_layout = P(*_row_spec(query_index), None)
-    tp = mesh.shape[tensor_axis]
-    dp = data_axis if data_axis in mesh.axis_names and b % mesh.shape[data_axis] == 0 else None
-    pad = -s % tp
-    if pad:
-        q, weights, query_segment = (_pad_rows(a, pad) for a in (q, weights, query_segment))
-        query_index = _pad_rows(query_index, pad, -1)  # index -1 sees no entry
 
-    shared = P(dp, None)
-    specs = (
-        P(dp, tensor_axis, None, None),
-        P(dp, tensor_axis, None),
-        P(dp, None, None),
-        shared,
-        shared,
-        EntryLayout(shared, shared, shared),
-    )
-    args = (q, weights, keys, query_index, query_segment, layout)
-    args = jax.tree.map(lambda a, spec: _place(a, mesh, spec), args, specs)
-    rows = (s + pad) // tp
+    inner: AbstractSelection = AutoSelection()
+    tensor_axis: str = "tensor"
+    data_axis: str = "data"
+    mesh: MeshLike | None = None
 
-    def local(q, weights, keys, query_index, query_segment, layout):
-        # The [B, S] int rows are tiny: pass them whole and slice this shard's rows here.
-        # (Resharding them by rows outside made XLA's CPU SPMD partitioner emit invalid HLO
-        # when the layer also shifts the same segment ids; jax 0.10.2.)
-        start = jax.lax.axis_index(tensor_axis) * rows
-        query_index, query_segment = (
-            jax.lax.dynamic_slice_in_dim(a, start, rows, axis=1)
-            for a in (query_index, query_segment)
+    def tiling(self, batch: int, seq: int, entries: int, heads: int) -> AbstractSelection:
+        return self.inner.tiling(batch, seq, entries, heads)
+
+    def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
+        mesh = mesh_with_axis(self.tensor_axis, "indexer_sharded_topk", self.mesh)
+        tensor_axis, inner = self.tensor_axis, self.inner
+        q, weights = problem.queries()  # projected here: each shard gets its rows' queries
+        query_index, query_segment, layout = problem.visibility
+        keys, head_chunk = problem.keys, problem.head_chunk
+        b, s = query_index.shape
+        if s == 1:
+            return inner.select(SelectionProblem.from_queries(q, weights, *problem[2:]), k)
+        out_layout = P(*_row_spec(query_index), None)
+        tp = mesh.shape[tensor_axis]
+        data = self.data_axis
+        dp = data if data in mesh.axis_names and b % mesh.shape[data] == 0 else None
+        pad = -s % tp
+        if pad:
+            q, weights, query_segment = (_pad_rows(a, pad) for a in (q, weights, query_segment))
+            query_index = _pad_rows(query_index, pad, -1)  # index -1 sees no entry
+
+        shared = P(dp, None)
+        specs = (
+            P(dp, tensor_axis, None, None),
+            P(dp, tensor_axis, None),
+            P(dp, None, None),
+            shared,
+            shared,
+            EntryLayout(shared, shared, shared),
         )
-        idx = select_entries(q, weights, keys, query_index, query_segment, layout, k, **tiles)
-        return jax.lax.all_gather(idx, tensor_axis, axis=1, tiled=True)
+        args = (q, weights, keys, query_index, query_segment, layout)
+        args = jax.tree.map(lambda a, spec: _place(a, mesh, spec), args, specs)
+        rows = (s + pad) // tp
 
-    # check_vma=False: the selection's loops (chunked heads, streaming) start their carries
-    # from constants, which the varying-manual-axes check rejects; nothing here is
-    # differentiated, and the all-gather makes the result replicated over ``tensor_axis``.
-    out = jax.shard_map(
-        local, mesh=mesh, in_specs=specs, out_specs=P(dp, None, None), check_vma=False
-    )(*args)
-    return _place(out[:, :s] if pad else out, mesh, out_layout)
+        def local(q, weights, keys, query_index, query_segment, layout):
+            # The [B, S] int rows are tiny: pass them whole and slice this shard's rows here.
+            # (Resharding them by rows outside made XLA's CPU SPMD partitioner emit invalid
+            # HLO when the layer also shifts the same segment ids; jax 0.10.2.)
+            start = jax.lax.axis_index(tensor_axis) * rows
+            query_index, query_segment = (
+                jax.lax.dynamic_slice_in_dim(a, start, rows, axis=1)
+                for a in (query_index, query_segment)
+            )
+            visibility = Visibility(query_index, query_segment, layout)
+            shard = SelectionProblem.from_queries(q, weights, keys, visibility, head_chunk)
+            return jax.lax.all_gather(inner.select(shard, k), tensor_axis, axis=1, tiled=True)
+
+        # check_vma=False: the selection's loops (chunked heads, streaming) start their carries
+        # from constants, which the varying-manual-axes check rejects; nothing here is
+        # differentiated, and the all-gather makes the result replicated over ``tensor_axis``.
+        out = jax.shard_map(
+            local, mesh=mesh, in_specs=specs, out_specs=P(dp, None, None), check_vma=False
+        )(*args)
+        return _place(out[:, :s] if pad else out, mesh, out_layout)
 
 
 def constrain_heads(x: Float[Array, "batch seq heads *rest"], tensor_axis: str) -> Array:
@@ -149,9 +154,17 @@ def constrain_heads(x: Float[Array, "batch seq heads *rest"], tensor_axis: str) 
 
     Acts where ``tensor_axis`` is Auto in the current mesh; where it is Explicit this returns
     ``x`` unchanged (run the stage under ``tensor_axis_auto`` to apply it there, as
-    ``Indexer.select`` does). A mesh without ``tensor_axis`` is a ``ValueError``.
+    the layers do). A mesh without ``tensor_axis``, or whose ``tensor_axis`` size does not
+    divide the heads, is a ``ValueError``.
     """
-    if _explicit(mesh_with_axis(tensor_axis, "shard_indexer_acts"), tensor_axis):
+    mesh = mesh_with_axis(tensor_axis, "shard_indexer_acts")
+    devices, heads = mesh.shape[tensor_axis], x.shape[2]
+    if heads % devices:
+        raise ValueError(
+            f"shard_indexer_acts: mesh axis {tensor_axis!r} has {devices} devices, which does "
+            f"not divide the {heads} indexer heads (index_n_heads)"
+        )
+    if _explicit(mesh, tensor_axis):
         return x
     spec = P(None, None, tensor_axis, *([None] * (x.ndim - 3)))
     return jax.lax.with_sharding_constraint(x, spec)

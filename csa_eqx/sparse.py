@@ -9,26 +9,31 @@ dense warm-up) are better attended with a plain matmul than gathered per query: 
 and they share one softmax with the gathered keys. CSA's *selected* entries can go the same
 way (``DenseKeys(picks=...)``, masked to each query's picks) while the entry count is a small
 multiple of ``k``: a masked matmul over ``T`` entries is far cheaper than gathering ``k`` rows
-per query, and its gradient needs no scatter-add (``prefers_masked_picks``).
+per query, and its gradient needs no scatter-add. ``MaskedPicks`` / ``GatheredPicks`` force one
+way, ``csa_eqx.auto.AutoPicks`` chooses.
 """
 
 from __future__ import annotations
 
+import abc
 from typing import NamedTuple
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from .compressor import EntryLayout
-from .selection import entry_visibility, scatter_rows
+from .selection import Visibility, entry_visibility, scatter_rows
 
 __all__ = [
     "sparse_attention",
     "gather_keys",
     "sparse_query_block",
     "DenseKeys",
-    "prefers_masked_picks",
+    "AbstractPicks",
+    "GatheredPicks",
+    "MaskedPicks",
     "picked_mask",
 ]
 
@@ -47,13 +52,38 @@ class DenseKeys(NamedTuple):
     picks: Int[Array, "batch seq picks"] | None = None
 
 
-_MASKED_PICKS_RATIO = 4
+class AbstractPicks(eqx.Module):
+    """How the attention reads each query's picked entries (CSA's, V3.2's selection)."""
+
+    @abc.abstractmethod
+    def parts(
+        self,
+        keys: Float[Array, "batch entries dim"],
+        visibility: Visibility,
+        picks: Int[Array, "batch seq k"],
+        values: Float[Array, "batch entries vdim"] | None = None,
+    ) -> tuple[DenseKeys | None, Int[Array, "batch seq n"]]:
+        """Arguments: the entries' ``keys`` (and MLA ``values``), their ``visibility`` and each
+        query's distinct ``picks`` (``-1`` = none).
+
+        Returns: ``(dense, indices)`` for ``sparse_attention``: entries attended by matmul
+        (or ``None``) and per-query indices into ``keys`` to gather (``[B, S, 0]`` when none).
+        """
 
 
-def prefers_masked_picks(entries: int, picks: int) -> bool:
-    """Whether ``picks`` of ``entries`` per query are cheaper as a masked matmul over all
-    entries (``DenseKeys(picks=...)``) than gathered: up to 4 entries per pick."""
-    return entries <= _MASKED_PICKS_RATIO * picks
+class GatheredPicks(AbstractPicks):
+    """Gather each query's ``k`` picked keys (``[B, Qb, k, d]`` per query block)."""
+
+    def parts(self, keys, visibility, picks, values=None):
+        return None, picks
+
+
+class MaskedPicks(AbstractPicks):
+    """One matmul over all entries, masked to each query's visible picks."""
+
+    def parts(self, keys, visibility, picks, values=None):
+        dense = DenseKeys(keys, visibility.layout, *visibility[:2], values, picks)
+        return dense, picks[..., :0]
 
 
 def picked_mask(

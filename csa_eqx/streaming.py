@@ -7,7 +7,7 @@ when asked) into a row buffer of ``topk_block`` entries; each buffer gets one to
 into the running top-k of each query. The buffer holds all entries unless ``[B, Qb, T]`` would
 pass ~64 MiB, so at usual sizes there is one top-k per query row and no merge at all. Neither
 ``[B, H, S, T]`` nor ``[B, S, T]`` is ever formed: memory is linear in the sequence length.
-``select_projected_entries`` also projects the indexer queries one query block at a time, so
+The indexer queries are projected one query block at a time (``SelectionProblem.project``), so
 the ``[B, S, H, d]`` queries (the largest remaining tensor at V4 sizes) never exist either.
 
 Given the same scores this is exactly :func:`csa_eqx.select_topk`: buffers are merged in
@@ -18,27 +18,23 @@ its inputs are ``stop_gradient``-ed and the loops never need differentiating.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Int
 
+from .blocks import block_starts, key_block_ranges, padded_keys, take
 from .compressor import EntryLayout
 from .indexer import indexer_scores
-from .selection import entry_visibility, exact_topk
+from .selection import AbstractSelection, SelectionProblem, entry_visibility, exact_topk
 
 __all__ = [
-    "stream_select_entries",
-    "stream_select_projected",
-    "select_projected_entries",
+    "StreamingSelection",
     "streaming_block_sizes",
     "topk_block_size",
-    "prefers_streaming",
+    "tile_elements",
 ]
-
-_BIG = jnp.iinfo(jnp.int32).max
 
 
 class _Tiles(NamedTuple):
@@ -59,10 +55,10 @@ def _tiles() -> _Tiles:
     return _CPU_TILES if jax.default_backend() == "cpu" else _ACCELERATOR_TILES
 
 
-def prefers_streaming(batch: int, seq: int, entries: int, heads_at_once: int) -> bool:
-    """Whether the dense path's largest score tensor ``[B, S, heads, T]`` would be large
-    (more than one automatic tile: 2^24 elements on CPU, 2^26 on accelerators)."""
-    return batch * seq * entries * max(heads_at_once, 1) > _tiles().elements
+def tile_elements() -> int:
+    """Elements of one automatic tile (and of one row buffer) for the current backend: 2^24 on
+    CPU, 2^26 on accelerators."""
+    return _tiles().elements
 
 
 def streaming_block_sizes(
@@ -98,50 +94,6 @@ def topk_block_size(
     return max(1, min(per_pass, tiles)) * key_block
 
 
-def _block_starts(n: int, block: int) -> Array:
-    """Start of each block; the last one is pulled back to end at ``n`` (no padding copies)."""
-    return jnp.minimum(jnp.arange(-(-n // block), dtype=jnp.int32) * block, n - block)
-
-
-def _key_block_ranges(
-    query_index: Array, query_segment: Array, layout: EntryLayout, qb: int, kb: int
-) -> tuple[Array, Array]:
-    """Per query block, the range ``[lo, hi)`` of key blocks that may hold a visible entry.
-
-    A key block is needed when, for some batch row, its earliest valid entry closes at or
-    before the block's last query and its segment range overlaps the queries' segments.
-    """
-    s, t = query_index.shape[1], layout.end.shape[1]
-    rows = _block_starts(s, qb)[:, None] + jnp.arange(qb)
-    slots = _block_starts(t, kb)[:, None] + jnp.arange(kb)
-    qi, qs = query_index[:, rows], query_segment[:, rows]  # [B, nq, qb]
-    end, seg = layout.end[:, slots], layout.segment[:, slots]  # [B, nk, kb]
-    valid = end >= 0
-    first_end = jnp.min(jnp.where(valid, end, _BIG), axis=-1)
-    seg_lo = jnp.min(jnp.where(valid, seg, _BIG), axis=-1)
-    seg_hi = jnp.max(jnp.where(valid, seg, -_BIG), axis=-1)
-    need = (
-        (first_end[:, None, :] <= jnp.max(qi, axis=-1)[:, :, None])
-        & (seg_hi[:, None, :] >= jnp.min(qs, axis=-1)[:, :, None])
-        & (seg_lo[:, None, :] <= jnp.max(qs, axis=-1)[:, :, None])
-    ).any(axis=0)  # [nq, nk]
-    blocks = jnp.arange(need.shape[1], dtype=jnp.int32)
-    hi = jnp.max(jnp.where(need, blocks + 1, 0), axis=-1)
-    lo = jnp.minimum(jnp.min(jnp.where(need, blocks, need.shape[1]), axis=-1), hi)
-    return lo, hi
-
-
-def _padded_keys(keys: Array, layout: EntryLayout, width: int) -> tuple[Array, EntryLayout]:
-    """Keys and layout padded with invalid entries to a multiple of ``width`` slots."""
-    pad = -keys.shape[1] % width
-    if not pad:
-        return keys, layout
-    keys = jnp.pad(keys, ((0, 0), (0, pad), (0, 0)))
-    end = jnp.pad(layout.end, ((0, 0), (0, pad)), constant_values=-1)
-    segment = jnp.pad(layout.segment, ((0, 0), (0, pad)), constant_values=-1)
-    return keys, EntryLayout(end, segment, jnp.pad(layout.has_prior, ((0, 0), (0, pad))))
-
-
 def _top_of(scores: Array, visible: Array, offset: Array, k: int) -> tuple[Array, Array]:
     """``(values, slots)`` of the ``k`` best visible scores of a row buffer whose first entry
     is slot ``offset``, as ``exact_topk`` (``(-inf, -1)`` fill)."""
@@ -157,94 +109,42 @@ def _merge(running: tuple[Array, Array], new: tuple[Array, Array], k: int):
     return val, jnp.where(pos >= 0, jnp.take_along_axis(idx, jnp.maximum(pos, 0), -1), -1)
 
 
-def stream_select_entries(
-    q: Float[Array, "batch seq heads dim"],
-    weights: Float[Array, "batch seq heads"],
-    keys: Float[Array, "batch slots dim"],
-    query_index: Int[Array, "batch seq"],
-    query_segment: Int[Array, "batch seq"],
-    layout: EntryLayout,
-    k: int,
-    *,
-    head_chunk: int = 0,
-    key_block: int = 0,
-    query_block: int = 0,
-    topk_block: int = 0,
-) -> Int[Array, "batch seq {k}"]:
-    """Exact indexer top-k (as ``select_topk`` of the dense scores) without a score matrix.
+class StreamingSelection(AbstractSelection):
+    """Exact indexer top-k without a score matrix: tiles of ``query_block x key_block``
+    scored into row buffers of ``topk_block`` entries, merged into a running top-k.
 
     Arguments:
-        q, weights, keys: indexer queries, head weights (with ``H^-1/2``) and entry keys.
-        query_index, query_segment, layout: visibility, as in ``entry_visibility``; valid
-            ``layout.end`` values must be nondecreasing for blocks to be skipped.
-        k: picks per query; padded with ``-1`` beyond the visible count.
-        head_chunk: heads scored at once inside a tile (0 = all).
-        key_block, query_block: entries and queries per tile (0 = automatic).
+        key_block: entries per tile (0 = automatic, see ``streaming_block_sizes``).
+        query_block: queries per block (0 = automatic).
         topk_block: entries scored into one row buffer per top-k (0 = automatic, see
             ``topk_block_size``); more entries are merged into a running top-k.
+
+    Valid ``layout.end`` values must be nondecreasing for invisible tiles to be skipped.
     """
-    return stream_select_projected(
-        lambda q, w: (q, w),
-        (q, weights),
-        keys,
-        query_index,
-        query_segment,
-        layout,
-        k,
-        head_chunk=head_chunk,
-        key_block=key_block,
-        query_block=query_block,
-        topk_block=topk_block,
-    )
+
+    key_block: int = 0
+    query_block: int = 0
+    topk_block: int = 0
+
+    def __check_init__(self):
+        for name in ("key_block", "query_block", "topk_block"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"StreamingSelection.{name} must be an int >= 0 (got {value!r})")
+
+    def tiling(self, batch: int, seq: int, entries: int, heads: int) -> AbstractSelection:
+        return self
+
+    def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
+        return _stream_topk(problem, k, self.key_block, self.query_block, self.topk_block)
 
 
-def select_projected_entries(
-    project: Callable[..., tuple[Array, Array]],
-    rows: tuple[Array, ...],
-    keys: Float[Array, "batch slots dim"],
-    query_index: Int[Array, "batch seq"],
-    query_segment: Int[Array, "batch seq"],
-    layout: EntryLayout,
-    k: int,
-    *,
-    head_chunk: int = 0,
-    key_block: int = 0,
-    query_block: int = 0,
+def _stream_topk(
+    problem: SelectionProblem, k: int, key_block: int, query_block: int, topk_block: int
 ) -> Int[Array, "batch seq {k}"]:
-    """``select_entries(*project(*rows), keys, ...)``, streaming from the rows when it would.
-
-    ``project`` maps per-token inputs (``rows``, each ``[B, S, ...]``) to the indexer queries
-    ``[B, S, H, d]`` and head weights ``[B, S, H]``; it must act row by row. On the streaming
-    path (same rule as ``select_entries``) it runs one query block at a time, so the full
-    ``[B, S, H, d]`` queries never exist either.
-    """
-    from .selection import select_entries
-
-    b, s, h, _ = jax.eval_shape(project, *rows)[0].shape
-    tiles = dict(head_chunk=head_chunk, key_block=key_block, query_block=query_block)
-    if key_block or prefers_streaming(b, s, keys.shape[1], head_chunk or h):
-        return stream_select_projected(
-            project, rows, keys, query_index, query_segment, layout, k, **tiles
-        )
-    return select_entries(*project(*rows), keys, query_index, query_segment, layout, k, **tiles)
-
-
-def stream_select_projected(
-    project: Callable[..., tuple[Array, Array]],
-    rows: tuple[Array, ...],
-    keys: Float[Array, "batch slots dim"],
-    query_index: Int[Array, "batch seq"],
-    query_segment: Int[Array, "batch seq"],
-    layout: EntryLayout,
-    k: int,
-    *,
-    head_chunk: int = 0,
-    key_block: int = 0,
-    query_block: int = 0,
-    topk_block: int = 0,
-) -> Int[Array, "batch seq {k}"]:
-    """``stream_select_entries`` with queries and weights computed per query block by
-    ``project(*row_block)`` (see ``select_projected_entries``)."""
+    project, rows, keys = problem.project, problem.rows, problem.keys
+    query_index, query_segment, layout = problem.visibility
+    head_chunk = problem.head_chunk
     if k <= 0:
         raise ValueError(f"k must be positive (got {k})")
     b, s, h, _ = jax.eval_shape(project, *rows)[0].shape
@@ -257,13 +157,10 @@ def stream_select_projected(
     block = [jax.ShapeDtypeStruct((r.shape[0], qb, *r.shape[2:]), r.dtype) for r in rows]
     project, consts = jax.closure_convert(project, *block)
     rows, consts, keys = jax.lax.stop_gradient((rows, consts, keys))
-    keys, layout = _padded_keys(keys, layout, group)
+    keys, layout = padded_keys(keys, layout, group)
     tiles_per_group, last_group = group // kb, keys.shape[1] // group - 1
-    lo, hi = _key_block_ranges(query_index, query_segment, layout, qb, kb)
-    q_starts = _block_starts(s, qb)
-
-    def take(x: Array, start: Array, size: int) -> Array:
-        return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+    lo, hi = key_block_ranges(query_index, query_segment, layout, qb, kb)
+    q_starts = block_starts(s, qb)
 
     def query_block_body(i, out):
         r0 = q_starts[i]

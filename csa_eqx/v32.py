@@ -1,5 +1,6 @@
 """DeepSeek-V3.2 DSA layer: MLA whose queries attend only to the tokens a lightning indexer
-selects (SPEC §2).
+selects (docs/concepts.md,
+"DeepSeek-V3.2 DSA").
 
 The MLA runs in its absorbed form: every head's query is mapped into the kv latent
 (``q_nope · W_kb_h``) so all heads share one key ``[c_kv ; k_rope]`` and one value ``c_kv``
@@ -21,14 +22,12 @@ from .cache import V32Cache, init_v32_cache
 from .compressor import entry_layout, segment_positions
 from .config import V32AttentionConfig, YaRNScaling
 from .decode import v32_extend
-from .indexer import indexer_scores
-from .loss import indexer_kl_loss, selection_mask
+from .execution import Execution, IndexerLossStage, stage_of, with_execution
+from .loss import AttentionTarget, projected_indexer_kl_loss
 from .ops import init_linear, linear, rms_norm, upcast
-from .remat import tag_selection
 from .rope import apply_rope_half_split, apply_rope_interleaved, rope_inv_freq, yarn_mscale
-from .selection import entry_visibility, select_entries
-from .sharding import constrain_heads, sharded_select_entries, tensor_axis_auto
-from .sparse import DenseKeys, prefers_masked_picks, sparse_attention
+from .selection import SelectionProblem, Visibility
+from .sparse import DenseKeys, sparse_attention
 
 __all__ = ["V32Attention", "V32Indexer"]
 
@@ -98,8 +97,7 @@ class V32Indexer(eqx.Module):
         c = self.config
         b, s, _ = qr.shape
         q = linear(qr, self.wq_b).reshape(b, s, c.index_n_heads, c.index_head_dim)
-        q = self._rope(q, positions[..., None])
-        return constrain_heads(q, c.tensor_axis) if c.shard_indexer_acts else q
+        return self._rope(q, positions[..., None])
 
     def keys(
         self, x: Float[Array, "batch seq hidden"], positions: Int[Array, "batch seq"]
@@ -111,51 +109,7 @@ class V32Indexer(eqx.Module):
     def head_weights(self, x: Float[Array, "batch seq hidden"]) -> Float[Array, "batch seq heads"]:
         """Per-head weights ``[B,S,H_I]`` including the ``H_I^-1/2`` factor (float32)."""
         c = self.config
-        w = linear(x, self.weights_proj).astype(jnp.float32) * c.index_n_heads**-0.5
-        return constrain_heads(w, c.tensor_axis) if c.shard_indexer_acts else w
-
-    def __call__(
-        self,
-        x: Float[Array, "batch seq hidden"],
-        qr: Float[Array, "batch seq q_lora"],
-        positions: Int[Array, "batch seq"],
-        segment_ids: Int[Array, "batch seq"],
-    ) -> Int[Array, "batch seq k"]:
-        """Top-k token indices ``[B,S,index_topk]`` per query (``-1`` = none), causal and
-        same-segment, tagged for remat.
-
-        ``indexer_sharded_topk`` / ``shard_indexer_acts`` use the mesh set with
-        ``jax.set_mesh`` (see ``csa_eqx.sharding``).
-        """
-        c = self.config
-        b, s, _ = x.shape
-        query_index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-
-        def stage(x, qr, positions, query_index, segment_ids):
-            args = (
-                self.queries(qr, positions),
-                self.head_weights(x),
-                self.keys(x, positions),
-                query_index,
-                segment_ids,
-                entry_layout(segment_ids, 1),
-                c.index_topk,
-            )
-            tiles = dict(
-                head_chunk=c.qk_head_chunk_size,
-                key_block=c.indexer_key_block,
-                query_block=c.query_block,
-            )
-            if c.indexer_sharded_topk:
-                return sharded_select_entries(
-                    *args, **tiles, tensor_axis=c.tensor_axis, data_axis=c.data_axis
-                )
-            return select_entries(*args, **tiles)
-
-        if c.shard_indexer_acts:
-            stage = tensor_axis_auto(stage, c.tensor_axis, query_index)
-        selection = stage(x, qr, positions, query_index, segment_ids)
-        return tag_selection(selection, c.indexer_save_selection)
+        return linear(x, self.weights_proj).astype(jnp.float32) * c.index_n_heads**-0.5
 
 
 class V32Attention(eqx.Module):
@@ -174,9 +128,25 @@ class V32Attention(eqx.Module):
     o_proj: Float[Array, "hidden heads_x_v"]
     indexer: V32Indexer
     config: V32AttentionConfig = eqx.field(static=True)
+    execution: Execution = eqx.field(static=True)
 
-    def __init__(self, config: V32AttentionConfig, *, key: Array, dtype=jnp.float32):
+    def __init__(
+        self,
+        config: V32AttentionConfig,
+        *,
+        key: Array,
+        dtype=jnp.float32,
+        execution: Execution | None = None,
+    ):
+        """Arguments:
+        config: the layer's architecture.
+        key: PRNG key for the random initialisation.
+        dtype: parameter dtype (norm weights stay float32).
+        execution: how the layer runs (``csa_eqx.Execution``; ``None``: automatic).
+        """
         c = config
+        execution = Execution() if execution is None else execution
+        execution.check(c.index_n_heads, c.num_heads, execution.indexer_loss)
         ks = jax.random.split(key, 6)
         qk = c.qk_nope_head_dim + c.qk_rope_head_dim
         self.q_a_proj = init_linear(ks[0], c.q_lora_rank, c.hidden_size, dtype)
@@ -192,6 +162,7 @@ class V32Attention(eqx.Module):
         self.o_proj = init_linear(ks[4], c.hidden_size, c.num_heads * c.v_head_dim, dtype)
         self.indexer = V32Indexer(c, key=ks[5], dtype=dtype)
         self.config = config
+        self.execution = execution
 
     @property
     def softmax_scale(self) -> float:
@@ -239,6 +210,38 @@ class V32Attention(eqx.Module):
         o = jnp.einsum("bshc,hvc->bshv", o, self._kv_up()[1].astype(o.dtype)).reshape(b, s, -1)
         return linear(o, self.o_proj)
 
+    def indexer_problem(
+        self,
+        x: Float[Array, "batch seq hidden"],
+        qr: Float[Array, "batch seq q_lora"],
+        positions: Int[Array, "batch seq"],
+        keys: Float[Array, "batch tokens index_dim"],
+        visibility: Visibility,
+    ) -> SelectionProblem:
+        """The indexer's side of "what a query reads", shared by the selection, the KL loss and
+        ``extend``: detached rows ``(x, qr, positions)`` projected block by block to the
+        indexer's queries and head weights, scored against the tokens' indexer ``keys``."""
+        ix, ex = self.indexer, self.execution
+
+        def project(x, qr, positions):  # a fresh closure: hashable, and row by row
+            return ex.on_heads(ix.queries(qr, positions)), ex.on_heads(ix.head_weights(x))
+
+        rows = (*jax.lax.stop_gradient((x, qr)), positions)
+        return SelectionProblem(project, rows, keys, visibility, ex.qk_head_chunk_size)
+
+    def with_execution(self, execution: Execution):
+        """The same parameters, run as ``execution`` says (e.g. another selection strategy).
+
+        Returns: a new layer sharing this one's arrays.
+        """
+        return with_execution(self, execution)
+
+    def _stage(self, indexer_loss: IndexerLossStage | None) -> str:
+        stage = stage_of(self.execution, indexer_loss)
+        if indexer_loss is not None:
+            self.execution.check(self.config.index_n_heads, self.config.num_heads, stage)
+        return stage
+
     @jaxtyped(typechecker=beartype)
     def __call__(
         self,
@@ -246,19 +249,30 @@ class V32Attention(eqx.Module):
         positions: Int[ArrayLike, "batch seq"] | None = None,
         segment_ids: Int[ArrayLike, "batch seq"] | None = None,
         return_aux: bool = False,
+        *,
+        indexer_loss: str | None = None,
     ) -> Float[Array, "batch seq hidden"] | tuple[Float[Array, "batch seq hidden"], dict]:
-        """Sparse MLA over the tokens the indexer selects (with ``indexer_loss="dense"``, the
-        warm-up: plain causal MLA over every earlier token of the segment).
+        """Sparse MLA over the tokens the indexer selects (docs/concepts.md, "DeepSeek-V3.2
+        DSA"); in the ``"dense"`` stage, the warm-up: plain causal MLA over every earlier token
+        of the segment.
 
         Arguments:
             x: hidden states ``[B, S, hidden]``.
             positions: RoPE positions ``[B, S]``; default: the index inside each segment.
             segment_ids: packed-document ids ``[B, S]`` (contiguous runs); tokens only see
                 earlier tokens of their own segment.
-            return_aux: also return ``{"selection": int32 [B,S,index_topk] (-1 = none),
-                "indexer_loss": scalar, or None when config.indexer_loss is "off"}``.
+            return_aux: also return the aux dict.
+            indexer_loss: the indexer's training stage for this call (``"off"``, ``"dense"``,
+                ``"sparse"``); ``None`` = ``execution.indexer_loss``.
+
+        Returns:
+            ``y`` ``[B, S, hidden]``; with ``return_aux``, ``(y, aux)`` with
+            ``aux["selection"]`` int32 ``[B, S, index_topk]`` token indices in increasing order
+            (``-1`` = none) and ``aux["indexer_loss"]`` a float32 scalar (``None`` when the
+            stage is ``"off"``).
         """
-        c = self.config
+        c, ex = self.config, self.execution
+        stage = self._stage(indexer_loss)
         x = jnp.asarray(x)
         b, s, _ = x.shape
         seg = jnp.zeros((b, s), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids)
@@ -266,19 +280,21 @@ class V32Attention(eqx.Module):
         positions = segment_positions(seg) if positions is None else jnp.asarray(positions)
         positions = positions.astype(jnp.int32)
         qr, queries, keys = self.project_qkv(x, positions)
-        selection = self.indexer(x, qr, positions, seg)
-        values = keys[..., : c.kv_lora_rank]
-        indices, dense = selection, None
         query_index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        if c.indexer_loss == "dense":
+        visibility = Visibility(query_index, seg, entry_layout(seg, 1))
+        # the indexer's keys, once: the selection ignores gradients and the loss must train
+        # the indexer only, never x
+        index_keys = self.indexer.keys(jax.lax.stop_gradient(x), positions)
+        problem = self.indexer_problem(x, qr, positions, index_keys, visibility)
+        selection = ex.select(problem, c.index_topk)
+        values = keys[..., : c.kv_lora_rank]
+        if stage == "dense":
             # warm-up: every visible token (causal, same segment), attended by one matmul
-            dense = DenseKeys(keys, entry_layout(seg, 1), query_index, seg, values)
-        elif prefers_masked_picks(s, c.index_topk):
-            # few tokens per pick: a matmul masked to the picks beats gathering them
-            dense = DenseKeys(keys, entry_layout(seg, 1), query_index, seg, values, selection)
-        if dense is not None:
-            indices = jnp.zeros((b, s, 0), jnp.int32)
-        want_loss = return_aux and c.indexer_loss != "off"
+            dense = DenseKeys(keys, visibility.layout, query_index, seg, values)
+            indices = selection[..., :0]
+        else:
+            dense, indices = ex.picks.parts(keys, visibility, selection, values)
+        want_loss = return_aux and stage != "off"
         o = sparse_attention(
             queries,
             keys,
@@ -287,44 +303,20 @@ class V32Attention(eqx.Module):
             self.softmax_scale,
             values=values,
             return_lse=want_loss,
-            query_block=c.query_block,
+            query_block=ex.query_block,
             dense=dense,
         )
         if want_loss:
             o, lse = o
         y = self.project_out(o)
-        if return_aux:
-            loss = None
-            if want_loss:
-                if c.indexer_loss == "dense":
-                    candidates = entry_visibility(dense.query_index, seg, dense.layout)
-                else:
-                    candidates = selection_mask(selection, s)
-                loss = self._indexer_loss(x, qr, positions, queries, keys, lse, candidates)
-            return y, {"selection": selection, "indexer_loss": loss}
-        return y
-
-    def _indexer_loss(self, x, qr, positions, queries, keys, lse, candidates) -> Array:
-        """The indexer's KL distillation loss (SPEC §4) over token candidates, against the
-        absorbed MLA queries and keys the attention used. The indexer scores detached hidden
-        states and the target is detached, so its gradient reaches indexer parameters only."""
-        c, ix = self.config, self.indexer
-        x, qr = jax.lax.stop_gradient((x, qr))
-        scores = indexer_scores(
-            ix.queries(qr, positions),
-            ix.head_weights(x),
-            ix.keys(x, positions),
-            head_chunk=c.qk_head_chunk_size,
-        )
-        return indexer_kl_loss(
-            queries,
-            keys,
-            lse,
-            scores,
-            candidates,
-            self.softmax_scale,
-            head_chunk=c.qk_head_chunk_size,
-        )
+        if not return_aux:
+            return y
+        loss = None
+        if want_loss:  # KL distillation against the absorbed MLA queries and keys attended
+            target = AttentionTarget(queries, keys, lse, self.softmax_scale)
+            candidates = None if stage == "dense" else selection
+            loss = projected_indexer_kl_loss(problem, target, candidates, strategy=ex.selection)
+        return y, {"selection": selection, "indexer_loss": loss}
 
     def init_cache(self, batch_size: int, max_length: int, dtype=jnp.float32) -> V32Cache:
         """An empty decode cache (latents and indexer keys of up to ``max_length`` tokens per
@@ -338,7 +330,10 @@ class V32Attention(eqx.Module):
         lengths: Int[ArrayLike, " batch"] | None = None,
         segment_ids: Int[ArrayLike, "batch seq"] | None = None,
         return_aux: bool = False,
+        *,
+        indexer_loss: IndexerLossStage | None = None,
     ):
         """Run the chunk ``x`` after the tokens in ``cache``: ``(y, cache)`` equal to the full
         forward over the whole stream (see ``csa_eqx.decode``)."""
-        return v32_extend(self, x, cache, lengths, segment_ids, return_aux)
+        stage = self._stage(indexer_loss)
+        return v32_extend(self, x, cache, lengths, segment_ids, return_aux, stage)

@@ -1,4 +1,5 @@
-"""DeepSeek-V4 attention layer: sliding window, CSA and HCA (SPEC §1)."""
+"""DeepSeek-V4 attention layer: sliding window, CSA and HCA (docs/concepts.md, "The DeepSeek-V4
+attention block")."""
 
 from __future__ import annotations
 
@@ -11,21 +12,18 @@ from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped
 from .cache import V4Cache, init_v4_cache
 from .compressor import (
     Compressor,
-    EntryLayout,
     entry_layout,
     segment_positions,
     token_rows,
 )
 from .config import V4AttentionConfig
 from .decode import v4_extend
-from .loss import attention_target, projected_indexer_kl_loss
+from .execution import Execution, IndexerLossStage, stage_of, with_execution
+from .loss import AttentionTarget, attention_target, projected_indexer_kl_loss
 from .ops import init_linear, linear, rms_norm
-from .remat import tag_selection
 from .rope import apply_rope_interleaved, rope_inv_freq
-from .selection import entry_visibility
-from .sharding import constrain_heads, sharded_select_entries, tensor_axis_auto
-from .sparse import DenseKeys, prefers_masked_picks, sparse_attention
-from .streaming import select_projected_entries
+from .selection import SelectionProblem, Visibility
+from .sparse import DenseKeys, sparse_attention
 
 __all__ = ["V4Attention", "Indexer"]
 
@@ -57,77 +55,20 @@ class Indexer(eqx.Module):
         self.weights_proj = init_linear(k3, c.index_n_heads, c.hidden_size, dtype)
         self.config = config
 
-    def queries(self, qr: Array, positions: Array) -> Array:
+    def queries(
+        self, qr: Float[Array, "batch seq q_lora"], positions: Int[Array, "batch seq"]
+    ) -> Float[Array, "batch seq heads dim"]:
         """Roped per-head queries ``[B,S,H_I,d_I]`` (from the query latent)."""
         c = self.config
         b, s, _ = qr.shape
         q = linear(qr, self.q_b_proj).reshape(b, s, c.index_n_heads, c.index_head_dim)
         inv_freq = rope_inv_freq(c.rope_dim, c.compress_rope_theta, c.rope_scaling)
-        q = apply_rope_interleaved(q, positions[..., None], inv_freq)
-        return constrain_heads(q, c.tensor_axis) if c.shard_indexer_acts else q
+        return apply_rope_interleaved(q, positions[..., None], inv_freq)
 
-    def head_weights(self, x: Array) -> Array:
+    def head_weights(self, x: Float[Array, "batch seq hidden"]) -> Float[Array, "batch seq heads"]:
         """Per-head weights ``[B,S,H_I]`` including the ``H_I^-1/2`` factor (float32)."""
         c = self.config
-        w = linear(x, self.weights_proj).astype(jnp.float32) * c.index_n_heads**-0.5
-        return constrain_heads(w, c.tensor_axis) if c.shard_indexer_acts else w
-
-    def project(self, x: Array, qr: Array, positions: Array) -> tuple[Array, Array]:
-        """Per-token indexer inputs: roped queries and head weights (row by row, so the
-        streaming selection can call it one query block at a time)."""
-        return self.queries(qr, positions), self.head_weights(x)
-
-    def select(
-        self,
-        x: Array,
-        qr: Array,
-        positions: Array,
-        query_index: Array,
-        segment: Array,
-        layout: EntryLayout,
-    ) -> Array:
-        """Top-k entry slots ``[B,S,k]`` per query (``-1`` = none), tagged for remat.
-
-        ``indexer_sharded_topk`` / ``shard_indexer_acts`` use the mesh set with
-        ``jax.set_mesh`` (see ``csa_eqx.sharding``).
-        """
-        c = self.config
-        keys = self.compressor(x, positions, layout)
-
-        def stage(x, qr, positions, keys, query_index, segment, layout):
-            tiles = dict(
-                head_chunk=c.qk_head_chunk_size,
-                key_block=c.indexer_key_block,
-                query_block=c.query_block,
-            )
-            if c.indexer_sharded_topk:
-                args = (
-                    *self.project(x, qr, positions),
-                    keys,
-                    query_index,
-                    segment,
-                    layout,
-                    c.index_topk,
-                )
-                return sharded_select_entries(
-                    *args, **tiles, tensor_axis=c.tensor_axis, data_axis=c.data_axis
-                )
-            # project the indexer queries block by block inside the streaming loop
-            return select_projected_entries(
-                lambda *rows: self.project(*rows),  # hashable (a bound Module method is not)
-                (x, qr, positions),
-                keys,
-                query_index,
-                segment,
-                layout,
-                c.index_topk,
-                **tiles,
-            )
-
-        if c.shard_indexer_acts:
-            stage = tensor_axis_auto(stage, c.tensor_axis, query_index)
-        selection = stage(x, qr, positions, keys, query_index, segment, layout)
-        return tag_selection(selection, c.indexer_save_selection)
+        return linear(x, self.weights_proj).astype(jnp.float32) * c.index_n_heads**-0.5
 
 
 class V4Attention(eqx.Module):
@@ -148,9 +89,24 @@ class V4Attention(eqx.Module):
     compressor: Compressor | None
     indexer: Indexer | None
     config: V4AttentionConfig = eqx.field(static=True)
+    execution: Execution = eqx.field(static=True)
 
-    def __init__(self, config: V4AttentionConfig, *, key: Array, dtype=jnp.float32):
+    def __init__(
+        self,
+        config: V4AttentionConfig,
+        *,
+        key: Array,
+        dtype=jnp.float32,
+        execution: Execution | None = None,
+    ):
+        """Arguments:
+        config: the layer's architecture.
+        key: PRNG key for the random initialisation.
+        dtype: parameter dtype (norm weights and sinks stay float32).
+        execution: how the layer runs (``csa_eqx.Execution``; default automatic).
+        """
         c = config
+        execution.check(c.index_n_heads, c.num_heads, execution.indexer_loss)
         ks = jax.random.split(key, 7)
         self.q_a_proj = init_linear(ks[0], c.q_lora_rank, c.hidden_size, dtype)
         self.q_a_norm = jnp.ones((c.q_lora_rank,), jnp.float32)
@@ -179,6 +135,7 @@ class V4Attention(eqx.Module):
         if c.has_indexer:
             self.indexer = Indexer(c, key=ks[6], dtype=dtype)
         self.config = config
+        self.execution = execution
 
     @property
     def inv_freq(self):
@@ -216,6 +173,39 @@ class V4Attention(eqx.Module):
         w_a = self.o_a_proj.reshape(c.o_groups, c.o_lora_rank, -1).astype(o.dtype)
         return linear(jnp.einsum("bsgi,goi->bsgo", o, w_a).reshape(b, s, -1), self.o_b_proj)
 
+    def indexer_problem(
+        self,
+        x: Float[Array, "batch seq hidden"],
+        qr: Float[Array, "batch seq q_lora"],
+        positions: Int[Array, "batch seq"],
+        keys: Float[Array, "batch slots index_dim"],
+        visibility: Visibility,
+    ) -> SelectionProblem:
+        """The indexer's side of "what a query reads", shared by the selection, the KL loss and
+        ``extend``: detached per-token rows ``(x, qr, positions)`` projected block by block to
+        the indexer's queries and head weights (head-sharded as ``execution`` says), scored
+        against the indexer ``keys`` of the entries that ``visibility`` allows."""
+        ix, ex = self.indexer, self.execution
+
+        def project(x, qr, positions):  # a fresh closure: hashable, and row by row
+            return ex.on_heads(ix.queries(qr, positions)), ex.on_heads(ix.head_weights(x))
+
+        rows = (*jax.lax.stop_gradient((x, qr)), positions)
+        return SelectionProblem(project, rows, keys, visibility, ex.qk_head_chunk_size)
+
+    def with_execution(self, execution: Execution):
+        """The same parameters, run as ``execution`` says (e.g. another selection strategy).
+
+        Returns: a new layer sharing this one's arrays.
+        """
+        return with_execution(self, execution)
+
+    def _stage(self, indexer_loss: IndexerLossStage | None) -> str:
+        stage = stage_of(self.execution, indexer_loss)
+        if indexer_loss is not None:
+            self.execution.check(self.config.index_n_heads, self.config.num_heads, stage)
+        return stage
+
     @jaxtyped(typechecker=beartype)
     def __call__(
         self,
@@ -223,18 +213,30 @@ class V4Attention(eqx.Module):
         positions: Int[ArrayLike, "batch seq"] | None = None,
         segment_ids: Int[ArrayLike, "batch seq"] | None = None,
         return_aux: bool = False,
+        *,
+        indexer_loss: str | None = None,
     ) -> Float[Array, "batch seq hidden"] | tuple[Float[Array, "batch seq hidden"], dict]:
-        """Attend over the sliding window plus this layer's compressed entries.
+        """Attend over the sliding window plus this layer's compressed entries
+        (docs/concepts.md, "The DeepSeek-V4 attention block").
 
         Arguments:
             x: hidden states ``[B, S, hidden]``.
             positions: RoPE positions ``[B, S]``; default: the index inside each segment.
             segment_ids: packed-document ids ``[B, S]`` (contiguous runs); tokens only see
                 their own segment, and compression windows restart at each segment.
-            return_aux: also return ``{"selection": int32 [B,S,k] or None,
-                "indexer_loss": scalar or None}``.
+            return_aux: also return the aux dict.
+            indexer_loss: the indexer's training stage for this call (``"off"``, ``"dense"``:
+                attend to every visible entry and distil towards that, ``"sparse"``: attend to
+                the selection and distil over it); ``None`` = ``execution.indexer_loss``.
+
+        Returns:
+            ``y`` ``[B, S, hidden]`` in ``x``'s dtype; with ``return_aux``, ``(y, aux)`` with
+            ``aux["selection"]`` int32 ``[B, S, index_topk]`` entry slots in increasing order
+            (``-1`` = none; ``None`` without an indexer) and ``aux["indexer_loss"]`` a float32
+            scalar (``None`` when the stage is ``"off"`` or the layer has no indexer).
         """
-        c = self.config
+        c, ex = self.config, self.execution
+        stage = self._stage(indexer_loss)
         x = jnp.asarray(x)
         seg, query_index = token_rows(x, segment_ids)
         if positions is None:
@@ -244,23 +246,27 @@ class V4Attention(eqx.Module):
         qr, q, kv = self.project_qkv(x, positions)
 
         indices = jnp.zeros((*query_index.shape, 0), jnp.int32)  # gathered keys: none yet
-        keys, dense, selection = kv, None, None
+        keys, dense, selection, problem = kv, None, None, None
         if self.compressor is not None:
             layout = entry_layout(seg, c.compress_rate)
+            visibility = Visibility(query_index, seg, layout)
             entries = self.compressor(x, positions, layout).astype(kv.dtype)
             if self.indexer is not None:
-                selection = self.indexer.select(x, qr, positions, query_index, seg, layout)
-            if self.indexer is None or c.indexer_loss == "dense":
+                # the indexer's keys, once: the selection ignores gradients and the loss must
+                # train the indexer's compressor only, never x
+                index_keys = self.indexer.compressor(jax.lax.stop_gradient(x), positions, layout)
+                problem = self.indexer_problem(x, qr, positions, index_keys, visibility)
+                selection = ex.select(problem, c.index_topk)
+            if self.indexer is None or stage == "dense":
                 # HCA, and CSA's dense warm-up: every visible entry, attended by one matmul
                 dense = DenseKeys(entries, layout, query_index, seg)
-            elif prefers_masked_picks(entries.shape[1], c.index_topk):
-                # few entries per pick: a matmul masked to the picks beats gathering them
-                dense = DenseKeys(entries, layout, query_index, seg, picks=selection)
-            else:  # picks gathered from the entries, stored after the S token rows
-                indices = jnp.where(selection >= 0, selection + x.shape[1], -1)
-                keys = jnp.concatenate([kv, entries], axis=1)
+            else:
+                dense, picked = ex.picks.parts(entries, visibility, selection)
+                if dense is None:  # picks gathered from the entries, stored after the S tokens
+                    indices = jnp.where(picked >= 0, picked + x.shape[1], -1)
+                    keys = jnp.concatenate([kv, entries], axis=1)
 
-        want_loss = return_aux and self.indexer is not None and c.indexer_loss != "off"
+        want_loss = return_aux and self.indexer is not None and stage != "off"
         o = sparse_attention(
             q,
             keys,
@@ -268,7 +274,7 @@ class V4Attention(eqx.Module):
             self.sinks,
             c.head_dim**-0.5,
             return_lse=want_loss,
-            query_block=c.query_block,
+            query_block=ex.query_block,
             dense=dense,
             window=c.sliding_window,
             segment=seg,
@@ -276,41 +282,14 @@ class V4Attention(eqx.Module):
         if want_loss:
             o, lse = o
         y = self.project_out(o, positions)
-        if return_aux:
-            loss = None
-            if want_loss:
-                loss = self._indexer_loss(
-                    x, qr, positions, query_index, seg, layout, q, entries, lse, selection
-                )
-            return y, {"selection": selection, "indexer_loss": loss}
-        return y
-
-    def _indexer_loss(
-        self, x, qr, positions, query_index, seg, layout, q, entries, lse, selection
-    ) -> Array:
-        """The indexer's KL distillation loss (SPEC §4). The indexer scores detached hidden
-        states and the target is detached, so its gradient reaches indexer parameters only.
-        Candidates: every visible entry (dense warm-up) or the selection (sparse stage); long
-        sequences stream (``projected_indexer_kl_loss``), never forming ``[B, S, T]``."""
-        c, ix = self.config, self.indexer
-        x, qr = jax.lax.stop_gradient((x, qr))
-        keys = ix.compressor(x, positions, layout)
-        return projected_indexer_kl_loss(
-            lambda *rows: ix.project(*rows),  # hashable (a bound Module method is not)
-            (x, qr, positions),
-            keys,
-            q,
-            entries,
-            lse,
-            query_index,
-            seg,
-            layout,
-            c.head_dim**-0.5,
-            None if c.indexer_loss == "dense" else selection,
-            head_chunk=c.qk_head_chunk_size,
-            key_block=c.indexer_key_block,
-            query_block=c.query_block,
-        )
+        if not return_aux:
+            return y
+        loss = None
+        if want_loss:  # the indexer's KL distillation (docs/concepts.md, "Training the indexer")
+            target = AttentionTarget(q, entries, lse, c.head_dim**-0.5)
+            candidates = None if stage == "dense" else selection
+            loss = projected_indexer_kl_loss(problem, target, candidates, strategy=ex.selection)
+        return y, {"selection": selection, "indexer_loss": loss}
 
     def entry_attention(
         self,
@@ -319,19 +298,25 @@ class V4Attention(eqx.Module):
     ) -> tuple[Float[Array, "batch seq slots"], Int[Array, "batch seq k"]]:
         """Where *dense* attention looks, next to what the indexer picks (CSA layers).
 
-        Returns the attention mass on each compressed-entry slot when the layer attends to its
-        window and *all* visible entries (summed over heads, L1-normalised over entries: the
-        dense-stage KL target), and the indexer's selection ``[B, S, k]``.
+        Arguments:
+            x: hidden states ``[B, S, hidden]``.
+            segment_ids: packed-document ids ``[B, S]`` or ``None``.
+
+        Returns:
+            The attention mass ``[B, S, slots]`` (float32) on each compressed-entry slot when
+            the layer attends to its window and *all* visible entries (summed over heads,
+            L1-normalised over entries: the dense-stage KL target), and the indexer's
+            selection int32 ``[B, S, index_topk]`` (``-1`` = none), as the forward makes it.
         """
-        c = self.config
+        c, ex = self.config, self.execution
         if self.indexer is None:
             raise ValueError(f"entry_attention needs a CSA layer (this one is {c.layer_type})")
         seg, query_index = token_rows(x, segment_ids)
         positions = segment_positions(seg)
         qr, q, kv = self.project_qkv(x, positions)
         layout = entry_layout(seg, c.compress_rate)
+        visibility = Visibility(query_index, seg, layout)
         entries = self.compressor(x, positions, layout).astype(kv.dtype)
-        visible = entry_visibility(query_index, seg, layout)
         _, lse = sparse_attention(
             q,
             kv,
@@ -339,16 +324,22 @@ class V4Attention(eqx.Module):
             self.sinks,
             c.head_dim**-0.5,
             return_lse=True,
-            query_block=c.query_block,
+            query_block=ex.query_block,
             dense=DenseKeys(entries, layout, query_index, seg),
             window=c.sliding_window,
             segment=seg,
         )
         mass = attention_target(
-            q, entries, lse, visible, c.head_dim**-0.5, head_chunk=c.qk_head_chunk_size
+            q,
+            entries,
+            lse,
+            visibility.mask(),
+            c.head_dim**-0.5,
+            head_chunk=ex.qk_head_chunk_size,
         )
-        selection = self.indexer.select(x, qr, positions, query_index, seg, layout)
-        return mass, selection
+        index_keys = self.indexer.compressor(x, positions, layout)
+        problem = self.indexer_problem(x, qr, positions, index_keys, visibility)
+        return mass, ex.select(problem, c.index_topk)
 
     def init_cache(self, batch_size: int, max_length: int, dtype=jnp.float32) -> V4Cache:
         """An empty decode cache of fixed-size buffers for up to ``max_length`` tokens per row
@@ -362,8 +353,11 @@ class V4Attention(eqx.Module):
         lengths: Int[ArrayLike, " batch"] | None = None,
         segment_ids: Int[ArrayLike, "batch seq"] | None = None,
         return_aux: bool = False,
+        *,
+        indexer_loss: IndexerLossStage | None = None,
     ):
         """Run the chunk ``x`` after the tokens in ``cache``: ``(y, cache)`` equal to the full
         forward over the whole stream (prefill, chunked prefill or a decode step; see
         ``csa_eqx.decode`` for ``lengths`` / ``segment_ids`` and ``return_aux``)."""
-        return v4_extend(self, x, cache, lengths, segment_ids, return_aux)
+        stage = self._stage(indexer_loss)
+        return v4_extend(self, x, cache, lengths, segment_ids, return_aux, stage)

@@ -1,5 +1,7 @@
 """V4 layer behaviour: packing, NaN safety, gradients, jit vs eager, input errors."""
 
+import inspect
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -44,8 +46,18 @@ def randomise(layer, seed=0):
 call = eqx.filter_jit(lambda m, x, **kw: m(x, **kw))
 
 
+def execution_options(over: dict) -> tuple[dict, ce.Execution]:
+    """Split keyword overrides into architecture fields and an ``Execution`` (from the
+    loaders' execution keywords)."""
+    names = set(inspect.signature(ce.Execution.from_options).parameters)
+    options = {k: v for k, v in over.items() if k in names}
+    return {k: v for k, v in over.items() if k not in names}, ce.Execution.from_options(**options)
+
+
 def make(kind, seed=0, **over):
-    return randomise(ce.V4Attention(tiny(kind, **over), key=jax.random.key(seed)), seed)
+    arch, execution = execution_options(over)
+    layer = ce.V4Attention(tiny(kind, **arch), key=jax.random.key(seed), execution=execution)
+    return randomise(layer, seed)
 
 
 KINDS = ["sliding", "csa", "hca"]
@@ -158,6 +170,16 @@ def test_wrong_shape_names_dimension():
         ("rope_theta", 0.0),
         ("compress_rope_theta", -1.0),
         ("rms_norm_eps", 0.0),
+    ],
+)
+def test_invalid_config_names_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        tiny("csa", **{field: value})
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
         ("qk_head_chunk_size", 3),
         ("qk_head_chunk_size", -1),
         ("indexer_key_block", -1),
@@ -167,9 +189,21 @@ def test_wrong_shape_names_dimension():
         ("data_axis", ""),
     ],
 )
-def test_invalid_config_names_field(field, value):
+def test_invalid_execution_names_field(field, value):
     with pytest.raises(ValueError, match=field):
-        tiny("csa", **{field: value})
+        make("csa", **{field: value})
+
+
+def test_stage_per_call_is_checked():
+    """The training stage is chosen per call and validated like the execution's default."""
+    layer = make("csa")
+    x = jnp.zeros((1, 8, 32))
+    with pytest.raises(ValueError, match="indexer_loss"):
+        layer(x, return_aux=True, indexer_loss="warm")
+    with pytest.raises(ValueError, match="qk_head_chunk_size"):
+        make("csa", num_heads=6, o_groups=2, index_n_heads=4, qk_head_chunk_size=4)(
+            x, return_aux=True, indexer_loss="sparse"
+        )
 
 
 def test_invalid_yarn():
@@ -249,9 +283,7 @@ def test_explicit_mesh_batch_sharded_input(kind):
     from jax.sharding import PartitionSpec as P
 
     layer = make(kind)
-    sharded = jax.tree.unflatten(
-        jax.tree.structure(make(kind, indexer_sharded_topk=True)), jax.tree.leaves(layer)
-    )
+    sharded = layer.with_execution(ce.Execution(selection=ce.ShardedSelection()))
     x = jax.random.normal(jax.random.key(7), (2, 24, 32))
     seg = jnp.array([[0] * 10 + [1] * 14, [0] * 24])
     want, want_aux = call(layer, x, segment_ids=seg, return_aux=True)

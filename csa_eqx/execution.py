@@ -1,0 +1,211 @@
+"""How a layer runs, apart from what it computes: ``Execution`` holds the selection strategy,
+the attention's picks strategy, tile and head-chunk sizes, head sharding of the indexer's
+activations, remat tagging and the default training stage of the indexer loss.
+
+The layer configs (``V4AttentionConfig``, ``V32AttentionConfig``) mirror the checkpoint only;
+``V4Attention(config, key=..., execution=Execution(...))`` decides how it runs. The default is
+automatic for the backend (``AutoSelection``, ``AutoPicks``). The loaders' keyword options
+(``qk_head_chunk_size=``, ``indexer_sharded_topk=``, …) map onto it with
+``Execution.from_options``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Literal
+
+import equinox as eqx
+from jaxtyping import Array, Int
+
+from .auto import AutoPicks, AutoSelection
+from .remat import tag_selection
+from .selection import AbstractSelection, SelectionProblem
+from .sharding import ShardedSelection, constrain_heads, tensor_axis_auto
+from .sparse import AbstractPicks
+from .streaming import StreamingSelection
+
+__all__ = ["Execution", "IndexerLossStage", "INDEXER_LOSS_STAGES"]
+
+IndexerLossStage = Literal["off", "dense", "sparse"]
+INDEXER_LOSS_STAGES = ("off", "dense", "sparse")
+
+
+def _require(ok: bool, field: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{field} {rule} (got {value!r})")
+
+
+def check_stage(stage: object) -> None:
+    """``ValueError`` unless ``stage`` is one of ``"off"``, ``"dense"``, ``"sparse"``."""
+    _require(
+        stage in INDEXER_LOSS_STAGES, "indexer_loss", "must be 'off', 'dense' or 'sparse'", stage
+    )
+
+
+class Execution(eqx.Module):
+    """How an attention layer runs (never what it computes: outputs agree across settings,
+    selections bitwise).
+
+    Arguments:
+        selection: the indexer top-k strategy (``AutoSelection()``, ``DenseSelection()``,
+            ``StreamingSelection(key_block, query_block, topk_block)``,
+            ``ShardedSelection(inner, tensor_axis, data_axis)``).
+        picks: how the attention reads the picked entries (``AutoPicks()``,
+            ``MaskedPicks()``, ``GatheredPicks()``).
+        qk_head_chunk_size: indexer heads (and, for the KL target, attention heads) scored
+            at once (0 = all); must divide ``index_n_heads`` (and ``num_heads`` when the
+            indexer loss is on).
+        query_block: queries per block of the sparse attention (0 = automatic).
+        save_selection: name the selection ``csa_eqx.SELECTION_NAME`` so that remat policies
+            (``csa_eqx.remat.compose_selection_policy``) can save it.
+        indexer_heads_axis: mesh axis to shard the indexer's per-head activations over
+            (``None`` = off); its size must divide ``index_n_heads``.
+        indexer_loss: the default training stage of the indexer's KL loss: ``"off"``,
+            ``"dense"`` (warm-up: all visible entries, attended densely too) or ``"sparse"``
+            (the selected entries). A call can override it (``layer(x, indexer_loss=...)``).
+    """
+
+    selection: AbstractSelection = AutoSelection()
+    picks: AbstractPicks = AutoPicks()
+    qk_head_chunk_size: int = 0
+    query_block: int = 0
+    save_selection: bool = False
+    indexer_heads_axis: str | None = None
+    indexer_loss: str = "off"
+
+    def __check_init__(self):
+        for name in ("qk_head_chunk_size", "query_block"):
+            v = getattr(self, name)
+            ok = isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            _require(ok, name, "must be a non-negative int", v)
+        check_stage(self.indexer_loss)
+        axis = self.indexer_heads_axis
+        _require(
+            axis is None or (isinstance(axis, str) and axis != ""),
+            "indexer_heads_axis",
+            "must be None or a non-empty mesh axis name",
+            axis,
+        )
+
+    @classmethod
+    def from_options(
+        cls,
+        *,
+        qk_head_chunk_size: int = 0,
+        indexer_key_block: int = 0,
+        query_block: int = 0,
+        indexer_save_selection: bool = False,
+        indexer_sharded_topk: bool = False,
+        shard_indexer_acts: bool = False,
+        indexer_loss: str = "off",
+        data_axis: str = "data",
+        tensor_axis: str = "tensor",
+    ) -> Execution:
+        """The execution the loaders' keyword options describe (the flags of earlier
+        versions' layer configs).
+
+        Arguments:
+            qk_head_chunk_size, query_block, indexer_loss: as the fields of the same name.
+            indexer_key_block: > 0 forces ``StreamingSelection`` with this key tile (and
+                ``query_block``); 0 = ``AutoSelection``.
+            indexer_save_selection: ``save_selection``.
+            indexer_sharded_topk: wrap the selection in ``ShardedSelection`` over
+                ``tensor_axis`` (batch over ``data_axis``).
+            shard_indexer_acts: ``indexer_heads_axis=tensor_axis``.
+            data_axis, tensor_axis: non-empty mesh axis names.
+
+        Returns:
+            An ``Execution``. ``context_parallel`` / ``head_parallel`` are not options yet.
+        """
+        for name, axis in (("data_axis", data_axis), ("tensor_axis", tensor_axis)):
+            _require(
+                isinstance(axis, str) and axis != "",
+                name,
+                "must be a non-empty mesh axis name",
+                axis,
+            )
+        _require(
+            isinstance(indexer_key_block, int) and indexer_key_block >= 0,
+            "indexer_key_block",
+            "must be a non-negative int",
+            indexer_key_block,
+        )
+        _require(
+            isinstance(query_block, int) and query_block >= 0,
+            "query_block",
+            "must be a non-negative int",
+            query_block,
+        )
+        if indexer_key_block:
+            selection = StreamingSelection(key_block=indexer_key_block, query_block=query_block)
+        else:
+            selection = AutoSelection(query_block=query_block)
+        if indexer_sharded_topk:
+            selection = ShardedSelection(selection, tensor_axis=tensor_axis, data_axis=data_axis)
+        return cls(
+            selection=selection,
+            qk_head_chunk_size=qk_head_chunk_size,
+            query_block=query_block,
+            save_selection=indexer_save_selection,
+            indexer_heads_axis=tensor_axis if shard_indexer_acts else None,
+            indexer_loss=indexer_loss,
+        )
+
+    def check(self, index_heads: int, heads: int, stage: str) -> None:
+        """``ValueError`` unless ``qk_head_chunk_size`` divides the ``index_heads`` (and the
+        attention's ``heads`` when ``stage`` trains the indexer)."""
+        check_stage(stage)
+        c = self.qk_head_chunk_size
+        _require(
+            c == 0 or index_heads % c == 0,
+            "qk_head_chunk_size",
+            f"must be 0 (off) or divide index_n_heads={index_heads}",
+            c,
+        )
+        _require(  # the KL target of the indexer loss is chunked over the attention heads
+            c == 0 or stage == "off" or heads % c == 0,
+            "qk_head_chunk_size",
+            f"must divide num_heads={heads} when indexer_loss is on",
+            c,
+        )
+
+    def on_heads(self, x: Array) -> Array:
+        """``x`` (per-head indexer activations, heads on axis 2) placed on
+        ``indexer_heads_axis`` when set."""
+        if self.indexer_heads_axis is None:
+            return x
+        return constrain_heads(x, self.indexer_heads_axis)
+
+    def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
+        """Run ``selection`` on ``problem`` (under ``indexer_heads_axis`` Auto when the
+        activations are head-sharded) and tag the result for remat.
+
+        Returns: int32 ``[B, S, k]`` entry indices, ``-1`` = none.
+        """
+
+        def stage(rows, keys, visibility):
+            return self.selection.select(
+                problem._replace(rows=rows, keys=keys, visibility=visibility), k
+            )
+
+        if self.indexer_heads_axis is not None:
+            like = problem.visibility.query_index
+            stage = tensor_axis_auto(stage, self.indexer_heads_axis, like)
+        selection = stage(problem.rows, problem.keys, problem.visibility)
+        return tag_selection(selection, self.save_selection)
+
+
+def with_execution(layer: eqx.Module, execution: Execution) -> eqx.Module:
+    """A copy of ``layer`` (same parameter arrays) that runs as ``execution`` says."""
+    if not isinstance(execution, Execution):
+        raise TypeError(f"execution must be a csa_eqx.Execution (got {type(execution).__name__})")
+    new = copy.copy(layer)
+    object.__setattr__(new, "execution", execution)  # a static field: not a tree_at leaf
+    return new
+
+
+def stage_of(execution: Execution, stage: str | None) -> str:
+    """The training stage of one call: ``stage``, else the execution's default."""
+    stage = execution.indexer_loss if stage is None else stage
+    check_stage(stage)
+    return stage
