@@ -41,9 +41,9 @@ def main(process_id: int, port: int, out: str) -> None:
     jax.distributed.initialize(f"127.0.0.1:{port}", 2, process_id)
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
+    from selection_helpers import sharded_selected
 
     from csa_eqx.compressor import EntryLayout
-    from csa_eqx.sharding import sharded_select_entries
 
     assert jax.process_count() == 2 and jax.device_count() == 8
     q, w, keys, qi, seg, layout = make_inputs()
@@ -57,7 +57,7 @@ def main(process_id: int, port: int, out: str) -> None:
 
         args = [put(a) for a in (q, w, keys, qi, seg)] + [EntryLayout(*map(put, layout))]
         with jax.set_mesh(mesh):
-            sel = jax.jit(lambda *a: sharded_select_entries(*a, K))(*args)
+            sel = jax.jit(lambda *a: sharded_selected(*a, k=K))(*args)
         results[name] = np.asarray(sel.addressable_data(0))
     if process_id == 0:
         np.savez(out, **results)

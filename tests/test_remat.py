@@ -1,4 +1,5 @@
-"""indexer_save_selection: the saved selection removes the top-k recompute from the backward."""
+"""Execution(save_selection=True): the saved selection removes the top-k recompute from the
+backward."""
 
 import contextlib
 import io
@@ -17,7 +18,7 @@ from csa_eqx.remat import SELECTION_NAME, compose_selection_policy
 B, S, K = 2, 24, 3
 
 
-def config(**flags):
+def config():
     return csa_eqx.V4AttentionConfig(
         hidden_size=48,
         num_heads=4,
@@ -31,8 +32,14 @@ def config(**flags):
         index_n_heads=8,
         index_head_dim=16,
         index_topk=K,
-        **flags,
     )
+
+
+def remat_layer(key=None, **options):
+    """The test layer, run as the loaders' execution keyword ``options`` say."""
+    execution = csa_eqx.Execution.from_options(**options)
+    key = jax.random.key(0) if key is None else key
+    return csa_eqx.V4Attention(config(), key=key, execution=execution)
 
 
 # Each exact top-k (csa_eqx.selection.exact_topk, a radix select) starts with one float ->
@@ -77,7 +84,7 @@ def test_saved_selection_is_not_recomputed(wrap):
     loss = checkpointed_loss(wrap)
     grads, counts = {}, {}
     for save in (False, True):
-        layer = csa_eqx.V4Attention(config(indexer_save_selection=save), key=jax.random.key(0))
+        layer = remat_layer(indexer_save_selection=save)
         forward = count_prim(jax.make_jaxpr(loss)(layer, x, seg), TOPK)
         counts[save] = count_prim(jax.make_jaxpr(jax.grad(loss))(layer, x, seg), TOPK)
         if wrap is JAX_CKPT:  # one compile pair is enough for the bitwise check
@@ -94,7 +101,7 @@ def test_saved_residuals_show_the_selection():
     x, seg = inputs()
     loss = checkpointed_loss(JAX_CKPT)
     for save in (False, True):
-        layer = csa_eqx.V4Attention(config(indexer_save_selection=save), key=jax.random.key(0))
+        layer = remat_layer(indexer_save_selection=save)
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
             jax.ad_checkpoint.print_saved_residuals(loss, layer, x, seg)
@@ -109,9 +116,7 @@ def test_scanned_layers():
     keys = jax.random.split(jax.random.key(0), 2)
     counts = {}
     for save in (False, True):
-        make = lambda k, save=save: csa_eqx.V4Attention(  # noqa: E731
-            config(indexer_save_selection=save), key=k
-        )
+        make = lambda k, save=save: remat_layer(k, indexer_save_selection=save)  # noqa: E731
         params, static = eqx.partition(eqx.filter_vmap(make)(keys), eqx.is_array)
 
         def body(h, p, static=static):
@@ -134,8 +139,7 @@ def test_sharded_topk_saved_under_remat():
     counts = {}
     with jax.set_mesh(mesh):
         for save in (False, True):
-            cfg = config(indexer_save_selection=save, indexer_sharded_topk=True)
-            layer = csa_eqx.V4Attention(cfg, key=jax.random.key(0))
+            layer = remat_layer(indexer_save_selection=save, indexer_sharded_topk=True)
             counts[save] = count_prim(jax.make_jaxpr(jax.grad(loss))(layer, x, seg), TOPK)
             assert count_prim(jax.make_jaxpr(loss)(layer, x, seg), "shard_map") == 1
     assert counts == {False: 2, True: 1}
@@ -191,7 +195,7 @@ def test_composition_in_saved_residuals():
     """End to end: with save_only_these_names("other") composed, both the selection and the
     value named "other" are saved, nothing else from inside the checkpoint."""
     x, seg = inputs()
-    layer = csa_eqx.V4Attention(config(indexer_save_selection=True), key=jax.random.key(0))
+    layer = remat_layer(indexer_save_selection=True)
     policy = compose_selection_policy(jax.checkpoint_policies.save_only_these_names("other"))
 
     def loss(layer, x):
@@ -231,8 +235,9 @@ def test_v32_saved_selection_is_not_recomputed():
     loss = checkpointed_loss(JAX_CKPT)
     counts = {}
     for save in (False, True):
+        execution = csa_eqx.Execution(save_selection=save)
         layer = V32Attention(
-            V32AttentionConfig(**small, indexer_save_selection=save), key=jax.random.key(0)
+            V32AttentionConfig(**small), key=jax.random.key(0), execution=execution
         )
         assert count_prim(jax.make_jaxpr(loss)(layer, x, seg), TOPK) == 1
         counts[save] = count_prim(jax.make_jaxpr(jax.grad(loss))(layer, x, seg), TOPK)

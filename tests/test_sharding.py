@@ -15,12 +15,10 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from multiprocess_worker import MESHES, K, make_inputs
-from test_remat import TOPK, config, count_prim
+from selection_helpers import selected, sharded_selected
+from test_remat import TOPK, count_prim, remat_layer
 
-import csa_eqx
 from csa_eqx.compressor import EntryLayout, entry_layout
-from csa_eqx.selection import select_entries
-from csa_eqx.sharding import sharded_select_entries
 
 MESH_SHAPES = [((8,), ("tensor",)), ((2, 4), ("data", "tensor"))]
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,9 +58,9 @@ def walk_eqns(jaxpr):
 @pytest.mark.parametrize("s", [32, 13], ids=["rows_divide", "rows_padded"])
 def test_sharded_selection_bitwise(mesh_shape, packed, s):
     mesh = jax.make_mesh(*mesh_shape)
-    select = jax.jit(lambda *a: select_entries(*a, K))
+    select = jax.jit(lambda *a: selected(*a, k=K))
     for ties, tiles in [(False, {}), (True, {}), (True, dict(head_chunk=2, key_block=2))]:
-        sharded = jax.jit(lambda *a, tiles=tiles: sharded_select_entries(*a, K, **tiles))
+        sharded = jax.jit(lambda *a, tiles=tiles: sharded_selected(*a, k=K, **tiles))
         args = random_inputs(2, s, packed, ties)
         want = np.asarray(select(*args))
         with jax.set_mesh(mesh):
@@ -74,13 +72,13 @@ def test_sharded_selection_bitwise(mesh_shape, packed, s):
 
 def test_explicit_mesh_argument_and_auto_axes():
     args = random_inputs(2, 24, True, True)
-    want = np.asarray(select_entries(*args, K))
+    want = np.asarray(selected(*args, k=K))
     mesh = jax.make_mesh((2, 4), ("data", "tensor"))
-    got = jax.jit(lambda *a: sharded_select_entries(*a, K, mesh=mesh))(*args)
+    got = jax.jit(lambda *a: sharded_selected(*a, k=K, mesh=mesh))(*args)
     np.testing.assert_array_equal(np.asarray(got), want)
     auto = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
     with jax.set_mesh(auto):
-        select = partial(sharded_select_entries, k=K, tensor_axis="tp", data_axis="dp")
+        select = partial(sharded_selected, k=K, tensor_axis="tp", data_axis="dp")
         got = jax.jit(select)(*args)
     np.testing.assert_array_equal(np.asarray(got), want)
 
@@ -88,7 +86,7 @@ def test_explicit_mesh_argument_and_auto_axes():
 def test_shard_map_specs_and_decode():
     mesh = jax.make_mesh((2, 4), ("data", "tensor"))
     with jax.set_mesh(mesh):
-        jaxpr = jax.make_jaxpr(lambda *a: sharded_select_entries(*a, K))(
+        jaxpr = jax.make_jaxpr(lambda *a: sharded_selected(*a, k=K))(
             *random_inputs(2, 16, False, False)
         )
         (smap,) = [e for e in walk_eqns(jaxpr) if e.primitive.name == "shard_map"]
@@ -101,7 +99,7 @@ def test_shard_map_specs_and_decode():
         assert count_prim(smap.params["jaxpr"], TOPK) == 1
         assert count_prim(smap.params["jaxpr"], "all_gather") == 1
         # batch 1 does not divide the data axis: replicated batch, rows still sharded
-        jaxpr = jax.make_jaxpr(lambda *a: sharded_select_entries(*a, K))(
+        jaxpr = jax.make_jaxpr(lambda *a: sharded_selected(*a, k=K))(
             *random_inputs(1, 16, False, False)
         )
         (smap,) = [e for e in walk_eqns(jaxpr) if e.primitive.name == "shard_map"]
@@ -110,18 +108,18 @@ def test_shard_map_specs_and_decode():
         args = random_inputs(2, 9, False, False)
         row = tuple(a[:, 8:9] for a in args[:2]) + (args[2],) + tuple(a[:, 8:9] for a in args[3:5])
         row = row + (args[5],)
-        jaxpr = jax.make_jaxpr(lambda *a: sharded_select_entries(*a, K))(*row)
+        jaxpr = jax.make_jaxpr(lambda *a: sharded_selected(*a, k=K))(*row)
         assert count_prim(jaxpr, "shard_map") == 0
-        got = jax.jit(lambda *a: sharded_select_entries(*a, K))(*row)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(select_entries(*args, K))[:, 8:9])
+        got = jax.jit(lambda *a: sharded_selected(*a, k=K))(*row)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(selected(*args, k=K))[:, 8:9])
 
 
 def test_missing_tensor_axis_is_a_clear_error():
     args = random_inputs(2, 8, False, False)
     with pytest.raises(ValueError, match="'tensor'.*\\('data',\\)"):
-        sharded_select_entries(*args, K, mesh=jax.make_mesh((8,), ("data",)))
+        sharded_selected(*args, k=K, mesh=jax.make_mesh((8,), ("data",)))
     with pytest.raises(ValueError, match="indexer_sharded_topk needs a mesh axis named 'tensor'"):
-        sharded_select_entries(*args, K)  # no mesh set
+        sharded_selected(*args, k=K)  # no mesh set
 
 
 def layer_inputs():
@@ -148,10 +146,9 @@ def test_layer_flags_keep_outputs(mesh_shape, packed, axis_type):
     "data" (the layer's own ops do not take batch-sharded inputs on Explicit meshes)."""
     x, seg = layer_inputs()
     seg = seg if packed else None
-    base = csa_eqx.V4Attention(config(), key=jax.random.key(0))
+    base = remat_layer()
     y0, aux0 = RUN_LAYER(base, x, seg)
-    flags = dict(indexer_sharded_topk=True, shard_indexer_acts=True)
-    layer = csa_eqx.V4Attention(config(**flags), key=jax.random.key(0))
+    layer = remat_layer(indexer_sharded_topk=True, shard_indexer_acts=True)
     mesh = jax.make_mesh(*mesh_shape, axis_types=(axis_type,) * len(mesh_shape[0]))
     with jax.set_mesh(mesh):
         if axis_type == AxisType.Auto:
@@ -167,7 +164,7 @@ def test_shard_indexer_acts_constraints(axis_type):
     mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(axis_type,) * 2)
     specs, outs = {}, {}
     for on in (False, True):
-        layer = csa_eqx.V4Attention(config(shard_indexer_acts=on), key=jax.random.key(0))
+        layer = remat_layer(shard_indexer_acts=on)
         with jax.set_mesh(mesh):
             jaxpr = jax.make_jaxpr(lambda m, x: m(x, segment_ids=seg))(layer, x)
             outs[on] = np.asarray(jax.jit(lambda m, x: m(x, segment_ids=seg))(layer, x))
@@ -220,7 +217,7 @@ def test_two_processes_match_single_process(tmp_path):
 
     q, w, keys, qi, seg, layout = make_inputs()
     args = [jnp.asarray(a) for a in (q, w, keys, qi, seg)]
-    want = np.asarray(select_entries(*args, EntryLayout(*map(jnp.asarray, layout)), K))
+    want = np.asarray(selected(*args, EntryLayout(*map(jnp.asarray, layout)), k=K))
     got = np.load(out)
     assert sorted(got.files) == sorted(MESHES)
     for name in MESHES:
