@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 from hf_reference import random_v4_layer, state_dict_numpy, tiny_v4_config
 
-from csa_eqx import V4AttentionConfig, indexer_kl_loss, indexer_scores, select_topk
+from csa_eqx import (
+    Execution,
+    V4Attention,
+    V4AttentionConfig,
+    indexer_kl_loss,
+    indexer_scores,
+    select_topk,
+)
 from csa_eqx.hf import load_v4_attention
 from csa_eqx.loss import selection_mask
 
@@ -109,8 +116,10 @@ def test_chunk_must_divide_heads():
     with pytest.raises(ValueError, match="head_chunk=3"):
         indexer_kl_loss(q, keys, lse, scores, cand, 0.25, head_chunk=3)
     with pytest.raises(ValueError, match="qk_head_chunk_size"):
-        V4AttentionConfig(
-            num_heads=6, index_n_heads=4, o_groups=2, qk_head_chunk_size=4, indexer_loss="sparse"
+        V4Attention(
+            V4AttentionConfig(hidden_size=32, num_heads=6, index_n_heads=4, o_groups=2),
+            key=jax.random.key(0),
+            execution=Execution(qk_head_chunk_size=4, indexer_loss="sparse"),
         )
 
 

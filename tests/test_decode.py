@@ -18,7 +18,6 @@ KINDS = ["sliding", "csa", "hca", "dsa"]
 def make(kind: str, seed: int = 0):
     if kind in ("dsa", "dsa-dense"):
         cfg = ce.V32AttentionConfig(
-            indexer_loss="dense" if kind == "dsa-dense" else "off",
             hidden_size=D,
             num_heads=4,
             q_lora_rank=16,
@@ -30,11 +29,11 @@ def make(kind: str, seed: int = 0):
             index_head_dim=16,
             index_topk=5,
         )
-        return randomise(ce.V32Attention(cfg, key=jax.random.key(seed)), seed)
+        ex = ce.Execution(indexer_loss="dense" if kind == "dsa-dense" else "off")
+        return randomise(ce.V32Attention(cfg, key=jax.random.key(seed), execution=ex), seed)
     if kind == "csa-dense":  # the dense warm-up attends to every visible entry
-        return randomise(
-            ce.V4Attention(tiny("csa", indexer_loss="dense"), key=jax.random.key(seed)), seed
-        )
+        ex = ce.Execution(indexer_loss="dense")
+        return randomise(ce.V4Attention(tiny("csa"), key=jax.random.key(seed), execution=ex), seed)
     return randomise(ce.V4Attention(tiny(kind), key=jax.random.key(seed)), seed)
 
 

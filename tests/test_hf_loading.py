@@ -136,11 +136,15 @@ def test_misshaped_tensor_is_named():
 def test_options_and_dict_config():
     cfg = tiny_v4_config("csa", yarn=True)
     as_json = json.loads(cfg.to_json_string())
-    c = v4_config_from_hf(as_json, 0, qk_head_chunk_size=2)
-    assert c.qk_head_chunk_size == 2 and c.compress_rate == 4 and c.rope_dim == 8
+    c = v4_config_from_hf(as_json, 0, index_topk=5)
+    assert c.index_topk == 5 and c.compress_rate == 4 and c.rope_dim == 8
     assert c.rope_scaling is not None and c.rope_scaling.factor == 16.0
     with pytest.raises(ValueError, match="qk_head_chunk_size"):
-        v4_config_from_hf(as_json, 0, qk_head_chunk_size=3)
+        load_v4_attention(_sd(cfg), as_json, 0, qk_head_chunk_size=3)
+    with pytest.raises(TypeError, match="qk_head_chunk"):
+        load_v4_attention(_sd(cfg), as_json, 0, qk_head_chunk=2)  # a typo is not ignored
+    layer = load_v4_attention(_sd(cfg), as_json, 0, qk_head_chunk_size=2)
+    assert layer.execution.qk_head_chunk_size == 2
     legacy = {k: v for k, v in as_json.items() if k not in ("layer_types", "compress_rates")}
     legacy["compress_ratios"] = [128]
     assert v4_config_from_hf(legacy, 0).compress_rate == 128

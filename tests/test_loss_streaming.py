@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import csa_eqx as ce
 from csa_eqx import V4Attention, V4AttentionConfig, entry_layout
 from csa_eqx.indexer import indexer_scores
 from csa_eqx.loss import indexer_kl_loss, projected_indexer_kl_loss, selection_mask
@@ -62,21 +63,18 @@ def dense_loss(params, fx, selection=None, head_chunk=0):
     )
 
 
-def streaming_loss(params, fx, selection=None, **tiles):
-    return projected_indexer_kl_loss(
-        project_with(params),
-        (fx["x"],),
-        params["keys"],
-        fx["q"],
-        fx["entries"],
-        fx["lse"],
-        fx["qidx"],
-        fx["qseg"],
-        fx["layout"],
-        0.3,
-        selection,
-        **tiles,
+def streaming_loss(params, fx, selection=None, head_chunk=0, key_block=0, query_block=0):
+    visibility = ce.Visibility(fx["qidx"], fx["qseg"], fx["layout"])
+    problem = ce.SelectionProblem(
+        project_with(params), (fx["x"],), params["keys"], visibility, head_chunk
     )
+    target = ce.AttentionTarget(fx["q"], fx["entries"], fx["lse"], 0.3)
+    strategy = (
+        ce.StreamingSelection(key_block=key_block, query_block=query_block)
+        if key_block
+        else ce.AutoSelection(query_block=query_block)
+    )
+    return projected_indexer_kl_loss(problem, target, selection, strategy=strategy)
 
 
 def some_selection(params, fx, k, seed):
@@ -186,7 +184,6 @@ def test_v4_layer_streaming_loss_matches_dense():
         index_n_heads=4,
         index_head_dim=8,
         index_topk=3,
-        qk_head_chunk_size=2,
     )
     x = jax.random.normal(jax.random.key(0), (2, 30, 32))
     seg = jnp.asarray(np.repeat([[0] * 17 + [1] * 13], 2, 0), jnp.int32)
@@ -198,8 +195,8 @@ def test_v4_layer_streaming_loss_matches_dense():
     for stage in ["dense", "sparse"]:
         out = []
         for tiles in [{}, {"indexer_key_block": 2, "query_block": 8}]:
-            cfg = V4AttentionConfig(**base, indexer_loss=stage, **tiles)
-            layer = V4Attention(cfg, key=jax.random.key(1))
+            ex = ce.Execution.from_options(indexer_loss=stage, qk_head_chunk_size=2, **tiles)
+            layer = V4Attention(V4AttentionConfig(**base), key=jax.random.key(1), execution=ex)
             out.append(eqx.filter_jit(eqx.filter_value_and_grad(loss))(layer.indexer, layer))
         (want, want_g), (got, got_g) = out
         assert float(want) > 0.01

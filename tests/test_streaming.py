@@ -12,18 +12,15 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from selection_helpers import problem, selected
 
+import csa_eqx as ce
 from csa_eqx import V4Attention, V4AttentionConfig, entry_layout, sparse_attention
+from csa_eqx.blocks import key_block_ranges
 from csa_eqx.indexer import indexer_scores
-from csa_eqx.selection import entry_visibility, select_entries, select_topk
-from csa_eqx.sparse import DenseKeys, prefers_masked_picks
-from csa_eqx.streaming import (
-    _key_block_ranges,
-    select_projected_entries,
-    stream_select_entries,
-    streaming_block_sizes,
-    topk_block_size,
-)
+from csa_eqx.selection import entry_visibility, select_topk
+from csa_eqx.sparse import DenseKeys
+from csa_eqx.streaming import streaming_block_sizes, topk_block_size
 
 
 def window_indices(query_index, segment, window: int):
@@ -95,6 +92,15 @@ def selection_case(draw):
     return case
 
 
+def selected_by(problem, k, key_block=0, query_block=0):
+    """``StreamingSelection`` with these tiles when ``key_block`` is given, else automatic."""
+    if key_block:
+        return ce.StreamingSelection(key_block=key_block, query_block=query_block).select(
+            problem, k
+        )
+    return ce.AutoSelection(query_block=query_block).select(problem, k)
+
+
 def dense_selection(q, w, keys, qidx, qseg, layout, k):
     scores = indexer_scores(q, w, keys)
     return jax.jit(select_topk, static_argnums=2)(scores, entry_visibility(qidx, qseg, layout), k)
@@ -105,8 +111,11 @@ def dense_selection(q, w, keys, qidx, qseg, layout, k):
 def test_streaming_equals_dense(case):
     k, args = case["k"], case["args"]
     want = np.asarray(dense_selection(*args, k))
-    opts = {n: case[n] for n in ("head_chunk", "key_block", "query_block", "topk_block")}
-    got = np.asarray(jax.jit(lambda *a: stream_select_entries(*a, k, **opts))(*args))
+    opts = {n: case[n] for n in ("key_block", "query_block", "topk_block")}
+    stream = ce.StreamingSelection(**opts)
+    got = np.asarray(
+        jax.jit(lambda *a: stream.select(problem(*a, head_chunk=case["head_chunk"]), k))(*args)
+    )
     assert got.shape == want.shape
     if case["kind"] != "float":
         np.testing.assert_array_equal(got, want)
@@ -137,7 +146,7 @@ def test_no_entries():
         jnp.zeros((b, s), jnp.int32),
         layout,
     )
-    got = stream_select_entries(*args, k, key_block=2)
+    got = ce.StreamingSelection(key_block=2).select(problem(*args), k)
     np.testing.assert_array_equal(got, dense_selection(*args, k))
     np.testing.assert_array_equal(got, np.full((b, s, k), -1))
 
@@ -153,7 +162,7 @@ def test_key_block_ranges_cover_visible_blocks(packed):
     layout = entry_layout(seg, m)
     t = layout.end.shape[1]
     qidx = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    lo, hi = map(np.asarray, _key_block_ranges(qidx, seg, layout, qb, kb))
+    lo, hi = map(np.asarray, key_block_ranges(qidx, seg, layout, qb, kb))
     visible = np.asarray(entry_visibility(qidx, seg, layout)).any(0)  # [S, T]
     nq, nk = -(-s // qb), -(-t // kb)
     q_start = np.minimum(np.arange(nq) * qb, s - qb)
@@ -201,11 +210,11 @@ def test_select_entries_streams_long_sequences_without_score_matrix():
         spec((b, s), jnp.int32),
         layout,
     )
-    jaxpr = jax.make_jaxpr(lambda *a: select_entries(*a, k))(*args).jaxpr
+    jaxpr = jax.make_jaxpr(lambda *a: selected(*a, k=k))(*args).jaxpr
     sizes = [int(np.prod(a.shape)) for a in _walk_avals(jaxpr) if hasattr(a, "shape")]
     assert max(sizes) <= b * s * t // 4  # a [B, Qb, H, Kb] tile at most, never [B, S, T]
     assert "while" in _primitives(jaxpr)
-    short = jax.make_jaxpr(lambda *a: select_entries(*a, k))(
+    short = jax.make_jaxpr(lambda *a: selected(*a, k=k))(
         *(spec((b, 64, *x.shape[2:]), x.dtype) for x in args[:2]),
         spec((b, 16, d), jnp.float32),
         spec((b, 64), jnp.int32),
@@ -233,7 +242,8 @@ def test_projected_selection_matches_and_never_forms_queries():
         def project(x):
             return (x @ w_q).reshape(*x.shape[:2], h, d), x @ w_h
 
-        return select_projected_entries(project, (x,), keys, qidx, seg, layout, k, **tiles)
+        visibility = ce.Visibility(qidx, seg, layout)
+        return selected_by(ce.SelectionProblem(project, (x,), keys, visibility), k, **tiles)
 
     want = dense_selection((x @ w_q).reshape(b, s, h, d), x @ w_h, keys, qidx, seg, layout, k)
     got = jax.jit(lambda w, x: select(w, x, key_block=3, query_block=7))(w_q, x)
@@ -249,13 +259,13 @@ def test_projected_selection_matches_and_never_forms_queries():
     s_long, t_long = 8192, 2048
     spec = jax.ShapeDtypeStruct
     jaxpr = jax.make_jaxpr(
-        lambda w, x, keys, qi, seg: select_projected_entries(
-            lambda x: ((x @ w).reshape(*x.shape[:2], h, d), x @ w_h),
-            (x,),
-            keys,
-            qi,
-            seg,
-            entry_layout(seg, m),
+        lambda w, x, keys, qi, seg: ce.AutoSelection().select(
+            ce.SelectionProblem(
+                lambda x: ((x @ w).reshape(*x.shape[:2], h, d), x @ w_h),
+                (x,),
+                keys,
+                ce.Visibility(qi, seg, entry_layout(seg, m)),
+            ),
             k,
         )
     )(
@@ -386,7 +396,9 @@ def test_band_window_equals_gathered_window(window, qb):
 
 
 def test_masked_picks_rule():
-    assert prefers_masked_picks(2048, 512) and not prefers_masked_picks(2049, 512)
+    auto = ce.AutoPicks()
+    assert isinstance(auto.choose(2048, 512), ce.MaskedPicks)
+    assert isinstance(auto.choose(2049, 512), ce.GatheredPicks)
 
 
 def test_blocked_sparse_attention_never_gathers_all_rows():
@@ -413,8 +425,12 @@ def test_v4_layer_small_blocks_match_dense():
         index_topk=3,
     )  # fmt: skip
     dense = V4Attention(V4AttentionConfig(**base), key=jax.random.key(0))
-    small = V4AttentionConfig(**base, indexer_key_block=3, query_block=5, qk_head_chunk_size=2)
-    blocked = V4Attention(small, key=jax.random.key(0))  # same weights, other block sizes
+    small = ce.Execution(
+        selection=ce.StreamingSelection(key_block=3, query_block=5),
+        query_block=5,
+        qk_head_chunk_size=2,
+    )
+    blocked = V4Attention(V4AttentionConfig(**base), key=jax.random.key(0), execution=small)
     for a, r in zip(jax.tree.leaves(blocked), jax.tree.leaves(dense), strict=True):
         np.testing.assert_array_equal(a, r)
     b, s = 2, 45

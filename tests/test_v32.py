@@ -156,7 +156,7 @@ def test_selection_is_tagged_for_remat():
 
 
 def test_bad_config_names_the_field():
-    with pytest.raises(ValueError, match="qk_head_chunk_size"):
+    with pytest.raises(TypeError, match="qk_head_chunk_size"):  # execution, not architecture
         V32AttentionConfig(index_n_heads=4, qk_head_chunk_size=3)
     with pytest.raises(ValueError, match="index_topk"):
         V32AttentionConfig(index_topk=0)
