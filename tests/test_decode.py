@@ -9,7 +9,7 @@ import pytest
 from test_v4_behaviour import randomise, tiny
 
 import csa_eqx as ce
-from csa_eqx.models import DecoderLM, LMConfig
+from csa_eqx.demo.models import DecoderLM, LMConfig
 
 D = 32
 KINDS = ["sliding", "csa", "hca", "dsa"]

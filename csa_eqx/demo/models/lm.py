@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ..config import IndexerLossStage, MemoryFlags, V4AttentionConfig, V32AttentionConfig
-from ..ops import init_linear, linear, rms_norm
-from ..v4 import V4Attention
-from ..v32 import V32Attention
+from ...config import IndexerLossStage, MemoryFlags, V4AttentionConfig, V32AttentionConfig
+from ...ops import init_linear, linear, rms_norm
+from ...v4 import V4Attention
+from ...v32 import V32Attention
 
 __all__ = ["LMConfig", "DecoderLM", "Block", "with_indexer_stage"]
 

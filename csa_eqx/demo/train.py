@@ -27,127 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .models import DecoderLM, LMConfig, with_indexer_stage
+from .config import TrainConfig
+from .mesh import make_mesh, shard_batch
+from .models import DecoderLM, with_indexer_stage
 from .models.probe import indexer_recall
-from .tasks import RetrievalTask
+from .plots import plot_run
 
 __all__ = ["TrainConfig", "train"]
-
-PHASES = ("dense", "warmup", "sparse")
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Everything a run depends on (saved in the report and checked on resume)."""
-
-    name: str = "demo"
-    seq_len: int = 512
-    start_seq_len: int = 64
-    batch_size: int = 32
-    n_pairs: int = 1
-    n_keys: int = 1
-    n_values: int = 16
-    dense_steps: int = 300
-    warmup_steps: int = 20
-    sparse_steps: int = 60
-    learning_rate: float = 1e-2
-    index_topk: int = 8
-    sliding_window: int = 16
-    hidden_size: int = 128
-    layers: tuple[str, ...] = ("csa", "sliding", "hca")
-    mesh: tuple[int, int] = (0, 0)  # (data, tensor); (0, 0) = automatic over local devices
-    eval_every: int = 50
-    eval_batches: int = 4  # held-out batches per evaluation (4 x 32 queries by default)
-    checkpoint_every: int = 50
-    seed: int = 0
-
-    def __post_init__(self):
-        for f in (
-            "seq_len",
-            "batch_size",
-            "n_pairs",
-            "n_keys",
-            "n_values",
-            "start_seq_len",
-            "index_topk",
-            "sliding_window",
-            "hidden_size",
-            "eval_every",
-            "eval_batches",
-            "checkpoint_every",
-        ):
-            if getattr(self, f) <= 0:
-                raise ValueError(f"{f} must be positive (got {getattr(self, f)})")
-        for f in ("dense_steps", "warmup_steps", "sparse_steps"):
-            if getattr(self, f) < 0:
-                raise ValueError(f"{f} must be >= 0 (got {getattr(self, f)})")
-        if self.learning_rate <= 0:
-            raise ValueError(f"learning_rate must be positive (got {self.learning_rate})")
-
-    @property
-    def total_steps(self) -> int:
-        return self.dense_steps + self.warmup_steps + self.sparse_steps
-
-    def phase_at(self, step: int) -> str:
-        if step < self.dense_steps:
-            return "dense"
-        return "warmup" if step < self.dense_steps + self.warmup_steps else "sparse"
-
-    def seq_len_at(self, step: int) -> int:
-        """Curriculum: the dense phase starts at ``start_seq_len`` for half of its steps (a
-        retrieval circuit is found far faster in short rows), then doubles the length in equal
-        shares of the other half up to ``seq_len``; the later phases use ``seq_len``."""
-        lengths = [min(self.start_seq_len, self.seq_len)]
-        while lengths[-1] < self.seq_len:
-            lengths.append(min(2 * lengths[-1], self.seq_len))
-        if step >= self.dense_steps:
-            return self.seq_len
-        half = self.dense_steps // 2
-        if step < half or len(lengths) == 1:
-            return lengths[0]
-        rest = lengths[1:]
-        return rest[(step - half) * len(rest) // (self.dense_steps - half)]
-
-    def task(self, seq_len: int | None = None) -> RetrievalTask:
-        """The retrieval task at ``seq_len`` (default: the full length). Every stored pair is
-        more than ``sliding_window`` tokens before the first query."""
-        return RetrievalTask(
-            seq_len=seq_len or self.seq_len,
-            n_pairs=self.n_pairs,
-            n_queries=self.n_pairs,
-            n_keys=self.n_keys,
-            n_values=self.n_values,
-            min_distance=self.sliding_window + 2 * self.n_pairs + 2,
-            seed=self.seed,
-        )
-
-    def model_config(self, mesh_axes=("data", "tensor")) -> LMConfig:
-        d = self.hidden_size
-        base = LMConfig(vocab_size=self.task().vocab_size)
-        attention = dataclasses.replace(
-            base.attention,
-            hidden_size=d,
-            sliding_window=self.sliding_window,
-            index_topk=self.index_topk,
-            indexer_save_selection=True,
-            indexer_sharded_topk=True,
-            data_axis=mesh_axes[0],
-            tensor_axis=mesh_axes[1],
-        )
-        return dataclasses.replace(base, layers=self.layers, attention=attention)
-
-
-def make_mesh(shape: tuple[int, int]) -> jax.sharding.Mesh:
-    """A ``data × tensor`` mesh over the local devices (``(0, 0)``: tensor 2 when possible)."""
-    n = jax.local_device_count()
-    data, tensor = shape
-    if (data, tensor) == (0, 0):
-        tensor = 2 if n % 2 == 0 else 1
-        data = n // tensor
-    if data * tensor != n:
-        raise ValueError(f"mesh {data}x{tensor} does not use the {n} local devices")
-    auto = jax.sharding.AxisType.Auto
-    return jax.make_mesh((data, tensor), ("data", "tensor"), axis_types=(auto, auto))
 
 
 def _labels(model: DecoderLM, phase: str):
@@ -240,15 +126,10 @@ def evaluate(model: DecoderLM, cfg: TrainConfig, mesh) -> dict:
     accs, recalls = [], []
     run = eqx.filter_jit(lambda m, t, y: _answer_metrics(m(t), y)[1])
     for i in range(cfg.eval_batches):
-        tokens, targets = (_shard_batch(a, mesh) for a in task.batch(-1 - i, cfg.batch_size))
+        tokens, targets = (shard_batch(a, mesh) for a in task.batch(-1 - i, cfg.batch_size))
         accs.append(float(run(model, tokens, targets)))
         recalls.append(float(indexer_recall(model, tokens, targets >= 0)))
     return {"retrieval_accuracy": float(np.mean(accs)), "indexer_recall": float(np.mean(recalls))}
-
-
-def _shard_batch(x: np.ndarray, mesh) -> jax.Array:
-    spec = jax.sharding.PartitionSpec("data") if x.shape[0] % mesh.shape["data"] == 0 else None
-    return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec or jax.sharding.PartitionSpec()))
 
 
 def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = None) -> dict:
@@ -282,7 +163,7 @@ def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = N
                 step_fn = _train_step(opt)
             tokens, targets = cfg.task(cfg.seq_len_at(step)).batch(step, cfg.batch_size)
             model, opt_state, metrics = step_fn(
-                model, opt_state, _shard_batch(tokens, mesh), _shard_batch(targets, mesh)
+                model, opt_state, shard_batch(tokens, mesh), shard_batch(targets, mesh)
             )
             step += 1
             done_here += 1
@@ -320,8 +201,6 @@ def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = N
     }
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))
     if history:
-        from .plots import plot_run
-
         with jax.set_mesh(mesh):
             plot_run(history, model, cfg, out_dir, mesh)
     return report
