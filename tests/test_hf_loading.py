@@ -7,7 +7,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from hf_reference import run_v4_layer, state_dict_numpy, tiny_v4_config
 from transformers import DeepseekV4ForCausalLM
 
 from csa_eqx.hf import (
@@ -16,13 +15,15 @@ from csa_eqx.hf import (
     read_safetensors,
     v4_config_from_hf,
 )
+from csa_eqx.presets import tiny_v4
+from csa_eqx.testing import TINY_YARN, hf_v4_config, random_hf_v4_layer, run_hf_v4, state_dict_numpy
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A 3-layer (sliding, CSA, HCA) HF model saved as sharded safetensors."""
-    cfg = tiny_v4_config(
-        "csa",
+    cfg = hf_v4_config(
+        tiny_v4("csa"),
         num_hidden_layers=3,
         mlp_layer_types=["moe"] * 3,
         layer_types=[
@@ -48,7 +49,7 @@ def test_safetensors_round_trip(checkpoint, layer_idx):
     assert len(list(path.glob("*.safetensors"))) > 1, "expected a sharded checkpoint"
     hf_layer = model.model.layers[layer_idx].self_attn
     x = np.random.default_rng(layer_idx).normal(size=(2, 17, cfg.hidden_size)).astype(np.float32)
-    want, _ = run_v4_layer(hf_layer, cfg, x)
+    want, _, _ = run_hf_v4(hf_layer, cfg, x)
     layer = load_v4_attention_from_safetensors(path, layer_idx)
     assert layer.config.layer_type == ["sliding", "csa", "hca"][layer_idx]
     got = np.asarray(jax.jit(lambda m, x: m(x))(layer, x))
@@ -91,26 +92,24 @@ def test_bf16_checkpoint_upcasts(checkpoint, tmp_path):
     np.testing.assert_array_equal(np.asarray(layer.q_a_proj), want.numpy())
 
 
-def _sd(cfg, kind="csa"):
-    from hf_reference import random_v4_layer
-
-    return state_dict_numpy(random_v4_layer(cfg))
+def _sd(cfg):
+    return state_dict_numpy(random_hf_v4_layer(cfg))
 
 
 def test_fp8_with_block_scale_dequantises():
-    cfg = tiny_v4_config("csa")
+    cfg = hf_v4_config(tiny_v4("csa"))
     sd = _sd(cfg)
-    w = sd["q_a_proj.weight"]  # [24, 48]
-    scale = np.array([[0.5, 2.0], [4.0, 1.0]], np.float32)  # 2x2 blocks of 12x24
+    w = sd["q_a_proj.weight"]  # [32, 64]
+    scale = np.array([[0.5, 2.0], [4.0, 1.0]], np.float32)  # 2x2 blocks of 16x32
     sd["q_a_proj.weight"] = w.astype(ml_dtypes.float8_e4m3fn)
     sd["q_a_proj.weight_scale_inv"] = scale
     layer = load_v4_attention(sd, cfg, 0)
-    expect = sd["q_a_proj.weight"].astype(np.float32) * np.kron(scale, np.ones((12, 24)))
+    expect = sd["q_a_proj.weight"].astype(np.float32) * np.kron(scale, np.ones((16, 32)))
     np.testing.assert_array_equal(np.asarray(layer.q_a_proj), expect)
 
 
 def test_fp8_without_scale_is_a_clear_error():
-    cfg = tiny_v4_config("csa")
+    cfg = hf_v4_config(tiny_v4("csa"))
     sd = _sd(cfg)
     sd["kv_proj.weight"] = sd["kv_proj.weight"].astype(ml_dtypes.float8_e4m3fn)
     with pytest.raises(ValueError, match="kv_proj.weight.*FP8"):
@@ -118,7 +117,7 @@ def test_fp8_without_scale_is_a_clear_error():
 
 
 def test_missing_tensor_is_named():
-    cfg = tiny_v4_config("csa")
+    cfg = hf_v4_config(tiny_v4("csa"))
     sd = _sd(cfg)
     del sd["compressor.indexer.scorer.weights_proj.weight"]
     with pytest.raises(ValueError, match="compressor.indexer.scorer.weights_proj.weight"):
@@ -126,7 +125,7 @@ def test_missing_tensor_is_named():
 
 
 def test_misshaped_tensor_is_named():
-    cfg = tiny_v4_config("hca")
+    cfg = hf_v4_config(tiny_v4("hca"))
     sd = _sd(cfg)
     sd["compressor.position_bias"] = sd["compressor.position_bias"][:-1]
     with pytest.raises(ValueError, match="compressor.position_bias.*shape"):
@@ -134,7 +133,7 @@ def test_misshaped_tensor_is_named():
 
 
 def test_options_and_dict_config():
-    cfg = tiny_v4_config("csa", yarn=True)
+    cfg = hf_v4_config(tiny_v4("csa", rope_scaling=TINY_YARN))
     as_json = json.loads(cfg.to_json_string())
     c = v4_config_from_hf(as_json, 0, qk_head_chunk_size=2)
     assert c.qk_head_chunk_size == 2 and c.compress_rate == 4 and c.rope_dim == 8
