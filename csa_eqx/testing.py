@@ -258,7 +258,8 @@ class _V4Capture:
 
     def _keep(self, name):
         def hook(_module, _inputs, out):  # returns None: the output is left unchanged
-            self.got[name] = out.detach().cpu().float().numpy()
+            out = out.detach().cpu()
+            self.got[name] = (out.float() if out.is_floating_point() else out).numpy()
 
         return hook
 
@@ -270,22 +271,26 @@ class _V4Capture:
             h.remove()
 
 
-def run_hf_v4(layer: DeepseekV4Attention, hf_config: DeepseekV4Config, x: np.ndarray):
-    """HF V4 forward without cache (positions ``0..S-1``, causal window mask), float32.
+def run_hf_v4(
+    layer: DeepseekV4Attention, hf_config: DeepseekV4Config, x: np.ndarray, device="cpu", dtype=None
+):
+    """HF V4 forward without cache (positions ``0..S-1``, causal window mask).
 
     **Arguments:**
 
-    - `layer`: the HF attention layer.
+    - `layer`: the HF attention layer (on ``device`` in ``dtype``).
     - `hf_config`: its config (RoPE and window).
     - `x`: float array [B,S,hidden_size].
+    - `device`, `dtype`: where the inputs live (torch device and dtype; default float32).
 
     **Returns:** ``(output [B,S,hidden], topk [B,S,k] or None, scores [B,S,T] or None)``:
-    the indexer's top-k entry indices and raw scores, ``None`` for layers without an indexer.
+    the indexer's top-k entry indices and raw scores, ``None`` for layers without an indexer;
+    numpy float32 arrays on the host.
     """
-    xt, kwargs = _v4_inputs(hf_config, x, 0, 0, "cpu", None)
+    xt, kwargs = _v4_inputs(hf_config, x, 0, 0, device, dtype)
     with _V4Capture(layer) as got, torch.no_grad():
         out, _ = layer(xt, **kwargs)
-    return out.numpy(), got.get("topk"), got.get("scores")
+    return out.cpu().float().numpy(), got.get("topk"), got.get("scores")
 
 
 def hf_v4_runner(
