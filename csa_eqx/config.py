@@ -7,6 +7,7 @@ invalid value raises ``ValueError`` naming the field and the rule when the confi
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 __all__ = [
@@ -40,6 +41,28 @@ def _non_negative(obj: object, *fields: str) -> None:
         )
 
 
+def _finite_positive(obj: object, *fields: str) -> None:
+    for f in fields:
+        v = getattr(obj, f)
+        _require(
+            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0,
+            f,
+            "must be a finite number > 0",
+            v,
+        )
+
+
+def _even_unrotated(obj: object, field: str, rope_field: str) -> None:
+    """Interleaved RoPE pairs channels, so the unrotated part of a head must be even too."""
+    dim, rope = getattr(obj, field), getattr(obj, rope_field)
+    _require(
+        (dim - rope) % 2 == 0,
+        field,
+        f"minus {rope_field}={rope} (the unrotated channels) must be even for interleaved RoPE",
+        dim,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class YaRNScaling:
     """YaRN rotary frequency scaling (the ``rope_type: yarn`` entry of an HF config).
@@ -57,6 +80,15 @@ class YaRNScaling:
     truncate: bool = True
 
     def __post_init__(self):
+        for f in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+            v = getattr(self, f)
+            _require(
+                (v is None and f.startswith("mscale"))
+                or (isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)),
+                f"rope_scaling.{f}",
+                "must be a finite number" + (" or None" if f.startswith("mscale") else ""),
+                v,
+            )
         _require(self.factor >= 1.0, "rope_scaling.factor", "must be >= 1", self.factor)
         _positive(self, "original_max_position_embeddings")
         _require(
@@ -65,6 +97,31 @@ class YaRNScaling:
             "must exceed beta_slow > 0",
             (self.beta_fast, self.beta_slow),
         )
+
+
+_YARN_FIELDS = {f.name for f in dataclasses.fields(YaRNScaling)}
+
+
+def _rope_scaling(cfg) -> None:
+    """``rope_scaling`` is None, a ``YaRNScaling``, or a dict of its fields (converted, with an
+    optional ``rope_type``/``type`` of ``"yarn"``) — nothing else."""
+    v = cfg.rope_scaling
+    if isinstance(v, dict):
+        params = dict(v)
+        kind = params.pop("rope_type", params.pop("type", "yarn"))
+        _require(kind == "yarn", "rope_scaling", "given as a dict must be YaRN", kind)
+        unknown = sorted(set(params) - _YARN_FIELDS)
+        _require(not unknown, "rope_scaling", f"keys must be among {sorted(_YARN_FIELDS)}", unknown)
+        missing = sorted({"factor", "original_max_position_embeddings"} - set(params))
+        _require(not missing, "rope_scaling", f"lacks the key(s) {missing}", v)
+        object.__setattr__(cfg, "rope_scaling", YaRNScaling(**params))
+        return
+    _require(
+        v is None or isinstance(v, YaRNScaling),
+        "rope_scaling",
+        "must be None, a YaRNScaling or a dict of its fields",
+        v,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,8 +183,10 @@ class V4AttentionConfig:
             f"must divide num_heads={self.num_heads}",
             self.o_groups,
         )
-        for f in ("rope_theta", "compress_rope_theta", "rms_norm_eps"):
-            _require(getattr(self, f) > 0, f, "must be > 0", getattr(self, f))
+        _even_unrotated(self, "head_dim", "rope_dim")
+        _even_unrotated(self, "index_head_dim", "rope_dim")
+        _finite_positive(self, "rope_theta", "compress_rope_theta", "rms_norm_eps")
+        _rope_scaling(self)
 
     @property
     def layer_type(self) -> Literal["sliding", "csa", "hca"]:
@@ -184,5 +243,5 @@ class V32AttentionConfig:
             f"must be even and at most index_head_dim={self.index_head_dim}",
             self.qk_rope_head_dim,
         )
-        for f in ("rope_theta", "rms_norm_eps"):
-            _require(getattr(self, f) > 0, f, "must be > 0", getattr(self, f))
+        _finite_positive(self, "rope_theta", "rms_norm_eps")
+        _rope_scaling(self)

@@ -64,7 +64,7 @@ def generate(
     """Generate ``max_new_tokens`` tokens after a (right-padded) prompt.
 
     ``model`` is either an object with ``init_caches(batch, max_length)`` and
-    ``extend(tokens, caches, lengths=None) -> (logits, caches)`` (``csa_eqx.models.DecoderLM``)
+    ``extend(tokens, caches, lengths=None) -> (logits, caches)`` (the demo's ``DecoderLM``)
     or any such ``logits_fn(tokens_chunk, caches[, lengths])``; then pass ``caches``. It is
     called with ``lengths`` only for a padded prompt: ``prompt_lengths`` gives each row's real
     prompt length (default: all of ``prompt``). Pass a pytree callable (an Equinox module or its

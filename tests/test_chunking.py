@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_reference import random_v4_layer, state_dict_numpy, tiny_v4_config
 
 from csa_eqx import (
     Execution,
@@ -17,6 +16,8 @@ from csa_eqx import (
 )
 from csa_eqx.hf import load_v4_attention
 from csa_eqx.loss import selection_mask
+from csa_eqx.presets import tiny_v4
+from csa_eqx.testing import hf_v4_config, random_hf_v4_layer, state_dict_numpy
 
 B, S, H, D, T, K = 2, 24, 8, 4, 6, 3  # D < T: only the score tensor reaches B·S·H·T
 
@@ -126,8 +127,8 @@ def test_chunk_must_divide_heads():
 @pytest.mark.parametrize("stage, chunks", [("sparse", (1, 4)), ("dense", (2,))])
 def test_layer_chunked_equal_unchunked(stage, chunks):
     """The whole V4 CSA layer (H = 4): same output, selection, loss and loss gradients."""
-    cfg = tiny_v4_config("csa", window=6, topk=3)  # 4 heads, 4 indexer heads
-    state = state_dict_numpy(random_v4_layer(cfg, seed=4))
+    cfg = hf_v4_config(tiny_v4("csa", sliding_window=6, index_topk=3))  # 4 heads, 4 indexer heads
+    state = state_dict_numpy(random_hf_v4_layer(cfg, seed=4))
     x = jnp.asarray(np.random.default_rng(4).normal(size=(2, 22, cfg.hidden_size)), jnp.float32)
 
     @eqx.filter_jit

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from csa_eqx.cli import main
-from csa_eqx.train import TrainConfig, train
+from csa_eqx.demo.cli import main
+from csa_eqx.demo.train import TrainConfig, train
 
 TINY = dict(
     seq_len=96,
@@ -60,6 +60,15 @@ def test_resume_refuses_a_different_config(tmp_path):
         (["train", "--mesh", "3"], "DATAxTENSOR"),
         (["train", "--dense-steps", "-1"], ">= 0"),
         (["train", "--mesh", "0x2"], "0x0"),
+        (["train", "--lr", "-1"], "argument --lr: learning rate must be a finite positive"),
+        (["train", "--lr", "0"], "argument --lr: learning rate must be a finite positive"),
+        (["train", "--lr", "nan"], "argument --lr: learning rate must be a finite positive"),
+        (["train", "--lr", "inf"], "argument --lr: learning rate must be a finite positive"),
+        (["train", "--name", "../../x"], "argument --name: run name must be one folder name"),
+        (["train", "--name", "/tmp/x"], "argument --name: run name must be one folder name"),
+        (["train", "--name", ".."], "argument --name: run name must be one folder name"),
+        (["train", "--name", ""], "argument --name: run name must be one folder name"),
+        (["inspect", "--preset", "v5"], "invalid choice"),
         (["inspect", "--layer", "mla"], "invalid choice"),
         (["frobnicate"], "invalid choice"),
     ],
@@ -75,7 +84,6 @@ def test_bad_arguments(argv, message, capsys):
     "argv, message",
     [
         (["--seq-len", "40", "--pairs", "16", "--keys", "16"], "seq_len=40"),
-        (["--lr", "-1"], "learning_rate must be positive"),
         (["--pairs", "8", "--keys", "4"], "n_keys"),
     ],
 )
@@ -88,3 +96,34 @@ def test_inspect(capsys):
     assert main(["inspect", "--layer", "hca", "--preset", "tiny", "--seq-len", "256"]) == 0
     out = capsys.readouterr().out
     assert "compressor.kv_proj" in out and "forward+backward" in out and "total" in out
+
+
+def test_inspect_v4_pro_uses_the_released_sizes():
+    from csa_eqx.demo.inspect import layer_for
+
+    layer = layer_for("csa", "v4-pro")
+    assert (layer.config.hidden_size, layer.config.num_heads, layer.config.index_topk) == (
+        7168,
+        128,
+        1024,
+    )
+    assert layer_for("hca", "tiny").config.compress_rate == 8
+    assert layer_for("dsa", "v4-pro").config.index_topk == 2048  # DeepSeek-V3.2's own sizes
+
+
+def test_bench_outside_a_checkout_names_what_is_missing(tmp_path, capsys):
+    assert main(["bench", "--quick", "--repo", str(tmp_path), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"no benchmarks/run_all.py in {tmp_path}" in err and "--repo" in err
+
+
+def test_train_without_the_demo_extra_says_how_to_install_it(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "optax" else real(name, *a)
+    )
+    assert main(["train", "--dense-steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "missing: optax" in err and "pip install 'csa_eqx[demo]'" in err

@@ -9,7 +9,7 @@ import pytest
 from test_v4_behaviour import randomise, tiny
 
 import csa_eqx as ce
-from csa_eqx.models import DecoderLM, LMConfig
+from csa_eqx.demo.models import DecoderLM, LMConfig
 
 D = 32
 KINDS = ["sliding", "csa", "hca", "dsa"]
@@ -240,14 +240,15 @@ def test_matches_hf_cached_path():
     """A V4 CSA layer: prefill then single steps through HF's DynamicCache (DeepseekV4CSACache)
     == our prefill + extend steps, outputs and selections (on rows whose top-k is untied)."""
     import torch
-    from hf_reference import random_v4_layer, state_dict_numpy, tiny_v4_config
     from transformers import DynamicCache
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
 
     from csa_eqx.hf import load_v4_attention
+    from csa_eqx.presets import tiny_v4
+    from csa_eqx.testing import hf_v4_config, random_hf_v4_layer, state_dict_numpy
 
-    cfg = tiny_v4_config("csa", window=6, topk=2)
-    hf = random_v4_layer(cfg, seed=7)
+    cfg = hf_v4_config(tiny_v4("csa", sliding_window=6, index_topk=2))
+    hf = random_hf_v4_layer(cfg, seed=7)
     layer = load_v4_attention(state_dict_numpy(hf), cfg, 0)
     b, s, steps, m, k = 2, 13, 7, 4, 2
     x = np.random.default_rng(7).normal(size=(b, s + steps, cfg.hidden_size)).astype(np.float32)

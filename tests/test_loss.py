@@ -5,18 +5,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_reference import (
-    hf_indexer_scores,
-    random_v4_layer,
-    run_v4_layer,
-    state_dict_numpy,
-    tiny_v4_config,
-)
 from test_v4_parity import untied_rows
 
 from csa_eqx import indexer_kl_loss, sparse_attention
 from csa_eqx.hf import load_v4_attention
 from csa_eqx.loss import selection_mask
+from csa_eqx.presets import tiny_v4
+from csa_eqx.testing import hf_v4_config, random_hf_v4_layer, run_hf_v4, state_dict_numpy
 
 M = 4  # CSA compression rate
 
@@ -104,7 +99,7 @@ def hf_attention_probs(hf_layer, cfg, x) -> np.ndarray:
     """HF's per-head attention probabilities [B,H,S,S+T] (sink dropped)."""
     got = {}
     handle = hf_layer.register_forward_hook(lambda _m, _i, out: got.update(w=out[1].numpy()))
-    out, _ = run_v4_layer(hf_layer, cfg, x)
+    out, _, _ = run_hf_v4(hf_layer, cfg, x)
     handle.remove()
     return out, got["w"]
 
@@ -118,13 +113,13 @@ def test_layer_loss_matches_hf_probabilities(stage):
     """
     b, s, k = 2, 22, 3
     t = s // M
-    cfg = tiny_v4_config("csa", window=6, topk=k)
-    hf_layer = random_v4_layer(cfg, seed=1)
+    cfg = hf_v4_config(tiny_v4("csa", sliding_window=6, index_topk=k))
+    hf_layer = random_hf_v4_layer(cfg, seed=1)
     x = np.random.default_rng(1).normal(size=(b, s, cfg.hidden_size)).astype(np.float32)
     layer = load_v4_attention(state_dict_numpy(hf_layer), cfg, 0, indexer_loss=stage)
     y, aux = jax.jit(lambda m, x: m(x, return_aux=True))(layer, x)
 
-    scores = hf_indexer_scores(hf_layer, cfg, x)
+    scores = run_hf_v4(hf_layer, cfg, x)[2]
     vis = np.broadcast_to(visible_np(s, t), (b, s, t))
     if stage == "dense":
         hf_layer.compressor.indexer.index_topk = 64  # HF then selects every visible entry
@@ -146,9 +141,9 @@ def test_layer_loss_matches_hf_probabilities(stage):
 
 
 def small_layer(stage: str, kind: str = "csa", s: int = 22, **options):
-    cfg = tiny_v4_config(kind, window=6, topk=3)
+    cfg = hf_v4_config(tiny_v4(kind, sliding_window=6, index_topk=3))
     layer = load_v4_attention(
-        state_dict_numpy(random_v4_layer(cfg, seed=2)), cfg, 0, indexer_loss=stage, **options
+        state_dict_numpy(random_hf_v4_layer(cfg, seed=2)), cfg, 0, indexer_loss=stage, **options
     )
     x = jnp.asarray(np.random.default_rng(2).normal(size=(2, s, cfg.hidden_size)), jnp.float32)
     return layer, x

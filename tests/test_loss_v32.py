@@ -6,12 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_reference_v32 import random_v32_layer, run_v32_layer, state_dict_numpy, tiny_v32_config
 from test_loss import grads_by_leaf, kl_from_target_np, output_loss_of
 
 from csa_eqx.compressor import entry_layout, segment_positions
 from csa_eqx.hf import load_v32_attention
+from csa_eqx.presets import tiny_v32
 from csa_eqx.sparse import DenseKeys, sparse_attention
+from csa_eqx.testing import hf_v32_config, random_hf_v32_layer, run_hf_v32, state_dict_numpy
 
 INDEXER_LEAVES = {f".indexer.{n}" for n in ("wq_b", "wk", "k_norm", "k_norm_bias", "weights_proj")}
 
@@ -91,8 +92,8 @@ def selected_np(sel: np.ndarray, s: int) -> np.ndarray:
 
 
 def _layer(stage, topk=4, seed=3, **options):
-    cfg = tiny_v32_config(topk=topk)
-    hf_layer = random_v32_layer(cfg, seed=seed)
+    cfg = hf_v32_config(tiny_v32(index_topk=topk))
+    hf_layer = random_hf_v32_layer(cfg, seed=seed)
     layer = load_v32_attention(state_dict_numpy(hf_layer), cfg, 0, indexer_loss=stage, **options)
     return cfg, hf_layer, layer
 
@@ -107,7 +108,7 @@ def test_loss_and_output_match_numpy(stage):
     the dense stage is plain causal MLA, the sparse one attends to the selected tokens."""
     b, s, k = 2, 13, 4
     _, _, layer = _layer(stage, topk=k)
-    x = np.random.default_rng(0).normal(size=(b, s, 48)).astype(np.float32)
+    x = np.random.default_rng(0).normal(size=(b, s, 64)).astype(np.float32)
     seg = np.stack([np.zeros(s), np.repeat([0, 1], [5, 8])]).astype(np.int32)
     y, aux = _run(layer, x, seg)
     vis = visible_np(seg)
@@ -134,7 +135,7 @@ def hf_forward_with_probs(hf_layer, cfg, x):
     got = {}
     handle = hf_layer.register_forward_hook(lambda _m, _i, out: got.update(w=out[1].numpy()))
     try:
-        out, _, scores = run_v32_layer(hf_layer, cfg, x)
+        out, _, scores = run_hf_v32(hf_layer, cfg, x)
     finally:
         handle.remove()
     return out, scores, got["w"].astype(np.float64)
@@ -168,7 +169,7 @@ def test_loss_matches_hf_probabilities(stage):
 
 
 def _inputs(s=12, seed=2):
-    return jnp.asarray(np.random.default_rng(seed).normal(size=(2, s, 48)), jnp.float32)
+    return jnp.asarray(np.random.default_rng(seed).normal(size=(2, s, 64)), jnp.float32)
 
 
 def indexer_loss_of(layer, x, seg=None):

@@ -6,10 +6,17 @@ import jaxtyping
 import numpy as np
 import pytest
 import torch
-from hf_reference_v32 import random_v32_layer, run_v32_layer, state_dict_numpy, tiny_v32_config
 
 from csa_eqx import SELECTION_NAME, V32Attention, V32AttentionConfig, indexer_scores
 from csa_eqx.hf import load_v32_attention
+from csa_eqx.presets import tiny_v32
+from csa_eqx.testing import (
+    TINY_YARN,
+    hf_v32_config,
+    random_hf_v32_layer,
+    run_hf_v32,
+    state_dict_numpy,
+)
 
 CASES = [
     # batch, seq, topk, yarn
@@ -36,8 +43,8 @@ def untied_rows(scores: np.ndarray, k: int) -> np.ndarray:
 
 def _setup(b, s, topk, yarn, seed=None):
     seed = s if seed is None else seed
-    cfg = tiny_v32_config(topk=topk, yarn=yarn)
-    hf_layer = random_v32_layer(cfg, seed=seed)
+    cfg = hf_v32_config(tiny_v32(index_topk=topk, rope_scaling=TINY_YARN if yarn else None))
+    hf_layer = random_hf_v32_layer(cfg, seed=seed)
     x = np.random.default_rng(seed).normal(size=(b, s, cfg.hidden_size)).astype(np.float32)
     return cfg, hf_layer, x
 
@@ -46,7 +53,7 @@ def _setup(b, s, topk, yarn, seed=None):
 def test_matches_hf(case):
     b, s, topk, yarn = case
     cfg, hf_layer, x = _setup(b, s, topk, yarn)
-    want, want_topk, scores = run_v32_layer(hf_layer, cfg, x)
+    want, want_topk, scores = run_hf_v32(hf_layer, cfg, x)
     layer = load_v32_attention(state_dict_numpy(hf_layer), cfg, 0)
     got, aux = _forward(layer, x)
     got, sel = np.asarray(got), np.asarray(aux["selection"])
@@ -69,7 +76,7 @@ def test_matches_hf(case):
 def test_indexer_scores_match_hf():
     """The indexer's float32 scores equal HF's on every causal entry (no tie caveat)."""
     cfg, hf_layer, x = _setup(2, 11, 4, True)
-    _, _, want = run_v32_layer(hf_layer, cfg, x)
+    _, _, want = run_hf_v32(hf_layer, cfg, x)
     idx = load_v32_attention(state_dict_numpy(hf_layer), cfg, 0).indexer
     pos = jnp.broadcast_to(jnp.arange(11), (2, 11))
     qr = jnp.asarray(hf_layer.q_a_layernorm(hf_layer.q_a_proj(torch.tensor(x))).detach().numpy())
@@ -86,7 +93,7 @@ def _random_layer(topk=6, seed=0, **options):
 
 
 def test_head_chunking_is_exact():
-    x = np.random.default_rng(1).normal(size=(2, 12, 48)).astype(np.float32)
+    x = np.random.default_rng(1).normal(size=(2, 12, 64)).astype(np.float32)
     ref_y, ref = _forward(_random_layer(), x)
     for chunk in (1, 2, 4):
         y, aux = _forward(_random_layer(qk_head_chunk_size=chunk), x)
@@ -97,7 +104,7 @@ def test_head_chunking_is_exact():
 def test_streaming_and_sharded_selection_are_exact():
     """Streaming top-k (key/query blocks), row-sharded top-k and head-sharded indexer
     activations give the plain layer's selection and output."""
-    x = np.random.default_rng(4).normal(size=(2, 14, 48)).astype(np.float32)
+    x = np.random.default_rng(4).normal(size=(2, 14, 64)).astype(np.float32)
     seg = np.repeat([[0, 1]], [6, 8], axis=1).repeat(2, 0).astype(np.int32)
     run = jax.jit(lambda m, x, s: m(x, segment_ids=s, return_aux=True))
     ref_y, ref = run(_random_layer(), x, seg)
@@ -119,7 +126,7 @@ def test_streaming_and_sharded_selection_are_exact():
 def test_packed_equals_documents_alone():
     layer = _random_layer(topk=5)
     lengths = (11, 14)
-    x = np.random.default_rng(2).normal(size=(1, sum(lengths), 48)).astype(np.float32)
+    x = np.random.default_rng(2).normal(size=(1, sum(lengths), 64)).astype(np.float32)
     seg = np.repeat(np.arange(len(lengths)), lengths)[None].astype(np.int32)
     y, aux = jax.jit(lambda m, x, s: m(x, segment_ids=s, return_aux=True))(layer, x, seg)
     y, sel = np.asarray(y), np.asarray(aux["selection"])
@@ -136,7 +143,7 @@ def test_packed_equals_documents_alone():
 def test_singleton_segments_attend_to_themselves_only():
     """Every token alone in its segment: one pick (itself), finite output, no NaN."""
     layer = _random_layer(topk=3)
-    x = np.random.default_rng(3).normal(size=(2, 6, 48)).astype(np.float32)
+    x = np.random.default_rng(3).normal(size=(2, 6, 64)).astype(np.float32)
     seg = np.broadcast_to(np.arange(6, dtype=np.int32), (2, 6))
     y, aux = jax.jit(lambda m, x, s: m(x, segment_ids=s, return_aux=True))(layer, x, seg)
     sel = np.asarray(aux["selection"])
@@ -150,7 +157,7 @@ def test_singleton_segments_attend_to_themselves_only():
 
 def test_selection_is_tagged_for_remat():
     layer = _random_layer(indexer_save_selection=True)
-    x = jnp.zeros((1, 5, 48))
+    x = jnp.zeros((1, 5, 64))
     assert SELECTION_NAME in str(jax.make_jaxpr(lambda m, x: m(x))(layer, x))
     assert SELECTION_NAME not in str(jax.make_jaxpr(lambda m, x: m(x))(_random_layer(), x))
 

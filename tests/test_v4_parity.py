@@ -1,17 +1,20 @@
 """V4 attention vs transformers' DeepseekV4Attention (float32, random weights)."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
-from hf_reference import (
-    hf_indexer_scores,
-    random_v4_layer,
-    run_v4_layer,
-    state_dict_numpy,
-    tiny_v4_config,
-)
 
 from csa_eqx.hf import load_v4_attention
+from csa_eqx.presets import tiny_v4
+from csa_eqx.testing import (
+    TINY_YARN,
+    hf_v4_config,
+    random_hf_v4_layer,
+    run_hf_v4,
+    state_dict_numpy,
+)
 
 CASES = [
     # kind, batch, seq, window, topk, hca_rate, yarn
@@ -48,10 +51,15 @@ def untied_rows(scores: np.ndarray, k: int, m: int) -> np.ndarray:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-b{c[1]}-s{c[2]}-w{c[3]}-k{c[4]}")
 def test_matches_hf(case):
     kind, b, s, window, topk, hca_rate, yarn = case
-    cfg = tiny_v4_config(kind, window=window, topk=topk, hca_rate=hca_rate, yarn=yarn)
-    hf_layer = random_v4_layer(cfg, seed=s)
+    arch = dataclasses.replace(
+        tiny_v4(kind, sliding_window=window, index_topk=topk),
+        rope_scaling=TINY_YARN if yarn else None,
+        compress_rate=hca_rate if kind == "hca" else tiny_v4(kind).compress_rate,
+    )
+    cfg = hf_v4_config(arch)
+    hf_layer = random_hf_v4_layer(cfg, seed=s)
     x = np.random.default_rng(s).normal(size=(b, s, cfg.hidden_size)).astype(np.float32)
-    want, want_topk = run_v4_layer(hf_layer, cfg, x)
+    want, want_topk, scores = run_hf_v4(hf_layer, cfg, x)
 
     layer = load_v4_attention(state_dict_numpy(hf_layer), cfg, 0)
     got, aux = jax.jit(lambda m, x: m(x, return_aux=True))(layer, x)
@@ -59,7 +67,6 @@ def test_matches_hf(case):
 
     rows = np.ones((b, s), bool)
     if kind == "csa" and want_topk is not None:
-        scores = hf_indexer_scores(hf_layer, cfg, x)
         rows = untied_rows(scores, min(topk, scores.shape[-1]), 4)
         sel = np.asarray(aux["selection"])
         assert sel.shape == (b, s, topk)

@@ -6,7 +6,8 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ..v4 import V4Attention
+from ...ops import rms_norm
+from ...v4 import V4Attention
 from .lm import DecoderLM
 
 __all__ = ["indexer_recall", "layer_inputs"]
@@ -14,8 +15,6 @@ __all__ = ["indexer_recall", "layer_inputs"]
 
 def layer_inputs(model: DecoderLM, tokens: Int[Array, "batch seq"]) -> list[Array]:
     """The normalised hidden states each block's attention receives."""
-    from ..ops import rms_norm
-
     h, inputs = model.embed[tokens], []
     for block in model.blocks:
         inputs.append(rms_norm(h, block.attn_norm, 1e-6))

@@ -7,6 +7,8 @@ from pathlib import Path
 import equinox as eqx
 import numpy as np
 
+from .mesh import shard_batch
+
 
 def plot_run(history: list[dict], model, cfg, out_dir: Path, mesh) -> None:
     """Write ``loss.png``, ``recall.png`` and ``selections.png`` into ``out_dir``."""
@@ -38,10 +40,8 @@ def plot_run(history: list[dict], model, cfg, out_dir: Path, mesh) -> None:
     fig.savefig(out_dir / "recall.png", dpi=100)
     plt.close(fig)
 
-    from .train import _shard_batch
-
     tokens, _ = cfg.task().batch(-1, cfg.batch_size)
-    _, aux = eqx.filter_jit(lambda m, t: m(t, return_aux=True))(model, _shard_batch(tokens, mesh))
+    _, aux = eqx.filter_jit(lambda m, t: m(t, return_aux=True))(model, shard_batch(tokens, mesh))
     layer = next(i for i, s in enumerate(aux["selections"]) if s is not None)
     sel = np.asarray(aux["selections"][layer][0])
     s, k = sel.shape

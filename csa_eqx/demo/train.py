@@ -27,127 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .models import DecoderLM, LMConfig, with_indexer_stage
+from .config import TrainConfig
+from .mesh import make_mesh, shard_batch
+from .models import DecoderLM
 from .models.probe import indexer_recall
-from .tasks import RetrievalTask
+from .plots import plot_run
 
 __all__ = ["TrainConfig", "train"]
-
-PHASES = ("dense", "warmup", "sparse")
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Everything a run depends on (saved in the report and checked on resume)."""
-
-    name: str = "demo"
-    seq_len: int = 512
-    start_seq_len: int = 64
-    batch_size: int = 32
-    n_pairs: int = 1
-    n_keys: int = 1
-    n_values: int = 16
-    dense_steps: int = 300
-    warmup_steps: int = 20
-    sparse_steps: int = 60
-    learning_rate: float = 1e-2
-    index_topk: int = 8
-    sliding_window: int = 16
-    hidden_size: int = 128
-    layers: tuple[str, ...] = ("csa", "sliding", "hca")
-    mesh: tuple[int, int] = (0, 0)  # (data, tensor); (0, 0) = automatic over local devices
-    eval_every: int = 50
-    eval_batches: int = 4  # held-out batches per evaluation (4 x 32 queries by default)
-    checkpoint_every: int = 50
-    seed: int = 0
-
-    def __post_init__(self):
-        for f in (
-            "seq_len",
-            "batch_size",
-            "n_pairs",
-            "n_keys",
-            "n_values",
-            "start_seq_len",
-            "index_topk",
-            "sliding_window",
-            "hidden_size",
-            "eval_every",
-            "eval_batches",
-            "checkpoint_every",
-        ):
-            if getattr(self, f) <= 0:
-                raise ValueError(f"{f} must be positive (got {getattr(self, f)})")
-        for f in ("dense_steps", "warmup_steps", "sparse_steps"):
-            if getattr(self, f) < 0:
-                raise ValueError(f"{f} must be >= 0 (got {getattr(self, f)})")
-        if self.learning_rate <= 0:
-            raise ValueError(f"learning_rate must be positive (got {self.learning_rate})")
-
-    @property
-    def total_steps(self) -> int:
-        return self.dense_steps + self.warmup_steps + self.sparse_steps
-
-    def phase_at(self, step: int) -> str:
-        if step < self.dense_steps:
-            return "dense"
-        return "warmup" if step < self.dense_steps + self.warmup_steps else "sparse"
-
-    def seq_len_at(self, step: int) -> int:
-        """Curriculum: the dense phase starts at ``start_seq_len`` for half of its steps (a
-        retrieval circuit is found far faster in short rows), then doubles the length in equal
-        shares of the other half up to ``seq_len``; the later phases use ``seq_len``."""
-        lengths = [min(self.start_seq_len, self.seq_len)]
-        while lengths[-1] < self.seq_len:
-            lengths.append(min(2 * lengths[-1], self.seq_len))
-        if step >= self.dense_steps:
-            return self.seq_len
-        half = self.dense_steps // 2
-        if step < half or len(lengths) == 1:
-            return lengths[0]
-        rest = lengths[1:]
-        return rest[(step - half) * len(rest) // (self.dense_steps - half)]
-
-    def task(self, seq_len: int | None = None) -> RetrievalTask:
-        """The retrieval task at ``seq_len`` (default: the full length). Every stored pair is
-        more than ``sliding_window`` tokens before the first query."""
-        return RetrievalTask(
-            seq_len=seq_len or self.seq_len,
-            n_pairs=self.n_pairs,
-            n_queries=self.n_pairs,
-            n_keys=self.n_keys,
-            n_values=self.n_values,
-            min_distance=self.sliding_window + 2 * self.n_pairs + 2,
-            seed=self.seed,
-        )
-
-    def model_config(self, mesh_axes=("data", "tensor")) -> LMConfig:
-        d = self.hidden_size
-        base = LMConfig(vocab_size=self.task().vocab_size)
-        attention = dataclasses.replace(
-            base.attention,
-            hidden_size=d,
-            sliding_window=self.sliding_window,
-            index_topk=self.index_topk,
-            indexer_save_selection=True,
-            indexer_sharded_topk=True,
-            data_axis=mesh_axes[0],
-            tensor_axis=mesh_axes[1],
-        )
-        return dataclasses.replace(base, layers=self.layers, attention=attention)
-
-
-def make_mesh(shape: tuple[int, int]) -> jax.sharding.Mesh:
-    """A ``data × tensor`` mesh over the local devices (``(0, 0)``: tensor 2 when possible)."""
-    n = jax.local_device_count()
-    data, tensor = shape
-    if (data, tensor) == (0, 0):
-        tensor = 2 if n % 2 == 0 else 1
-        data = n // tensor
-    if data * tensor != n:
-        raise ValueError(f"mesh {data}x{tensor} does not use the {n} local devices")
-    auto = jax.sharding.AxisType.Auto
-    return jax.make_mesh((data, tensor), ("data", "tensor"), axis_types=(auto, auto))
 
 
 def _labels(model: DecoderLM, phase: str):
@@ -175,16 +61,22 @@ def _answer_metrics(logits, targets):
     return jnp.sum(ce * mask) / n, jnp.sum((jnp.argmax(logits, -1) == targets) & mask) / n
 
 
-def _loss(model: DecoderLM, tokens, targets):
-    logits, aux = model(tokens, return_aux=True)
+def _stage(phase: str) -> str:
+    """The indexers' training stage in ``phase``: dense until the sparse phase."""
+    return "sparse" if phase == "sparse" else "dense"
+
+
+def _loss(model: DecoderLM, tokens, targets, stage: str):
+    logits, aux = model(tokens, return_aux=True, indexer_loss=stage)
     ce, acc = _answer_metrics(logits, targets)
     return ce + aux["indexer_loss"], {"ce": ce, "accuracy": acc, "kl": aux["indexer_loss"]}
 
 
-def _train_step(opt):
+def _train_step(opt, phase: str):
     @eqx.filter_jit(donate="all-except-first")
     def step(model, opt_state, tokens, targets):
-        grads, metrics = eqx.filter_grad(_loss, has_aux=True)(model, tokens, targets)
+        loss = eqx.filter_grad(_loss, has_aux=True)
+        grads, metrics = loss(model, tokens, targets, _stage(phase))
         updates, opt_state = opt.update(grads, opt_state, eqx.filter(model, eqx.is_array))
         return eqx.apply_updates(model, updates), opt_state, metrics
 
@@ -234,21 +126,18 @@ def _load(path: Path, cfg: TrainConfig, start: Callable[[str], tuple]):
     return step, phase, model, opt, opt_state, history
 
 
-def evaluate(model: DecoderLM, cfg: TrainConfig, mesh) -> dict:
-    """Retrieval accuracy and indexer recall on held-out batches (steps < 0 never train)."""
+def evaluate(model: DecoderLM, cfg: TrainConfig, mesh, phase: str = "sparse") -> dict:
+    """Retrieval accuracy (attending as in ``phase``) and indexer recall on held-out batches
+    (steps < 0 never train)."""
     task = cfg.task()
     accs, recalls = [], []
-    run = eqx.filter_jit(lambda m, t, y: _answer_metrics(m(t), y)[1])
+    stage = _stage(phase)
+    run = eqx.filter_jit(lambda m, t, y: _answer_metrics(m(t, indexer_loss=stage), y)[1])
     for i in range(cfg.eval_batches):
-        tokens, targets = (_shard_batch(a, mesh) for a in task.batch(-1 - i, cfg.batch_size))
+        tokens, targets = (shard_batch(a, mesh) for a in task.batch(-1 - i, cfg.batch_size))
         accs.append(float(run(model, tokens, targets)))
         recalls.append(float(indexer_recall(model, tokens, targets >= 0)))
     return {"retrieval_accuracy": float(np.mean(accs)), "indexer_recall": float(np.mean(recalls))}
-
-
-def _shard_batch(x: np.ndarray, mesh) -> jax.Array:
-    spec = jax.sharding.PartitionSpec("data") if x.shape[0] % mesh.shape["data"] == 0 else None
-    return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec or jax.sharding.PartitionSpec()))
 
 
 def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = None) -> dict:
@@ -264,7 +153,6 @@ def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = N
         initial = DecoderLM(cfg.model_config(), key=jax.random.key(cfg.seed))
 
         def start(phase: str, model: DecoderLM = initial):
-            model = with_indexer_stage(model, "sparse" if phase == "sparse" else "dense")
             opt = _optimizer(model, cfg, phase)
             return model, opt, opt.init(eqx.filter(model, eqx.is_array))
 
@@ -272,17 +160,17 @@ def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = N
         model, opt, opt_state = start(phase)
         if ckpt.exists():
             step, phase, model, opt, opt_state, history = _load(ckpt, cfg, start)
-        step_fn = _train_step(opt)
+        step_fn = _train_step(opt, phase)
         progress = Progress(cfg.total_steps, stream)
         done_here, tokens_seen, t0 = 0, 0, time.perf_counter()
         while step < cfg.total_steps and (stop_after is None or done_here < stop_after):
             if cfg.phase_at(step) != phase:
                 phase = cfg.phase_at(step)
                 model, opt, opt_state = start(phase, model)
-                step_fn = _train_step(opt)
+                step_fn = _train_step(opt, phase)
             tokens, targets = cfg.task(cfg.seq_len_at(step)).batch(step, cfg.batch_size)
             model, opt_state, metrics = step_fn(
-                model, opt_state, _shard_batch(tokens, mesh), _shard_batch(targets, mesh)
+                model, opt_state, shard_batch(tokens, mesh), shard_batch(targets, mesh)
             )
             step += 1
             done_here += 1
@@ -292,7 +180,7 @@ def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = N
                     "step": step,
                     "phase": phase,
                     **{k: float(v) for k, v in metrics.items()},
-                    **evaluate(model, cfg, mesh),
+                    **evaluate(model, cfg, mesh, phase),
                     "tokens_per_second": tokens_seen / (time.perf_counter() - t0),
                 }
                 history.append(record)
@@ -306,7 +194,7 @@ def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = N
             if step % cfg.checkpoint_every == 0 or step == cfg.total_steps:
                 _save(ckpt, model, opt_state, step, history, cfg)
         progress.close()
-        final = evaluate(model, cfg, mesh) if step >= cfg.total_steps else {}
+        final = evaluate(model, cfg, mesh, phase) if step >= cfg.total_steps else {}
     report = {
         "name": cfg.name,
         "finished": step >= cfg.total_steps,
@@ -320,8 +208,6 @@ def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = N
     }
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))
     if history:
-        from .plots import plot_run
-
         with jax.set_mesh(mesh):
             plot_run(history, model, cfg, out_dir, mesh)
     return report

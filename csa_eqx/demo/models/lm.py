@@ -9,12 +9,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ..config import IndexerLossStage, MemoryFlags, V4AttentionConfig, V32AttentionConfig
-from ..ops import init_linear, linear, rms_norm
-from ..v4 import V4Attention
-from ..v32 import V32Attention
+from ...config import V4AttentionConfig, V32AttentionConfig
+from ...execution import Execution
+from ...ops import init_linear, linear, rms_norm
+from ...v4 import V4Attention
+from ...v32 import V32Attention
 
-__all__ = ["LMConfig", "DecoderLM", "Block", "with_indexer_stage"]
+__all__ = ["LMConfig", "DecoderLM", "Block"]
 
 _RATES = {"sliding": 0, "csa": 4}
 
@@ -42,6 +43,7 @@ class LMConfig:
     )
     hca_rate: int = 16
     mlp_ratio: int = 2
+    execution: Execution = Execution()
 
     def __post_init__(self):
         if self.vocab_size <= 0:
@@ -78,10 +80,19 @@ class Block(eqx.Module):
         self.w_up = init_linear(k2, ffn, hidden)
         self.w_down = init_linear(k3, hidden, ffn)
 
-    def __call__(self, h: Array, segment_ids: Array | None, return_aux: bool):
+    def __call__(
+        self,
+        h: Array,
+        segment_ids: Array | None,
+        return_aux: bool,
+        indexer_loss: str | None = None,
+    ):
         eps = 1e-6
         out = self.attn(
-            rms_norm(h, self.attn_norm, eps), segment_ids=segment_ids, return_aux=return_aux
+            rms_norm(h, self.attn_norm, eps),
+            segment_ids=segment_ids,
+            return_aux=return_aux,
+            indexer_loss=indexer_loss,
         )
         out, aux = out if return_aux else (out, None)
         return self.mlp(h + out), aux
@@ -100,7 +111,7 @@ class Block(eqx.Module):
 
 
 def dsa_config(t: V4AttentionConfig) -> V32AttentionConfig:
-    """The V3.2 DSA layer matching a V4 template's sizes and memory/sharding flags."""
+    """The V3.2 DSA layer matching a V4 template's sizes."""
     return V32AttentionConfig(
         hidden_size=t.hidden_size,
         num_heads=t.num_heads,
@@ -114,14 +125,13 @@ def dsa_config(t: V4AttentionConfig) -> V32AttentionConfig:
         index_topk=t.index_topk,
         rope_theta=t.rope_theta,
         rms_norm_eps=t.rms_norm_eps,
-        **{f.name: getattr(t, f.name) for f in dataclasses.fields(MemoryFlags)},
     )
 
 
 def _make_attention(cfg: LMConfig, kind: str, key: Array) -> eqx.Module:
     if kind == "dsa":
-        return V32Attention(dsa_config(cfg.attention), key=key)
-    return V4Attention(cfg.layer_config(kind), key=key)
+        return V32Attention(dsa_config(cfg.attention), key=key, execution=cfg.execution)
+    return V4Attention(cfg.layer_config(kind), key=key, execution=cfg.execution)
 
 
 class DecoderLM(eqx.Module):
@@ -155,13 +165,17 @@ class DecoderLM(eqx.Module):
         tokens: Int[Array, "batch seq"],
         segment_ids: Int[Array, "batch seq"] | None = None,
         return_aux: bool = False,
+        *,
+        indexer_loss: str | None = None,
     ):
         """Logits ``[B, S, vocab]``; with ``return_aux`` also ``{"selections": per-layer
-        selections (None for layers without an indexer), "indexer_loss": summed KL loss}``."""
+        selections (None for layers without an indexer), "indexer_loss": summed KL loss}``.
+        ``indexer_loss`` is the indexers' training stage for this call (``"off"``, ``"dense"``,
+        ``"sparse"``; ``None``: ``config.execution.indexer_loss``)."""
         h = self.embed[tokens]
         auxes = []
         for block in self.blocks:
-            h, aux = block(h, segment_ids, return_aux)
+            h, aux = block(h, segment_ids, return_aux, indexer_loss)
             auxes.append(aux)
         logits = linear(rms_norm(h, self.norm, 1e-6), self.head)
         if not return_aux:
@@ -191,11 +205,3 @@ class DecoderLM(eqx.Module):
             h, cache = block.extend(h, cache, lengths, segment_ids)
             new.append(cache)
         return linear(rms_norm(h, self.norm, 1e-6), self.head), tuple(new)
-
-
-def with_indexer_stage(model: DecoderLM, stage: IndexerLossStage) -> DecoderLM:
-    """The same parameters with every indexer layer switched to KL stage ``stage``."""
-    attention = dataclasses.replace(model.config.attention, indexer_loss=stage)
-    config = dataclasses.replace(model.config, attention=attention)
-    template = jax.eval_shape(lambda: DecoderLM(config, key=jax.random.key(0)))
-    return jax.tree.unflatten(jax.tree.structure(template), jax.tree.leaves(model))

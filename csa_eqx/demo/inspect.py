@@ -2,61 +2,36 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .config import V4AttentionConfig, V32AttentionConfig
-from .v4 import V4Attention
-from .v32 import V32Attention
+from .. import presets
+from ..execution import Execution
+from ..v4 import V4Attention
+from ..v32 import V32Attention
 
 __all__ = ["PRESETS", "layer_for", "inspect_layer"]
 
+# preset name -> (V4 layer of a kind, V3.2 DSA layer); the full-size V4 presets pair with
+# DeepSeek-V3.2's own sizes for ``dsa`` (V4 has no DSA layer)
 PRESETS = {
-    # DeepSeek-V4-Flash attention sizes (HF config defaults); HCA m = 128.
-    "v4-flash": V4AttentionConfig(),
-    "tiny": V4AttentionConfig(
-        hidden_size=64,
-        num_heads=4,
-        head_dim=32,
-        rope_dim=8,
-        q_lora_rank=32,
-        o_groups=2,
-        o_lora_rank=16,
-        sliding_window=16,
-        index_n_heads=4,
-        index_head_dim=16,
-        index_topk=8,
-    ),
-}
-_V32 = {
-    "v4-flash": V32AttentionConfig(),
-    "tiny": V32AttentionConfig(
-        hidden_size=64,
-        num_heads=4,
-        q_lora_rank=32,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        index_n_heads=4,
-        index_head_dim=16,
-        index_topk=8,
-    ),
+    "v4-flash": (presets.v4_flash, presets.v32),
+    "v4-pro": (presets.v4_pro, presets.v32),
+    "tiny": (presets.tiny_v4, presets.tiny_v32),
 }
 
 
 def layer_for(kind: str, preset: str, chunk: int = 0):
-    """An abstract (shape-only) layer of ``kind`` at ``preset`` sizes."""
+    """An abstract (shape-only) layer of ``kind`` (``sliding`` / ``csa`` / ``hca`` / ``dsa``)
+    at ``preset`` sizes, with ``qk_head_chunk_size=chunk``."""
+    v4, v32 = PRESETS[preset]
+    execution = Execution(qk_head_chunk_size=chunk)
     if kind == "dsa":
-        cfg = dataclasses.replace(_V32[preset], qk_head_chunk_size=chunk)
-        return jax.eval_shape(lambda: V32Attention(cfg, key=jax.random.key(0)))
-    base = PRESETS[preset]
-    rate = {"sliding": 0, "csa": 4, "hca": 128 if preset == "v4-flash" else 8}[kind]
-    cfg = dataclasses.replace(base, compress_rate=rate, qk_head_chunk_size=chunk)
-    return jax.eval_shape(lambda: V4Attention(cfg, key=jax.random.key(0)))
+        cfg = v32()
+        return jax.eval_shape(lambda: V32Attention(cfg, key=jax.random.key(0), execution=execution))
+    cfg = v4(kind)
+    return jax.eval_shape(lambda: V4Attention(cfg, key=jax.random.key(0), execution=execution))
 
 
 def _bytes(n: int | float) -> str:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
+import subprocess
 import sys
 from pathlib import Path
+
+from .config import TrainConfig, check_learning_rate, check_run_name
 
 
 def _simulated_devices(n: int) -> None:
@@ -33,6 +37,20 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _learning_rate(text: str) -> float:
+    try:
+        return check_learning_rate(float(text))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _run_name(text: str) -> str:
+    try:
+        return check_run_name(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _mesh(text: str) -> tuple[int, int]:
     try:
         data, tensor = (int(v) for v in text.lower().split("x"))
@@ -46,7 +64,7 @@ def _mesh(text: str) -> tuple[int, int]:
 
 
 _TRAIN_FLAGS = [  # flag, TrainConfig field, parser, help
-    ("--name", "name", str, "run name; output goes to RUNS/NAME"),
+    ("--name", "name", _run_name, "run name; output goes to RUNS/NAME"),
     ("--seq-len", "seq_len", _positive, "tokens per sequence"),
     ("--start-seq-len", "start_seq_len", _positive, "first length of the dense curriculum"),
     ("--batch-size", "batch_size", _positive, "sequences per step"),
@@ -56,7 +74,7 @@ _TRAIN_FLAGS = [  # flag, TrainConfig field, parser, help
     ("--dense-steps", "dense_steps", _non_negative, "dense-attention steps"),
     ("--warmup-steps", "warmup_steps", _non_negative, "indexer-only warm-up steps"),
     ("--sparse-steps", "sparse_steps", _non_negative, "sparse (top-k) steps"),
-    ("--lr", "learning_rate", float, "AdamW learning rate"),
+    ("--lr", "learning_rate", _learning_rate, "AdamW learning rate"),
     ("--topk", "index_topk", _positive, "indexer top-k"),
     ("--window", "sliding_window", _positive, "sliding window"),
     ("--hidden", "hidden_size", _positive, "model width"),
@@ -79,8 +97,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=4,
         help="simulated CPU devices when JAX only finds one CPU (default 4)",
     )
-    from .train import TrainConfig  # imports JAX without starting its backend
-
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     for flag, field, kind, text in _TRAIN_FLAGS:
         default = defaults[field]
@@ -91,20 +107,59 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="regenerate the benchmark tables and plots")
     b.add_argument("--out", type=Path, default=Path("docs"), help="where tables/plots go")
     b.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    b.add_argument(
+        "--repo",
+        type=Path,
+        default=Path("."),
+        help="source checkout holding benchmarks/ (default: the current folder)",
+    )
 
     i = sub.add_parser("inspect", help="a layer's shapes, parameter counts and memory estimate")
     i.add_argument("--layer", choices=["sliding", "csa", "hca", "dsa"], default="csa")
     i.add_argument("--seq-len", type=_positive, default=16384)
-    i.add_argument("--preset", choices=["v4-flash", "tiny"], default="v4-flash")
+    i.add_argument(
+        "--preset",
+        choices=["v4-flash", "v4-pro", "tiny"],
+        default="v4-flash",
+        help="layer sizes (dsa uses DeepSeek-V3.2's sizes at v4-flash and v4-pro)",
+    )
     i.add_argument("--chunk", type=_non_negative, default=0, help="qk_head_chunk_size")
     return parser
+
+
+def _missing_demo_extra() -> list[str]:
+    """The ``demo`` extra's packages that are not installed."""
+    return [name for name in ("optax", "matplotlib") if importlib.util.find_spec(name) is None]
+
+
+def _bench(out: Path, quick: bool, repo: Path) -> int:
+    """Run ``python -m benchmarks.run_all`` in the source checkout ``repo`` (the benchmarks
+    are a folder of the repository, not part of the installed package)."""
+    if not (repo / "benchmarks" / "run_all.py").is_file():
+        print(
+            f"csa-eqx bench: error: no benchmarks/run_all.py in {repo.resolve()}; the "
+            "benchmarks live in a source checkout of csa_eqx: run this from its root or pass "
+            "--repo PATH",
+            file=sys.stderr,
+        )
+        return 2
+    cmd = [sys.executable, "-m", "benchmarks.run_all", "--out", str(out.resolve())]
+    return subprocess.run([*cmd, "--quick"] if quick else cmd, cwd=repo).returncode
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "train":
+        missing = _missing_demo_extra()
+        if missing:
+            print(
+                f"csa-eqx train: error: needs the demo extra (missing: {', '.join(missing)}); "
+                "install it with: pip install 'csa_eqx[demo]'",
+                file=sys.stderr,
+            )
+            return 2
         _simulated_devices(args.devices)
-        from .train import TrainConfig, train
+        from .train import train
 
         fields = {field: getattr(args, field) for _, field, _, _ in _TRAIN_FLAGS}
         try:
@@ -124,19 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     if args.command == "bench":
-        # benchmarks/ is a top-level folder of the source checkout, not part of the package
-        root = Path(__file__).resolve().parent.parent
-        if not (root / "benchmarks" / "run_all.py").is_file():
-            print(
-                "csa-eqx bench: error: needs a source checkout (benchmarks/ next to csa_eqx/)",
-                file=sys.stderr,
-            )
-            return 2
-        if str(root) not in sys.path:
-            sys.path.insert(0, str(root))
-        from benchmarks.run_all import main as bench_main
-
-        return bench_main(args.out, quick=args.quick)
+        return _bench(args.out, args.quick, args.repo)
     if args.command == "inspect":
         from .inspect import inspect_layer
 

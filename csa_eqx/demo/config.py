@@ -1,0 +1,143 @@
+"""``TrainConfig``: everything a demo training run depends on (saved in every checkpoint and
+checked on resume)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from ..execution import Execution
+from ..sharding import ShardedSelection
+from .models import LMConfig
+from .tasks import RetrievalTask
+
+__all__ = ["PHASES", "TrainConfig", "check_run_name", "check_learning_rate"]
+
+PHASES = ("dense", "warmup", "sparse")
+
+_RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def check_run_name(name: str) -> str:
+    """``name`` if it is one plain folder name (letters, digits, ``_ . -``, not starting with a
+    dot), so that ``RUNS/NAME`` stays inside ``RUNS``; otherwise a ``ValueError``."""
+    if not _RUN_NAME.fullmatch(name):
+        raise ValueError(
+            "run name must be one folder name of letters, digits, '_', '.' or '-', not "
+            f"starting with '.' or '-', so the run stays inside the runs folder (got {name!r})"
+        )
+    return name
+
+
+def check_learning_rate(value: float) -> float:
+    """``value`` if it is a finite positive number; otherwise a ``ValueError``."""
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"learning rate must be a finite positive number (got {value})")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run depends on (saved in the report and checked on resume)."""
+
+    name: str = "demo"
+    seq_len: int = 512
+    start_seq_len: int = 64
+    batch_size: int = 32
+    n_pairs: int = 1
+    n_keys: int = 1
+    n_values: int = 16
+    dense_steps: int = 300
+    warmup_steps: int = 20
+    sparse_steps: int = 60
+    learning_rate: float = 1e-2
+    index_topk: int = 8
+    sliding_window: int = 16
+    hidden_size: int = 128
+    layers: tuple[str, ...] = ("csa", "sliding", "hca")
+    mesh: tuple[int, int] = (0, 0)  # (data, tensor); (0, 0) = automatic over local devices
+    eval_every: int = 50
+    eval_batches: int = 4  # held-out batches per evaluation (4 x 32 queries by default)
+    checkpoint_every: int = 50
+    seed: int = 0
+
+    def __post_init__(self):
+        check_run_name(self.name)
+        for f in (
+            "seq_len",
+            "batch_size",
+            "n_pairs",
+            "n_keys",
+            "n_values",
+            "start_seq_len",
+            "index_topk",
+            "sliding_window",
+            "hidden_size",
+            "eval_every",
+            "eval_batches",
+            "checkpoint_every",
+        ):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"{f} must be positive (got {getattr(self, f)})")
+        for f in ("dense_steps", "warmup_steps", "sparse_steps"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"{f} must be >= 0 (got {getattr(self, f)})")
+        try:
+            check_learning_rate(self.learning_rate)
+        except ValueError as err:
+            raise ValueError(f"learning_rate: {err}") from None
+
+    @property
+    def total_steps(self) -> int:
+        return self.dense_steps + self.warmup_steps + self.sparse_steps
+
+    def phase_at(self, step: int) -> str:
+        """The phase that training step ``step`` (0-based) runs in."""
+        if step < self.dense_steps:
+            return "dense"
+        return "warmup" if step < self.dense_steps + self.warmup_steps else "sparse"
+
+    def seq_len_at(self, step: int) -> int:
+        """Curriculum: the dense phase starts at ``start_seq_len`` for half of its steps (a
+        retrieval circuit is found far faster in short rows), then doubles the length in equal
+        shares of the other half up to ``seq_len``; the later phases use ``seq_len``."""
+        lengths = [min(self.start_seq_len, self.seq_len)]
+        while lengths[-1] < self.seq_len:
+            lengths.append(min(2 * lengths[-1], self.seq_len))
+        if step >= self.dense_steps:
+            return self.seq_len
+        half = self.dense_steps // 2
+        if step < half or len(lengths) == 1:
+            return lengths[0]
+        rest = lengths[1:]
+        return rest[(step - half) * len(rest) // (self.dense_steps - half)]
+
+    def task(self, seq_len: int | None = None) -> RetrievalTask:
+        """The retrieval task at ``seq_len`` (default: the full length). Every stored pair is
+        more than ``sliding_window`` tokens before the first query."""
+        return RetrievalTask(
+            seq_len=seq_len or self.seq_len,
+            n_pairs=self.n_pairs,
+            n_queries=self.n_pairs,
+            n_keys=self.n_keys,
+            n_values=self.n_values,
+            min_distance=self.sliding_window + 2 * self.n_pairs + 2,
+            seed=self.seed,
+        )
+
+    def model_config(self, mesh_axes=("data", "tensor")) -> LMConfig:
+        """The ``DecoderLM`` this run trains (sharded top-k, selection saved for backward)."""
+        d = self.hidden_size
+        base = LMConfig(vocab_size=self.task().vocab_size)
+        attention = dataclasses.replace(
+            base.attention,
+            hidden_size=d,
+            sliding_window=self.sliding_window,
+            index_topk=self.index_topk,
+        )
+        selection = ShardedSelection(tensor_axis=mesh_axes[1], data_axis=mesh_axes[0])
+        execution = Execution(selection=selection, save_selection=True)
+        return dataclasses.replace(
+            base, layers=self.layers, attention=attention, execution=execution
+        )
