@@ -44,7 +44,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from csa_eqx import V4Attention  # noqa: E402
+from csa_eqx import Execution, V4Attention  # noqa: E402
 
 from . import layer_memory, layer_speed  # noqa: E402
 from .naive_baseline import naive_v4_csa  # noqa: E402
@@ -292,10 +292,7 @@ def tiles_section(layer, dtype_name: str, seq: int, reps: int) -> dict:
     x = x.astype(DTYPES[dtype_name])
     runs = {}
     for kb in TILE_KEY_BLOCKS:
-        cfg = dataclasses.replace(jlayer.config, indexer_key_block=kb)
-        variant = jax.tree.unflatten(
-            jax.tree.structure(V4Attention(cfg, key=jax.random.key(0))), jax.tree.leaves(jlayer)
-        )
+        variant = jlayer.with_execution(Execution.from_options(indexer_key_block=kb))
         select = jax.jit(layer_speed.selection_stage)
         runs[f"key_block={kb or 'auto'}"] = lambda select=select, variant=variant: (
             jax.block_until_ready(select(variant, x))

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from csa_eqx import V4Attention, V4AttentionConfig, entry_layout
+from csa_eqx import Execution, V4Attention, V4AttentionConfig, entry_layout
 from csa_eqx.ops import linear, rms_norm
 from csa_eqx.rope import apply_rope_interleaved
 
@@ -85,7 +85,8 @@ def main() -> None:
     )  # fmt: skip
     x = jax.random.normal(jax.random.key(1), (2, 77, base["hidden_size"]))
     for blocks in ({}, {"indexer_key_block": 5, "query_block": 16}):
-        layer = V4Attention(V4AttentionConfig(**base, **blocks), key=jax.random.key(0))
+        execution = Execution.from_options(**blocks)
+        layer = V4Attention(V4AttentionConfig(**base), key=jax.random.key(0), execution=execution)
         want = jax.jit(lambda m, x: m(x))(layer, x)
         got = jax.jit(naive_v4_csa)(layer, x)
         err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))

@@ -1,7 +1,7 @@
 """Checkpointed fwd+bwd of one V4 CSA layer with the indexer selection saved vs recomputed.
 
 Both variants run under ``jax.checkpoint(policy=compose_selection_policy(None))`` (full remat
-apart from the selection); ``indexer_save_selection`` decides whether the backward pass
+apart from the selection); ``Execution(save_selection=...)`` decides whether the backward pass
 recomputes the indexer chain (scores + top-k). Timings interleave the two variants in the same
 process; the ratio is recomputed / saved (> 1: saving helps).
 
@@ -19,8 +19,9 @@ import csa_eqx
 from csa_eqx.remat import compose_selection_policy
 
 
-def layer_config(save: bool, k: int) -> csa_eqx.V4AttentionConfig:
-    return csa_eqx.V4AttentionConfig(
+def timed_layer(save: bool, k: int) -> csa_eqx.V4Attention:
+    """The timed layer; ``save``: the selection is tagged for the remat policy to save."""
+    config = csa_eqx.V4AttentionConfig(
         hidden_size=512,
         num_heads=8,
         head_dim=64,
@@ -33,8 +34,9 @@ def layer_config(save: bool, k: int) -> csa_eqx.V4AttentionConfig:
         index_n_heads=16,
         index_head_dim=64,
         index_topk=k,
-        indexer_save_selection=save,
     )
+    execution = csa_eqx.Execution(save_selection=save)
+    return csa_eqx.V4Attention(config, key=jax.random.key(0), execution=execution)
 
 
 def step_fn():
@@ -56,7 +58,7 @@ def main() -> None:
     x = jax.random.normal(jax.random.key(1), (a.batch, a.seq, 512))
     runs = {}
     for save in (False, True):
-        layer = csa_eqx.V4Attention(layer_config(save, a.topk), key=jax.random.key(0))
+        layer = timed_layer(save, a.topk)
         step = step_fn()
         jax.block_until_ready(step(layer, x))  # compile + warm up
         runs[save] = (step, layer, [])

@@ -28,7 +28,7 @@ from . import selection_memory  # sets JAX_PLATFORMS=cpu and 8 host devices (bef
 with contextlib.suppress(RuntimeError):  # a backend that is already running keeps its devices
     jax.config.update("jax_num_cpu_devices", 8)
 
-from csa_eqx import V4Attention, V4AttentionConfig  # noqa: E402
+from csa_eqx import V4AttentionConfig  # noqa: E402
 
 from . import (  # noqa: E402
     decode_latency,
@@ -247,15 +247,12 @@ def selection_memory_section(sz: Sizes, img: Path) -> str:
     values: dict[str, list[float]] = {c: [] for c in columns}
     rows = []
     with patch:
-        row = [sm.temp_gib(sm.select_entries, sm.shapes(), p, c) for p, c in sm.COLUMNS]
+        row = [sm.temp_gib(False, sm.shapes(), p, c) for p, c in sm.COLUMNS]
         rows.append(["unsharded"] + [f"{v:.3f}" for v in row])
         for tp in axes:
             mesh = jax.make_mesh((tp,), ("tensor",), devices=jax.devices()[:tp])
             with jax.set_mesh(mesh):
-                row = [
-                    sm.temp_gib(sm.sharded_select_entries, sm.shapes(mesh), p, c)
-                    for p, c in sm.COLUMNS
-                ]
+                row = [sm.temp_gib(True, sm.shapes(mesh), p, c) for p, c in sm.COLUMNS]
             for col, v in zip(columns, row, strict=True):
                 values[col].append(v)
             rows.append([tp] + [f"{v:.3f}" for v in row])
@@ -270,9 +267,9 @@ def selection_memory_section(sz: Sizes, img: Path) -> str:
         [
             f"B = {sm.B}, S = {s}, indexer {sm.H} heads x {sm.D}, k = {sm.K}, m = {sm.M} "
             f"({s // sm.M} entries), float32; per-device GiB of the partitioned program "
-            "(`csa_eqx.sharding.sharded_select_entries`, query rows over the tensor axis). "
-            '"dense" forces the materialised-score path; "default" is what `select_entries` '
-            "picks at this size (the streaming top-k).",
+            "(`csa_eqx.ShardedSelection`, query rows over the tensor axis). "
+            '"dense" forces the materialised-score path (`DenseSelection`); "default" is what '
+            "`AutoSelection` picks at this size (the streaming top-k).",
             table(["tensor axis"] + columns, rows),
             "![selection memory](img/selection_memory.png)",
         ]
@@ -283,7 +280,7 @@ def remat_section(sz: Sizes) -> str:
     x = jax.random.normal(jax.random.key(1), (1, sz.remat_seq, 512))
     runs = {}
     for save, label in ((False, "selection recomputed"), (True, "selection saved")):
-        layer = V4Attention(remat_timing.layer_config(save, sz.remat_topk), key=jax.random.key(0))
+        layer = remat_timing.timed_layer(save, sz.remat_topk)
         step = remat_timing.step_fn()
         runs[label] = lambda step=step, layer=layer: jax.block_until_ready(step(layer, x))
     times = layer_speed.interleaved(runs, sz.remat_reps)

@@ -1,14 +1,14 @@
 """Per-device compiled memory of the indexer's selection stage vs the tensor-axis size.
 
 V4-Flash indexer sizes (64 heads x 128, k = 512, m = 4) at S = 16384, so 4096 compressed
-entries; query rows sharded over the tensor axis with ``csa_eqx.sharding.sharded_select_entries``
-on simulated CPU devices. Compile only (nothing runs): ``memory_analysis()`` of the
+entries; query rows sharded over the tensor axis with ``csa_eqx.ShardedSelection`` on simulated
+CPU devices. Compile only (nothing runs): ``memory_analysis()`` of the
 partitioned program is per device. Inputs arrive in the shard_map's layout (query rows already
 split over the tensor axis, keys replicated), so the numbers are the stage's own temporaries.
 
 Columns: the dense path (``[B, S, H, T]`` scores, or ``[B, S, T]`` plus one head chunk with
-``head_chunk=8``; streaming switched off for the measurement) and the default path, which
-streams key blocks at this size.
+``head_chunk=8``; ``csa_eqx.DenseSelection`` forced) and the default path
+(``csa_eqx.AutoSelection``), which streams key blocks at this size.
 
     python -m benchmarks.selection_memory
 """
@@ -20,18 +20,13 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 )
 
-import contextlib  # noqa: E402
-from unittest import mock  # noqa: E402
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-import csa_eqx.streaming  # noqa: E402
+import csa_eqx as ce  # noqa: E402
 from csa_eqx.compressor import EntryLayout  # noqa: E402
-from csa_eqx.selection import select_entries  # noqa: E402
-from csa_eqx.sharding import sharded_select_entries  # noqa: E402
 
 B, S, H, D, K, M = 1, 16384, 64, 128, 512, 4
 T = S // M
@@ -59,11 +54,22 @@ def shapes(mesh=None):
     )
 
 
-def temp_gib(select, args, path: str, head_chunk: int) -> float:
-    fn = jax.jit(lambda *a: select(*a, K, head_chunk=head_chunk))
-    dense = mock.patch.object(csa_eqx.streaming, "prefers_streaming", lambda *_: False)
-    with dense if path == "dense" else contextlib.nullcontext():
-        compiled = fn.lower(*args).compile()
+def strategy(path: str, sharded: bool) -> ce.AbstractSelection:
+    """``"dense"``: the materialised scores forced; ``"default"``: the automatic choice;
+    ``sharded``: either one per shard of query rows over ``"tensor"``."""
+    inner = ce.DenseSelection() if path == "dense" else ce.AutoSelection()
+    return ce.ShardedSelection(inner) if sharded else inner
+
+
+def temp_gib(sharded: bool, args, path: str, head_chunk: int) -> float:
+    select = strategy(path, sharded)
+
+    def run(q, w, keys, query_index, segment, layout):
+        visibility = ce.Visibility(query_index, segment, layout)
+        problem = ce.SelectionProblem.from_queries(q, w, keys, visibility, head_chunk)
+        return select.select(problem, K)
+
+    compiled = jax.jit(run).lower(*args).compile()
     return compiled.memory_analysis().temp_size_in_bytes / GIB
 
 
@@ -71,12 +77,12 @@ def main() -> None:
     print(f"B={B} S={S} heads={H} dim={D} k={K} m={M} entries={T}; per-device temp GiB")
     print("| tensor axis | " + " | ".join(f"{p} head_chunk={c}" for p, c in COLUMNS) + " |")
     print("|---" * (len(COLUMNS) + 1) + "|")
-    row = [temp_gib(select_entries, shapes(), p, c) for p, c in COLUMNS]
+    row = [temp_gib(False, shapes(), p, c) for p, c in COLUMNS]
     print("| unsharded | " + " | ".join(f"{v:.3f}" for v in row) + " |")
     for tp in (1, 2, 4, 8):
         mesh = jax.make_mesh((tp,), ("tensor",), devices=jax.devices()[:tp])
         with jax.set_mesh(mesh):
-            row = [temp_gib(sharded_select_entries, shapes(mesh), p, c) for p, c in COLUMNS]
+            row = [temp_gib(True, shapes(mesh), p, c) for p, c in COLUMNS]
         print(f"| {tp} | " + " | ".join(f"{v:.3f}" for v in row) + " |")
 
 
