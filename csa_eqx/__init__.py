@@ -18,7 +18,16 @@ from .selection import (
     select_topk,
 )
 from .sharding import ShardedSelection
-from .sparse import AbstractPicks, DenseKeys, GatheredPicks, MaskedPicks, sparse_attention
+from .sparse import (
+    AbstractPicks,
+    AbstractWindow,
+    BandWindow,
+    DenseKeys,
+    GatheredPicks,
+    GatheredWindow,
+    MaskedPicks,
+    sparse_attention,
+)
 from .streaming import StreamingSelection
 from .v4 import Indexer, V4Attention
 from .v32 import V32Attention, V32Indexer
@@ -26,9 +35,11 @@ from .v32 import V32Attention, V32Indexer
 __all__ = [
     "AbstractPicks",
     "AbstractSelection",
+    "AbstractWindow",
     "AttentionTarget",
     "AutoPicks",
     "AutoSelection",
+    "BandWindow",
     "Compressor",
     "CompressorState",
     "DenseKeys",
@@ -36,6 +47,7 @@ __all__ = [
     "EntryLayout",
     "Execution",
     "GatheredPicks",
+    "GatheredWindow",
     "Indexer",
     "IndexerLossStage",
     "MaskedPicks",

@@ -21,7 +21,7 @@ from .auto import AutoPicks, AutoSelection
 from .remat import tag_selection
 from .selection import AbstractSelection, SelectionProblem
 from .sharding import ShardedSelection, constrain_heads, tensor_axis_auto
-from .sparse import AbstractPicks
+from .sparse import AbstractPicks, AbstractWindow, BandWindow
 from .streaming import StreamingSelection
 
 __all__ = ["Execution", "IndexerLossStage", "INDEXER_LOSS_STAGES"]
@@ -52,6 +52,9 @@ class Execution(eqx.Module):
             ``ShardedSelection(inner, tensor_axis, data_axis)``).
         picks: how the attention reads the picked entries (``AutoPicks()``,
             ``MaskedPicks()``, ``GatheredPicks()``).
+        window: how V4's forward reads the sliding window (``BandWindow()``: a banded matmul,
+            ``GatheredWindow()``: gathered token rows). ``extend`` always gathers from its
+            ring buffer.
         qk_head_chunk_size: indexer heads (and, for the KL target, attention heads) scored
             at once (0 = all); must divide ``index_n_heads`` (and ``num_heads`` when the
             indexer loss is on).
@@ -67,6 +70,7 @@ class Execution(eqx.Module):
 
     selection: AbstractSelection = AutoSelection()
     picks: AbstractPicks = AutoPicks()
+    window: AbstractWindow = BandWindow()
     qk_head_chunk_size: int = 0
     query_block: int = 0
     save_selection: bool = False

@@ -34,6 +34,9 @@ __all__ = [
     "AbstractPicks",
     "GatheredPicks",
     "MaskedPicks",
+    "AbstractWindow",
+    "BandWindow",
+    "GatheredWindow",
     "picked_mask",
 ]
 
@@ -84,6 +87,40 @@ class MaskedPicks(AbstractPicks):
     def parts(self, keys, visibility, picks, values=None):
         dense = DenseKeys(keys, visibility.layout, *visibility[:2], values, picks)
         return dense, picks[..., :0]
+
+
+class AbstractWindow(eqx.Module):
+    """How the attention reads each query's sliding window of raw tokens."""
+
+    @abc.abstractmethod
+    def parts(
+        self, query_index: Int[Array, "batch seq"], segment: Int[Array, "batch seq"], window: int
+    ) -> tuple[Int[Array, "batch seq n"], int]:
+        """Arguments: the queries' token rows and segments, and the window length.
+
+        Returns: ``(indices, band)`` for ``sparse_attention``: per-query indices of window
+        tokens to gather (``[B, S, 0]`` when none; ``-1`` = none) and the ``window=`` of a
+        banded matmul (0 = none).
+        """
+
+
+class BandWindow(AbstractWindow):
+    """One banded matmul per query block over a slab of ``block + window - 1`` token rows."""
+
+    def parts(self, query_index, segment, window):
+        return jnp.zeros((*query_index.shape, 0), jnp.int32), window
+
+
+class GatheredWindow(AbstractWindow):
+    """Gather each query's ``window`` token rows (``t - window < j <= t``, same segment)."""
+
+    def parts(self, query_index, segment, window):
+        b, s = query_index.shape
+        idx = query_index[..., None] - jnp.arange(window, dtype=jnp.int32)
+        flat = jnp.clip(idx, 0, s - 1).reshape(b, -1)
+        key_segment = jnp.take_along_axis(segment, flat, axis=1).reshape(idx.shape)
+        keep = (idx >= 0) & (key_segment == segment[..., None])
+        return jnp.where(keep, idx, -1), 0
 
 
 def picked_mask(

@@ -245,7 +245,8 @@ class V4Attention(eqx.Module):
 
         qr, q, kv = self.project_qkv(x, positions)
 
-        indices = jnp.zeros((*query_index.shape, 0), jnp.int32)  # gathered keys: none yet
+        # the window: token rows 0..S-1 of the keys, gathered or as a band
+        indices, band = ex.window.parts(query_index, seg, c.sliding_window)
         keys, dense, selection, problem = kv, None, None, None
         if self.compressor is not None:
             layout = entry_layout(seg, c.compress_rate)
@@ -263,7 +264,8 @@ class V4Attention(eqx.Module):
             else:
                 dense, picked = ex.picks.parts(entries, visibility, selection)
                 if dense is None:  # picks gathered from the entries, stored after the S tokens
-                    indices = jnp.where(picked >= 0, picked + x.shape[1], -1)
+                    picked = jnp.where(picked >= 0, picked + x.shape[1], -1)
+                    indices = jnp.concatenate([indices, picked], axis=-1)
                     keys = jnp.concatenate([kv, entries], axis=1)
 
         want_loss = return_aux and self.indexer is not None and stage != "off"
@@ -276,7 +278,7 @@ class V4Attention(eqx.Module):
             return_lse=want_loss,
             query_block=ex.query_block,
             dense=dense,
-            window=c.sliding_window,
+            window=band,
             segment=seg,
         )
         if want_loss:

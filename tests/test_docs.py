@@ -28,7 +28,9 @@ def test_mkdocs_build_strict(tmp_path):
     assert 'id="csa_eqx.V4Attention.__call__"' in layers
     assert "segment_ids" in layers
     sharding = (site / "api" / "sharding" / "index.html").read_text()
-    assert 'id="csa_eqx.sharding.sharded_select_entries"' in sharding
+    assert 'id="csa_eqx.sharding.ShardedSelection"' in sharding
+    execution = (site / "api" / "execution" / "index.html").read_text()
+    assert 'id="csa_eqx.AutoSelection"' in execution
     for page in ("concepts", "memory", "multihost", "hf", "benchmarks"):
         assert (site / page / "index.html").exists(), page
     assert 'class="mermaid"' in (site / "concepts" / "index.html").read_text()
@@ -56,3 +58,11 @@ def test_home_page_examples_run():
 def test_decoding_example_matches_full_forward():
     ns = run_python_blocks("concepts.md")
     np.testing.assert_allclose(ns["y_incremental"], ns["y_full"], rtol=1e-5, atol=1e-5)
+
+
+def test_execution_example_runs():
+    import csa_eqx as ce
+
+    ns = run_python_blocks("api/execution.md")
+    assert isinstance(ns["layer"].execution.selection, ce.ShardedSelection)
+    assert isinstance(ns["faster"].execution.selection, ce.AutoSelection)

@@ -1,0 +1,116 @@
+"""Every execution strategy, chosen through the public API, computes the same layer: the
+selection strategies (dense, streaming, sharded) give bitwise-equal selections, the ways of
+reading picks (gathered, masked) and the window (band, gathered) give the same outputs.
+
+The reference for the selection is an exhaustive numpy top-k of the dense indexer scores
+(ties to the lower index), independent of the library's top-k."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_v4_behaviour import randomise, tiny
+
+import csa_eqx as ce
+
+SELECTIONS = {
+    "dense": ce.DenseSelection(),
+    "streaming": ce.StreamingSelection(key_block=2, query_block=4, topk_block=3),
+    "sharded": ce.ShardedSelection(ce.DenseSelection()),
+    "sharded-streaming": ce.ShardedSelection(ce.StreamingSelection(key_block=3)),
+}
+READS = {
+    "gathered-picks": dict(picks=ce.GatheredPicks()),
+    "masked-picks": dict(picks=ce.MaskedPicks()),
+    "gathered-window": dict(window=ce.GatheredWindow()),
+    "band-masked": dict(window=ce.BandWindow(), picks=ce.MaskedPicks()),
+}
+READS_V32 = (ce.GatheredPicks(), ce.MaskedPicks(), ce.AutoPicks())
+RUN = jax.jit(lambda m, x, s: m(x, segment_ids=s, return_aux=True))
+
+
+def brute_topk(scores, visible, k):
+    """Exhaustive: the k highest visible scores, ties to the lower index, ascending order."""
+    out = np.full(scores.shape[:2] + (k,), -1)
+    for b, t in np.ndindex(scores.shape[:2]):
+        idx = np.flatnonzero(visible[b, t])
+        best = sorted(idx, key=lambda j: (-scores[b, t, j], j))[:k]
+        out[b, t, : len(best)] = sorted(best)
+    return out
+
+
+def inputs():
+    x = jax.random.normal(jax.random.key(5), (2, 30, 32))
+    seg = jnp.asarray([[0] * 13 + [1] * 17, [0] * 30], jnp.int32)
+    return x, seg
+
+
+def reference_selection(layer, x, seg):
+    """The selection from the layer's own projections scored in numpy, top-k by brute force."""
+    c, ix = layer.config, layer.indexer
+    positions = ce.segment_positions(seg)
+    qr = layer.project_qkv(x, positions)[0]
+    layout = ce.entry_layout(seg, c.compress_rate)
+    q = np.asarray(ix.queries(qr, positions), np.float64)
+    w = np.asarray(ix.head_weights(x), np.float64) * c.index_head_dim**-0.5
+    keys = np.asarray(ix.compressor(x, positions, layout), np.float64)
+    scores = np.einsum("bsh,bsht->bst", w, np.maximum(np.einsum("bshd,btd->bsht", q, keys), 0))
+    qi = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+    visible = np.asarray(ce.entry_visibility(qi, seg, layout))
+    return brute_topk(scores, visible, c.index_topk)
+
+
+@pytest.mark.parametrize("stage", ["off", "sparse"])
+def test_selection_strategies_agree(stage):
+    base = randomise(ce.V4Attention(tiny("csa", index_topk=3), key=jax.random.key(0)), 1)
+    x, seg = inputs()
+    want = reference_selection(base, x, seg)
+    assert (want >= 0).any() and (want == -1).any()
+    ref_y, ref_aux = RUN(base.with_execution(ce.Execution(indexer_loss=stage)), x, seg)
+    with jax.set_mesh(jax.make_mesh((2, 4), ("data", "tensor"))):
+        for name, selection in SELECTIONS.items():
+            ex = ce.Execution(selection=selection, indexer_loss=stage)
+            y, aux = RUN(base.with_execution(ex), x, seg)
+            np.testing.assert_array_equal(aux["selection"], want, err_msg=name)
+            np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=1e-6, err_msg=name)
+            if stage == "sparse":
+                np.testing.assert_allclose(aux["indexer_loss"], ref_aux["indexer_loss"], rtol=1e-5)
+
+
+def test_attention_reads_agree():
+    """Gathered vs masked picks, band vs gathered window: the same outputs (V4 CSA, V3.2)."""
+    base = randomise(ce.V4Attention(tiny("csa", index_topk=3), key=jax.random.key(0)), 1)
+    x, seg = inputs()
+    ref_y, ref_aux = RUN(base, x, seg)
+    for name, fields in READS.items():
+        y, aux = RUN(base.with_execution(ce.Execution(**fields)), x, seg)
+        np.testing.assert_array_equal(aux["selection"], ref_aux["selection"], err_msg=name)
+        np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=1e-6, err_msg=name)
+    cfg = ce.V32AttentionConfig(
+        hidden_size=32, num_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=8, index_n_heads=4, index_head_dim=16, index_topk=5,
+    )  # fmt: skip
+    v32 = randomise(ce.V32Attention(cfg, key=jax.random.key(0)), 2)
+    outs = [RUN(v32.with_execution(ce.Execution(picks=p)), x, seg) for p in READS_V32]
+    for (y, aux), (y0, aux0) in zip(outs[1:], outs[:1] * 2, strict=True):
+        np.testing.assert_array_equal(aux["selection"], aux0["selection"])
+        np.testing.assert_allclose(y, y0, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_strategies_choose_by_size():
+    """The automatic choices, and the one place their thresholds live."""
+    auto = ce.AutoSelection()
+    assert isinstance(auto.tiling(1, 64, 16, 4), ce.DenseSelection)
+    assert isinstance(auto.tiling(1, 16384, 4096, 64), ce.StreamingSelection)
+    assert isinstance(ce.ShardedSelection().tiling(1, 16384, 4096, 64), ce.StreamingSelection)
+    assert isinstance(ce.AutoPicks().choose(2048, 512), ce.MaskedPicks)
+    assert isinstance(ce.AutoPicks().choose(2049, 512), ce.GatheredPicks)
+
+
+def test_shard_indexer_acts_must_divide_heads():
+    layer = randomise(ce.V4Attention(tiny("csa"), key=jax.random.key(0)), 1)
+    ex = ce.Execution(indexer_heads_axis="tensor")
+    x, seg = inputs()
+    mesh = jax.set_mesh(jax.make_mesh((8,), ("tensor",)))
+    with mesh, pytest.raises(ValueError, match="'tensor' has 8 devices.*4 indexer heads"):
+        layer.with_execution(ex)(x, segment_ids=seg)
