@@ -1,4 +1,5 @@
-"""Decode caches: fixed-size pytrees, so one compiled decode step serves every position (SPEC §3).
+"""Decode caches: fixed-size pytrees, so one compiled decode step serves every position
+(docs/concepts.md, "Decoding: prefill and decode with a cache").
 
 Every buffer has a static shape fixed by ``max_length``; per-row progress lives in int32
 arrays. A step therefore compiles once and reuses its executable, and the cache can be donated
@@ -17,12 +18,15 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from .compressor import Compressor
+
 __all__ = [
     "CompressorState",
     "V4Cache",
     "V32Cache",
-    "init_v4_cache",
-    "init_v32_cache",
+    "empty_rows",
+    "check_cache_size",
+    "compressor_state",
     "cache_bytes",
 ]
 
@@ -72,12 +76,25 @@ class V32Cache(eqx.Module):
     max_length: int = eqx.field(static=True)
 
 
-def _rows(batch: int) -> tuple[Array, Array, Array]:
+def empty_rows(batch: int) -> tuple[Array, Array, Array]:
     """Fresh ``length``, ``position`` and ``segment`` (distinct buffers, so each is donatable)."""
     return tuple(jnp.zeros((batch,), jnp.int32) for _ in range(3))
 
 
-def _compressor_state(compressor, batch: int, slots: int, dtype) -> CompressorState:
+def check_cache_size(batch_size: int, max_length: int) -> None:
+    """``ValueError`` unless both sizes are positive."""
+    if batch_size <= 0 or max_length <= 0:
+        raise ValueError(
+            f"batch_size and max_length must be positive (got {batch_size}, {max_length})"
+        )
+
+
+def compressor_state(
+    compressor: Compressor | None, batch: int, slots: int, dtype
+) -> CompressorState | None:
+    """An empty state of ``compressor`` with ``slots`` entry slots (``None`` for no compressor)."""
+    if compressor is None:
+        return None
     m = compressor.compress_rate
     width, dim = compressor.kv_proj.shape[0], compressor.kv_norm.shape[0]
     ring = 2 * m if compressor.overlap else m
@@ -85,55 +102,6 @@ def _compressor_state(compressor, batch: int, slots: int, dtype) -> CompressorSt
         jnp.zeros((batch, ring, width), dtype),
         jnp.zeros((batch, ring, width), dtype),
         jnp.zeros((batch, slots, dim), dtype),
-    )
-
-
-def init_v4_cache(layer, batch_size: int, max_length: int, dtype=jnp.float32) -> V4Cache:
-    """An empty ``V4Cache`` for ``layer`` (a ``V4Attention``)."""
-    c = layer.config
-    if batch_size <= 0 or max_length <= 0:
-        raise ValueError(
-            f"batch_size and max_length must be positive (got {batch_size}, {max_length})"
-        )
-    ring = c.sliding_window - 1
-    slots = max_length // c.compress_rate if c.compress_rate else 0
-    length, position, segment = _rows(batch_size)
-    empty = jnp.full((batch_size, slots), -1, jnp.int32)  # copied below: distinct buffers
-    return V4Cache(
-        length=length,
-        position=position,
-        segment=segment,
-        window_kv=jnp.zeros((batch_size, ring, c.head_dim), dtype),
-        window_segment=jnp.full((batch_size, ring), -1, jnp.int32),
-        entry_end=empty,
-        entry_segment=jnp.copy(empty),
-        entry_count=jnp.zeros((batch_size,), jnp.int32),
-        compressor=None
-        if layer.compressor is None
-        else _compressor_state(layer.compressor, batch_size, slots, dtype),
-        indexer=None
-        if layer.indexer is None
-        else _compressor_state(layer.indexer.compressor, batch_size, slots, dtype),
-        max_length=max_length,
-    )
-
-
-def init_v32_cache(layer, batch_size: int, max_length: int, dtype=jnp.float32) -> V32Cache:
-    """An empty ``V32Cache`` for ``layer`` (a ``V32Attention``)."""
-    c = layer.config
-    if batch_size <= 0 or max_length <= 0:
-        raise ValueError(
-            f"batch_size and max_length must be positive (got {batch_size}, {max_length})"
-        )
-    length, position, segment = _rows(batch_size)
-    return V32Cache(
-        length=length,
-        position=position,
-        segment=segment,
-        latent=jnp.zeros((batch_size, max_length, c.kv_lora_rank + c.qk_rope_head_dim), dtype),
-        index_keys=jnp.zeros((batch_size, max_length, c.index_head_dim), dtype),
-        token_segment=jnp.full((batch_size, max_length), -1, jnp.int32),
-        max_length=max_length,
     )
 
 

@@ -1,4 +1,5 @@
-"""Token compressors: CSA's overlapping windows and HCA's disjoint windows (SPEC §1).
+"""Token compressors: CSA's overlapping windows and HCA's disjoint windows (docs/concepts.md,
+"Compressed entries").
 
 Compressed entries live in *slots*: entry ``j`` is the window whose last token has row index
 ``end[j]`` with ``end[j] // m == j``. Windows are aligned to the start of each segment, so a

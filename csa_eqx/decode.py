@@ -1,7 +1,9 @@
-"""Incremental forward (prefill, chunked prefill, decode) over the caches of ``csa_eqx.cache``.
+"""Chunk bookkeeping of the incremental forward (prefill, chunked prefill, decode) shared by
+``V4Attention.extend`` and ``V32Attention.extend`` over the caches of ``csa_eqx.cache``.
 
 ``extend`` runs a chunk ``x [B, T, D]`` that follows what the cache already holds and returns
-exactly what the full forward over the whole stream returns for those tokens (SPEC §3).
+exactly what the full forward over the whole stream returns for those tokens
+(docs/concepts.md, "Decoding: prefill and decode with a cache").
 
 * ``lengths [B]``: real tokens per row in this chunk (right padding). Padded tokens are not
   written and their outputs are unspecified; each row continues at its own position.
@@ -20,19 +22,23 @@ exactly what the full forward over the whole stream returns for those tokens (SP
 
 from __future__ import annotations
 
-import dataclasses
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, Int
+from jaxtyping import Array, ArrayLike, Bool, Int
 
 from .cache import CompressorState, V4Cache, V32Cache
-from .compressor import EntryLayout, pool_windows
-from .selection import Visibility, entry_visibility
-from .sparse import DenseKeys, sparse_attention
+from .compressor import Compressor, EntryLayout, pool_windows
 
-__all__ = ["ChunkRows", "chunk_rows", "v4_extend", "v32_extend"]
+__all__ = [
+    "ChunkRows",
+    "chunk_rows",
+    "shift_in",
+    "append_rows",
+    "window_indices",
+    "closing_layout",
+    "compress_chunk",
+]
 
 
 class ChunkRows(eqx.Module):
@@ -117,7 +123,7 @@ def append_rows(
     return buffer.at[rows, slot].set(values.astype(buffer.dtype), mode="drop")
 
 
-def _window_indices(window_segment: Array, rows: ChunkRows, window: int) -> Array:
+def window_indices(window_segment: Array, rows: ChunkRows, window: int) -> Array:
     """Indices ``[B, T, window]`` into ``concat(ring, chunk)`` of each query's window keys
     (newest first, ``-1`` = outside the segment or empty)."""
     ring = window_segment.shape[1]
@@ -130,7 +136,7 @@ def _window_indices(window_segment: Array, rows: ChunkRows, window: int) -> Arra
     return jnp.where(keep, idx, -1)
 
 
-def _closing_layout(rows: ChunkRows, ring: int, m: int) -> tuple[EntryLayout, Array]:
+def closing_layout(rows: ChunkRows, ring: int, m: int) -> tuple[EntryLayout, Array]:
     """Windows closing in this chunk, in ``ceil(T/m)`` slots (closes are ``>= m`` apart), as an
     ``EntryLayout`` over ``concat(ring, chunk)``; also how many closed per row."""
     b, seq = rows.valid.shape
@@ -147,8 +153,8 @@ def _closing_layout(rows: ChunkRows, ring: int, m: int) -> tuple[EntryLayout, Ar
     return EntryLayout(end, scatter(rows.segment), has_prior), jnp.sum(closes, axis=1)
 
 
-def _compress(
-    compressor,
+def compress_chunk(
+    compressor: Compressor,
     state: CompressorState,
     x: Array,
     rows: ChunkRows,
@@ -172,142 +178,3 @@ def _compress(
         gate=shift_in(state.gate, gate, rows.lengths),
         entries=append_rows(state.entries, entries, start, count),
     )
-
-
-def v4_extend(
-    layer,
-    x: Float[ArrayLike, "batch seq hidden"],
-    cache: V4Cache,
-    lengths: Int[ArrayLike, " batch"] | None = None,
-    segment_ids: Int[ArrayLike, "batch seq"] | None = None,
-    return_aux: bool = False,
-    stage: str = "off",
-):
-    """``V4Attention.extend``: outputs ``[B, T, D]`` of a chunk and the updated cache; with
-    ``return_aux`` also ``{"selection": [B, T, k] cache-slot indices or None}``."""
-    c = layer.config
-    x = jnp.asarray(x)
-    b, seq, _ = x.shape
-    rows = chunk_rows(cache, seq, lengths, segment_ids)
-    qr, q, kv = layer.project_qkv(x, rows.position)
-
-    ring = cache.window_kv.shape[1]
-    indices = _window_indices(cache.window_segment, rows, c.sliding_window)
-    keys = jnp.concatenate([cache.window_kv, kv.astype(cache.window_kv.dtype)], axis=1)
-    selection = None
-    new = dict(
-        length=rows.new_length,
-        position=rows.new_position,
-        segment=rows.new_segment,
-        window_kv=shift_in(cache.window_kv, kv, rows.lengths),
-        window_segment=shift_in(cache.window_segment, rows.segment, rows.lengths),
-    )
-    if layer.compressor is not None:
-        m = c.compress_rate
-        closing, count = _closing_layout(rows, cache.compressor.kv.shape[1], m)
-        start = cache.entry_count
-        args = (x, rows, cache.position, closing, start, count)
-        new["compressor"] = _compress(layer.compressor, cache.compressor, *args)
-        end = closing.end - cache.compressor.kv.shape[1] + cache.length[:, None]
-        new["entry_end"] = append_rows(
-            cache.entry_end, jnp.where(closing.end >= 0, end, -1), start, count
-        )
-        new["entry_segment"] = append_rows(cache.entry_segment, closing.segment, start, count)
-        new["entry_count"] = start + count
-        layout = EntryLayout(new["entry_end"], new["entry_segment"], new["entry_end"] >= 0)
-        visible = entry_visibility(rows.index, rows.segment, layout)
-        slots = jnp.arange(layout.end.shape[1], dtype=jnp.int32)
-        picked = jnp.where(visible, slots, -1)
-        if layer.indexer is not None:
-            ix = layer.indexer
-            new["indexer"] = _compress(ix.compressor, cache.indexer, *args)
-            visibility = Visibility(rows.index, rows.segment, layout)
-            problem = layer.indexer_problem(
-                x, qr, rows.position, new["indexer"].entries, visibility
-            )
-            selection = layer.execution.select(problem, c.index_topk)  # as in the forward
-            if stage != "dense":  # as in the full forward
-                picked = selection
-        offset = ring + seq
-        indices = jnp.concatenate([indices, jnp.where(picked >= 0, picked + offset, -1)], -1)
-        entries = new["compressor"].entries.astype(keys.dtype)
-        keys = jnp.concatenate([keys, entries], axis=1)
-
-    o = sparse_attention(
-        q,
-        keys.astype(q.dtype),
-        indices,
-        layer.sinks,
-        c.head_dim**-0.5,
-        query_block=layer.execution.query_block,
-    )
-    y = layer.project_out(o, rows.position)
-    cache = dataclasses.replace(cache, **new)
-    if return_aux:
-        return y, cache, {"selection": selection}
-    return y, cache
-
-
-def v32_extend(
-    layer,
-    x: Float[ArrayLike, "batch seq hidden"],
-    cache: V32Cache,
-    lengths: Int[ArrayLike, " batch"] | None = None,
-    segment_ids: Int[ArrayLike, "batch seq"] | None = None,
-    return_aux: bool = False,
-    stage: str = "off",
-):
-    """``V32Attention.extend``: outputs ``[B, T, D]`` of a chunk and the updated cache; with
-    ``return_aux`` also ``{"selection": [B, T, index_topk] stream indices}``."""
-    c = layer.config
-    x = jnp.asarray(x)
-    rows = chunk_rows(cache, x.shape[1], lengths, segment_ids)
-    qr, queries, keys = layer.project_qkv(x, rows.position)
-    ix = layer.indexer
-    latent = append_rows(cache.latent, keys, cache.length, rows.lengths)
-    index_keys = append_rows(
-        cache.index_keys, ix.keys(x, rows.position), cache.length, rows.lengths
-    )
-    token_segment = append_rows(cache.token_segment, rows.segment, cache.length, rows.lengths)
-    slots = jnp.arange(latent.shape[1], dtype=jnp.int32)
-    written = slots < rows.new_length[:, None]
-    layout = EntryLayout(jnp.where(written, slots, -1), token_segment, written)
-    visibility = Visibility(rows.index, rows.segment, layout)
-    problem = layer.indexer_problem(x, qr, rows.position, index_keys, visibility)
-    selection = layer.execution.select(problem, c.index_topk)  # as in the forward
-    keys, values = latent.astype(queries.dtype), latent[..., : c.kv_lora_rank]
-    if stage == "dense":  # the dense warm-up attends to every visible token
-        dense = DenseKeys(keys, layout, rows.index, rows.segment, values.astype(queries.dtype))
-        o = sparse_attention(
-            queries,
-            keys,
-            selection[..., :0],
-            None,
-            layer.softmax_scale,
-            values=values.astype(queries.dtype),
-            query_block=layer.execution.query_block,
-            dense=dense,
-        )
-    else:
-        o = sparse_attention(
-            queries,
-            keys,
-            selection,
-            None,
-            layer.softmax_scale,
-            values=values.astype(queries.dtype),
-            query_block=layer.execution.query_block,
-        )
-    y = layer.project_out(o)
-    cache = V32Cache(
-        length=rows.new_length,
-        position=rows.new_position,
-        segment=rows.new_segment,
-        latent=latent,
-        index_keys=index_keys,
-        token_segment=token_segment,
-        max_length=cache.max_length,
-    )
-    if return_aux:
-        return y, cache, {"selection": selection}
-    return y, cache

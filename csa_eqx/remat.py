@@ -1,4 +1,5 @@
-"""Checkpoint names and remat-policy composition for the saved indexer selection (SPEC §5)."""
+"""Checkpoint names and remat-policy composition for the saved indexer selection
+(docs/memory.md, "Saving the selection for the backward pass")."""
 
 from __future__ import annotations
 

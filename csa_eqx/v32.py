@@ -18,10 +18,10 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped
 
-from .cache import V32Cache, init_v32_cache
-from .compressor import entry_layout, segment_positions
+from .cache import V32Cache, check_cache_size, empty_rows
+from .compressor import EntryLayout, entry_layout, segment_positions
 from .config import V32AttentionConfig, YaRNScaling
-from .decode import v32_extend
+from .decode import append_rows, chunk_rows
 from .execution import Execution, IndexerLossStage, stage_of, with_execution
 from .loss import AttentionTarget, projected_indexer_kl_loss
 from .ops import init_linear, linear, rms_norm, upcast
@@ -319,9 +319,29 @@ class V32Attention(eqx.Module):
         return y, {"selection": selection, "indexer_loss": loss}
 
     def init_cache(self, batch_size: int, max_length: int, dtype=jnp.float32) -> V32Cache:
-        """An empty decode cache (latents and indexer keys of up to ``max_length`` tokens per
-        row; see ``csa_eqx.cache.V32Cache``)."""
-        return init_v32_cache(self, batch_size, max_length, dtype)
+        """An empty decode cache of fixed-size buffers.
+
+        Arguments:
+            batch_size: rows decoded at once.
+            max_length: tokens per row the cache can hold.
+            dtype: dtype of the cached latents and indexer keys.
+
+        Returns:
+            A ``csa_eqx.V32Cache`` (``length`` 0 in every row).
+        """
+        c = self.config
+        check_cache_size(batch_size, max_length)
+        length, position, segment = empty_rows(batch_size)
+        latent = c.kv_lora_rank + c.qk_rope_head_dim
+        return V32Cache(
+            length=length,
+            position=position,
+            segment=segment,
+            latent=jnp.zeros((batch_size, max_length, latent), dtype),
+            index_keys=jnp.zeros((batch_size, max_length, c.index_head_dim), dtype),
+            token_segment=jnp.full((batch_size, max_length), -1, jnp.int32),
+            max_length=max_length,
+        )
 
     def extend(
         self,
@@ -331,9 +351,65 @@ class V32Attention(eqx.Module):
         segment_ids: Int[ArrayLike, "batch seq"] | None = None,
         return_aux: bool = False,
         *,
-        indexer_loss: IndexerLossStage | None = None,
+        indexer_loss: str | None = None,
     ):
-        """Run the chunk ``x`` after the tokens in ``cache``: ``(y, cache)`` equal to the full
-        forward over the whole stream (see ``csa_eqx.decode``)."""
+        """Run the chunk ``x`` after the tokens in ``cache``: equal to the full forward over the
+        whole stream (docs/concepts.md, "Decoding: prefill and decode with a cache"); the
+        indexer runs the forward's selection strategy.
+
+        Arguments: as ``V4Attention.extend``.
+
+        Returns:
+            ``(y, cache)``, with ``return_aux`` also ``{"selection": int32 [B, T, index_topk]
+            stream indices, -1 = none}``.
+        """
         stage = self._stage(indexer_loss)
-        return v32_extend(self, x, cache, lengths, segment_ids, return_aux, stage)
+
+        c = self.config
+        x = jnp.asarray(x)
+        rows = chunk_rows(cache, x.shape[1], lengths, segment_ids)
+        qr, queries, keys = self.project_qkv(x, rows.position)
+        ix = self.indexer
+        latent = append_rows(cache.latent, keys, cache.length, rows.lengths)
+        index_keys = append_rows(
+            cache.index_keys, ix.keys(x, rows.position), cache.length, rows.lengths
+        )
+        token_segment = append_rows(cache.token_segment, rows.segment, cache.length, rows.lengths)
+        slots = jnp.arange(latent.shape[1], dtype=jnp.int32)
+        written = slots < rows.new_length[:, None]
+        layout = EntryLayout(jnp.where(written, slots, -1), token_segment, written)
+        visibility = Visibility(rows.index, rows.segment, layout)
+        problem = self.indexer_problem(x, qr, rows.position, index_keys, visibility)
+        selection = self.execution.select(problem, c.index_topk)  # as in the forward
+        keys, values = latent.astype(queries.dtype), latent[..., : c.kv_lora_rank]
+        values = values.astype(queries.dtype)
+        if stage == "dense":  # the dense warm-up attends to every visible token
+            dense, indices = (
+                DenseKeys(keys, layout, rows.index, rows.segment, values),
+                selection[..., :0],
+            )
+        else:  # the picks, read as the execution's picks strategy says (as in the forward)
+            dense, indices = self.execution.picks.parts(keys, visibility, selection, values)
+        o = sparse_attention(
+            queries,
+            keys,
+            indices,
+            None,
+            self.softmax_scale,
+            values=values,
+            query_block=self.execution.query_block,
+            dense=dense,
+        )
+        y = self.project_out(o)
+        cache = V32Cache(
+            length=rows.new_length,
+            position=rows.new_position,
+            segment=rows.new_segment,
+            latent=latent,
+            index_keys=index_keys,
+            token_segment=token_segment,
+            max_length=cache.max_length,
+        )
+        if return_aux:
+            return y, cache, {"selection": selection}
+        return y, cache

@@ -3,21 +3,31 @@ attention block")."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped
 
-from .cache import V4Cache, init_v4_cache
+from .cache import V4Cache, check_cache_size, compressor_state, empty_rows
 from .compressor import (
     Compressor,
+    EntryLayout,
     entry_layout,
     segment_positions,
     token_rows,
 )
 from .config import V4AttentionConfig
-from .decode import v4_extend
+from .decode import (
+    append_rows,
+    chunk_rows,
+    closing_layout,
+    compress_chunk,
+    shift_in,
+    window_indices,
+)
 from .execution import Execution, IndexerLossStage, stage_of, with_execution
 from .loss import AttentionTarget, attention_target, projected_indexer_kl_loss
 from .ops import init_linear, linear, rms_norm
@@ -344,9 +354,38 @@ class V4Attention(eqx.Module):
         return mass, ex.select(problem, c.index_topk)
 
     def init_cache(self, batch_size: int, max_length: int, dtype=jnp.float32) -> V4Cache:
-        """An empty decode cache of fixed-size buffers for up to ``max_length`` tokens per row
-        (see ``csa_eqx.cache.V4Cache``)."""
-        return init_v4_cache(self, batch_size, max_length, dtype)
+        """An empty decode cache of fixed-size buffers.
+
+        Arguments:
+            batch_size: rows decoded at once.
+            max_length: tokens per row the cache can hold (window ring, and
+                ``max_length // compress_rate`` entry slots).
+            dtype: dtype of the cached keys and compressor states.
+
+        Returns:
+            A ``csa_eqx.V4Cache`` (``length`` 0 in every row).
+        """
+        c = self.config
+        check_cache_size(batch_size, max_length)
+        slots = max_length // c.compress_rate if c.compress_rate else 0
+        length, position, segment = empty_rows(batch_size)
+        empty = jnp.full((batch_size, slots), -1, jnp.int32)  # copied below: distinct buffers
+        ring = c.sliding_window - 1
+        return V4Cache(
+            length=length,
+            position=position,
+            segment=segment,
+            window_kv=jnp.zeros((batch_size, ring, c.head_dim), dtype),
+            window_segment=jnp.full((batch_size, ring), -1, jnp.int32),
+            entry_end=empty,
+            entry_segment=jnp.copy(empty),
+            entry_count=jnp.zeros((batch_size,), jnp.int32),
+            compressor=compressor_state(self.compressor, batch_size, slots, dtype),
+            indexer=None
+            if self.indexer is None
+            else compressor_state(self.indexer.compressor, batch_size, slots, dtype),
+            max_length=max_length,
+        )
 
     def extend(
         self,
@@ -356,10 +395,89 @@ class V4Attention(eqx.Module):
         segment_ids: Int[ArrayLike, "batch seq"] | None = None,
         return_aux: bool = False,
         *,
-        indexer_loss: IndexerLossStage | None = None,
+        indexer_loss: str | None = None,
     ):
-        """Run the chunk ``x`` after the tokens in ``cache``: ``(y, cache)`` equal to the full
-        forward over the whole stream (prefill, chunked prefill or a decode step; see
-        ``csa_eqx.decode`` for ``lengths`` / ``segment_ids`` and ``return_aux``)."""
+        """Run the chunk ``x`` after the tokens in ``cache``: equal to the full forward over the
+        whole stream (prefill, chunked prefill or a decode step; docs/concepts.md, "Decoding:
+        prefill and decode with a cache"). The indexer runs the forward's selection strategy.
+
+        Arguments:
+            x: the chunk's hidden states ``[B, T, hidden]``.
+            cache: the cache after the earlier tokens (``init_cache`` for none).
+            lengths: real tokens per row ``[B]`` (right padding); default all ``T``.
+            segment_ids: packed-document ids ``[B, T]`` (``>= 0``); ``None`` continues each
+                row's last segment.
+            return_aux: also return ``{"selection": ...}``.
+            indexer_loss: the training stage whose attention to run (``"dense"`` reads every
+                visible entry); ``None`` = ``execution.indexer_loss``.
+
+        Returns:
+            ``(y, cache)``: outputs ``[B, T, hidden]`` and the updated cache; with
+            ``return_aux``, ``(y, cache, {"selection": int32 [B, T, index_topk] cache entry
+            slots, -1 = none, or None without an indexer})``.
+        """
         stage = self._stage(indexer_loss)
-        return v4_extend(self, x, cache, lengths, segment_ids, return_aux, stage)
+        c = self.config
+        x = jnp.asarray(x)
+        b, seq, _ = x.shape
+        rows = chunk_rows(cache, seq, lengths, segment_ids)
+        qr, q, kv = self.project_qkv(x, rows.position)
+
+        ex = self.execution
+        ring = cache.window_kv.shape[1]
+        indices = window_indices(cache.window_segment, rows, c.sliding_window)
+        keys = jnp.concatenate([cache.window_kv, kv.astype(cache.window_kv.dtype)], axis=1)
+        selection, dense = None, None
+        new = dict(
+            length=rows.new_length,
+            position=rows.new_position,
+            segment=rows.new_segment,
+            window_kv=shift_in(cache.window_kv, kv, rows.lengths),
+            window_segment=shift_in(cache.window_segment, rows.segment, rows.lengths),
+        )
+        if self.compressor is not None:
+            m = c.compress_rate
+            closing, count = closing_layout(rows, cache.compressor.kv.shape[1], m)
+            start = cache.entry_count
+            args = (x, rows, cache.position, closing, start, count)
+            new["compressor"] = compress_chunk(self.compressor, cache.compressor, *args)
+            end = closing.end - cache.compressor.kv.shape[1] + cache.length[:, None]
+            new["entry_end"] = append_rows(
+                cache.entry_end, jnp.where(closing.end >= 0, end, -1), start, count
+            )
+            new["entry_segment"] = append_rows(cache.entry_segment, closing.segment, start, count)
+            new["entry_count"] = start + count
+            layout = EntryLayout(new["entry_end"], new["entry_segment"], new["entry_end"] >= 0)
+            visibility = Visibility(rows.index, rows.segment, layout)
+            entries = new["compressor"].entries.astype(q.dtype)
+            if self.indexer is not None:
+                new["indexer"] = compress_chunk(self.indexer.compressor, cache.indexer, *args)
+                problem = self.indexer_problem(
+                    x, qr, rows.position, new["indexer"].entries, visibility
+                )
+                selection = ex.select(problem, c.index_topk)  # the forward's strategy
+            # the entries are read as in the forward: all visible ones (HCA, dense warm-up) by one
+            # matmul, the picks as the execution's picks strategy says
+            if self.indexer is None or stage == "dense":
+                dense = DenseKeys(entries, layout, rows.index, rows.segment)
+            else:
+                dense, picked = ex.picks.parts(entries, visibility, selection)
+                if dense is None:  # gathered from the entries, stored after ring and chunk
+                    picked = jnp.where(picked >= 0, picked + ring + seq, -1)
+                    indices = jnp.concatenate([indices, picked], axis=-1)
+                    keys = jnp.concatenate([keys, entries.astype(keys.dtype)], axis=1)
+
+        o = sparse_attention(
+            q,
+            keys.astype(q.dtype),
+            indices,
+            self.sinks,
+            c.head_dim**-0.5,
+            query_block=ex.query_block,
+            dense=dense,
+        )
+        y = self.project_out(o, rows.position)
+        cache = dataclasses.replace(cache, **new)
+        if return_aux:
+            return y, cache, {"selection": selection}
+        return y, cache

@@ -1,4 +1,4 @@
-"""Head-chunked indexer scoring and KL target (SPEC §5 qk_head_chunk_size) == unchunked."""
+"""Head-chunked indexer scoring and KL target (qk_head_chunk_size) == unchunked."""
 
 import equinox as eqx
 import jax

@@ -1,4 +1,5 @@
-"""Indexer KL distillation (SPEC §4): values against plain numpy / HF, gradient routing, no NaN."""
+"""Indexer KL distillation (docs/concepts.md): values against plain numpy / HF, gradient
+routing, no NaN."""
 
 import equinox as eqx
 import jax

@@ -1,4 +1,5 @@
-"""V3.2 indexer KL distillation (SPEC §4): aux["indexer_loss"] of V32Attention against a float64
+"""V3.2 indexer KL distillation (docs/concepts.md, "Training the indexer"): aux["indexer_loss"]
+of V32Attention against a float64
 numpy reference and HF's attention probabilities, gradient routing, head chunking, no NaN."""
 
 import equinox as eqx
