@@ -22,11 +22,11 @@ from .cache import V32Cache, check_cache_size, empty_rows
 from .compressor import EntryLayout, entry_layout, segment_positions
 from .config import V32AttentionConfig, YaRNScaling
 from .decode import append_rows, chunk_rows
-from .execution import Execution, IndexerLossStage, stage_of, with_execution
+from .execution import AbstractIndexedAttention, Execution
 from .loss import AttentionTarget, projected_indexer_kl_loss
 from .ops import init_linear, linear, rms_norm, upcast
 from .rope import apply_rope_half_split, apply_rope_interleaved, rope_inv_freq, yarn_mscale
-from .selection import SelectionProblem, Visibility
+from .selection import Visibility
 from .sparse import DenseKeys, sparse_attention
 
 __all__ = ["V32Attention", "V32Indexer"]
@@ -112,7 +112,7 @@ class V32Indexer(eqx.Module):
         return linear(x, self.weights_proj).astype(jnp.float32) * c.index_n_heads**-0.5
 
 
-class V32Attention(eqx.Module):
+class V32Attention(AbstractIndexedAttention):
     """One DeepSeek-V3.2 attention layer (MLA + DSA).
 
     Parameters use the HF module's names and torch's ``[out, in]`` layout (``k_norm_bias`` holds
@@ -138,11 +138,13 @@ class V32Attention(eqx.Module):
         dtype=jnp.float32,
         execution: Execution | None = None,
     ):
-        """Arguments:
-        config: the layer's architecture.
-        key: PRNG key for the random initialisation.
-        dtype: parameter dtype (norm weights stay float32).
-        execution: how the layer runs (``csa_eqx.Execution``; ``None``: automatic).
+        """A randomly initialised layer (load weights with ``csa_eqx.hf``).
+
+        Arguments:
+            config: the layer's architecture.
+            key: PRNG key for the random initialisation.
+            dtype: parameter dtype (norm weights stay float32).
+            execution: how the layer runs (``csa_eqx.Execution``; ``None``: automatic).
         """
         c = config
         execution = Execution() if execution is None else execution
@@ -210,38 +212,6 @@ class V32Attention(eqx.Module):
         o = jnp.einsum("bshc,hvc->bshv", o, self._kv_up()[1].astype(o.dtype)).reshape(b, s, -1)
         return linear(o, self.o_proj)
 
-    def indexer_problem(
-        self,
-        x: Float[Array, "batch seq hidden"],
-        qr: Float[Array, "batch seq q_lora"],
-        positions: Int[Array, "batch seq"],
-        keys: Float[Array, "batch tokens index_dim"],
-        visibility: Visibility,
-    ) -> SelectionProblem:
-        """The indexer's side of "what a query reads", shared by the selection, the KL loss and
-        ``extend``: detached rows ``(x, qr, positions)`` projected block by block to the
-        indexer's queries and head weights, scored against the tokens' indexer ``keys``."""
-        ix, ex = self.indexer, self.execution
-
-        def project(x, qr, positions):  # a fresh closure: hashable, and row by row
-            return ex.on_heads(ix.queries(qr, positions)), ex.on_heads(ix.head_weights(x))
-
-        rows = (*jax.lax.stop_gradient((x, qr)), positions)
-        return SelectionProblem(project, rows, keys, visibility, ex.qk_head_chunk_size)
-
-    def with_execution(self, execution: Execution):
-        """The same parameters, run as ``execution`` says (e.g. another selection strategy).
-
-        Returns: a new layer sharing this one's arrays.
-        """
-        return with_execution(self, execution)
-
-    def _stage(self, indexer_loss: IndexerLossStage | None) -> str:
-        stage = stage_of(self.execution, indexer_loss)
-        if indexer_loss is not None:
-            self.execution.check(self.config.index_n_heads, self.config.num_heads, stage)
-        return stage
-
     @jaxtyped(typechecker=beartype)
     def __call__(
         self,
@@ -272,7 +242,7 @@ class V32Attention(eqx.Module):
             stage is ``"off"``).
         """
         c, ex = self.config, self.execution
-        stage = self._stage(indexer_loss)
+        stage = self.stage(indexer_loss)
         x = jnp.asarray(x)
         b, s, _ = x.shape
         seg = jnp.zeros((b, s), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids)
@@ -363,7 +333,7 @@ class V32Attention(eqx.Module):
             ``(y, cache)``, with ``return_aux`` also ``{"selection": int32 [B, T, index_topk]
             stream indices, -1 = none}``.
         """
-        stage = self._stage(indexer_loss)
+        stage = self.stage(indexer_loss)
 
         c = self.config
         x = jnp.asarray(x)

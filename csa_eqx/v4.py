@@ -28,11 +28,11 @@ from .decode import (
     shift_in,
     window_indices,
 )
-from .execution import Execution, IndexerLossStage, stage_of, with_execution
+from .execution import AbstractIndexedAttention, Execution
 from .loss import AttentionTarget, attention_target, projected_indexer_kl_loss
 from .ops import init_linear, linear, rms_norm
 from .rope import apply_rope_interleaved, rope_inv_freq
-from .selection import SelectionProblem, Visibility
+from .selection import Visibility
 from .sparse import DenseKeys, sparse_attention
 
 __all__ = ["V4Attention", "Indexer"]
@@ -81,7 +81,7 @@ class Indexer(eqx.Module):
         return linear(x, self.weights_proj).astype(jnp.float32) * c.index_n_heads**-0.5
 
 
-class V4Attention(eqx.Module):
+class V4Attention(AbstractIndexedAttention):
     """One DeepSeek-V4 attention layer; the type follows ``config.compress_rate``.
 
     Parameters use the HF module's names and torch's ``[out, in]`` layout, so
@@ -109,13 +109,16 @@ class V4Attention(eqx.Module):
         dtype=jnp.float32,
         execution: Execution | None = None,
     ):
-        """Arguments:
-        config: the layer's architecture.
-        key: PRNG key for the random initialisation.
-        dtype: parameter dtype (norm weights and sinks stay float32).
-        execution: how the layer runs (``csa_eqx.Execution``; default automatic).
+        """A randomly initialised layer (load weights with ``csa_eqx.hf``).
+
+        Arguments:
+            config: the layer's architecture.
+            key: PRNG key for the random initialisation.
+            dtype: parameter dtype (norm weights and sinks stay float32).
+            execution: how the layer runs (``csa_eqx.Execution``; ``None``: automatic).
         """
         c = config
+        execution = Execution() if execution is None else execution
         execution.check(c.index_n_heads, c.num_heads, execution.indexer_loss)
         ks = jax.random.split(key, 7)
         self.q_a_proj = init_linear(ks[0], c.q_lora_rank, c.hidden_size, dtype)
@@ -183,39 +186,6 @@ class V4Attention(eqx.Module):
         w_a = self.o_a_proj.reshape(c.o_groups, c.o_lora_rank, -1).astype(o.dtype)
         return linear(jnp.einsum("bsgi,goi->bsgo", o, w_a).reshape(b, s, -1), self.o_b_proj)
 
-    def indexer_problem(
-        self,
-        x: Float[Array, "batch seq hidden"],
-        qr: Float[Array, "batch seq q_lora"],
-        positions: Int[Array, "batch seq"],
-        keys: Float[Array, "batch slots index_dim"],
-        visibility: Visibility,
-    ) -> SelectionProblem:
-        """The indexer's side of "what a query reads", shared by the selection, the KL loss and
-        ``extend``: detached per-token rows ``(x, qr, positions)`` projected block by block to
-        the indexer's queries and head weights (head-sharded as ``execution`` says), scored
-        against the indexer ``keys`` of the entries that ``visibility`` allows."""
-        ix, ex = self.indexer, self.execution
-
-        def project(x, qr, positions):  # a fresh closure: hashable, and row by row
-            return ex.on_heads(ix.queries(qr, positions)), ex.on_heads(ix.head_weights(x))
-
-        rows = (*jax.lax.stop_gradient((x, qr)), positions)
-        return SelectionProblem(project, rows, keys, visibility, ex.qk_head_chunk_size)
-
-    def with_execution(self, execution: Execution):
-        """The same parameters, run as ``execution`` says (e.g. another selection strategy).
-
-        Returns: a new layer sharing this one's arrays.
-        """
-        return with_execution(self, execution)
-
-    def _stage(self, indexer_loss: IndexerLossStage | None) -> str:
-        stage = stage_of(self.execution, indexer_loss)
-        if indexer_loss is not None:
-            self.execution.check(self.config.index_n_heads, self.config.num_heads, stage)
-        return stage
-
     @jaxtyped(typechecker=beartype)
     def __call__(
         self,
@@ -246,7 +216,7 @@ class V4Attention(eqx.Module):
             scalar (``None`` when the stage is ``"off"`` or the layer has no indexer).
         """
         c, ex = self.config, self.execution
-        stage = self._stage(indexer_loss)
+        stage = self.stage(indexer_loss)
         x = jnp.asarray(x)
         seg, query_index = token_rows(x, segment_ids)
         if positions is None:
@@ -416,7 +386,7 @@ class V4Attention(eqx.Module):
             ``return_aux``, ``(y, cache, {"selection": int32 [B, T, index_topk] cache entry
             slots, -1 = none, or None without an indexer})``.
         """
-        stage = self._stage(indexer_loss)
+        stage = self.stage(indexer_loss)
         c = self.config
         x = jnp.asarray(x)
         b, seq, _ = x.shape
