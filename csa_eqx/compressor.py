@@ -40,7 +40,14 @@ class EntryLayout(NamedTuple):
 
 
 def segment_positions(segment_ids: Int[Array, "batch seq"]) -> Int[Array, "batch seq"]:
-    """Index of each token inside its segment (segments are contiguous runs of one id)."""
+    """Index of each token inside its segment (segments are contiguous runs of one id).
+
+    Arguments:
+        segment_ids: int ``[B, S]``.
+
+    Returns:
+        int32 ``[B, S]``: 0 at each segment's first token (the default RoPE positions).
+    """
     s = segment_ids.shape[1]
     idx = jnp.arange(s, dtype=jnp.int32)
     starts = jnp.concatenate(
@@ -61,7 +68,17 @@ def token_rows(
 
 
 def entry_layout(segment_ids: Int[Array, "batch seq"], m: int) -> EntryLayout:
-    """Slots of the compressed entries of a row, windows aligned to each segment's start."""
+    """Slots of the compressed entries of a row, windows aligned to each segment's start
+    (docs/concepts.md, "Packed sequences: segment-aligned windows").
+
+    Arguments:
+        segment_ids: int ``[B, S]``.
+        m: compression rate (1: one entry per token, V3.2's selection over tokens).
+
+    Returns:
+        An ``EntryLayout`` of ``ceil(S / m)`` slots: window end row (``-1`` = empty slot), its
+        segment, and whether a previous window of the same segment exists (CSA's overlap).
+    """
     b, s = segment_ids.shape
     slots = -(-s // m)
     pos = segment_positions(segment_ids)
@@ -93,6 +110,16 @@ def pool_windows(
     ``overlap=False`` (HCA): entry ``j`` pools its own ``m`` tokens. ``overlap=True`` (CSA):
     ``width = 2·dim``; entry ``j`` pools the first halves of the previous window (when it exists
     in the same segment) and the second halves of its own window, ``2m`` slots in all.
+
+    Arguments:
+        kv, gate: per-token values and gate logits ``[B, S, width]``.
+        bias: learned position bias ``[m, width]`` added to the gates.
+        layout: the slots (``entry_layout``).
+        overlap: CSA's overlapping windows.
+
+    Returns:
+        ``[B, slots, dim]`` in ``kv``'s dtype (empty slots hold unspecified values: mask them
+        with the layout).
     """
     m = bias.shape[0]
     d = kv.shape[-1] // 2 if overlap else kv.shape[-1]

@@ -16,13 +16,14 @@ from typing import Literal
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .auto import AutoPicks, AutoSelection
 from .remat import tag_selection
 from .selection import AbstractSelection, SelectionProblem, Visibility
 from .sharding import ShardedSelection, constrain_heads, tensor_axis_auto
-from .sparse import AbstractPicks, AbstractWindow, BandWindow
+from .sparse import AbstractPicks, AbstractWindow, BandWindow, DenseKeys
 from .streaming import StreamingSelection
 
 __all__ = ["Execution", "IndexerLossStage", "INDEXER_LOSS_STAGES", "AbstractIndexedAttention"]
@@ -180,6 +181,26 @@ class Execution(eqx.Module):
         if self.indexer_heads_axis is None:
             return x
         return constrain_heads(x, self.indexer_heads_axis)
+
+    def entry_parts(
+        self,
+        keys: Float[Array, "batch entries dim"],
+        visibility: Visibility,
+        selection: Int[Array, "batch seq k"] | None,
+        stage: str,
+        values: Float[Array, "batch entries vdim"] | None = None,
+    ) -> tuple[DenseKeys | None, Int[Array, "batch seq n"]]:
+        """How each query reads the entries (V4: compressed entries, V3.2: tokens): every
+        visible one by one matmul without a ``selection`` (HCA) or in the ``"dense"`` warm-up,
+        else its picks as ``picks`` says. Forward and ``extend`` both read them this way.
+
+        Returns: ``(dense, indices)`` for ``sparse_attention``: entries attended by matmul (or
+        ``None``) and per-query entry indices to gather (``[B, S, 0]`` when none).
+        """
+        if selection is None or stage == "dense":
+            dense = DenseKeys(keys, visibility.layout, *visibility[:2], values)
+            return dense, jnp.zeros((*visibility.query_index.shape, 0), jnp.int32)
+        return self.picks.parts(keys, visibility, selection, values)
 
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
         """Run ``selection`` on ``problem`` (under ``indexer_heads_axis`` Auto when the

@@ -48,10 +48,18 @@ def indexer_scores(
     *,
     head_chunk: int = 0,
 ) -> Float[Array, "batch seq entries"]:
-    """Float32 indexer scores of every query against every key (no masking).
+    """Float32 indexer scores of every query against every key, no masking
+    (docs/concepts.md, "The lightning indexer").
 
-    ``weights`` are the per-head weights *including* the ``H^-1/2`` factor; the ``d^-1/2``
-    factor is applied here. ``head_chunk`` must divide the head count (0 = all heads at once).
+    Arguments:
+        q: indexer queries ``[B, S, H, d]``.
+        weights: per-head weights ``[B, S, H]`` *including* the ``H^-1/2`` factor; the
+            ``d^-1/2`` factor is applied here.
+        keys: ``[B, T, d]``, one per entry (shared by all heads).
+        head_chunk: heads scored at once in a rematerialised scan (0 = all); must divide ``H``.
+
+    Returns:
+        float32 ``[B, S, T]``: ``d^-1/2 Σ_h w[t,h] ReLU(q[t,h] · k[s])``.
     """
     h, d = q.shape[2], q.shape[3]
     if head_chunk and h % head_chunk:

@@ -45,5 +45,12 @@ def compose_selection_policy(policy: Callable | None = None) -> Callable:
     wrapped policy (save, recompute, ``Offloadable`` from ``save_and_offload_only_these_names``)
     is returned unchanged for other values; the selection itself is saved, or offloaded where
     the wrapped policy offloads that name.
+
+    Arguments:
+        policy: a ``jax.checkpoint`` policy, or ``None``.
+
+    Returns:
+        A policy for ``jax.checkpoint(..., policy=)`` / ``eqx.filter_checkpoint``; equal
+        compositions compare equal.
     """
     return _SaveSelection(policy)

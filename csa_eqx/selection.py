@@ -47,7 +47,17 @@ def entry_visibility(
     layout: EntryLayout,
 ) -> Bool[Array, "batch seq slots"]:
     """Entry ``j`` is visible to query ``t`` iff its window closed at or before ``t`` in ``t``'s
-    segment (``w < (t + 1) // m`` without packing)."""
+    segment (``w < (t + 1) // m`` without packing; docs/concepts.md, "Visibility").
+
+    Arguments:
+        query_index: int32 ``[B, S]`` row index of each query (its stream index in ``extend``);
+            ``-1`` sees nothing.
+        query_segment: int32 ``[B, S]`` segment id of each query.
+        layout: the entries' ``EntryLayout`` (``end = -1``: empty slot).
+
+    Returns:
+        bool ``[B, S, T]``.
+    """
     end = layout.end[:, None, :]
     return (
         (end >= 0)
@@ -122,11 +132,19 @@ def select_topk(
     visible: Bool[Array, "batch seq entries"],
     k: int,
 ) -> Int[Array, "batch seq {k}"]:
-    """Indices of the ``k`` best visible entries per query, in increasing index order.
+    """Indices of the ``k`` best visible entries per query, in increasing index order
+    (docs/concepts.md, "Top-k selection").
 
     Exact: the set a full sort would pick, ties to the lower index (see ``exact_topk``).
-    Picks beyond the visible count are ``-1`` (at the end); when ``k`` exceeds the number of
-    entries the result is padded with ``-1`` so its shape is always ``[..., k]``.
+
+    Arguments:
+        scores: float ``[B, S, T]`` (``-0.0`` ties ``+0.0``).
+        visible: bool ``[B, S, T]``; invisible entries are never picked.
+        k: picks per query (> 0).
+
+    Returns:
+        int32 ``[B, S, k]``: picks beyond the visible count are ``-1`` (at the end); when ``k``
+        exceeds ``T`` the result is padded with ``-1`` so its shape is always ``[..., k]``.
     """
     if k <= 0:
         raise ValueError(f"k must be positive (got {k})")

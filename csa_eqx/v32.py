@@ -27,7 +27,7 @@ from .loss import AttentionTarget, projected_indexer_kl_loss
 from .ops import init_linear, linear, rms_norm, upcast
 from .rope import apply_rope_half_split, apply_rope_interleaved, rope_inv_freq, yarn_mscale
 from .selection import Visibility
-from .sparse import DenseKeys, sparse_attention
+from .sparse import sparse_attention
 
 __all__ = ["V32Attention", "V32Indexer"]
 
@@ -258,12 +258,8 @@ class V32Attention(AbstractIndexedAttention):
         problem = self.indexer_problem(x, qr, positions, index_keys, visibility)
         selection = ex.select(problem, c.index_topk)
         values = keys[..., : c.kv_lora_rank]
-        if stage == "dense":
-            # warm-up: every visible token (causal, same segment), attended by one matmul
-            dense = DenseKeys(keys, visibility.layout, query_index, seg, values)
-            indices = selection[..., :0]
-        else:
-            dense, indices = ex.picks.parts(keys, visibility, selection, values)
+        # the dense warm-up: every visible token by one matmul; else the picks
+        dense, indices = ex.entry_parts(keys, visibility, selection, stage, values)
         want_loss = return_aux and stage != "off"
         o = sparse_attention(
             queries,
@@ -353,13 +349,7 @@ class V32Attention(AbstractIndexedAttention):
         selection = self.execution.select(problem, c.index_topk)  # as in the forward
         keys, values = latent.astype(queries.dtype), latent[..., : c.kv_lora_rank]
         values = values.astype(queries.dtype)
-        if stage == "dense":  # the dense warm-up attends to every visible token
-            dense, indices = (
-                DenseKeys(keys, layout, rows.index, rows.segment, values),
-                selection[..., :0],
-            )
-        else:  # the picks, read as the execution's picks strategy says (as in the forward)
-            dense, indices = self.execution.picks.parts(keys, visibility, selection, values)
+        dense, indices = self.execution.entry_parts(keys, visibility, selection, stage, values)
         o = sparse_attention(
             queries,
             keys,

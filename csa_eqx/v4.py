@@ -238,15 +238,11 @@ class V4Attention(AbstractIndexedAttention):
                 index_keys = self.indexer.compressor(jax.lax.stop_gradient(x), positions, layout)
                 problem = self.indexer_problem(x, qr, positions, index_keys, visibility)
                 selection = ex.select(problem, c.index_topk)
-            if self.indexer is None or stage == "dense":
-                # HCA, and CSA's dense warm-up: every visible entry, attended by one matmul
-                dense = DenseKeys(entries, layout, query_index, seg)
-            else:
-                dense, picked = ex.picks.parts(entries, visibility, selection)
-                if dense is None:  # picks gathered from the entries, stored after the S tokens
-                    picked = jnp.where(picked >= 0, picked + x.shape[1], -1)
-                    indices = jnp.concatenate([indices, picked], axis=-1)
-                    keys = jnp.concatenate([kv, entries], axis=1)
+            dense, picked = ex.entry_parts(entries, visibility, selection, stage)
+            if picked.shape[-1]:  # picks gathered from the entries, stored after the S tokens
+                picked = jnp.where(picked >= 0, picked + x.shape[1], -1)
+                indices = jnp.concatenate([indices, picked], axis=-1)
+                keys = jnp.concatenate([kv, entries], axis=1)
 
         want_loss = return_aux and self.indexer is not None and stage != "off"
         o = sparse_attention(
@@ -426,16 +422,11 @@ class V4Attention(AbstractIndexedAttention):
                     x, qr, rows.position, new["indexer"].entries, visibility
                 )
                 selection = ex.select(problem, c.index_topk)  # the forward's strategy
-            # the entries are read as in the forward: all visible ones (HCA, dense warm-up) by one
-            # matmul, the picks as the execution's picks strategy says
-            if self.indexer is None or stage == "dense":
-                dense = DenseKeys(entries, layout, rows.index, rows.segment)
-            else:
-                dense, picked = ex.picks.parts(entries, visibility, selection)
-                if dense is None:  # gathered from the entries, stored after ring and chunk
-                    picked = jnp.where(picked >= 0, picked + ring + seq, -1)
-                    indices = jnp.concatenate([indices, picked], axis=-1)
-                    keys = jnp.concatenate([keys, entries.astype(keys.dtype)], axis=1)
+            dense, picked = ex.entry_parts(entries, visibility, selection, stage)  # as forward
+            if picked.shape[-1]:  # gathered from the entries, stored after ring and chunk
+                picked = jnp.where(picked >= 0, picked + ring + seq, -1)
+                indices = jnp.concatenate([indices, picked], axis=-1)
+                keys = jnp.concatenate([keys, entries.astype(keys.dtype)], axis=1)
 
         o = sparse_attention(
             q,
