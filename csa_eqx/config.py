@@ -114,6 +114,10 @@ def _rope_scaling(cfg) -> None:
         _require(not unknown, "rope_scaling", f"keys must be among {sorted(_YARN_FIELDS)}", unknown)
         missing = sorted({"factor", "original_max_position_embeddings"} - set(params))
         _require(not missing, "rope_scaling", f"lacks the key(s) {missing}", v)
+        floats = {"factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}
+        params = {  # JSON gives 16 for 16.0
+            k: float(x) if k in floats and type(x) is int else x for k, x in params.items()
+        }
         object.__setattr__(cfg, "rope_scaling", YaRNScaling(**params))
         return
     _require(
@@ -147,7 +151,7 @@ class V4AttentionConfig:
     index_topk: int = 512
     rope_theta: float = 10000.0
     compress_rope_theta: float = 160000.0
-    rope_scaling: YaRNScaling | None = None
+    rope_scaling: YaRNScaling | dict | None = None  # a dict of YaRNScaling's fields is converted
     rms_norm_eps: float = 1e-6
 
     def __post_init__(self):
@@ -220,7 +224,7 @@ class V32AttentionConfig:
     index_head_dim: int = 128
     index_topk: int = 2048
     rope_theta: float = 10000.0
-    rope_scaling: YaRNScaling | None = None
+    rope_scaling: YaRNScaling | dict | None = None  # a dict of YaRNScaling's fields is converted
     rms_norm_eps: float = 1e-6
 
     def __post_init__(self):

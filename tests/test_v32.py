@@ -1,4 +1,9 @@
-"""V3.2 DSA attention vs transformers' DeepseekV32Attention (float32, random weights)."""
+"""V3.2 DSA attention vs transformers' DeepseekV32Attention (float32, random weights).
+
+Parity is elementwise (``rtol=1e-5`` plus ``atol=1e-6·max|HF|``) and covers every execution
+path against HF itself: default tiles, small key blocks (streaming top-k), small query
+blocks, head-chunked scoring, and picks attended by masked matmul or gathered.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -6,6 +11,7 @@ import jaxtyping
 import numpy as np
 import pytest
 import torch
+from test_v4_parity import assert_close, untied_rows
 
 from csa_eqx import SELECTION_NAME, V32Attention, V32AttentionConfig, indexer_scores
 from csa_eqx.hf import load_v32_attention
@@ -18,6 +24,61 @@ from csa_eqx.testing import (
     state_dict_numpy,
 )
 
+
+def with_path(state, hf_cfg, path: dict):
+    """Our layer with HF's weights, forced onto an execution path (the one place that knows
+    how: ``key_block``, ``query_block``, ``head_chunk`` become the loader's options)."""
+    names = dict(
+        key_block="indexer_key_block", query_block="query_block", head_chunk="qk_head_chunk_size"
+    )
+    return load_v32_attention(state, hf_cfg, 0, **{names[k]: v for k, v in path.items()})
+
+
+def attends_masked_picks(tokens: int, k: int) -> bool:
+    """Whether the layer attends to its picks by masked matmul (else it gathers them)."""
+    import csa_eqx as ce
+
+    return isinstance(ce.AutoPicks().choose(tokens, k), ce.MaskedPicks)
+
+
+def _forward(layer, x, **kw):
+    return jax.jit(lambda m, x: m(x, return_aux=True, **kw))(layer, x)
+
+
+def _setup(b, s, topk, yarn, seed=None):
+    """HF config, random HF layer and inputs; value, nope and rope head dims all differ."""
+    seed = s if seed is None else seed
+    arch = tiny_v32(index_topk=topk, v_head_dim=12, rope_scaling=TINY_YARN if yarn else None)
+    cfg = hf_v32_config(arch)
+    hf_layer = random_hf_v32_layer(cfg, seed=seed)
+    x = np.random.default_rng(seed).normal(size=(b, s, cfg.hidden_size)).astype(np.float32)
+    return cfg, hf_layer, x
+
+
+def check_paths(b, s, topk, yarn, paths, seed=None):
+    """One HF reference, then our layer on each path: selections (as sets, on rows whose
+    top-k boundary is untied) and outputs elementwise."""
+    cfg, hf_layer, x = _setup(b, s, topk, yarn, seed)
+    want, want_topk, scores = run_hf_v32(hf_layer, cfg, x)
+    state = state_dict_numpy(hf_layer)
+    rows = untied_rows(scores, min(topk, s), 1, rel_gap=1e-5)
+    assert rows.mean() > 0.5, "too few untied rows to be a meaningful test"
+    for path in paths:
+        got, aux = _forward(with_path(state, cfg, path), x)
+        got, sel = np.asarray(got), np.asarray(aux["selection"])
+        assert aux["indexer_loss"] is None
+        assert sel.shape == (b, s, topk) and sel.dtype == np.int32
+        for bi, si in zip(*np.nonzero(rows), strict=True):
+            mine, n = sel[bi, si], min(topk, si + 1)
+            assert (mine[:n] >= 0).all() and (mine[n:] == -1).all(), (path, bi, si)
+            theirs = want_topk[bi, si]
+            assert set(mine[mine >= 0]) == set(theirs[theirs <= si]), (path, bi, si)
+        try:
+            assert_close(got, want, rows)
+        except AssertionError as e:
+            raise AssertionError(f"path {path}: {e}") from None
+
+
 CASES = [
     # batch, seq, topk, yarn
     (2, 13, 5, False),  # S above index_topk
@@ -27,50 +88,25 @@ CASES = [
 ]
 
 
-def _forward(layer, x, **kw):
-    return jax.jit(lambda m, x: m(x, return_aux=True, **kw))(layer, x)
-
-
-def untied_rows(scores: np.ndarray, k: int) -> np.ndarray:
-    """[B,S] mask of rows whose k-th and (k+1)-th best causal scores differ."""
-    b, s, _ = scores.shape
-    visible = np.tril(np.ones((s, s), bool))
-    srt = -np.sort(-np.where(visible[None], scores, -np.inf), axis=-1)
-    has_next = np.arange(1, s + 1) > k
-    kth, nxt = srt[..., k - 1], srt[..., min(k, s - 1)]
-    return ~(has_next[None] & (kth == nxt))
-
-
-def _setup(b, s, topk, yarn, seed=None):
-    seed = s if seed is None else seed
-    cfg = hf_v32_config(tiny_v32(index_topk=topk, rope_scaling=TINY_YARN if yarn else None))
-    hf_layer = random_hf_v32_layer(cfg, seed=seed)
-    x = np.random.default_rng(seed).normal(size=(b, s, cfg.hidden_size)).astype(np.float32)
-    return cfg, hf_layer, x
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}-s{c[1]}-k{c[2]}-yarn{c[3]}")
 def test_matches_hf(case):
-    b, s, topk, yarn = case
-    cfg, hf_layer, x = _setup(b, s, topk, yarn)
-    want, want_topk, scores = run_hf_v32(hf_layer, cfg, x)
-    layer = load_v32_attention(state_dict_numpy(hf_layer), cfg, 0)
-    got, aux = _forward(layer, x)
-    got, sel = np.asarray(got), np.asarray(aux["selection"])
-    assert aux["indexer_loss"] is None
-    assert sel.shape == (b, s, topk) and sel.dtype == np.int32
+    check_paths(*case, paths=[{}])
 
-    rows = untied_rows(scores, min(topk, s))
-    assert rows.mean() > 0.5, "too few untied rows to be a meaningful test"
-    for bi, si in zip(*np.nonzero(rows), strict=True):
-        mine = sel[bi, si]
-        assert (mine[: min(topk, si + 1)] >= 0).all() and (mine[min(topk, si + 1) :] == -1).all()
-        theirs = want_topk[bi, si]
-        assert set(mine[mine >= 0]) == set(theirs[theirs <= si])
 
-    assert np.isfinite(got).all()
-    err = np.abs(got[rows] - want[rows]).max() / np.abs(want[rows]).max()
-    assert err <= 1e-4, err
+# S = 300 tokens: k = 64 gathers the picks (300 > 4·64), k = 80 attends to them by a masked
+# matmul (300 <= 4·80).
+PATH_CASES = [
+    # topk, masked picks, paths
+    (64, False, [{}, dict(key_block=16, query_block=32, head_chunk=2)]),
+    (80, True, [{}, dict(key_block=7, query_block=5, head_chunk=1)]),
+]
+
+
+@pytest.mark.parametrize("case", PATH_CASES, ids=lambda c: f"s300-k{c[0]}-masked{c[1]}")
+def test_every_path_matches_hf(case):
+    topk, masked, paths = case
+    assert attends_masked_picks(300, topk) == masked
+    check_paths(1, 300, topk, False, paths, seed=12)
 
 
 def test_indexer_scores_match_hf():

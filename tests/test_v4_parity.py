@@ -1,4 +1,12 @@
-"""V4 attention vs transformers' DeepseekV4Attention (float32, random weights)."""
+"""V4 attention vs transformers' DeepseekV4Attention (float32, random weights), elementwise.
+
+Every execution path is checked against HF itself, not against another path of ours: the
+default tiles, small key blocks (streaming top-k), small and large query blocks (the band
+slab with a window larger / smaller than the block), head-chunked scoring, and CSA picks
+attended both by a masked matmul and by gathering. Outputs match per element within
+``rtol=1e-5`` plus ``atol=1e-6·max|HF|``; selections match as sets on rows whose top-k
+boundary is not (nearly) tied.
+"""
 
 import dataclasses
 
@@ -16,6 +24,87 @@ from csa_eqx.testing import (
     state_dict_numpy,
 )
 
+RTOL, ATOL = 1e-5, 1e-6  # ATOL is relative to the largest |HF output|
+
+
+def with_path(state, hf_cfg, path: dict):
+    """Our layer with HF's weights, forced onto an execution path. The one place that knows
+    how a path is chosen: ``path`` keys are ``tile``-style options (``key_block``,
+    ``query_block``, ``head_chunk``) translated to the loader's options here."""
+    names = dict(
+        key_block="indexer_key_block", query_block="query_block", head_chunk="qk_head_chunk_size"
+    )
+    return load_v4_attention(state, hf_cfg, 0, **{names[k]: v for k, v in path.items()})
+
+
+def attends_masked_picks(entries: int, k: int) -> bool:
+    """Whether the CSA layer attends to its picks by masked matmul (else it gathers them);
+    asserted by the cases so that each really exercises the side it claims."""
+    import csa_eqx as ce
+
+    return isinstance(ce.AutoPicks().choose(entries, k), ce.MaskedPicks)
+
+
+def untied_rows(scores: np.ndarray, k: int, m: int, rel_gap: float = 0.0) -> np.ndarray:
+    """[B,S] mask of rows whose k-th and (k+1)-th best visible scores differ by more than
+    ``rel_gap·max|scores|`` (rows with at most k visible entries have no boundary)."""
+    b, s, t = scores.shape
+    if t == 0:
+        return np.ones((b, s), bool)
+    visible = np.arange(t)[None, :] < ((np.arange(s) + 1) // m)[:, None]
+    srt = -np.sort(-np.where(visible[None], scores, -np.inf), axis=-1)
+    has_next = (visible.sum(-1) > k)[None]
+    with np.errstate(invalid="ignore"):  # -inf - -inf where a row has no boundary
+        gap = srt[..., k - 1] - srt[..., min(k, t - 1)]
+    scale = np.abs(np.where(visible[None], scores, 0.0)).max()
+    return ~(has_next & ~(gap > rel_gap * scale))
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, rows: np.ndarray) -> None:
+    """Per element on the chosen rows: |got - want| <= RTOL·|want| + ATOL·max|want|."""
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got[rows], want[rows], rtol=RTOL, atol=ATOL * np.abs(want).max())
+
+
+def run_case(kind, b, s, window, topk, rate, yarn, paths, seed=None):
+    """One HF reference, then our layer on each path: returns (HF output, HF top-k)."""
+    seed = s if seed is None else seed
+    arch = dataclasses.replace(
+        tiny_v4(kind, sliding_window=window, index_topk=topk),
+        rope_scaling=TINY_YARN if yarn else None,
+        compress_rate=rate if kind == "hca" else tiny_v4(kind).compress_rate,
+    )
+    cfg = hf_v4_config(arch)
+    hf_layer = random_hf_v4_layer(cfg, seed=seed)
+    x = np.random.default_rng(seed).normal(size=(b, s, cfg.hidden_size)).astype(np.float32)
+    want, want_topk, scores = run_hf_v4(hf_layer, cfg, x)
+    state = state_dict_numpy(hf_layer)
+
+    rows = np.ones((b, s), bool)
+    if kind == "csa" and scores is not None:
+        rows = untied_rows(scores, min(topk, scores.shape[-1]), 4, rel_gap=1e-5)
+        assert rows.mean() > 0.5, "too few untied rows to be a meaningful test"
+    for path in paths:
+        got, aux = jax.jit(lambda m, x: m(x, return_aux=True))(with_path(state, cfg, path), x)
+        got, sel = np.asarray(got), aux["selection"]
+        if kind != "csa":
+            assert sel is None, path
+        elif want_topk is None:  # S < m: no entry at all
+            assert (np.asarray(sel) == -1).all(), path
+        else:
+            sel = np.asarray(sel)
+            assert sel.shape == (b, s, topk)
+            k_eff = want_topk.shape[-1]
+            for bi, si in zip(*np.nonzero(rows), strict=True):
+                mine, theirs = sel[bi, si], want_topk[bi, si]
+                assert set(mine[mine >= 0]) == set(theirs[theirs >= 0]), (path, bi, si)
+                assert (mine[k_eff:] == -1).all()
+        try:
+            assert_close(got, want, rows)
+        except AssertionError as e:
+            raise AssertionError(f"path {path}: {e}") from None
+
+
 CASES = [
     # kind, batch, seq, window, topk, hca_rate, yarn
     ("sliding", 2, 13, 6, 3, 8, False),
@@ -32,58 +121,44 @@ CASES = [
 ]
 
 
-def untied_rows(scores: np.ndarray, k: int, m: int) -> np.ndarray:
-    """[B,S] mask of rows whose k-th and (k+1)-th best visible scores differ."""
-    b, s, t = scores.shape
-    if t == 0:
-        return np.ones((b, s), bool)
-    visible = np.arange(t)[None, :] < ((np.arange(s) + 1) // m)[:, None]
-    masked = np.where(visible[None], scores, -np.inf)
-    srt = -np.sort(-masked, axis=-1)
-    n_vis = visible.sum(-1)[None].repeat(b, 0)
-    ok = np.ones((b, s), bool)
-    has_next = n_vis > k
-    kth, nxt = srt[..., k - 1], srt[..., min(k, t - 1)]
-    ok &= ~(has_next & (kth == nxt))
-    return ok
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-b{c[1]}-s{c[2]}-w{c[3]}-k{c[4]}")
 def test_matches_hf(case):
-    kind, b, s, window, topk, hca_rate, yarn = case
-    arch = dataclasses.replace(
-        tiny_v4(kind, sliding_window=window, index_topk=topk),
-        rope_scaling=TINY_YARN if yarn else None,
-        compress_rate=hca_rate if kind == "hca" else tiny_v4(kind).compress_rate,
-    )
-    cfg = hf_v4_config(arch)
-    hf_layer = random_hf_v4_layer(cfg, seed=s)
-    x = np.random.default_rng(s).normal(size=(b, s, cfg.hidden_size)).astype(np.float32)
-    want, want_topk, scores = run_hf_v4(hf_layer, cfg, x)
+    run_case(*case, paths=[{}])
 
-    layer = load_v4_attention(state_dict_numpy(hf_layer), cfg, 0)
-    got, aux = jax.jit(lambda m, x: m(x, return_aux=True))(layer, x)
-    got = np.asarray(got)
 
-    rows = np.ones((b, s), bool)
-    if kind == "csa" and want_topk is not None:
-        rows = untied_rows(scores, min(topk, scores.shape[-1]), 4)
-        sel = np.asarray(aux["selection"])
-        assert sel.shape == (b, s, topk)
-        k_eff = want_topk.shape[-1]
-        for bi, si in zip(*np.nonzero(rows), strict=False):
-            assert set(sel[bi, si][sel[bi, si] >= 0]) == set(
-                want_topk[bi, si][want_topk[bi, si] >= 0]
-            )
-            assert (sel[bi, si, k_eff:] == -1).all()
-        assert rows.mean() > 0.5, "too few untied rows to be a meaningful test"
-        if k_eff == 0:
-            assert (sel == -1).all()
-    elif kind == "csa":
-        assert (np.asarray(aux["selection"]) == -1).all()
-    else:
-        assert aux["selection"] is None
+# S = 300 with m = 4: T = 75 entries. k = 16 gathers the picks (75 > 4·16); k = 24 attends
+# to them by a masked matmul (75 <= 4·24). Window 16 is larger than a query block of 8 and
+# smaller than one of 32; window 6 is smaller than every block used.
+PATH_CASES = [
+    # kind, seq, window, topk, hca_rate, masked picks, paths
+    (
+        "csa",
+        300,
+        16,
+        16,
+        8,
+        False,
+        [{}, dict(key_block=8, query_block=8, head_chunk=2), dict(query_block=32, key_block=32)],
+    ),
+    (
+        "csa",
+        300,
+        6,
+        24,
+        8,
+        True,
+        [{}, dict(key_block=16, query_block=32, head_chunk=1), dict(query_block=4, key_block=5)],
+    ),
+    ("sliding", 300, 16, 3, 8, None, [{}, dict(query_block=8), dict(query_block=64)]),
+    ("hca", 300, 6, 3, 8, None, [dict(query_block=16), dict(query_block=4)]),
+]
 
-    assert np.isfinite(got).all()
-    err = np.abs(got[rows] - want[rows]).max() / np.abs(want[rows]).max()
-    assert err <= 1e-4, err
+
+@pytest.mark.parametrize(
+    "case", PATH_CASES, ids=lambda c: f"{c[0]}-s{c[1]}-w{c[2]}-k{c[3]}-masked{c[5]}"
+)
+def test_every_path_matches_hf(case):
+    kind, s, window, topk, rate, masked, paths = case
+    if masked is not None:
+        assert attends_masked_picks(s // 4, topk) == masked
+    run_case(kind, 1, s, window, topk, rate, False, paths, seed=11)
