@@ -237,10 +237,28 @@ def stage_of(execution: Execution, stage: str | None) -> str:
     return stage
 
 
+def checked_execution(execution: Execution | None, config) -> Execution:
+    """``execution`` (``None``: ``Execution()``), checked against a layer ``config``."""
+    execution = Execution() if execution is None else execution
+    if not isinstance(execution, Execution):
+        raise TypeError(f"execution must be a csa_eqx.Execution (got {type(execution).__name__})")
+    execution.check(config.index_n_heads, config.num_heads, execution.indexer_loss)
+    return execution
+
+
 class AbstractIndexedAttention(eqx.Module):
     """What the attention layers with a lightning indexer share: their ``indexer`` (with
     ``queries(qr, positions)`` and ``head_weights(x)``), architecture ``config`` and
-    ``execution``, and how those make the indexer's selection problem."""
+    ``execution``, and how those make the indexer's selection problem.
+
+    Layers are built as ``Layer(config, *, key, dtype=jnp.float32, execution=None)``:
+
+    Arguments:
+        config: the layer's architecture (``V4AttentionConfig`` / ``V32AttentionConfig``).
+        key: PRNG key of the random initialisation (``csa_eqx.hf`` loads real weights).
+        dtype: parameter dtype (norm weights and sinks stay float32).
+        execution: how the layer runs (``csa_eqx.Execution``; ``None``: automatic).
+    """
 
     def indexer_problem(
         self,
@@ -276,7 +294,7 @@ class AbstractIndexedAttention(eqx.Module):
 
         Returns: a new layer sharing this one's arrays.
         """
-        return with_execution(self, execution)
+        return with_execution(self, checked_execution(execution, self.config))
 
     def stage(self, indexer_loss: str | None) -> str:
         """The training stage of one call (``indexer_loss``, else ``execution.indexer_loss``),

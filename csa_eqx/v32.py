@@ -22,7 +22,7 @@ from .cache import V32Cache, check_cache_size, empty_rows
 from .compressor import EntryLayout, entry_layout, segment_positions
 from .config import V32AttentionConfig, YaRNScaling
 from .decode import append_rows, chunk_rows
-from .execution import AbstractIndexedAttention, Execution
+from .execution import AbstractIndexedAttention, Execution, checked_execution
 from .loss import AttentionTarget, projected_indexer_kl_loss
 from .ops import init_linear, linear, rms_norm, upcast
 from .rope import apply_rope_half_split, apply_rope_interleaved, rope_inv_freq, yarn_mscale
@@ -131,24 +131,13 @@ class V32Attention(AbstractIndexedAttention):
     execution: Execution = eqx.field(static=True)
 
     def __init__(
-        self,
-        config: V32AttentionConfig,
-        *,
-        key: Array,
-        dtype=jnp.float32,
-        execution: Execution | None = None,
+        self, config: V32AttentionConfig, *, key: Array, dtype=jnp.float32, execution=None
     ):
-        """A randomly initialised layer (load weights with ``csa_eqx.hf``).
-
-        Arguments:
-            config: the layer's architecture.
-            key: PRNG key for the random initialisation.
-            dtype: parameter dtype (norm weights stay float32).
-            execution: how the layer runs (``csa_eqx.Execution``; ``None``: automatic).
-        """
+        """A randomly initialised layer (``csa_eqx.hf`` loads weights): ``config``, PRNG
+        ``key``, parameter ``dtype`` (norms stay float32) and ``execution`` (``None``:
+        automatic), as ``AbstractIndexedAttention`` says."""
         c = config
-        execution = Execution() if execution is None else execution
-        execution.check(c.index_n_heads, c.num_heads, execution.indexer_loss)
+        execution = checked_execution(execution, c)
         ks = jax.random.split(key, 6)
         qk = c.qk_nope_head_dim + c.qk_rope_head_dim
         self.q_a_proj = init_linear(ks[0], c.q_lora_rank, c.hidden_size, dtype)
@@ -204,6 +193,23 @@ class V32Attention(AbstractIndexedAttention):
         q_latent = jnp.einsum("bshn,hnc->bshc", q_nope, self._kv_up()[0].astype(q.dtype))
         return qr, jnp.concatenate([q_latent, q_rope.astype(q.dtype)], axis=-1), keys
 
+    def _attend(self, queries, keys, visibility, selection, stage, return_lse=False):
+        """MLA over the tokens the stage reads (forward and ``extend``): every visible one in
+        the dense warm-up, else the picks as ``execution.picks`` says."""
+        values = keys[..., : self.config.kv_lora_rank]
+        dense, indices = self.execution.entry_parts(keys, visibility, selection, stage, values)
+        return sparse_attention(
+            queries,
+            keys,
+            indices,
+            None,
+            self.softmax_scale,
+            values=values,
+            return_lse=return_lse,
+            query_block=self.execution.query_block,
+            dense=dense,
+        )
+
     def project_out(
         self, o: Float[Array, "batch seq heads kv_lora"]
     ) -> Float[Array, "batch seq hidden"]:
@@ -257,21 +263,8 @@ class V32Attention(AbstractIndexedAttention):
         index_keys = self.indexer.keys(jax.lax.stop_gradient(x), positions)
         problem = self.indexer_problem(x, qr, positions, index_keys, visibility)
         selection = ex.select(problem, c.index_topk)
-        values = keys[..., : c.kv_lora_rank]
-        # the dense warm-up: every visible token by one matmul; else the picks
-        dense, indices = ex.entry_parts(keys, visibility, selection, stage, values)
         want_loss = return_aux and stage != "off"
-        o = sparse_attention(
-            queries,
-            keys,
-            indices,
-            None,
-            self.softmax_scale,
-            values=values,
-            return_lse=want_loss,
-            query_block=ex.query_block,
-            dense=dense,
-        )
+        o = self._attend(queries, keys, visibility, selection, stage, want_loss)
         if want_loss:
             o, lse = o
         y = self.project_out(o)
@@ -330,7 +323,6 @@ class V32Attention(AbstractIndexedAttention):
             stream indices, -1 = none}``.
         """
         stage = self.stage(indexer_loss)
-
         c = self.config
         x = jnp.asarray(x)
         rows = chunk_rows(cache, x.shape[1], lengths, segment_ids)
@@ -347,19 +339,7 @@ class V32Attention(AbstractIndexedAttention):
         visibility = Visibility(rows.index, rows.segment, layout)
         problem = self.indexer_problem(x, qr, rows.position, index_keys, visibility)
         selection = self.execution.select(problem, c.index_topk)  # as in the forward
-        keys, values = latent.astype(queries.dtype), latent[..., : c.kv_lora_rank]
-        values = values.astype(queries.dtype)
-        dense, indices = self.execution.entry_parts(keys, visibility, selection, stage, values)
-        o = sparse_attention(
-            queries,
-            keys,
-            indices,
-            None,
-            self.softmax_scale,
-            values=values,
-            query_block=self.execution.query_block,
-            dense=dense,
-        )
+        o = self._attend(queries, latent.astype(queries.dtype), visibility, selection, stage)
         y = self.project_out(o)
         cache = V32Cache(
             length=rows.new_length,

@@ -28,7 +28,7 @@ from .decode import (
     shift_in,
     window_indices,
 )
-from .execution import AbstractIndexedAttention, Execution
+from .execution import AbstractIndexedAttention, Execution, checked_execution
 from .loss import AttentionTarget, attention_target, projected_indexer_kl_loss
 from .ops import init_linear, linear, rms_norm
 from .rope import apply_rope_interleaved, rope_inv_freq
@@ -101,25 +101,12 @@ class V4Attention(AbstractIndexedAttention):
     config: V4AttentionConfig = eqx.field(static=True)
     execution: Execution = eqx.field(static=True)
 
-    def __init__(
-        self,
-        config: V4AttentionConfig,
-        *,
-        key: Array,
-        dtype=jnp.float32,
-        execution: Execution | None = None,
-    ):
-        """A randomly initialised layer (load weights with ``csa_eqx.hf``).
-
-        Arguments:
-            config: the layer's architecture.
-            key: PRNG key for the random initialisation.
-            dtype: parameter dtype (norm weights and sinks stay float32).
-            execution: how the layer runs (``csa_eqx.Execution``; ``None``: automatic).
-        """
+    def __init__(self, config: V4AttentionConfig, *, key: Array, dtype=jnp.float32, execution=None):
+        """A randomly initialised layer (``csa_eqx.hf`` loads weights): ``config``, PRNG
+        ``key``, parameter ``dtype`` (norms and sinks stay float32) and ``execution`` (``None``:
+        automatic), as ``AbstractIndexedAttention`` says."""
         c = config
-        execution = Execution() if execution is None else execution
-        execution.check(c.index_n_heads, c.num_heads, execution.indexer_loss)
+        execution = checked_execution(execution, c)
         ks = jax.random.split(key, 7)
         self.q_a_proj = init_linear(ks[0], c.q_lora_rank, c.hidden_size, dtype)
         self.q_a_norm = jnp.ones((c.q_lora_rank,), jnp.float32)
