@@ -15,7 +15,6 @@ import copy
 from typing import Literal
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
@@ -26,7 +25,7 @@ from .sharding import ShardedSelection, constrain_heads, tensor_axis_auto
 from .sparse import AbstractPicks, AbstractWindow, BandWindow, DenseKeys
 from .streaming import StreamingSelection
 
-__all__ = ["Execution", "IndexerLossStage", "INDEXER_LOSS_STAGES", "AbstractIndexedAttention"]
+__all__ = ["Execution", "IndexerLossStage", "INDEXER_LOSS_STAGES", "checked_execution"]
 
 IndexerLossStage = Literal["off", "dense", "sparse"]
 INDEXER_LOSS_STAGES = ("off", "dense", "sparse")
@@ -244,62 +243,3 @@ def checked_execution(execution: Execution | None, config) -> Execution:
         raise TypeError(f"execution must be a csa_eqx.Execution (got {type(execution).__name__})")
     execution.check(config.index_n_heads, config.num_heads, execution.indexer_loss)
     return execution
-
-
-class AbstractIndexedAttention(eqx.Module):
-    """What the attention layers with a lightning indexer share: their ``indexer`` (with
-    ``queries(qr, positions)`` and ``head_weights(x)``), architecture ``config`` and
-    ``execution``, and how those make the indexer's selection problem.
-
-    Layers are built as ``Layer(config, *, key, dtype=jnp.float32, execution=None)``:
-
-    Arguments:
-        config: the layer's architecture (``V4AttentionConfig`` / ``V32AttentionConfig``).
-        key: PRNG key of the random initialisation (``csa_eqx.hf`` loads real weights).
-        dtype: parameter dtype (norm weights and sinks stay float32).
-        execution: how the layer runs (``csa_eqx.Execution``; ``None``: automatic).
-    """
-
-    def indexer_problem(
-        self,
-        x: Float[Array, "batch seq hidden"],
-        qr: Float[Array, "batch seq q_lora"],
-        positions: Int[Array, "batch seq"],
-        keys: Float[Array, "batch entries index_dim"],
-        visibility: Visibility,
-    ) -> SelectionProblem:
-        """The indexer's side of "what a query reads", shared by the selection, the KL loss and
-        ``extend``.
-
-        Arguments:
-            x, qr, positions: per-token hidden states, query latents and RoPE positions
-                (``[B, S, ...]``); ``x`` and ``qr`` are detached.
-            keys: the indexer keys of the entries (V4: compressed entries, V3.2: tokens).
-            visibility: which entries each query may see.
-
-        Returns:
-            A ``SelectionProblem`` projecting the rows block by block to the indexer's queries
-            and head weights (head-sharded when ``execution.indexer_heads_axis`` is set).
-        """
-        ix, ex = self.indexer, self.execution
-
-        def project(x, qr, positions):  # a fresh closure: hashable, and row by row
-            return ex.on_heads(ix.queries(qr, positions)), ex.on_heads(ix.head_weights(x))
-
-        rows = (*jax.lax.stop_gradient((x, qr)), positions)
-        return SelectionProblem(project, rows, keys, visibility, ex.qk_head_chunk_size)
-
-    def with_execution(self, execution: Execution):
-        """The same parameters, run as ``execution`` says (e.g. another selection strategy).
-
-        Returns: a new layer sharing this one's arrays.
-        """
-        return with_execution(self, checked_execution(execution, self.config))
-
-    def stage(self, indexer_loss: str | None) -> str:
-        """The training stage of one call (``indexer_loss``, else ``execution.indexer_loss``),
-        checked against the head chunk."""
-        stage = stage_of(self.execution, indexer_loss)
-        if indexer_loss is not None:
-            self.execution.check(self.config.index_n_heads, self.config.num_heads, stage)
-        return stage

@@ -18,11 +18,12 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped
 
+from .attention import AbstractIndexedAttention
 from .cache import V32Cache, check_cache_size, empty_rows
 from .compressor import EntryLayout, entry_layout, segment_positions
 from .config import V32AttentionConfig, YaRNScaling
-from .decode import append_rows, chunk_rows
-from .execution import AbstractIndexedAttention, Execution, checked_execution
+from .decode import ChunkRows, append_rows
+from .execution import Execution, checked_execution
 from .loss import AttentionTarget, projected_indexer_kl_loss
 from .ops import init_linear, linear, rms_norm, upcast
 from .rope import apply_rope_half_split, apply_rope_interleaved, rope_inv_freq, yarn_mscale
@@ -302,30 +303,9 @@ class V32Attention(AbstractIndexedAttention):
             max_length=max_length,
         )
 
-    def extend(
-        self,
-        x: Float[ArrayLike, "batch seq hidden"],
-        cache: V32Cache,
-        lengths: Int[ArrayLike, " batch"] | None = None,
-        segment_ids: Int[ArrayLike, "batch seq"] | None = None,
-        return_aux: bool = False,
-        *,
-        indexer_loss: str | None = None,
-    ):
-        """Run the chunk ``x`` after the tokens in ``cache``: equal to the full forward over the
-        whole stream (docs/concepts.md, "Decoding: prefill and decode with a cache"); the
-        indexer runs the forward's selection strategy.
-
-        Arguments: as ``V4Attention.extend``.
-
-        Returns:
-            ``(y, cache)``, with ``return_aux`` also ``{"selection": int32 [B, T, index_topk]
-            stream indices, -1 = none}``.
-        """
-        stage = self.stage(indexer_loss)
+    def extend_rows(self, x: Array, cache, rows: ChunkRows, stage: str) -> tuple:
+        """``extend`` (see ``AbstractIndexedAttention.extend``) of a checked chunk."""
         c = self.config
-        x = jnp.asarray(x)
-        rows = chunk_rows(cache, x.shape[1], lengths, segment_ids)
         qr, queries, keys = self.project_qkv(x, rows.position)
         ix = self.indexer
         latent = append_rows(cache.latent, keys, cache.length, rows.lengths)
@@ -350,6 +330,4 @@ class V32Attention(AbstractIndexedAttention):
             token_segment=token_segment,
             max_length=cache.max_length,
         )
-        if return_aux:
-            return y, cache, {"selection": selection}
-        return y, cache
+        return y, cache, selection

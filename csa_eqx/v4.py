@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped
 
+from .attention import AbstractIndexedAttention
 from .cache import V4Cache, check_cache_size, compressor_state, empty_rows
 from .compressor import (
     Compressor,
@@ -21,14 +22,14 @@ from .compressor import (
 )
 from .config import V4AttentionConfig
 from .decode import (
+    ChunkRows,
     append_rows,
-    chunk_rows,
     closing_layout,
     compress_chunk,
     shift_in,
     window_indices,
 )
-from .execution import AbstractIndexedAttention, Execution, checked_execution
+from .execution import Execution, checked_execution
 from .loss import AttentionTarget, attention_target, projected_indexer_kl_loss
 from .ops import init_linear, linear, rms_norm
 from .rope import apply_rope_interleaved, rope_inv_freq
@@ -340,43 +341,11 @@ class V4Attention(AbstractIndexedAttention):
             max_length=max_length,
         )
 
-    def extend(
-        self,
-        x: Float[ArrayLike, "batch seq hidden"],
-        cache: V4Cache,
-        lengths: Int[ArrayLike, " batch"] | None = None,
-        segment_ids: Int[ArrayLike, "batch seq"] | None = None,
-        return_aux: bool = False,
-        *,
-        indexer_loss: str | None = None,
-    ):
-        """Run the chunk ``x`` after the tokens in ``cache``: equal to the full forward over the
-        whole stream (prefill, chunked prefill or a decode step; docs/concepts.md, "Decoding:
-        prefill and decode with a cache"). The indexer runs the forward's selection strategy.
-
-        Arguments:
-            x: the chunk's hidden states ``[B, T, hidden]``.
-            cache: the cache after the earlier tokens (``init_cache`` for none).
-            lengths: real tokens per row ``[B]`` (right padding); default all ``T``.
-            segment_ids: packed-document ids ``[B, T]`` (``>= 0``); ``None`` continues each
-                row's last segment.
-            return_aux: also return ``{"selection": ...}``.
-            indexer_loss: the training stage whose attention to run (``"dense"`` reads every
-                visible entry); ``None`` = ``execution.indexer_loss``.
-
-        Returns:
-            ``(y, cache)``: outputs ``[B, T, hidden]`` and the updated cache; with
-            ``return_aux``, ``(y, cache, {"selection": int32 [B, T, index_topk] cache entry
-            slots, -1 = none, or None without an indexer})``.
-        """
-        stage = self.stage(indexer_loss)
-        c = self.config
-        x = jnp.asarray(x)
-        b, seq, _ = x.shape
-        rows = chunk_rows(cache, seq, lengths, segment_ids)
+    def extend_rows(self, x: Array, cache, rows: ChunkRows, stage: str) -> tuple:
+        """``extend`` (see ``AbstractIndexedAttention.extend``) of a checked chunk."""
+        c, ex = self.config, self.execution
+        seq = x.shape[1]
         qr, q, kv = self.project_qkv(x, rows.position)
-
-        ex = self.execution
         ring = cache.window_kv.shape[1]
         indices = window_indices(cache.window_segment, rows, c.sliding_window)
         keys = jnp.concatenate([cache.window_kv, kv.astype(cache.window_kv.dtype)], axis=1)
@@ -425,7 +394,4 @@ class V4Attention(AbstractIndexedAttention):
             dense=dense,
         )
         y = self.project_out(o, rows.position)
-        cache = dataclasses.replace(cache, **new)
-        if return_aux:
-            return y, cache, {"selection": selection}
-        return y, cache
+        return y, dataclasses.replace(cache, **new), selection
