@@ -5,6 +5,7 @@ switching execution, and ``extend``'s entry point."""
 from __future__ import annotations
 
 import abc
+import copy
 
 import equinox as eqx
 import jax
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int
 
 from .decode import ChunkRows, chunk_rows
-from .execution import Execution, checked_execution, stage_of, with_execution
+from .execution import Execution, check_stage, checked_execution
 from .selection import SelectionProblem, Visibility
 
 __all__ = ["AbstractIndexedAttention"]
@@ -107,12 +108,16 @@ class AbstractIndexedAttention(eqx.Module):
 
         Returns: a new layer sharing this one's arrays.
         """
-        return with_execution(self, checked_execution(execution, self.config))
+        new = copy.copy(self)
+        # a static field, so not a leaf ``eqx.tree_at`` could replace
+        object.__setattr__(new, "execution", checked_execution(execution, self.config))
+        return new
 
     def stage(self, indexer_loss: str | None) -> str:
         """The training stage of one call (``indexer_loss``, else ``execution.indexer_loss``),
         checked against the head chunk."""
-        stage = stage_of(self.execution, indexer_loss)
+        stage = self.execution.indexer_loss if indexer_loss is None else indexer_loss
+        check_stage(stage)
         if indexer_loss is not None:
             self.execution.check(self.config.index_n_heads, self.config.num_heads, stage)
         return stage

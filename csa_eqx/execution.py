@@ -11,7 +11,6 @@ automatic for the backend (``AutoSelection``, ``AutoPicks``). The loaders' keywo
 
 from __future__ import annotations
 
-import copy
 from typing import Literal
 
 import equinox as eqx
@@ -218,22 +217,6 @@ class Execution(eqx.Module):
             stage = tensor_axis_auto(stage, self.indexer_heads_axis, like)
         selection = stage(problem.rows, problem.keys, problem.visibility)
         return tag_selection(selection, self.save_selection)
-
-
-def with_execution(layer: eqx.Module, execution: Execution) -> eqx.Module:
-    """A copy of ``layer`` (same parameter arrays) that runs as ``execution`` says."""
-    if not isinstance(execution, Execution):
-        raise TypeError(f"execution must be a csa_eqx.Execution (got {type(execution).__name__})")
-    new = copy.copy(layer)
-    object.__setattr__(new, "execution", execution)  # a static field: not a tree_at leaf
-    return new
-
-
-def stage_of(execution: Execution, stage: str | None) -> str:
-    """The training stage of one call: ``stage``, else the execution's default."""
-    stage = execution.indexer_loss if stage is None else stage
-    check_stage(stage)
-    return stage
 
 
 def checked_execution(execution: Execution | None, config) -> Execution:
