@@ -104,6 +104,8 @@ class Execution(eqx.Module):
         indexer_loss: str = "off",
         data_axis: str = "data",
         tensor_axis: str = "tensor",
+        context_parallel: bool = False,
+        head_parallel: bool = False,
     ) -> Execution:
         """The execution the loaders' keyword options describe (the flags of earlier
         versions' layer configs).
@@ -117,10 +119,15 @@ class Execution(eqx.Module):
                 ``tensor_axis`` (batch over ``data_axis``).
             shard_indexer_acts: ``indexer_heads_axis=tensor_axis``.
             data_axis, tensor_axis: non-empty mesh axis names.
+            context_parallel, head_parallel: reserved for sequence / head parallelism of the
+                whole layer (not built yet: ``True`` raises ``NotImplementedError``).
 
         Returns:
-            An ``Execution``. ``context_parallel`` / ``head_parallel`` are not options yet.
+            An ``Execution``.
         """
+        for name, on in (("context_parallel", context_parallel), ("head_parallel", head_parallel)):
+            if on:
+                raise NotImplementedError(f"{name}=True is not available yet")
         for name, axis in (("data_axis", data_axis), ("tensor_axis", tensor_axis)):
             _require(
                 isinstance(axis, str) and axis != "",
