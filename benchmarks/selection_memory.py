@@ -29,25 +29,29 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import csa_eqx.streaming  # noqa: E402
+from csa_eqx import presets  # noqa: E402
 from csa_eqx.compressor import EntryLayout  # noqa: E402
 from csa_eqx.selection import select_entries  # noqa: E402
 from csa_eqx.sharding import sharded_select_entries  # noqa: E402
 
-B, S, H, D, K, M = 1, 16384, 64, 128, 512, 4
-T = S // M
-GIB = 2**30
+from . import harness  # noqa: E402
+
+_FLASH = presets.v4_flash("csa")
+H, D, K, M = _FLASH.index_n_heads, _FLASH.index_head_dim, _FLASH.index_topk, _FLASH.compress_rate
+B, S = 1, 16384
 COLUMNS = [("dense", 0), ("dense", 8), ("default", 0)]
 
 
-def shapes(mesh=None):
-    """Abstract inputs; with ``mesh``: rows split over ``tensor``, the rest replicated."""
+def shapes(seq: int, mesh=None):
+    """Abstract inputs at ``seq`` queries (``seq / m`` entries); with ``mesh``: query rows
+    split over ``tensor``, the rest replicated."""
 
     def sds(shape, dtype, spec=None):
         sharding = None if mesh is None else NamedSharding(mesh, spec or P())
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     f32, i32 = jnp.float32, jnp.int32
-    rows = P(None, "tensor")
+    rows, S, T = P(None, "tensor"), seq, seq // M
     layout = EntryLayout(sds((B, T), i32), sds((B, T), i32), sds((B, T), jnp.bool_))
     return (
         sds((B, S, H, D), f32, rows),
@@ -60,24 +64,36 @@ def shapes(mesh=None):
 
 
 def temp_gib(select, args, path: str, head_chunk: int) -> float:
-    fn = jax.jit(lambda *a: select(*a, K, head_chunk=head_chunk))
+    """Per-device temp GiB of ``select`` on ``args``, forcing the dense path if ``path`` says."""
     dense = mock.patch.object(csa_eqx.streaming, "prefers_streaming", lambda *_: False)
     with dense if path == "dense" else contextlib.nullcontext():
-        compiled = fn.lower(*args).compile()
-    return compiled.memory_analysis().temp_size_in_bytes / GIB
+        temp = harness.temp_bytes(lambda *a: select(*a, K, head_chunk=head_chunk), *args)
+    return temp / harness.GIB
+
+
+def rows(seq: int, tensor_axes) -> dict[str | int, list[float]]:
+    """Per-device temp GiB of each column at ``seq`` queries: ``"unsharded"``, then one row
+    per tensor-axis size."""
+    out: dict[str | int, list[float]] = {
+        "unsharded": [temp_gib(select_entries, shapes(seq), p, c) for p, c in COLUMNS]
+    }
+    for tp in tensor_axes:
+        mesh = jax.make_mesh((tp,), ("tensor",), devices=jax.devices()[:tp])
+        with jax.set_mesh(mesh):
+            args = shapes(seq, mesh)
+            out[tp] = [temp_gib(sharded_select_entries, args, p, c) for p, c in COLUMNS]
+    return out
+
+
+def markdown(gib: dict[str | int, list[float]]) -> str:
+    """``rows(...)`` as a markdown table."""
+    header = ["tensor axis"] + [f"{p} head_chunk={c}" for p, c in COLUMNS]
+    return harness.table(header, [[a] + [f"{v:.3f}" for v in row] for a, row in gib.items()])
 
 
 def main() -> None:
-    print(f"B={B} S={S} heads={H} dim={D} k={K} m={M} entries={T}; per-device temp GiB")
-    print("| tensor axis | " + " | ".join(f"{p} head_chunk={c}" for p, c in COLUMNS) + " |")
-    print("|---" * (len(COLUMNS) + 1) + "|")
-    row = [temp_gib(select_entries, shapes(), p, c) for p, c in COLUMNS]
-    print("| unsharded | " + " | ".join(f"{v:.3f}" for v in row) + " |")
-    for tp in (1, 2, 4, 8):
-        mesh = jax.make_mesh((tp,), ("tensor",), devices=jax.devices()[:tp])
-        with jax.set_mesh(mesh):
-            row = [temp_gib(sharded_select_entries, shapes(mesh), p, c) for p, c in COLUMNS]
-        print(f"| {tp} | " + " | ".join(f"{v:.3f}" for v in row) + " |")
+    print(f"B={B} S={S} heads={H} dim={D} k={K} m={M} entries={S // M}; per-device temp GiB")
+    print(markdown(rows(S, (1, 2, 4, 8))))
 
 
 if __name__ == "__main__":
