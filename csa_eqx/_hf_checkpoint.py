@@ -143,10 +143,12 @@ def _get_path(module: Any, path: str) -> Any:
 
 
 def strip_prefix(state_dict: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """The entries whose key starts with ``prefix``, keyed by the rest."""
     return {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
 
 
 def rename(name: str, renames: list[tuple[str, str]]) -> str:
+    """``name`` after each ``(pattern, replacement)`` regex substitution in turn."""
     for pattern, repl in renames:
         name = re.sub(pattern, repl, name)
     return name
@@ -156,6 +158,7 @@ def rename(name: str, renames: list[tuple[str, str]]) -> str:
 
 
 def read_config(folder: Path) -> tuple[dict, str]:
+    """A checkpoint folder's ``config.json`` (its ``text_config`` when present) and its path."""
     if not folder.is_dir():
         raise ValueError(f"checkpoint folder {folder} does not exist or is not a directory")
     path = folder / "config.json"
@@ -182,12 +185,12 @@ def _shard_files(folder: Path, wanted: Callable[[str], bool]) -> dict[Path, set[
             raise ValueError(f"{folder} holds no *.safetensors files")
         return dict.fromkeys(files)
     try:
-        weight_map = json.loads(index_file.read_text())["weight_map"]
-        assert isinstance(weight_map, dict)
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AssertionError):
-        raise ValueError(
-            f"{index_file} is not a safetensors index (a JSON object with a 'weight_map')"
-        ) from None
+        index = json.loads(index_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{index_file} is not valid JSON ({e})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ValueError(f"{index_file} lacks a 'weight_map' of tensor name -> file name")
     files: dict[Path, set[str]] = {}
     for name, file in weight_map.items():
         if wanted(name):
@@ -231,9 +234,10 @@ def read_layer(
         hf, where = sorted(clashes.items())[0]
         raise ValueError(
             f"{folder}: {len(clashes)} tensor(s) of this layer are stored more than once, e.g. "
-            f"{hf!r} in {' and '.join(where)}; without a model.safetensors.index.json the loader "
-            "cannot tell which copy is current (remove the stray file or add an index; DeepSeek's "
-            "convert.py output split over several model-parallel files is not supported)"
+            f"{hf!r} as {' and '.join(where)}; the loader cannot tell which copy is current "
+            "(remove the stray file or tensor, or add a model.safetensors.index.json naming one "
+            "file per tensor; DeepSeek's convert.py output split over several model-parallel "
+            "files is not supported)"
         )
     if not plan:
         raise ValueError(

@@ -13,7 +13,7 @@ import numpy as np
 
 from .config import V4AttentionConfig, V32AttentionConfig, YaRNScaling
 
-_LAYER_KINDS = {  # HF layer type -> (csa_eqx layer kind, key of its rate in compress_rates)
+_LAYER_KINDS = {  # HF layer type -> csa_eqx layer kind
     "sliding_attention": "sliding",
     "compressed_sparse_attention": "csa",
     "heavily_compressed_attention": "hca",
@@ -28,10 +28,12 @@ _NATIVE_KEYS = {
     "window_size": "sliding_window",
     "norm_eps": "rms_norm_eps",
 }
+_HF_TO_NATIVE = {hf: native for native, hf in _NATIVE_KEYS.items()}
 DEFAULT_BLOCK = (128, 128)  # DeepSeek's FP8 tile (``quantization_config.weight_block_size``)
 
 
 def as_dict(config: Any) -> dict:
+    """A transformers config object or a mapping as a plain dict."""
     if isinstance(config, Mapping):
         return dict(config)
     if hasattr(config, "to_dict"):
@@ -62,7 +64,9 @@ def _from_native(d: dict, source: str) -> dict:
 
 def _need(d: Mapping, key: str, source: str) -> Any:
     if d.get(key) is None:
-        raise ValueError(f"{source} lacks the key {key!r}, needed to build the layer")
+        native = _HF_TO_NATIVE.get(key)
+        alias = f" (DeepSeek's inference key: {native!r})" if native else ""
+        raise ValueError(f"{source} lacks the key {key!r}{alias}, needed to build the layer")
     return d[key]
 
 
@@ -153,6 +157,8 @@ def _v4_layer_rate(d: dict, layer_idx: int, source: str) -> int:
 
 
 def v4_layer_config(d: dict, layer_idx: int, source: str, options: dict) -> V4AttentionConfig:
+    """Layer ``layer_idx``'s config from a config dict (HF or inference keys); ``source``
+    names the config in errors, ``options`` set or override fields."""
     d = _from_native(d, source)
     head_dim = _int(d, "head_dim", source)
     if d.get("qk_rope_head_dim") is not None:
@@ -240,7 +246,7 @@ def v32_config_from_hf(config: Any, **options) -> V32AttentionConfig:
     return _v32_config(as_dict(config), "config", options)
 
 
-def v32_layer_config(d: dict, layer_idx: int, source: str, options: dict):
+def v32_layer_config(d: dict, layer_idx: int, source: str, options: dict) -> V32AttentionConfig:
     """The layer config, after checking ``layer_idx`` against ``num_hidden_layers`` / ``n_layers``
     (when the config gives it)."""
     n_layers = _from_native(d, source).get("num_hidden_layers")
