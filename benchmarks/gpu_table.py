@@ -24,7 +24,7 @@ fit the time budget or the device memory is skipped and listed as such.
    kernels per program) and saved as ``OUT/profile_S.json.gz`` (Perfetto / chrome://tracing).
 5. ``--tiles``: the selection stage at several streaming key tiles.
 
-    python -m benchmarks.gpu_table --out DIR [--quick] [--budget 420] [--reps 3]
+    python -m benchmarks.gpu_table --out DIR [--quick] [--budget 400] [--reps 3]
         [--seqs 4096 16384 32768 65536] [--dtypes bfloat16 float32] [--no-hf] [--no-profile]
 """
 
@@ -225,19 +225,28 @@ def scoring_flops(pairs: float, heads: int, dim: int) -> float:
 
 def summarise_trace(path: Path, top: int = 8) -> dict:
     """Kernel count, busy time and top kernels per XLA program of a Perfetto trace
-    (``jax.profiler.trace(..., create_perfetto_trace=True)``): the device's events on a GPU,
-    the XLA op events (those naming an ``hlo_op``) on a CPU."""
+    (``jax.profiler.trace(..., create_perfetto_trace=True)``): on a GPU the events of the
+    device's stream threads (not derived timelines such as "XLA Ops"), on a CPU the XLA op
+    events (those naming an ``hlo_op``)."""
     with gzip.open(path, "rt") as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
-    process = {
-        e["pid"]: e.get("args", {}).get("name", "")
-        for e in events
-        if e.get("ph") == "M" and e.get("name") == "process_name"
-    }
+
+    def names(kind: str, key) -> dict:
+        return {
+            key(e): e.get("args", {}).get("name", "")
+            for e in events
+            if e.get("ph") == "M" and e.get("name") == kind
+        }
+
+    process = names("process_name", lambda e: e["pid"])
     device = {pid for pid, name in process.items() if "/device:" in name}
+    threads = names("thread_name", lambda e: (e["pid"], e.get("tid")))
+    streams = {t for t, name in threads.items() if t[0] in device and name.startswith("Stream")}
     ops = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    if device:
+    if streams:
+        ops = [e for e in ops if (e["pid"], e.get("tid")) in streams]
+    elif device:
         ops = [e for e in ops if e["pid"] in device]
     else:
         ops = [e for e in ops if "hlo_op" in e.get("args", {})]
@@ -264,8 +273,10 @@ def summarise_trace(path: Path, top: int = 8) -> dict:
 
 def capture_profile(runs: dict[str, Callable], out: Path, seq: int) -> dict:
     """One ``jax.profiler`` trace of one call of each run (compiled and warm already)."""
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # no Python call events: smaller traces, less overhead
     with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+        with jax.profiler.trace(tmp, create_perfetto_trace=True, profiler_options=options):
             for fn in runs.values():
                 fn()
         traces = sorted(Path(tmp).rglob("perfetto_trace.json.gz"))
@@ -783,7 +794,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="folder for the .md and .json")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a CPU smoke test")
     parser.add_argument("--allow-cpu", action="store_true", help="full sizes on a CPU backend")
-    parser.add_argument("--budget", type=float, default=420, help="seconds for all steps")
+    parser.add_argument("--budget", type=float, default=400, help="seconds for all steps")
     parser.add_argument("--reps", type=int, default=3, help="timed rounds (default 3)")
     parser.add_argument("--settle", type=int, default=1, help="untimed calls before each timed")
     parser.add_argument("--seqs", type=int, nargs="+", help="sequence lengths")

@@ -131,20 +131,28 @@ def test_gpu_table_plan_puts_the_key_rows_first():
 
 
 def test_gpu_trace_summary_counts_device_kernels_per_program(tmp_path):
-    """A trace shaped like a GPU one (device process, kernels tagged with their program):
-    host events are left out, kernels counted and ranked per program."""
+    """A trace shaped like a GPU one (device process, kernels on stream threads tagged with
+    their program): host events and derived timelines are left out, kernels counted and
+    ranked per program."""
     import gzip
     import json
 
     from benchmarks.gpu_table import summarise_trace
 
-    def kernel(pid, name, dur, module):
-        return dict(ph="X", pid=pid, tid=1, ts=0, dur=dur, name=name, args=dict(hlo_module=module))
+    def kernel(pid, name, dur, module, tid=1):
+        args = dict(hlo_module=module)
+        return dict(ph="X", pid=pid, tid=tid, ts=0, dur=dur, name=name, args=args)
+
+    def thread(pid, tid, name):
+        return dict(ph="M", pid=pid, tid=tid, name="thread_name", args=dict(name=name))
 
     events = [
         dict(ph="M", pid=1, name="process_name", args=dict(name="/host:CPU")),
         dict(ph="M", pid=2, name="process_name", args=dict(name="/device:GPU:0")),
+        thread(2, 1, "Stream #13(Compute)"),
+        thread(2, 9, "XLA Modules"),
         kernel(1, "host op", 1000.0, "jit_a"),
+        kernel(2, "jit_a(1)", 2000.0, "jit_a", tid=9),
         kernel(2, "fusion_1", 30.0, "jit_a"),
         kernel(2, "fusion_1", 30.0, "jit_a"),
         kernel(2, "gemm_2", 50.0, "jit_a"),
