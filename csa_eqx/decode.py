@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
+from . import checks
 from .cache import CompressorState, V4Cache, V32Cache
 from .compressor import EntryLayout, pool_windows
 from .selection import entry_visibility, select_entries
@@ -185,7 +186,10 @@ def v4_extend(
     """``V4Attention.extend``: outputs ``[B, T, D]`` of a chunk and the updated cache; with
     ``return_aux`` also ``{"selection": [B, T, k] cache-slot indices or None}``."""
     c = layer.config
-    x = jnp.asarray(x)
+    x, lengths, segment_ids = checks.chunk_inputs(layer, x, cache, lengths, segment_ids)
+    if x.shape[1] == 0:  # an empty chunk: nothing to attend to, nothing to write
+        y, aux = checks.empty_outputs(x, c.index_topk if c.has_indexer else None, None, True)
+        return (y, cache, aux) if return_aux else (y, cache)
     b, seq, _ = x.shape
     rows = chunk_rows(cache, seq, lengths, segment_ids)
     qr, q, kv = layer.project_qkv(x, rows.position)
@@ -260,7 +264,10 @@ def v32_extend(
     """``V32Attention.extend``: outputs ``[B, T, D]`` of a chunk and the updated cache; with
     ``return_aux`` also ``{"selection": [B, T, index_topk] stream indices}``."""
     c = layer.config
-    x = jnp.asarray(x)
+    x, lengths, segment_ids = checks.chunk_inputs(layer, x, cache, lengths, segment_ids)
+    if x.shape[1] == 0:  # an empty chunk: nothing to attend to, nothing to write
+        y, aux = checks.empty_outputs(x, c.index_topk, None, True)
+        return (y, cache, aux) if return_aux else (y, cache)
     rows = chunk_rows(cache, x.shape[1], lengths, segment_ids)
     qr, queries, keys = layer.project_qkv(x, rows.position)
     ix = layer.indexer

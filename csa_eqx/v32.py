@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped
 
+from . import checks
 from .cache import V32Cache, init_v32_cache
 from .compressor import entry_layout, segment_positions
 from .config import V32AttentionConfig, YaRNScaling
@@ -242,7 +243,7 @@ class V32Attention(eqx.Module):
     @jaxtyped(typechecker=beartype)
     def __call__(
         self,
-        x: Float[ArrayLike, "batch seq {self.config.hidden_size}"],
+        x: Float[ArrayLike, "batch seq hidden"],
         positions: Int[ArrayLike, "batch seq"] | None = None,
         segment_ids: Int[ArrayLike, "batch seq"] | None = None,
         return_aux: bool = False,
@@ -259,7 +260,9 @@ class V32Attention(eqx.Module):
                 "indexer_loss": scalar, or None when config.indexer_loss is "off"}``.
         """
         c = self.config
-        x = jnp.asarray(x)
+        x, positions, segment_ids = checks.layer_inputs(c.hidden_size, x, positions, segment_ids)
+        if x.size == 0:
+            return checks.empty_outputs(x, c.index_topk, c.indexer_loss != "off", return_aux)
         b, s, _ = x.shape
         seg = jnp.zeros((b, s), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids)
         seg = seg.astype(jnp.int32)

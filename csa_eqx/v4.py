@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped
 
+from . import checks
 from .cache import V4Cache, init_v4_cache
 from .compressor import (
     Compressor,
@@ -219,7 +220,7 @@ class V4Attention(eqx.Module):
     @jaxtyped(typechecker=beartype)
     def __call__(
         self,
-        x: Float[ArrayLike, "batch seq {self.config.hidden_size}"],
+        x: Float[ArrayLike, "batch seq hidden"],
         positions: Int[ArrayLike, "batch seq"] | None = None,
         segment_ids: Int[ArrayLike, "batch seq"] | None = None,
         return_aux: bool = False,
@@ -235,7 +236,11 @@ class V4Attention(eqx.Module):
                 "indexer_loss": scalar or None}``.
         """
         c = self.config
-        x = jnp.asarray(x)
+        x, positions, segment_ids = checks.layer_inputs(c.hidden_size, x, positions, segment_ids)
+        if x.size == 0:
+            k = c.index_topk if c.has_indexer else None
+            loss = c.has_indexer and c.indexer_loss != "off"
+            return checks.empty_outputs(x, k, loss, return_aux)
         seg, query_index = token_rows(x, segment_ids)
         if positions is None:
             positions = segment_positions(seg)
