@@ -112,6 +112,36 @@ def test_gpu_table_time_budget_keeps_what_finished(tmp_path, monkeypatch):
         assert f"- {step}: time budget" in skipped, step
 
 
+def test_gpu_table_skips_what_will_not_fit(tmp_path, monkeypatch):
+    """A run predicted (from its last S, x (S/S')^2) to exceed the time left or JAX's free
+    memory is not compiled; one whose compiled memory exceeds it is recorded but not run."""
+    import argparse
+
+    import jax.numpy as jnp
+
+    from benchmarks import gpu_table
+
+    args = argparse.Namespace(out=tmp_path, budget=100.0, reps=1, settle=0, quick=True)
+    bench = gpu_table.Bench(args, gpu_table.MODES["quick"])
+    x = jnp.ones((64, 64))
+    program = (lambda x: (x @ x).sum(), (x,))
+    bench.seen[("slow", "float32")] = dict(seq=128, compile_s=1.0, call_s=10.0, temp=0)
+    bench.seen[("big", "float32")] = dict(seq=128, compile_s=0.0, call_s=0.0, temp=1 << 20)
+    monkeypatch.setattr(gpu_table, "jax_free_bytes", lambda: 3 << 20)
+    rec: dict = {}
+    programs = {"slow": program, "big": program, "fits": program}
+    runs = bench.compile_runs(programs, "float32", 256, rec)
+    assert set(runs) == {"fits"} and "memory" in rec["fits"]
+    assert rec["slow"]["skipped"].startswith("time budget (~121 s,")  # 1 + 3 calls x 40 s
+    assert rec["big"] == {"skipped": "memory (~0 GiB predicted)"}
+    assert bench.seen[("fits", "float32")]["seq"] == 256
+    monkeypatch.setattr(gpu_table, "jax_free_bytes", lambda: 0)
+    rec = {}
+    assert bench.compile_runs({"other": program}, "float32", 256, rec) == {}
+    assert rec["other"]["memory"]["argument"] == x.nbytes
+    assert rec["other"]["skipped"].startswith("memory (0.0 GiB > 0.0 GiB free)")
+
+
 def test_gpu_table_plan_puts_the_key_rows_first():
     from benchmarks.gpu_table import plan
 
