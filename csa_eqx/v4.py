@@ -331,6 +331,7 @@ class V4Attention(eqx.Module):
         c = self.config
         if self.indexer is None:
             raise ValueError(f"entry_attention needs a CSA layer (this one is {c.layer_type})")
+        x, _, segment_ids = checks.layer_inputs(c.hidden_size, x, None, segment_ids)
         seg, query_index = token_rows(x, segment_ids)
         positions = segment_positions(seg)
         qr, q, kv = self.project_qkv(x, positions)

@@ -54,15 +54,15 @@ def _inputs():
     return clean, bad
 
 
-def _check_isolated(clean_y, bad_y, start=0):
-    """Rows of ``bad_y`` (tokens ``start..``) against the clean run (see the module doc)."""
-    clean_y, bad_y = np.asarray(clean_y), np.asarray(bad_y)
+def _check_isolated(clean, bad, outputs=True):
+    """``bad [B, S, ...]`` against the clean run: equal on the other documents and on the bad
+    document's tokens before the bad one; for ``outputs``, non-finite at the bad token."""
+    clean, bad = np.asarray(clean), np.asarray(bad)
     for row, (_, pos) in enumerate(CASES):
-        t = np.arange(start, start + bad_y.shape[1])
-        same = ~BAD_DOC[t] | (t < pos)
-        np.testing.assert_array_equal(bad_y[row, same], clean_y[row, same], err_msg=f"row {row}")
-        if start <= pos < t[-1] + 1:
-            assert not np.isfinite(bad_y[row, pos - start]).any(), f"row {row}: bad token finite"
+        same = ~BAD_DOC | (np.arange(SEQ) < pos)
+        np.testing.assert_array_equal(bad[row, same], clean[row, same], err_msg=f"row {row}")
+        if outputs:
+            assert not np.isfinite(bad[row, pos]).any(), f"row {row}: the bad token is finite"
 
 
 @pytest.mark.parametrize("name", list(LAYERS))
@@ -72,12 +72,14 @@ def test_forward_isolates_nonfinite_tokens(name):
     seg = jnp.broadcast_to(jnp.asarray(SEGMENTS), clean.shape[:2])
 
     def loss(x):  # the other documents' outputs only
-        y = layer(x, segment_ids=seg)
-        return jnp.sum(jnp.where(BAD_DOC[:, None], 0.0, y) ** 2), y
+        y, aux = layer(x, segment_ids=seg, return_aux=True)
+        return jnp.sum(jnp.where(BAD_DOC[:, None], 0.0, y) ** 2), (y, aux["selection"])
 
     run = eqx.filter_jit(jax.grad(loss, has_aux=True))  # one compile: outputs and gradients
-    (g_clean, y_clean), (g_bad, y_bad) = run(clean), run(bad)
+    (g_clean, (y_clean, sel_clean)), (g_bad, (y_bad, sel_bad)) = run(clean), run(bad)
     _check_isolated(y_clean, y_bad)
+    if sel_clean is not None:  # the indexer's picks too (NaN scores of invisible entries)
+        _check_isolated(sel_clean, sel_bad, outputs=False)
     g_clean, g_bad = np.asarray(g_clean), np.asarray(g_bad)
     assert np.isfinite(g_bad[:, ~BAD_DOC]).all()
     np.testing.assert_allclose(g_bad[:, ~BAD_DOC], g_clean[:, ~BAD_DOC], rtol=1e-6, atol=1e-7)
