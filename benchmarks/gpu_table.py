@@ -1,42 +1,56 @@
-"""One-shot accelerator benchmark: V4 CSA layer wall time, GEMM throughput and compiled memory.
+"""One-shot accelerator benchmark: the whole speed / memory table of a V4 CSA layer in one run.
 
-For a single run on a GPU machine (it also runs on CPU, see ``--quick``). Sections, each
-written to ``OUT/gpu_table.md`` and ``OUT/gpu_table.json`` as soon as it finishes:
+Made for one run of at most ~8 minutes on a lent GPU (an H200); ``--quick`` runs tiny sizes on
+any backend (the test suite does this on the CPU). Work runs in priority order and the results
+are rewritten to ``OUT/gpu_table.md`` and ``OUT/gpu_table.json`` after every step, so a run that
+is cut off keeps everything that finished; a step (or a single implementation) predicted not to
+fit the time budget or the device memory is skipped and listed as such.
 
-* GEMM throughput: ``jnp.dot`` of two square matrices in float32 at ``'highest'`` matmul
-  precision (true fp32), float32 at the default precision (XLA may use TF32 on GPU) and bfloat16.
-* Layer wall time (``benchmarks/layer_speed.py``'s layer and weights) for each sequence length,
-  in float32 (JAX under ``jax.default_matmul_precision('highest')``, torch with TF32 off) and
-  bfloat16 (every float parameter and the input cast): csa_eqx (jit) and the naive dense-mask
-  baseline, fwd and fwd+bwd, the indexer's selection stage alone, and HF transformers'
-  ``DeepseekV4Attention`` eager in torch. Repetitions are interleaved; a run that fails (out of
-  memory, say) is recorded as such and the others go on.
-* Compiled temp memory of fwd+bwd (``benchmarks/layer_memory.py``), nothing runs.
+1. GEMM rate of an ``n x n`` ``jnp.dot``: bfloat16, float32 at ``'highest'`` precision (true
+   fp32) and float32 at the default precision (TF32 on a GPU).
+2. Layer steps (``benchmarks/layer_speed.py``'s layer and weights, B = 1) for each sequence
+   length S and dtype: csa_eqx and the naive dense-mask baseline (jit), fwd and fwd+bwd, the
+   selection stage alone, HF transformers' eager ``DeepseekV4Attention`` (torch, where it fits);
+   XLA's compiled memory of every JAX program; the selection stage's visible-pair scoring
+   FLOP/s as a fraction of the GEMM rate of the same dtype. Order: S = 4k (bf16, fp32), bf16
+   at 16k and 32k, the anchor, fp32 at 16k and 32k, then 64k (bf16, fp32) when time allows.
+   "float32" is true fp32 (JAX ``default_matmul_precision('highest')``, torch TF32 off);
+   "bfloat16" casts every float parameter and the input.
+3. The anchor: a V3.2-style indexer alone (token keys, causal), Q = K = 32768, 32 heads x 128,
+   k = 2048, bf16, against a CuTe DSL fused score + radix top-k kernel's 16.1 ms on an H200;
+   its picks are compared with the dense (materialised-score) path once.
+4. Profiles (bf16, S = 4k and 32k): one ``jax.profiler`` trace per S of one call each of the
+   selection stage, csa_eqx fwd and fwd+bwd; summarised (kernel count, busy time, top
+   kernels per program) and saved as ``OUT/profile_S.json.gz`` (Perfetto / chrome://tracing).
+5. ``--tiles``: the selection stage at several streaming key tiles.
 
-    python -m benchmarks.gpu_table --out DIR [--quick] [--reps 5] [--budget 300]
-        [--seqs 4096 16384] [--mem-seqs 4096 8192 ...]
+    python -m benchmarks.gpu_table --out DIR [--quick] [--budget 400] [--reps 3]
+        [--seqs 4096 16384 32768 65536] [--dtypes bfloat16 float32] [--no-hf] [--no-profile]
 """
 
 from __future__ import annotations
 
 import os
 
-# Before jax is imported: JAX and torch share the GPU, so JAX must not grab 75% of it up front.
+# Before jax is imported: JAX and torch share the GPU, so JAX must not take 75% of it up front,
+# and its pool (which never shrinks) is capped so that HF's eager layer keeps room.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import copy  # noqa: E402
-import dataclasses  # noqa: E402
-import datetime  # noqa: E402
 import gc  # noqa: E402
+import gzip  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
+import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
+from collections import defaultdict  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import equinox as eqx  # noqa: E402
@@ -44,16 +58,39 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from csa_eqx import Execution, V4Attention  # noqa: E402
+import csa_eqx as ce  # noqa: E402
+from csa_eqx import V4Attention, entry_layout, entry_visibility, indexer_scores  # noqa: E402
+from csa_eqx import select_topk as dense_topk  # noqa: E402
 
-from . import layer_memory, layer_speed  # noqa: E402
-from .naive_baseline import naive_v4_csa  # noqa: E402
+from . import harness, layer_speed  # noqa: E402
 
-GIB = 1 << 30
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# Sizes per mode: timed sequence lengths, memory lengths (csa_eqx, naive), GEMM side.
-FULL = dict(seqs=(4096, 16384), mem=(4096, 8192, 16384, 32768, 65536), naive_mem=16384, n=8192)
-QUICK = dict(seqs=(256,), mem=(256, 512), naive_mem=256, n=256)
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+GEMMS = {  # name: (dtype, matmul precision)
+    "bfloat16": (jnp.bfloat16, None),
+    "float32 (precision highest)": (jnp.float32, jax.lax.Precision.HIGHEST),
+    "float32 (default precision)": (jnp.float32, None),
+}
+GEMM_OF = {"bfloat16": "bfloat16", "float32": "float32 (precision highest)"}
+LARGEST_MAIN_SEQ = 32768  # longer sequences run last, when time allows
+IMPLEMENTATIONS = (("csa_eqx", "csa_eqx"), ("naive", "naive dense-mask"), ("HF eager", "HF eager"))
+PROFILED = ("selection stage", "csa_eqx fwd", "csa_eqx fwd+bwd")
+TILE_KEY_BLOCKS = (0, 512, 1024, 2048)  # indexer_key_block values of --tiles (0 = automatic)
+MAX_TRACE_BYTES = 15 << 20  # a trace larger than this is summarised but not copied to OUT
+MODES = {
+    "full": dict(
+        seqs=(4096, 16384, 32768, 65536),
+        profile=(4096, 32768),
+        gemm_n=8192,
+        # CuTe DSL fused indexer score + exact radix top-k on an H200 (TileLang: 28.6 ms)
+        anchor=dict(seq=32768, heads=32, dim=128, k=2048, reference_ms=16.1),
+    ),
+    "quick": dict(
+        seqs=(128, 256),
+        profile=(128, 256),
+        gemm_n=256,
+        anchor=dict(seq=256, heads=4, dim=16, k=16, reference_ms=None),
+    ),
+}
 
 
 def log(msg: str) -> None:
@@ -68,52 +105,25 @@ def describe_error(err: BaseException) -> str:
     return text.splitlines()[0][:200]
 
 
-def torch_setup(cpu_ok: bool) -> dict:
-    """torch, transformers and the device the HF layer runs on (the CPU only if ``cpu_ok``), or
-    why it cannot run."""
-    try:
-        import torch
-    except Exception as err:  # noqa: BLE001 - ImportError, or a CUDA library that fails to load
-        return dict(ok=False, why=f"torch not importable ({describe_error(err)})")
-    info = dict(ok=True, torch=torch.__version__, cuda=torch.cuda.is_available())
-    try:
-        import transformers
-        from transformers.models.deepseek_v4 import modeling_deepseek_v4  # noqa: F401
-
-        info["transformers"] = transformers.__version__
-    except Exception as err:  # noqa: BLE001
-        why = f"transformers has no DeepseekV4Attention ({describe_error(err)})"
-        return dict(info, ok=False, why=why)
-    if info["cuda"]:
-        info.update(device="cuda", gpu=torch.cuda.get_device_name(0))
-    elif cpu_ok:
-        info["device"] = "cpu"
-    else:
-        return dict(info, ok=False, why="torch has no CUDA device; HF eager skipped")
-    # True fp32 in the float32 table (these are torch's defaults, set to be sure).
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
-    if info["device"] == "cpu":
-        torch.set_num_threads(os.cpu_count() or 1)
-    return info
+def precision(dtype_name: str):
+    """True fp32 matmuls for the float32 runs; the default precision for bfloat16."""
+    if dtype_name == "float32":
+        return jax.default_matmul_precision("highest")
+    return contextlib.nullcontext()
 
 
 def machine() -> dict:
-    """Accelerator, driver and library versions of this run."""
-    meta = dict(
-        date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        python=platform.python_version(),
-        jax=jax.__version__,
-        backend=jax.default_backend(),
-        jax_device=jax.devices()[0].device_kind,
-        cpus=os.cpu_count(),
+    """``harness.machine_info()`` plus the GPU (nvidia-smi), JAX's environment report and the
+    memory / precision settings of this run."""
+    meta = harness.machine_info()
+    meta.update(
         jax_default_matmul_precision=str(jax.config.jax_default_matmul_precision),
         xla_preallocate=os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"),
+        xla_mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
     )
     try:
         meta["jax_env"] = jax.print_environment_info(return_string=True)
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:  # noqa: BLE001 - a report, not a requirement
         meta["jax_env"] = describe_error(err)
     try:
         query = "--query-gpu=name,memory.total,driver_version"
@@ -126,28 +136,29 @@ def machine() -> dict:
     return meta
 
 
-def precision(dtype_name: str):
-    """True fp32 matmuls for the float32 runs; the default precision for bfloat16."""
-    if dtype_name == "float32":
-        return jax.default_matmul_precision("highest")
-    return contextlib.nullcontext()
+def torch_setup(cpu_ok: bool) -> dict:
+    """torch, transformers and the device the HF layer runs on (the CPU only if ``cpu_ok``), or
+    why it cannot run."""
+    try:
+        import torch
 
-
-def guarded(runs: dict[str, Callable]) -> tuple[dict[str, Callable], dict[str, str]]:
-    """Call each run once (compile + first warm-up); keep those that succeed, and the errors."""
-    ok, failed = {}, {}
-    for name, fn in runs.items():
-        start = time.perf_counter()
-        try:
-            fn()
-        except Exception as err:  # noqa: BLE001 - recorded in the table, the others go on
-            failed[name] = describe_error(err)
-            log(f"  {name}: {failed[name]}")
-            free_memory()
-            continue
-        ok[name] = fn
-        log(f"  {name}: first call {time.perf_counter() - start:.1f} s")
-    return ok, failed
+        import csa_eqx.testing  # noqa: F401 - needs a transformers with DeepSeek-V4 and V3.2
+    except Exception as err:  # noqa: BLE001 - ImportError, or a CUDA library that fails to load
+        return dict(ok=False, why=f"torch / transformers not usable ({describe_error(err)})")
+    info = dict(ok=True, torch=torch.__version__, cuda=torch.cuda.is_available())
+    if info["cuda"]:
+        info.update(device="cuda", gpu=torch.cuda.get_device_name(0))
+    elif cpu_ok:
+        info["device"] = "cpu"
+    else:
+        return dict(info, ok=False, why="torch has no CUDA device; HF eager skipped")
+    # True fp32 in the float32 rows (these are torch's defaults, set to be sure).
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    if info["device"] == "cpu":
+        torch.set_num_threads(os.cpu_count() or 1)
+    return info
 
 
 def free_memory() -> None:
@@ -158,68 +169,12 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def timed(runs: dict[str, Callable], reps: int) -> dict:
-    """Two warm-up calls (one in ``guarded``) and ``reps`` interleaved rounds per run."""
-    ok, failed = guarded(runs)
-    out: dict = {name: {"error": why} for name, why in failed.items()}
-    try:
-        times = layer_speed.interleaved(ok, reps)
-    except Exception as err:  # noqa: BLE001
-        why = describe_error(err)
-        log(f"  interleaved rounds failed: {why}")
-        return out | {name: {"error": why} for name in ok}
-    for name, t in times.items():
-        out[name] = dict(median=statistics.median(t), min=min(t))
-    return out
-
-
-def gemm_section(n: int, reps: int) -> dict:
-    """Seconds and TFLOP/s of an ``n x n`` ``jnp.dot``: fp32 highest, fp32 default, bf16."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    a16, b16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
-
-    def dot_at(prec, x, y):
-        f = jax.jit(lambda x, y: jnp.dot(x, y, precision=prec))
-        return lambda: jax.block_until_ready(f(x, y))
-
-    runs = {
-        "float32 (precision highest)": dot_at(jax.lax.Precision.HIGHEST, a, b),
-        "float32 (default precision)": dot_at(None, a, b),
-        "bfloat16": dot_at(None, a16, b16),
-    }
-    res = timed(runs, reps)
-    for v in res.values():
-        if "min" in v:
-            v["tflops_best"] = 2 * n**3 / v["min"] / 1e12
-            v["tflops_median"] = 2 * n**3 / v["median"] / 1e12
-    return dict(n=n, runs=res)
-
-
-def build_layers(quick: bool, hf: dict):
-    """(csa_eqx layer, torch layer or None, HF config or None): the same weights in both."""
-    if hf["ok"]:
-        cfg = layer_speed.hf_config(layer_speed.QUICK_SIZES if quick else layer_speed.SIZES)
-        torch_layer = layer_speed.hf_layer(cfg)
-        state = {k: v.detach().numpy() for k, v in torch_layer.state_dict().items()}
-        from csa_eqx.hf import load_v4_attention
-
-        return load_v4_attention(state, cfg, 0), torch_layer, cfg
-    return V4Attention(memory_config(quick), key=jax.random.key(0)), None, None
-
-
-def memory_config(quick: bool):
-    """``layer_memory.CONFIG``; in quick mode with ``layer_speed.QUICK_SIZES``'s indexer."""
-    if not quick:
-        return layer_memory.CONFIG
-    q = layer_speed.QUICK_SIZES
-    return dataclasses.replace(
-        layer_memory.CONFIG,
-        index_n_heads=q["index_n_heads"],
-        index_head_dim=q["index_head_dim"],
-        index_topk=q["index_topk"],
-        sliding_window=q["sliding_window"],
-    )
+def jax_free_bytes() -> float:
+    """Bytes JAX may still allocate on its device (infinite where it does not say)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return float("inf")
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
 
 
 def cast(layer, dtype):
@@ -227,268 +182,607 @@ def cast(layer, dtype):
     return jax.tree.map(lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, layer)
 
 
-def hf_runs(torch_layer, cfg, device: str, dtype_name: str, x_np: np.ndarray):
-    """A ``device``/``dtype_name`` copy of the HF layer and its synchronised fwd, fwd+bwd runs."""
-    import torch
-
-    tdtype = getattr(torch, dtype_name)
-    # A copy: the float32 master weights on the CPU stay as loaded into the csa_eqx layer.
-    tl = copy.deepcopy(torch_layer).to(device=device, dtype=tdtype)
-    hf_f, hf_fb = layer_speed.hf_runner(tl, cfg, x_np, device=device, dtype=tdtype)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    runs = {"HF eager fwd": lambda: (hf_f(), sync()), "HF eager fwd+bwd": lambda: (hf_fb(), sync())}
-    return tl, hf_f, runs
+def needed_bytes(mem: dict) -> int:
+    return mem["temp"] + mem["argument"] + mem["output"] - mem["alias"]
 
 
-def layer_section(
-    layer, torch_layer, cfg, hf: dict, dtype_name: str, seq: int, reps: int, check: bool
-) -> dict:
-    """Wall times of every implementation at one dtype and sequence length; with ``check``
-    (float32 only) also ``layer_speed.output_check`` against the HF layer."""
-    jlayer = cast(layer, DTYPES[dtype_name])
-    x_np = np.random.default_rng(0).normal(size=(1, seq, jlayer.config.hidden_size))
-    x_np = x_np.astype(np.float32)
-    x = jnp.asarray(x_np, DTYPES[dtype_name])
-    runs = layer_speed.jax_layer_runs(jlayer, x)
-    hf_check, on_cuda = None, torch_layer is not None and hf["device"] == "cuda"
-    if torch_layer is not None:
-        tl, hf_f, more = hf_runs(torch_layer, cfg, hf["device"], dtype_name, x_np)
-        runs |= more
-        if check and dtype_name == "float32":
+# --- the anchor: V3.2-style indexer alone (the one place that names the selection API) -------
+
+
+def anchor_select(q, w, keys, k: int):
+    """The library's selection on token keys (V3.2), causal, one segment: ``[B,S,k]``."""
+    b, s = q.shape[:2]
+    index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    segment = jnp.zeros((b, s), jnp.int32)
+    visibility = ce.Visibility(index, segment, entry_layout(segment, 1))
+    return ce.AutoSelection().select(ce.SelectionProblem.from_queries(q, w, keys, visibility), k)
+
+
+def anchor_dense(q, w, keys, k: int):
+    """The same selection through the materialised ``[B,S,T]`` scores (one head at a time)."""
+    b, s = q.shape[:2]
+    index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    segment = jnp.zeros((b, s), jnp.int32)
+    visible = entry_visibility(index, segment, entry_layout(segment, 1))
+    return dense_topk(indexer_scores(q, w, keys, head_chunk=1), visible, k)
+
+
+def anchor_inputs(seq: int, heads: int, dim: int):
+    """bf16 queries ``[1,S,H,D]`` and token keys ``[1,S,D]``, float32 head weights."""
+    kq, kw, kk = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(kq, (1, seq, heads, dim), jnp.bfloat16)
+    w = jax.random.normal(kw, (1, seq, heads), jnp.float32) * heads**-0.5
+    return q, w, jax.random.normal(kk, (1, seq, dim), jnp.bfloat16)
+
+
+def scoring_flops(pairs: float, heads: int, dim: int) -> float:
+    """q.k (2 d per head and pair) and the head weighting (2 per head and pair)."""
+    return pairs * (2 * heads * dim + 2 * heads)
+
+
+# --- profiles ----------------------------------------------------------------------------------
+
+
+def summarise_trace(path: Path, top: int = 8) -> dict:
+    """Kernel count, busy time and top kernels per XLA program of a Perfetto trace
+    (``jax.profiler.trace(..., create_perfetto_trace=True)``): on a GPU the events of the
+    device's stream threads (not derived timelines such as "XLA Ops"), on a CPU the XLA op
+    events (those naming an ``hlo_op``)."""
+    with gzip.open(path, "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+
+    def names(kind: str, key) -> dict:
+        return {
+            key(e): e.get("args", {}).get("name", "")
+            for e in events
+            if e.get("ph") == "M" and e.get("name") == kind
+        }
+
+    process = names("process_name", lambda e: e["pid"])
+    device = {pid for pid, name in process.items() if "/device:" in name}
+    threads = names("thread_name", lambda e: (e["pid"], e.get("tid")))
+    streams = {t for t, name in threads.items() if t[0] in device and name.startswith("Stream")}
+    ops = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    if streams:
+        ops = [e for e in ops if (e["pid"], e.get("tid")) in streams]
+    elif device:
+        ops = [e for e in ops if e["pid"] in device]
+    else:
+        ops = [e for e in ops if "hlo_op" in e.get("args", {})]
+    programs: dict[str, dict] = defaultdict(lambda: dict(kernels=0, busy_us=0.0, by_name={}))
+    for e in ops:
+        args = e.get("args", {})
+        p = programs[args.get("hlo_module", "unknown")]
+        p["kernels"] += 1
+        p["busy_us"] += e["dur"]
+        name = e.get("name") or args.get("hlo_op", "?")
+        count, us = p["by_name"].get(name, (0, 0.0))
+        p["by_name"][name] = (count + 1, us + e["dur"])
+    out = {}
+    for module, p in sorted(programs.items(), key=lambda kv: -kv[1]["busy_us"]):
+        ranked = sorted(p["by_name"].items(), key=lambda kv: -kv[1][1])
+        out[module] = dict(
+            kernels=p["kernels"],
+            distinct=len(p["by_name"]),
+            busy_ms=p["busy_us"] / 1e3,
+            top=[dict(name=n[:120], calls=c, ms=us / 1e3) for n, (c, us) in ranked[:top]],
+        )
+    return dict(device_events=bool(device), programs=out)
+
+
+def capture_profile(runs: dict[str, Callable], out: Path, seq: int) -> dict:
+    """One ``jax.profiler`` trace of one call of each run (compiled and warm already)."""
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # no Python call events: smaller traces, less overhead
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True, profiler_options=options):
+            for fn in runs.values():
+                fn()
+        traces = sorted(Path(tmp).rglob("perfetto_trace.json.gz"))
+        if not traces:
+            return {"error": "the profiler wrote no perfetto_trace.json.gz"}
+        summary = summarise_trace(traces[-1])
+        size = traces[-1].stat().st_size
+        if size <= MAX_TRACE_BYTES:
+            saved = out / f"profile_{seq}.json.gz"
+            shutil.copyfile(traces[-1], saved)
+            summary["saved"] = saved.name
+        else:
+            summary["saved"] = f"not saved ({size / 2**20:.0f} MiB > {MAX_TRACE_BYTES >> 20} MiB)"
+    return summary
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+
+class Bench:
+    """State of one run: results, time budget, and what earlier steps measured (to predict
+    the time and memory of later ones)."""
+
+    def __init__(self, args, mode: dict):
+        self.args, self.mode, self.out = args, mode, args.out
+        self.start = time.perf_counter()
+        self.deadline = self.start + args.budget
+        # (run name, dtype) -> dict(seq, compile_s, call_s, temp) of its last measurement
+        self.seen: dict[tuple[str, str], dict] = {}
+        self.pending = 0.0  # predicted seconds of the timed rounds still to come in this step
+        self.res: dict = dict(
+            meta={}, hf={}, mode="quick" if args.quick else "full", reps=args.reps,
+            settle=args.settle, budget_s=args.budget, layer=None, gemm={}, layers=[],
+            anchor=None, tiles=[], skipped=[], elapsed_s=0.0,
+        )  # fmt: skip
+
+    def left(self) -> float:
+        """Seconds of the budget left for new work (the pending timed rounds reserved)."""
+        return self.deadline - time.perf_counter() - self.pending
+
+    def save(self) -> None:
+        self.res["elapsed_s"] = time.perf_counter() - self.start
+        (self.out / "gpu_table.json").write_text(json.dumps(self.res, indent=1, default=str))
+        (self.out / "gpu_table.md").write_text(markdown(self.res))
+
+    def skip(self, what: str, why: str) -> None:
+        self.res["skipped"].append(f"{what}: {why}")
+        log(f"  skipped {what}: {why}")
+
+    def calls(self) -> int:
+        """Calls of each timed run: the first (in ``compile_runs``), the harness's warm-up and
+        ``reps`` x (settle + timed)."""
+        return 2 + self.args.reps * (1 + self.args.settle)
+
+    def predict(self, name: str, dtype: str, seq: int) -> tuple[float, float]:
+        """(seconds, temp bytes) that run ``name`` will take at ``seq``, scaled from its last
+        measurement (time and memory x (S / S')^2; the first time: 30 s, 0 bytes)."""
+        last = self.seen.get((name, dtype))
+        if last is None:
+            return 30.0, 0.0
+        grow = (seq / last["seq"]) ** 2
+        return last["compile_s"] + self.calls() * last["call_s"] * grow, last["temp"] * grow
+
+    def compile_runs(self, programs: dict, dtype: str, seq: int, rec: dict) -> dict:
+        """Compile the programs ``{name: (function, arguments)}`` predicted to fit the time
+        and memory left (in parallel threads: XLA's compiles release the GIL), record their
+        compiled memory and call each once. Returns the blocking calls of those that ran; why
+        the others did not is in ``rec[name]``."""
+        t0, lowered, planned = time.perf_counter(), {}, 0.0
+        for name, (fn, args) in programs.items():
+            secs, temp = self.predict(name, dtype, seq)
+            if planned + secs > self.left():
+                rec[name] = {"skipped": f"time budget (~{secs:.0f} s, {self.left():.0f} s left)"}
+            elif temp > jax_free_bytes():
+                rec[name] = {"skipped": f"memory (~{temp / harness.GIB:.0f} GiB predicted)"}
+            else:
+                try:
+                    lowered[name] = jax.jit(fn).lower(*args)
+                    planned += secs
+                except Exception as err:  # noqa: BLE001 - recorded, the others go on
+                    rec[name] = {"error": describe_error(err)}
+        with ThreadPoolExecutor(max(len(lowered), 1)) as pool:
+            futures = {name: pool.submit(low.compile) for name, low in lowered.items()}
+        share = (time.perf_counter() - t0) / max(len(lowered), 1)
+        log(f"  compiled {len(lowered)} programs in {share * len(lowered):.1f} s")
+        runs = {}
+        for name, future in futures.items():
             try:
-                hf_check = layer_speed.output_check(tl, hf_f, jlayer, x)
-                log(f"  output check vs HF: {hf_check}")
+                compiled = future.result()
+                mem = harness.memory(compiled)
+                rec[name] = {"memory": mem}
+                if needed_bytes(mem) > jax_free_bytes():
+                    need, free = needed_bytes(mem) / harness.GIB, jax_free_bytes() / harness.GIB
+                    rec[name]["skipped"] = f"memory ({need:.1f} GiB > {free:.1f} GiB free)"
+                    continue
+                run = harness.blocking(compiled, *programs[name][1])
+                t1 = time.perf_counter()
+                run()
+                call_s = time.perf_counter() - t1
+            except Exception as err:  # noqa: BLE001 - recorded in the table, the others go on
+                rec[name] = dict(rec.get(name, {}), error=describe_error(err))
+                log(f"  {name}: {rec[name]['error']}")
+                free_memory()
+                continue
+            self.seen[(name, dtype)] = dict(
+                seq=seq, compile_s=share, call_s=call_s, temp=mem["temp"]
+            )
+            self.pending += (self.calls() - 1) * call_s
+            log(f"  {name}: temp {mem['temp'] / harness.GIB:.2f} GiB, first call {call_s:.2f} s")
+            runs[name] = run
+        return runs
+
+    def time_runs(self, runs: dict[str, Callable], rec: dict, dtype: str = "") -> None:
+        """Interleaved rounds of the runs that compiled; medians and minima into ``rec``
+        (and the minimum into the predictions of later steps)."""
+        if not runs:
+            return
+        try:
+            times = harness.interleaved(runs, self.args.reps, settle=self.args.settle)
+        except Exception as err:  # noqa: BLE001
+            why = describe_error(err)
+            log(f"  interleaved rounds failed: {why}")
+            for name in runs:
+                rec[name] = dict(rec.get(name, {}), error=why)
+            return
+        finally:
+            self.pending = 0.0
+        for name, t in times.items():
+            rec[name] = dict(rec.get(name, {}), **harness.summary(t))
+            seen = self.seen.get((name, dtype))
+            if seen is not None:
+                seen["call_s"] = rec[name]["min"]
+
+    # --- steps ---
+
+    def gemm(self) -> None:
+        n, rec = self.mode["gemm_n"], self.res["gemm"]
+        runs = {name: harness.gemm(n, dtype, prec) for name, (dtype, prec) in GEMMS.items()}
+        self.time_runs(runs, rec)
+        for v in rec.values():
+            if "min" in v:
+                v.update(tflops_best=2 * n**3 / v["min"] / 1e12, n=n)
+
+    def layer(self, dtype_name: str, seq: int, layer, torch_layer, hf_config, hf: dict) -> None:
+        """All implementations at one dtype and S (see the module docstring, item 2)."""
+        jlayer = cast(layer, DTYPES[dtype_name])
+        x_np = np.random.default_rng(0).normal(size=(1, seq, jlayer.config.hidden_size))
+        x_np = x_np.astype(np.float32)
+        x = jnp.asarray(x_np, DTYPES[dtype_name])
+        rec: dict = dict(dtype=dtype_name, seq=seq, runs={})
+        self.res["layers"].append(rec)
+        programs = layer_speed.jax_layer_programs(jlayer, x)
+        runs = self.compile_runs(programs, dtype_name, seq, rec["runs"])
+        self.save()
+        if torch_layer is not None:
+            runs |= self.hf_runs(torch_layer, hf_config, hf, dtype_name, x_np, rec)
+        self.time_runs(runs, rec["runs"], dtype_name)
+        stats = jax.devices()[0].memory_stats() or {}
+        rec["jax_peak_bytes"] = stats.get("peak_bytes_in_use")
+        c = jlayer.config
+        rec["indexer_flops"] = layer_speed.indexer_flops(1, seq, c)
+        check = seq == self.mode["seqs"][0] and dtype_name == "float32" and torch_layer is not None
+        if check and self.left() < 30:
+            self.skip(f"HF output check S={seq}", f"time budget ({self.left():.0f} s left)")
+        elif check:
+            try:
+                rec["hf_check"] = layer_speed.output_check(torch_layer, hf_config, jlayer, x)
             except Exception as err:  # noqa: BLE001
-                hf_check = {"error": describe_error(err)}
-    if on_cuda:
+                rec["hf_check"] = {"error": describe_error(err)}
+        self.save()
+        profile = dtype_name == self.args.dtypes[0] and seq in self.mode["profile"]
+        if profile and not self.args.no_profile:
+            profiled = {name: runs[name] for name in PROFILED if name in runs}
+            if self.left() < 20:
+                self.skip(f"profile S={seq}", f"time budget ({self.left():.0f} s left)")
+            elif profiled:
+                log(f"  profile S={seq}: {', '.join(profiled)}")
+                try:
+                    rec["profile"] = capture_profile(profiled, self.out, seq)
+                except Exception as err:  # noqa: BLE001
+                    rec["profile"] = {"error": describe_error(err)}
+
+    def hf_runs(self, torch_layer, hf_config, hf: dict, dtype_name: str, x_np, rec: dict):
+        """Warm, measured (peak memory) HF runs that are predicted to fit, as blocking calls."""
         import torch
 
-        torch.cuda.reset_peak_memory_stats()
-    times = timed(runs, reps)
-    stats = jax.devices()[0].memory_stats() or {}
-    peaks = {"jax process peak so far": stats.get("peak_bytes_in_use")}
-    if on_cuda:
-        peaks["torch this section"] = torch.cuda.max_memory_allocated()
-    c = jlayer.config
-    return dict(
-        dtype=dtype_name,
-        seq=seq,
-        matmul_precision=str(jax.config.jax_default_matmul_precision),
-        times=times,
-        indexer_flops=layer_speed.indexer_flops(1, seq, c),
-        hf_check=hf_check,
-        peak_bytes=peaks,
-    )
+        from csa_eqx.testing import hf_v4_runner
 
-
-TILE_KEY_BLOCKS = (0, 512, 1024, 2048)  # indexer_key_block values tried (0 = automatic)
-
-
-def tiles_section(layer, dtype_name: str, seq: int, reps: int) -> dict:
-    """The selection stage alone at several ``indexer_key_block`` values (query blocks and row
-    buffers automatic): which streaming tile suits this machine."""
-    jlayer = cast(layer, DTYPES[dtype_name])
-    x = jax.random.normal(jax.random.key(0), (1, seq, jlayer.config.hidden_size))
-    x = x.astype(DTYPES[dtype_name])
-    runs = {}
-    for kb in TILE_KEY_BLOCKS:
-        variant = jlayer.with_execution(Execution.from_options(indexer_key_block=kb))
-        select = jax.jit(layer_speed.selection_stage)
-        runs[f"key_block={kb or 'auto'}"] = lambda select=select, variant=variant: (
-            jax.block_until_ready(select(variant, x))
-        )
-    return dict(dtype=dtype_name, seq=seq, times=timed(runs, reps))
-
-
-def memory_section(quick: bool, sizes: dict, deadline: float) -> list[dict]:
-    """Compiled fwd+bwd temp bytes of csa_eqx (and naive up to ``sizes['naive_mem']``)."""
-    config, rows = memory_config(quick), []
-    for seq in sizes["mem"]:
-        row: dict = dict(seq=seq)
-        variants = [("csa_eqx", lambda m, x: m(x))]
-        if seq <= sizes["naive_mem"]:
-            variants.append(("naive", naive_v4_csa))
-        for name, forward in variants:
-            if time.perf_counter() > deadline:
-                row[name] = {"error": "skipped (time budget)"}
+        device, seq = hf["device"], x_np.shape[1]
+        tdtype = getattr(torch, dtype_name)
+        # A copy: the float32 master weights on the CPU stay as loaded into csa_eqx.
+        tl = copy.deepcopy(torch_layer).to(device=device, dtype=tdtype)
+        fwd, fwd_bwd = hf_v4_runner(tl, hf_config, x_np, device=device, dtype=tdtype)
+        cuda = device == "cuda"
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        runs = {}
+        for name, fn in (("HF eager fwd+bwd", fwd_bwd), ("HF eager fwd", fwd)):
+            secs, peak = self.predict(name, dtype_name, seq)
+            free = torch.cuda.mem_get_info()[0] if cuda else float("inf")
+            if secs > self.left():
+                rec["runs"][name] = {"skipped": f"time budget (~{secs:.0f} s)"}
                 continue
+            if peak > free:
+                gib = peak / harness.GIB
+                rec["runs"][name] = {"skipped": f"memory (~{gib:.0f} GiB predicted)"}
+                continue
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
             try:
-                temp, secs = layer_memory.fwd_bwd_temp_bytes(config, forward, seq)
-                row[name] = dict(temp_bytes=temp, compile_s=secs)
-            except Exception as err:  # noqa: BLE001
-                row[name] = {"error": describe_error(err)}
-            log(f"  memory S={seq} {name}: {row[name]}")
-        rows.append(row)
-    return rows
+                fn(), sync()
+            except Exception as err:  # noqa: BLE001 - torch's OOM, say
+                rec["runs"][name] = {"error": describe_error(err)}
+                log(f"  {name}: {rec['runs'][name]['error']}")
+                free_memory()
+                continue
+            call_s = time.perf_counter() - t0
+            peak = torch.cuda.max_memory_allocated() if cuda else 0
+            rec["runs"][name] = {"torch_peak_bytes": peak} if cuda else {}
+            self.seen[(name, dtype_name)] = dict(seq=seq, compile_s=0.0, call_s=call_s, temp=peak)
+            self.pending += (self.calls() - 1) * call_s
+            runs[name] = lambda fn=fn: (fn(), sync())
+        return runs
+
+    def anchor(self) -> None:
+        a = self.mode["anchor"]
+        seq, heads, dim, k = a["seq"], a["heads"], a["dim"], a["k"]
+        q, w, keys = anchor_inputs(seq, heads, dim)
+        rec: dict = dict(a, runs={})
+        self.res["anchor"] = rec
+        fn = lambda q, w, keys: anchor_select(q, w, keys, k)  # noqa: E731
+        runs = self.compile_runs({"indexer": (fn, (q, w, keys))}, "bfloat16", seq, rec["runs"])
+        if not runs:
+            return
+        self.time_runs(runs, rec["runs"], "bfloat16")
+        pairs = seq * (seq + 1) / 2
+        rec["flops"] = dict(visible=scoring_flops(pairs, heads, dim))
+        self.save()
+        if self.left() < 30:
+            self.skip("anchor exactness check", f"time budget ({self.left():.0f} s left)")
+            return
+        try:
+            ours = runs["indexer"]()
+            dense = jax.jit(lambda q, w, keys: anchor_dense(q, w, keys, k))(q, w, keys)
+            same = np.asarray(jnp.all(ours == dense, axis=-1))
+            rec["same_rows_as_dense"] = float(same.mean())
+        except Exception as err:  # noqa: BLE001
+            rec["same_rows_as_dense"] = describe_error(err)
+
+    def tiles(self, layer) -> None:
+        """The selection stage at several ``indexer_key_block`` values, bf16, the first S
+        above 4k (query blocks and row buffers automatic)."""
+        seq = ([s for s in self.mode["seqs"] if s > 4096] or self.mode["seqs"])[0]
+        jlayer = cast(layer, jnp.bfloat16)
+        x = jax.random.normal(jax.random.key(0), (1, seq, jlayer.config.hidden_size), jnp.bfloat16)
+        rec: dict = dict(dtype="bfloat16", seq=seq, runs={})
+        self.res["tiles"].append(rec)
+        programs = {}
+        for kb in TILE_KEY_BLOCKS:
+            variant = jlayer.with_execution(ce.Execution.from_options(indexer_key_block=kb))
+            programs[f"key_block={kb or 'auto'}"] = (layer_speed.selection_stage, (variant, x))
+        runs = self.compile_runs(programs, "bfloat16", seq, rec["runs"])
+        self.time_runs(runs, rec["runs"], "bfloat16")
 
 
-def fmt_time(v: dict | None, key: str) -> str:
-    if v is None:
+def plan(seqs, dtypes, tiles: bool) -> list[tuple]:
+    """Steps in priority order: GEMM; every dtype at the shortest S; the first dtype at the
+    other S up to ``LARGEST_MAIN_SEQ``; the anchor; the other dtypes there; longer S last."""
+    main = sorted(s for s in seqs if s <= LARGEST_MAIN_SEQ)
+    extra = sorted(s for s in seqs if s > LARGEST_MAIN_SEQ)
+    steps: list[tuple] = [("gemm",)]
+    steps += [("layer", d, main[0]) for d in dtypes] if main else []
+    steps += [("layer", dtypes[0], s) for s in main[1:]]
+    steps += [("anchor",)]
+    steps += [("layer", d, s) for s in main[1:] for d in dtypes[1:]]
+    steps += [("layer", d, s) for s in extra for d in dtypes]
+    return steps + ([("tiles",)] if tiles else [])
+
+
+# --- markdown ----------------------------------------------------------------------------------
+
+
+def ms(v: dict | None, key: str = "median") -> str:
+    """A run's time in ms, or why it has none."""
+    if not v:
         return "-"
-    return f"{v[key] * 1e3:.2f}" if key in v else v["error"]
+    if key in v:
+        return f"{v[key] * 1e3:.2f}"
+    return v.get("error") or v.get("skipped") or "-"
 
 
-def ratio(num: dict | None, den: dict | None, key: str) -> str:
-    if num is None or den is None or key not in num or key not in den:
+def cell(v: dict | None) -> str:
+    """'median (min)' in ms, or why there is none."""
+    return f"{ms(v)} ({ms(v, 'min')})" if v and "min" in v else ms(v)
+
+
+def ratio(num: dict | None, den: dict | None) -> str:
+    if not num or not den or "median" not in num or "median" not in den:
         return "-"
-    return f"{num[key] / den[key]:.2f}x"
+    return f"{num['median'] / den['median']:.2f}x"
 
 
-def layer_markdown(r: dict, gemm: dict) -> list[str]:
-    t = r["times"]
-    head = f"### {r['dtype']}, B = 1, S = {r['seq']}"
-    if r["dtype"] == "float32":
-        head += " (JAX matmul precision 'highest', torch TF32 off: true fp32)"
-    lines = [
-        head,
-        "",
-        "| implementation | fwd median (ms) | fwd min (ms) | fwd+bwd median (ms) "
-        "| fwd+bwd min (ms) | csa_eqx speed-up fwd / fwd+bwd (median) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for key, label in (
-        ("csa_eqx", "csa_eqx (jit)"),
-        ("naive", "naive dense-mask (JAX jit)"),
-        ("HF eager", "HF transformers eager (torch)"),
-    ):
-        f, fb = t.get(f"{key} fwd"), t.get(f"{key} fwd+bwd")
-        if f is None and fb is None:
-            continue
-        up = "-"
-        if key != "csa_eqx":
-            up = (
-                f"{ratio(f, t.get('csa_eqx fwd'), 'median')} / "
-                f"{ratio(fb, t.get('csa_eqx fwd+bwd'), 'median')}"
-            )
-        lines.append(
-            f"| {label} | {fmt_time(f, 'median')} | {fmt_time(f, 'min')} | "
-            f"{fmt_time(fb, 'median')} | {fmt_time(fb, 'min')} | {up} |"
-        )
-    sel = t.get("selection stage", {})
-    gemm_key = "float32 (precision highest)" if r["dtype"] == "float32" else "bfloat16"
-    best = gemm.get("runs", {}).get(gemm_key, {}).get("tflops_best")
-    if "min" in sel:
-        lines += [
-            "",
-            f"Selection stage alone (compressor, indexer queries, scoring, top-k): "
-            f"{sel['median'] * 1e3:.2f} ms median, {sel['min'] * 1e3:.2f} ms min.",
-            "",
-            f"| indexer FLOPs counted | GFLOP | achieved TFLOP/s (min time) "
-            f"| fraction of best {gemm_key} GEMM |",
-            "|---|---|---|---|",
-        ]
-        for key, label in layer_speed.FLOP_ROWS:
-            flops = r["indexer_flops"][key]
-            rate = flops / sel["min"] / 1e12
-            frac = f"{rate / best:.1%}" if best else "-"
-            lines.append(f"| {label} | {flops / 1e9:.4g} | {rate:.3g} | {frac} |")
-    elif sel:
-        lines += ["", f"Selection stage alone: {sel.get('error')}"]
-    c = r.get("hf_check")
-    if c and "same_rows" in c:
-        lines += [
-            "",
-            f"Output check vs HF (same weights and input): {c['same_rows']:.2%} of query rows "
-            f"pick the same top-k set; on them max |ours - HF| / max |HF| = {c['err_same']:.1e} "
-            f"(all rows {c['err']:.1e}).",
-        ]
-    elif c:
-        lines += ["", f"Output check vs HF failed: {c['error']}"]
-    known = {k: v for k, v in r.get("peak_bytes", {}).items() if v is not None}
-    if known:
-        cells = ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in known.items())
-        lines += ["", f"Device memory peaks: {cells}."]
-    return lines + [""]
+def gib(v: dict | None) -> str:
+    if not v or "memory" not in v:
+        return "-"
+    return f"{v['memory']['temp'] / harness.GIB:.3f}"
+
+
+def gemm_rate(res: dict, dtype_name: str) -> float | None:
+    return res["gemm"].get(GEMM_OF[dtype_name], {}).get("tflops_best")
 
 
 def markdown(res: dict) -> str:
-    """The whole result as markdown."""
+    """The whole result as markdown (rewritten after every step)."""
     m, hf = res["meta"], res["hf"]
     lines = [
         "# csa_eqx accelerator benchmark",
         "",
-        f"Date: {m['date']}. JAX {m['jax']} (backend {m['backend']}, device "
-        f"{m['jax_device']}), Python {m['python']}, {m['cpus']} CPU cores. "
-        f"XLA_PYTHON_CLIENT_PREALLOCATE={m['xla_preallocate']}. "
-        f"Global jax_default_matmul_precision: {m['jax_default_matmul_precision']}.",
-        "",
-        "```",
-        m["nvidia_smi"],
-        "",
-        m.get("jax_env", ""),
-        "```",
-        "",
-        "HF transformers layer: "
+        harness.machine_markdown(m) if m else "",
+        f"- XLA_PYTHON_CLIENT_PREALLOCATE={m.get('xla_preallocate')}, "
+        f"XLA_PYTHON_CLIENT_MEM_FRACTION={m.get('xla_mem_fraction')}; global "
+        f"jax_default_matmul_precision: {m.get('jax_default_matmul_precision')}",
+        "- HF transformers layer: "
         + (
-            f"torch {hf.get('torch')}, transformers {hf.get('transformers')}, on "
-            f"{hf.get('device')} ({hf.get('gpu', 'CPU')})."
-            if hf["ok"]
-            else f"not run: {hf['why']}."
+            f"torch {hf.get('torch')} on {hf.get('device')} ({hf.get('gpu', 'CPU')})"
+            if hf.get("ok")
+            else f"not run: {hf.get('why')}"
         ),
+        f"- Mode: {res['mode']}; layer: {res['layer']}; B = 1. Times: median (min) in ms of "
+        f"{res['reps']} interleaved rounds, each timed call after {res['settle']} untimed "
+        f"call(s) of the same run, after two warm-up calls. Time budget {res['budget_s']:.0f} s.",
         "",
-        f"Mode: {'quick (tiny sizes, smoke test)' if res['quick'] else 'full'}; "
-        f"{res['reps']} timed interleaved rounds after two warm-up calls per run; times in ms. "
-        f"Layer: {res['sizes']}, compress rate {layer_speed.RATE}.",
+        "```",
+        str(m.get("nvidia_smi", "")),
+        "```",
         "",
     ]
-    gemm = res.get("gemm")
-    if gemm:
-        lines += [
-            f"## GEMM throughput (`jnp.dot`, {gemm['n']} x {gemm['n']})",
-            "",
-            "| dtype | median (ms) | min (ms) | TFLOP/s (median) | TFLOP/s (best) |",
-            "|---|---|---|---|---|",
+    if res["gemm"]:
+        rows = [
+            [name, cell(v), f"{v['tflops_best']:.1f}" if "tflops_best" in v else "-"]
+            for name, v in res["gemm"].items()
         ]
-        for name, v in gemm["runs"].items():
-            if "min" in v:
-                lines.append(
-                    f"| {name} | {v['median'] * 1e3:.2f} | {v['min'] * 1e3:.2f} | "
-                    f"{v['tflops_median']:.1f} | {v['tflops_best']:.1f} |"
-                )
-            else:
-                lines.append(f"| {name} | {v['error']} | | | |")
-        lines.append("")
-    if res["layer"]:
-        lines += ["## Layer wall time (V4 CSA layer)", ""]
-        for r in res["layer"]:
-            lines += layer_markdown(r, gemm or {})
-    if res.get("tiles"):
-        lines += [
-            "## Selection stage vs streaming key tile (`indexer_key_block`)",
-            "",
-            "| dtype | S | "
-            + " | ".join(f"key_block={kb or 'auto'} (ms)" for kb in TILE_KEY_BLOCKS)
-            + " |",
-            "|---|---|" + "---|" * len(TILE_KEY_BLOCKS),
-        ]
+        n = next((v["n"] for v in res["gemm"].values() if "n" in v), "?")
+        lines += [f"## GEMM rate (`jnp.dot`, {n} x {n})", ""]
+        lines += [harness.table(["dtype", "ms", "TFLOP/s (best)"], rows), ""]
+    layers = sorted(res["layers"], key=lambda r: (r["seq"], r["dtype"]))
+    if layers:
+        lines += speed_tables(layers) + selection_table(res, layers) + memory_table(layers)
+        lines += checks(layers)
+    if res["anchor"]:
+        lines += anchor_lines(res)
+    if any("profile" in r for r in layers):
+        lines += profile_lines(layers)
+    if res["tiles"]:
+        lines += ["## Selection stage vs streaming key tile (bf16)", ""]
         for r in res["tiles"]:
-            cells = [
-                fmt_time(r["times"].get(f"key_block={kb or 'auto'}"), "min")
-                for kb in TILE_KEY_BLOCKS
+            names = list(r["runs"])
+            lines += [
+                harness.table(["S"] + names, [[r["seq"]] + [cell(r["runs"][k]) for k in names]])
             ]
-            lines.append(f"| {r['dtype']} | {r['seq']} | " + " | ".join(cells) + " |")
-        lines += ["", "(min over the timed rounds; automatic = 128-entry tiles)", ""]
-    if res["memory"]:
-        lines += [
-            "## Compiled temp memory of fwd+bwd (float32, `memory_analysis`, nothing runs)",
-            "",
-            "| S | csa_eqx (GiB) | naive dense-mask (GiB) | compile s (csa_eqx / naive) |",
-            "|---|---|---|---|",
-        ]
-        for row in res["memory"]:
-            cells, secs = [], []
-            for name in ("csa_eqx", "naive"):
-                v = row.get(name)
-                cells.append(
-                    "-" if v is None else v.get("error", f"{v.get('temp_bytes', 0) / GIB:.3f}")
-                )
-                secs.append("-" if v is None or "compile_s" not in v else f"{v['compile_s']:.0f}")
-            lines.append(f"| {row['seq']} | {cells[0]} | {cells[1]} | {' / '.join(secs)} |")
         lines.append("")
     if res["skipped"]:
-        lines += ["Skipped (time budget): " + ", ".join(res["skipped"]), ""]
+        lines += ["## Skipped", ""] + [f"- {s}" for s in res["skipped"]] + [""]
     lines.append(f"Total wall time of the script: {res['elapsed_s']:.0f} s.")
     return "\n".join(lines) + "\n"
+
+
+def speed_tables(layers: list[dict]) -> list[str]:
+    header = ["S", "dtype"]
+    for _, label in IMPLEMENTATIONS:
+        header += [f"{label} fwd", f"{label} fwd+bwd"]
+    header += ["csa_eqx speed-up vs naive (fwd / fwd+bwd)", "vs HF eager (fwd / fwd+bwd)"]
+    rows = []
+    for r in layers:
+        t = r["runs"]
+        row = [r["seq"], r["dtype"]]
+        for key, _ in IMPLEMENTATIONS:
+            row += [cell(t.get(f"{key} fwd")), cell(t.get(f"{key} fwd+bwd"))]
+        for key in ("naive", "HF eager"):
+            row.append(
+                " / ".join(
+                    ratio(t.get(f"{key} {p}"), t.get(f"csa_eqx {p}")) for p in ("fwd", "fwd+bwd")
+                )
+            )
+        rows.append(row)
+    return ["## Layer wall time, ms: median (min)", "", harness.table(header, rows), ""]
+
+
+def selection_table(res: dict, layers: list[dict]) -> list[str]:
+    rows = []
+    for r in layers:
+        sel = r["runs"].get("selection stage")
+        flops = r.get("indexer_flops", {})
+        rate = gemm_rate(res, r["dtype"])
+        cells = ["-", "-", "-"]
+        if sel and "min" in sel and flops:
+            visible = flops["visible"] / sel["min"] / 1e12
+            full = flops["with_projections"] / sel["min"] / 1e12
+            cells = [
+                f"{visible:.1f}",
+                f"{visible / rate:.1%}" if rate else "-",
+                f"{full / rate:.1%}" if rate else "-",
+            ]
+        rows.append(
+            [r["seq"], r["dtype"], cell(sel), f"{flops.get('visible', 0) / 1e9:.4g}"] + cells
+        )
+    header = [
+        "S", "dtype", "selection stage ms", "visible-pair scoring GFLOP", "TFLOP/s",
+        "of the GEMM rate (same dtype)", "counting the stage's projections too",
+    ]  # fmt: skip
+    return [
+        "## Selection stage alone (compressor, indexer queries, scoring, top-k)",
+        "",
+        "GEMM rate: bf16 rows against the bf16 GEMM, fp32 rows against the true-fp32 GEMM.",
+        "",
+        harness.table(header, rows),
+        "",
+    ]
+
+
+def memory_table(layers: list[dict]) -> list[str]:
+    names = ["csa_eqx fwd", "csa_eqx fwd+bwd", "selection stage", "naive fwd", "naive fwd+bwd"]
+    rows = [[r["seq"], r["dtype"]] + [gib(r["runs"].get(n)) for n in names] for r in layers]
+    peaks = [
+        f"S={r['seq']} {r['dtype']}: JAX peak {r['jax_peak_bytes'] / harness.GIB:.1f} GiB"
+        for r in layers
+        if r.get("jax_peak_bytes")
+    ]
+    lines = [
+        "## Compiled temp memory of the timed programs, GiB (XLA `memory_analysis`)",
+        "",
+        harness.table(["S", "dtype"] + names, rows),
+        "",
+    ]
+    return lines + ([f"Device memory so far: {'; '.join(peaks)}.", ""] if peaks else [])
+
+
+def checks(layers: list[dict]) -> list[str]:
+    lines = []
+    for r in layers:
+        c = r.get("hf_check")
+        if c and "same_rows" in c:
+            lines += [
+                f"Output check vs HF (S = {r['seq']}, {r['dtype']}; HF on the CPU in float32, "
+                f"same weights and input): {c['same_rows']:.2%} of query rows pick the same "
+                f"top-k set; on them max |ours - HF| / max |HF| = {c['err_same']:.1e} (all rows "
+                f"{c['err']:.1e}).",
+                "",
+            ]
+        elif c:
+            lines += [f"Output check vs HF failed: {c['error']}", ""]
+    return lines
+
+
+def anchor_lines(res: dict) -> list[str]:
+    a = res["anchor"]
+    run = a["runs"].get("indexer")
+    lines = [
+        f"## Anchor: indexer alone, Q = K = {a['seq']} token keys, {a['heads']} heads x "
+        f"{a['dim']}, k = {a['k']}, bf16, causal (V3.2-style)",
+        "",
+        f"Time: {cell(run)} ms.",
+    ]
+    if run and "min" in run:
+        best = run["min"] * 1e3
+        if a.get("reference_ms"):
+            lines[-1] += (
+                f" Reference kernel {a['reference_ms']} ms: {best / a['reference_ms']:.2f}x."
+            )
+        tflops = a["flops"]["visible"] / run["min"] / 1e12
+        rate = gemm_rate(res, "bfloat16")
+        frac = f", {tflops / rate:.1%} of the bf16 GEMM rate" if rate else ""
+        lines.append(
+            f"Visible-pair scoring: {a['flops']['visible'] / 1e12:.2f} TFLOP, "
+            f"{tflops:.1f} TFLOP/s{frac}."
+        )
+    same = a.get("same_rows_as_dense")
+    if same is not None:
+        text = f"{same:.2%}" if isinstance(same, float) else same
+        lines.append(f"Rows whose picks equal the dense (materialised-score) path's: {text}.")
+    return lines + [""]
+
+
+def profile_lines(layers: list[dict]) -> list[str]:
+    lines = ["## Profiles (one call each, bf16)", ""]
+    for r in layers:
+        p = r.get("profile")
+        if not p:
+            continue
+        if "error" in p:
+            lines += [f"S = {r['seq']}: {p['error']}", ""]
+            continue
+        where = "device kernels" if p["device_events"] else "XLA ops (no device events)"
+        lines += [f"### S = {r['seq']}: {where}; trace: {p['saved']}", ""]
+        for module, v in p["programs"].items():
+            lines += [
+                f"`{module}`: {v['kernels']} launches of {v['distinct']} kernels, "
+                f"{v['busy_ms']:.2f} ms busy.",
+                "",
+            ]
+            rows = [[t["name"], t["calls"], f"{t['ms']:.3f}"] for t in v["top"]]
+            lines += [harness.table(["kernel", "calls", "ms"], rows), ""]
+    return lines
+
+
+# --- main --------------------------------------------------------------------------------------
 
 
 def main() -> None:
@@ -496,89 +790,62 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="folder for the .md and .json")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a CPU smoke test")
     parser.add_argument("--allow-cpu", action="store_true", help="full sizes on a CPU backend")
-    parser.add_argument("--reps", type=int, default=5, help="timed rounds (default 5)")
-    parser.add_argument("--seqs", type=int, nargs="+", help="timed sequence lengths")
-    parser.add_argument("--mem-seqs", type=int, nargs="+", help="compiled-memory lengths")
-    parser.add_argument("--gemm-n", type=int, help="GEMM matrix side")
+    parser.add_argument("--budget", type=float, default=400, help="seconds for all steps")
+    parser.add_argument("--reps", type=int, default=3, help="timed rounds (default 3)")
+    parser.add_argument("--settle", type=int, default=1, help="untimed calls before each timed")
+    parser.add_argument("--seqs", type=int, nargs="+", help="sequence lengths")
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     parser.add_argument("--no-hf", action="store_true", help="skip torch and transformers")
-    parser.add_argument("--no-tiles", action="store_true", help="skip the key-tile comparison")
-    parser.add_argument(
-        "--budget",
-        type=float,
-        default=300,
-        help="seconds after which no layer section starts (memory items: 90 s more)",
-    )
+    parser.add_argument("--no-anchor", action="store_true", help="skip the indexer anchor")
+    parser.add_argument("--no-profile", action="store_true", help="skip the profiler traces")
+    parser.add_argument("--tiles", action="store_true", help="add the key-tile sweep (last)")
     args = parser.parse_args()
-    start = time.perf_counter()
-    deadline = start + args.budget
-    sizes = dict(QUICK if args.quick else FULL)
-    sizes.update({k: tuple(v) for k, v in (("seqs", args.seqs), ("mem", args.mem_seqs)) if v})
-    sizes["n"] = args.gemm_n or sizes["n"]
+    mode = dict(MODES["quick" if args.quick else "full"])
+    if args.seqs:
+        mode["seqs"] = tuple(args.seqs)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = machine()  # initialises JAX's backend before torch loads its CUDA libraries
+    bench = Bench(args, mode)
+    res = bench.res
+    res["meta"] = machine()  # initialises JAX's backend before torch loads its CUDA libraries
     hf = dict(ok=False, why="--no-hf") if args.no_hf else torch_setup(args.quick or args.allow_cpu)
-    res: dict = dict(
-        meta=meta,
-        hf=hf,
-        quick=args.quick,
-        reps=args.reps,
-        sizes=layer_speed.QUICK_SIZES if args.quick else layer_speed.SIZES,
-        gemm=None,
-        layer=[],
-        tiles=[],
-        memory=[],
-        skipped=[],
-        elapsed_s=0.0,
+    res["hf"] = hf
+    config = harness.speed_layer(args.quick)
+    res["layer"] = (
+        f"hidden {config.hidden_size}, {config.num_heads} heads x {config.head_dim}, indexer "
+        f"{config.index_n_heads} heads x {config.index_head_dim}, k = {config.index_topk}, "
+        f"m = {config.compress_rate}, window {config.sliding_window}"
     )
     log(f"{res['meta']}\nHF: {hf}")
-
-    def save() -> None:
-        res["elapsed_s"] = time.perf_counter() - start
-        (args.out / "gpu_table.json").write_text(json.dumps(res, indent=1, default=str))
-        (args.out / "gpu_table.md").write_text(markdown(res))
-        log(f"wrote {args.out}/gpu_table.md ({res['elapsed_s']:.0f} s elapsed)")
-
-    save()
-    if meta["backend"] == "cpu" and not (args.quick or args.allow_cpu):
+    bench.save()
+    if res["meta"]["backend"] == "cpu" and not (args.quick or args.allow_cpu):
         log("JAX found no accelerator: stopping (use --quick, or --allow-cpu to insist)")
         raise SystemExit(2)
-    log(f"GEMM {sizes['n']}^3")
-    res["gemm"] = gemm_section(sizes["n"], args.reps)
-    save()
-    layer, torch_layer, cfg = build_layers(args.quick, hf)
-    for seq in sizes["seqs"]:
-        for dtype_name in DTYPES:
-            step = f"layer {dtype_name} S={seq}"
-            if time.perf_counter() > deadline:
-                res["skipped"].append(step)
-                continue
-            log(step)
-            with precision(dtype_name):
-                first = seq == sizes["seqs"][0]
-                res["layer"].append(
-                    layer_section(layer, torch_layer, cfg, hf, dtype_name, seq, args.reps, first)
-                )
-            free_memory()
-            jax.clear_caches()
-            save()
-    for dtype_name in () if args.no_tiles else DTYPES:
-        step = f"tiles {dtype_name} S={sizes['seqs'][-1]}"
-        if time.perf_counter() > deadline:
-            res["skipped"].append(step)
+    if hf["ok"]:
+        torch_layer, hf_config, layer = layer_speed.hf_and_ours(config)
+    else:
+        torch_layer, hf_config, layer = None, None, V4Attention(config, key=jax.random.key(0))
+    for step in plan(mode["seqs"], args.dtypes, args.tiles):
+        what = " ".join(map(str, step))
+        if step[0] == "anchor" and args.no_anchor:
             continue
-        log(step)
-        with precision(dtype_name):
-            try:
-                res["tiles"].append(tiles_section(layer, dtype_name, sizes["seqs"][-1], args.reps))
-            except Exception as err:  # noqa: BLE001
-                res["skipped"].append(f"{step}: {describe_error(err)}")
+        if bench.left() <= 0:
+            bench.skip(what, "time budget")
+            continue
+        log(f"{what} ({bench.left():.0f} s left)")
+        if step[0] == "gemm":
+            bench.gemm()
+        elif step[0] == "layer":
+            with precision(step[1]):
+                bench.layer(step[1], step[2], layer, torch_layer, hf_config, hf)
+        elif step[0] == "anchor":
+            bench.anchor()
+        else:
+            bench.tiles(layer)
+        free_memory()
         jax.clear_caches()
-        save()
-    log("compiled memory")
-    with precision("float32"):
-        # Compile-only and cheap: it may start items up to 90 s past the budget.
-        res["memory"] = memory_section(args.quick, sizes, deadline + 90)
-    save()
+        bench.save()
+    bench.save()
+    log(f"done in {res['elapsed_s']:.0f} s")
     print(markdown(res), flush=True)
 
 

@@ -7,7 +7,7 @@ T = S / 4 compressed entries, B = 1) for unchunked and ``head_chunk`` 1 / 4 / 16
 ``--kl`` it does the same for ``indexer_kl_loss`` (target over the 64 main heads x 512, dense
 warm-up candidates). Nothing is executed, so it runs on any host::
 
-    python benchmarks/indexer_chunk_memory.py [--kl] [--seq 2048 4096 8192 16384]
+    python -m benchmarks.indexer_chunk_memory [--kl] [--seq 2048 4096 8192 16384]
 """
 
 from __future__ import annotations
@@ -17,11 +17,15 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from csa_eqx import indexer_kl_loss, indexer_scores
+from csa_eqx import indexer_kl_loss, indexer_scores, presets
 
-HEADS, INDEX_DIM, MAIN_DIM, RATE = 64, 128, 512, 4
+from . import harness
+
+_FLASH = presets.v4_flash("csa")
+HEADS, INDEX_DIM = _FLASH.index_n_heads, _FLASH.index_head_dim
+MAIN_DIM, RATE = _FLASH.head_dim, _FLASH.compress_rate
 CHUNKS = (0, 1, 4, 16)
-GIB = 2.0**30
+GIB = harness.GIB
 
 
 def visible(s: int, t: int) -> jax.Array:
@@ -68,10 +72,6 @@ def kl_args(s: int):
     )
 
 
-def temp_bytes(fn, args) -> int:
-    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
@@ -85,7 +85,7 @@ def main() -> None:
     failures = []
     for s in opts.seq:
         score_tensor = 4 * HEADS * s * (s // RATE)
-        temps = {c: temp_bytes(step(c), make_args(s)) for c in CHUNKS}
+        temps = {c: harness.temp_bytes(step(c), *make_args(s)) for c in CHUNKS}
         cells = [f"{temps[c] / GIB:.3f}" for c in CHUNKS]
         print(f"| {s} | {score_tensor / GIB:.3f} | " + " | ".join(cells) + " |", flush=True)
         for c in CHUNKS[1:]:

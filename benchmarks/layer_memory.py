@@ -17,51 +17,29 @@ import jax.numpy as jnp
 
 from csa_eqx import Execution, V4Attention, V4AttentionConfig
 
+from . import harness
+from .layer_speed import forward
 from .naive_baseline import naive_v4_csa
 
-GIB = 1 << 30
-CONFIG = V4AttentionConfig(
-    hidden_size=256,
-    num_heads=4,
-    head_dim=64,
-    rope_dim=64,
-    q_lora_rank=256,
-    o_groups=2,
-    o_lora_rank=128,
-    sliding_window=128,
-    compress_rate=4,
-    index_n_heads=64,
-    index_head_dim=128,
-    index_topk=512,
-)
-
-
+CONFIG = harness.speed_layer()
 VARIANTS = {
-    "csa_eqx": lambda m, x: m(x),
-    "csa_eqx qk_head_chunk_size=8": lambda m, x: m(x),
-    "naive dense-mask": naive_v4_csa,
+    "csa_eqx": (CONFIG, forward),
+    "csa_eqx qk_head_chunk_size=8": (CONFIG, forward, Execution(qk_head_chunk_size=8)),
+    "naive dense-mask": (CONFIG, naive_v4_csa),
 }
 
 
 def fwd_bwd_temp_bytes(
     config: V4AttentionConfig, forward, seq: int, execution: Execution | None = None
 ) -> tuple[int, float]:
-    """Temp bytes of ``grad(sum(forward(layer, x)))`` w.r.t. parameters and ``x``, and the
-    seconds the compile took (the layer runs as ``execution`` says; default automatic)."""
-    abstract = eqx.filter_eval_shape(
-        V4Attention, config, key=jax.random.key(0), execution=execution
-    )
-    is_leaf = lambda v: isinstance(v, jax.ShapeDtypeStruct)  # noqa: E731
-    params, static = eqx.partition(abstract, is_leaf, is_leaf=is_leaf)
-
-    def step(params, x):
-        loss = lambda p, x: jnp.sum(forward(eqx.combine(p, static), x))  # noqa: E731
-        return jax.grad(loss, argnums=(0, 1))(params, x)
-
+    """Temp bytes of ``grad(sum(forward(layer, x)))`` w.r.t. the layer's arrays and ``x``
+    (float32, B = 1; compiled for shapes only; the layer runs as ``execution`` says, default
+    automatic), and the seconds the compile took."""
+    layer = eqx.filter_eval_shape(V4Attention, config, key=jax.random.key(0), execution=execution)
     x = jax.ShapeDtypeStruct((1, seq, config.hidden_size), jnp.float32)
     start = time.perf_counter()
-    compiled = jax.jit(step).lower(params, x).compile()
-    return compiled.memory_analysis().temp_size_in_bytes, time.perf_counter() - start
+    temp = harness.temp_bytes(harness.fwd_bwd(forward), layer, x)
+    return temp, time.perf_counter() - start
 
 
 def main() -> None:
@@ -69,7 +47,6 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     args = parser.parse_args()
-    executions = {"csa_eqx qk_head_chunk_size=8": Execution(qk_head_chunk_size=8)}
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     print("| S | " + " | ".join(f"{v} (GiB)" for v in args.variants) + " |")
     print("|---" * (len(args.variants) + 1) + "|")
@@ -77,8 +54,9 @@ def main() -> None:
     for seq in args.seqs:
         cells = []
         for name in args.variants:
-            temp, secs = fwd_bwd_temp_bytes(CONFIG, VARIANTS[name], seq, executions.get(name))
-            cell = f"{temp / GIB:.3f}"
+            config, forward, *execution = VARIANTS[name]
+            temp, secs = fwd_bwd_temp_bytes(config, forward, seq, *execution)
+            cell = f"{temp / harness.GIB:.3f}"
             if name in previous:
                 cell += f" (x{temp / previous[name]:.2f})"
             previous[name] = temp

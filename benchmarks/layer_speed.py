@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from collections.abc import Callable
 
 import jax
@@ -25,120 +23,37 @@ import jax.numpy as jnp
 import numpy as np
 
 from csa_eqx import entry_layout
-from csa_eqx.hf import load_v4_attention
 
+from . import harness
 from .naive_baseline import naive_v4_csa
 
-SIZES = dict(
-    hidden_size=256,
-    num_attention_heads=4,
-    head_dim=64,
-    q_lora_rank=256,
-    o_groups=2,
-    o_lora_rank=128,
-    sliding_window=128,
-    index_n_heads=64,
-    index_head_dim=128,
-    index_topk=512,
-)
-QUICK_SIZES = dict(SIZES, index_n_heads=16, index_head_dim=64, index_topk=16, sliding_window=16)
-RATE = 4
+
+def hf_and_ours(config, seed: int = 0):
+    """``(torch layer, HF config, csa_eqx layer)`` for a V4 layer ``config``: a random
+    transformers ``DeepseekV4Attention`` and the same weights loaded into csa_eqx."""
+    from csa_eqx.hf import load_v4_attention
+    from csa_eqx.testing import hf_v4_config, random_hf_v4_layer, state_dict_numpy
+
+    hf_config = hf_v4_config(config)
+    torch_layer = random_hf_v4_layer(hf_config, seed)
+    return torch_layer, hf_config, load_v4_attention(state_dict_numpy(torch_layer), hf_config, 0)
 
 
-def hf_config(sizes: dict):
-    """A one-layer DeepseekV4Config whose only layer is CSA (full-width RoPE, as in
-    benchmarks/layer_memory.py); MoE fields are required by the config but unused here."""
-    from transformers import DeepseekV4Config
-
-    cfg = DeepseekV4Config(
-        vocab_size=64,
-        num_hidden_layers=1,
-        layer_types=["compressed_sparse_attention"],
-        compress_rates={"compressed_sparse_attention": RATE, "heavily_compressed_attention": 128},
-        partial_rotary_factor=1.0,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        mlp_layer_types=["moe"],
-        **sizes,
-    )
-    cfg._attn_implementation = "eager"
-    return cfg
+def forward(layer, x):
+    """csa_eqx's layer forward (a named function: profiles and HLO dumps show its name)."""
+    return layer(x)
 
 
-def hf_layer(cfg, seed: int = 0):
-    """Random weights scaled like a trained layer (norms near 1, projections ~ 1/sqrt(fan-in))."""
-    import torch
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention
-
-    torch.manual_seed(seed)
-    layer = DeepseekV4Attention(cfg, layer_idx=0).eval()
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith("position_bias") or name == "sinks":
-                p.copy_(0.5 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) / np.sqrt(p.shape[-1]))
-    return layer
-
-
-def hf_runner(layer, cfg, x: np.ndarray, device="cpu", dtype=None) -> tuple[Callable, Callable]:
-    """(forward under no_grad, forward + backward of the output sum) for the HF layer, with
-    the inputs on ``device`` in ``dtype`` (default: ``x``'s)."""
-    import torch
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
-
-    b, s, _ = x.shape
-    xt = torch.tensor(x, device=device, dtype=dtype)
-    pos = torch.arange(s, device=device)[None].expand(b, -1)
-    rope = DeepseekV4RotaryEmbedding(cfg, device=device)
-    emb = {kind: rope(xt, pos, layer_type=kind) for kind in ("main", "compress")}
-    i = torch.arange(s, device=device)
-    allowed = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < cfg.sliding_window)
-    mask = (
-        torch.zeros(s, s, device=device, dtype=xt.dtype)
-        .masked_fill(~allowed, float("-inf"))[None, None]
-        .expand(b, 1, s, s)
-    )
-    kwargs = dict(position_embeddings=emb, position_ids=pos, attention_mask=mask)
-
-    def fwd():
-        with torch.no_grad():
-            return layer(xt, **kwargs)[0]
-
-    def fwd_bwd():
-        layer.zero_grad(set_to_none=True)
-        xg = xt.clone().requires_grad_(True)
-        out = layer(xg, **kwargs)[0]
-        out.sum().backward()
-        return xg.grad
-
-    return fwd, fwd_bwd
-
-
-def jax_runners(forward: Callable, layer, x) -> tuple[Callable, Callable]:
-    """Jitted forward and gradient of ``sum(forward(layer, x))`` w.r.t. parameters and ``x``."""
-    f = jax.jit(forward)
-    g = jax.jit(jax.grad(lambda m, x: jnp.sum(forward(m, x)), argnums=(0, 1)))
-    return (lambda: jax.block_until_ready(f(layer, x))), (
-        lambda: jax.block_until_ready(g(layer, x))
-    )
-
-
-def jax_layer_runs(layer, x) -> dict[str, Callable]:
-    """The JAX runs timed side by side: csa_eqx and the naive baseline, fwd and fwd+bwd, and
-    csa_eqx's selection stage alone."""
-    ours_f, ours_fb = jax_runners(lambda m, x: m(x), layer, x)
-    naive_f, naive_fb = jax_runners(naive_v4_csa, layer, x)
-    select = jax.jit(selection_stage)
+def jax_layer_programs(layer, x) -> dict[str, tuple[Callable, tuple]]:
+    """``{name: (function, arguments)}`` of the JAX runs timed side by side: csa_eqx and the
+    naive baseline, fwd and fwd+bwd (gradient w.r.t. the layer's arrays and ``x``), and
+    csa_eqx's selection stage alone; jit and compile them with ``harness``."""
     return {
-        "csa_eqx fwd": ours_f,
-        "naive fwd": naive_f,
-        "csa_eqx fwd+bwd": ours_fb,
-        "naive fwd+bwd": naive_fb,
-        "selection stage": lambda: jax.block_until_ready(select(layer, x)),
+        "csa_eqx fwd": (forward, (layer, x)),
+        "naive fwd": (naive_v4_csa, (layer, x)),
+        "csa_eqx fwd+bwd": (harness.fwd_bwd(forward), (layer, x)),
+        "naive fwd+bwd": (harness.fwd_bwd(naive_v4_csa), (layer, x)),
+        "selection stage": (selection_stage, (layer, x)),
     }
 
 
@@ -178,19 +93,15 @@ def indexer_flops(b: int, s: int, c) -> dict[str, float]:
     )
 
 
-def output_check(torch_layer, hf_forward: Callable, layer, x) -> dict:
-    """Same function, checked once outside the timing: the rows whose top-k set equals HF's
-    (float summation order can swap near-tied picks) and the output error on those rows."""
-    captured = {}
+def output_check(torch_layer, hf_config, layer, x) -> dict:
+    """Same function, checked once outside the timing against HF (float32, on the CPU): the
+    rows whose top-k set equals HF's (float summation order can swap near-tied picks) and
+    the output error on those rows."""
+    from csa_eqx.testing import run_hf_v4
 
-    def keep_topk(_module, _inputs, out):  # returns None: the output is left unchanged
-        captured["topk"] = out.cpu().numpy()
-
-    hook = torch_layer.compressor.indexer.register_forward_hook(keep_topk)
-    want = hf_forward().cpu().numpy()
-    hook.remove()
+    want, hf_sel, _ = run_hf_v4(torch_layer, hf_config, np.asarray(x, np.float32))
     got, aux = jax.jit(lambda m, x: m(x, return_aux=True))(layer, x)
-    got, sel, hf_sel = np.asarray(got), np.sort(np.asarray(aux["selection"]), -1), captured["topk"]
+    got, sel = np.asarray(got, np.float32), np.sort(np.asarray(aux["selection"]), -1)
     k = hf_sel.shape[-1]
     same = (np.sort(hf_sel, -1) == sel[..., sel.shape[-1] - k :]).all(-1)
     same &= (sel[..., : sel.shape[-1] - k] == -1).all(-1)
@@ -198,66 +109,37 @@ def output_check(torch_layer, hf_forward: Callable, layer, x) -> dict:
     return dict(same_rows=float(same.mean()), err_same=float(err[same].max()), err=float(err.max()))
 
 
-def interleaved(runs: dict[str, Callable], reps: int, settle: int = 0) -> dict[str, list[float]]:
-    """Run each callable once (warm-up/compile), then ``reps`` rounds of one timed call each.
-
-    ``settle`` untimed calls precede each timed one: a call right after another
-    implementation's multi-GiB temporaries were freed pays for re-faulting its own buffers
-    (measured: the selection stage ran ~30% slower right after the naive layer's fwd+bwd).
-    """
-    for fn in runs.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(reps):
-        for name, fn in runs.items():
-            for _ in range(settle):
-                fn()
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return times
-
-
 def measure(seq: int = 4096, reps: int = 5, quick: bool = False, with_hf: bool = True) -> dict:
     """All timings of one run; returns medians, minima and the derived ratios."""
     import torch
 
-    torch.set_num_threads(os.cpu_count() or 1)
-    sizes = QUICK_SIZES if quick else SIZES
-    cfg = hf_config(sizes)
-    torch_layer = hf_layer(cfg)
-    state = {k: v.detach().numpy() for k, v in torch_layer.state_dict().items()}
-    layer = load_v4_attention(state, cfg, 0)
-    x_np = np.random.default_rng(0).normal(size=(1, seq, sizes["hidden_size"])).astype(np.float32)
-    x = jnp.asarray(x_np)
+    from csa_eqx.testing import hf_v4_runner
 
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch_layer, hf_config, layer = hf_and_ours(harness.speed_layer(quick))
+    x_np = np.random.default_rng(0).normal(size=(1, seq, layer.config.hidden_size))
+    x = jnp.asarray(x_np, jnp.float32)
     n = 512 if quick else 2048
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    bmat = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    dot = jax.jit(jnp.dot)
-    runs = jax_layer_runs(layer, x)
-    runs["f32 GEMM"] = lambda: jax.block_until_ready(dot(a, bmat))
+    runs = {
+        name: harness.blocking(jax.jit(fn), *args)
+        for name, (fn, args) in jax_layer_programs(layer, x).items()
+    }
+    runs["f32 GEMM"] = harness.gemm(n, jnp.float32)
+    check = None
     if with_hf:
-        hf_f, hf_fb = hf_runner(torch_layer, cfg, x_np)
-        runs["HF eager fwd"] = hf_f
-        runs["HF eager fwd+bwd"] = hf_fb
-        check = output_check(torch_layer, hf_f, layer, x)
-    else:
-        check = None
-    times = interleaved(runs, reps, settle=1)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    low = {k: min(v) for k, v in times.items()}
-    gemm = 2 * n**3
-    flops = indexer_flops(1, seq, layer.config)
+        runs["HF eager fwd"], runs["HF eager fwd+bwd"] = hf_v4_runner(torch_layer, hf_config, x_np)
+        check = output_check(torch_layer, hf_config, layer, x)
+    stats = {k: harness.summary(v) for k, v in harness.interleaved(runs, reps, settle=1).items()}
+    med = {k: v["median"] for k, v in stats.items()}
+    low = {k: v["min"] for k, v in stats.items()}
     return dict(
         seq=seq,
         reps=reps,
-        sizes=sizes,
         median=med,
         min=low,
         gemm_n=n,
-        gemm_flops_per_s={k: gemm / v["f32 GEMM"] for k, v in (("median", med), ("min", low))},
-        indexer_flops=flops,
+        gemm_flops_per_s={k: 2 * n**3 / v["f32 GEMM"] for k, v in (("median", med), ("min", low))},
+        indexer_flops=indexer_flops(1, seq, layer.config),
         hf_check=check,
         threads=torch.get_num_threads(),
     )
@@ -330,10 +212,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="tiny indexer, for a smoke test")
+    parser.add_argument("--quick", action="store_true", help="tiny layer, for a smoke test")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers layer")
     args = parser.parse_args()
-    print(f"jax {jax.__version__}, {os.cpu_count()} CPU cores")
+    print(harness.machine_markdown(harness.machine_info()))
     print(markdown(measure(args.seq, args.reps, args.quick, with_hf=not args.no_hf)))
 
 

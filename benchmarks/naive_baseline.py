@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from csa_eqx import Execution, V4Attention, V4AttentionConfig, entry_layout
+from csa_eqx import Execution, V4Attention, entry_layout, presets
 from csa_eqx.ops import linear, rms_norm
 from csa_eqx.rope import apply_rope_interleaved
 
@@ -78,15 +78,11 @@ def naive_v4_csa(
 
 def main() -> None:
     """Check the baseline against ``csa_eqx.V4Attention`` (dense and forced-streaming paths)."""
-    base = dict(
-        hidden_size=64, num_heads=4, head_dim=32, rope_dim=16, q_lora_rank=32, o_groups=2,
-        o_lora_rank=16, sliding_window=8, compress_rate=4, index_n_heads=8, index_head_dim=32,
-        index_topk=6,
-    )  # fmt: skip
-    x = jax.random.normal(jax.random.key(1), (2, 77, base["hidden_size"]))
+    base = presets.tiny_v4("csa", sliding_window=8, index_topk=6)
+    x = jax.random.normal(jax.random.key(1), (2, 77, base.hidden_size))
     for blocks in ({}, {"indexer_key_block": 5, "query_block": 16}):
         execution = Execution.from_options(**blocks)
-        layer = V4Attention(V4AttentionConfig(**base), key=jax.random.key(0), execution=execution)
+        layer = V4Attention(base, key=jax.random.key(0), execution=execution)
         want = jax.jit(lambda m, x: m(x))(layer, x)
         got = jax.jit(naive_v4_csa)(layer, x)
         err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))

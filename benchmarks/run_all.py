@@ -13,13 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import os
-import platform
-import statistics
 import time
 from pathlib import Path
-from unittest import mock
 
 import jax  # XLA_FLAGS (set by selection_memory) is read when the backend starts
 
@@ -32,29 +28,17 @@ from csa_eqx import V4AttentionConfig  # noqa: E402
 
 from . import (  # noqa: E402
     decode_latency,
+    harness,
     indexer_chunk_memory,
     layer_memory,
     layer_speed,
     remat_timing,
 )
+from .harness import table  # noqa: E402
 from .naive_baseline import naive_v4_csa  # noqa: E402
 
-GIB = 2.0**30
-KINDS = ("sliding", "csa", "hca", "dsa")
-TINY_LAYER = V4AttentionConfig(
-    hidden_size=64,
-    num_heads=2,
-    head_dim=32,
-    rope_dim=16,
-    q_lora_rank=32,
-    o_groups=2,
-    o_lora_rank=16,
-    sliding_window=16,
-    compress_rate=4,
-    index_n_heads=4,
-    index_head_dim=32,
-    index_topk=16,
-)
+GIB = harness.GIB
+KINDS = decode_latency.KINDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +60,7 @@ class Sizes:
 
 
 FULL = Sizes(
-    layer_config=layer_memory.CONFIG,
+    layer_config=harness.speed_layer(),
     layer_seqs=(4096, 8192, 16384, 32768, 65536),
     chunk_seqs=(2048, 4096, 8192, 16384),
     selection_seq=16384,
@@ -90,7 +74,7 @@ FULL = Sizes(
     decode_reps=20,
 )
 QUICK = Sizes(
-    layer_config=TINY_LAYER,
+    layer_config=harness.speed_layer(quick=True),
     layer_seqs=(128,),
     chunk_seqs=(256,),
     selection_seq=512,
@@ -103,38 +87,6 @@ QUICK = Sizes(
     contexts=(256,),
     decode_reps=2,
 )
-
-
-def machine() -> str:
-    """Markdown list describing the host and the software versions."""
-    model = "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    ram = "unknown"
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        kib = int(Path("/proc/meminfo").read_text().split()[1])
-        ram = f"{kib / 2**20:.1f} GiB"
-    import torch
-    import transformers
-
-    return "\n".join(
-        [
-            f"- CPU: {model}, {os.cpu_count()} cores (`nproc`), {platform.machine()}; RAM {ram}",
-            f"- JAX {jax.__version__} ({jax.default_backend()} backend, {jax.device_count()} "
-            f"simulated devices); torch {torch.__version__}; transformers "
-            f"{transformers.__version__}",
-            f"- date (UTC): {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M}; "
-            f"load average at the start: {os.getloadavg()[0]:.1f}",
-        ]
-    )
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
 
 
 def plot(path: Path, title: str, xlabel: str, ylabel: str, series: dict, logy=True) -> None:
@@ -159,7 +111,7 @@ def plot(path: Path, title: str, xlabel: str, ylabel: str, series: dict, logy=Tr
 
 
 def layer_memory_section(sz: Sizes, img: Path) -> str:
-    variants = {"csa_eqx": lambda m, x: m(x), "naive dense-mask": naive_v4_csa}
+    variants = {"csa_eqx": layer_speed.forward, "naive dense-mask": naive_v4_csa}
     temps: dict[str, list[float]] = {v: [] for v in variants}
     rows = []
     for seq in sz.layer_seqs:
@@ -215,7 +167,7 @@ def chunk_memory_section(sz: Sizes, img: Path) -> str:
         for s in sz.chunk_seqs:
             score = 4 * m.HEADS * s * (s // m.RATE) / GIB
             for c in m.CHUNKS:
-                temps[c].append(m.temp_bytes(step(c), make_args(s)) / GIB)
+                temps[c].append(harness.temp_bytes(step(c), *make_args(s)) / GIB)
             for c in m.CHUNKS[1:]:
                 holds &= temps[0][-1] - temps[c][-1] >= (1 - c / m.HEADS) * score
             rows.append([s, f"{score:.3f}"] + [f"{temps[c][-1]:.3f}" for c in m.CHUNKS])
@@ -241,27 +193,15 @@ def chunk_memory_section(sz: Sizes, img: Path) -> str:
 def selection_memory_section(sz: Sizes, img: Path) -> str:
     sm = selection_memory
     s = sz.selection_seq
-    patch = mock.patch.multiple(sm, S=s, T=s // sm.M)
     columns = [f"{p} head_chunk={c}" for p, c in sm.COLUMNS]
     axes = [tp for tp in sz.tensor_axes if tp <= jax.device_count()]
-    values: dict[str, list[float]] = {c: [] for c in columns}
-    rows = []
-    with patch:
-        row = [sm.temp_gib(False, sm.shapes(), p, c) for p, c in sm.COLUMNS]
-        rows.append(["unsharded"] + [f"{v:.3f}" for v in row])
-        for tp in axes:
-            mesh = jax.make_mesh((tp,), ("tensor",), devices=jax.devices()[:tp])
-            with jax.set_mesh(mesh):
-                row = [sm.temp_gib(True, sm.shapes(mesh), p, c) for p, c in sm.COLUMNS]
-            for col, v in zip(columns, row, strict=True):
-                values[col].append(v)
-            rows.append([tp] + [f"{v:.3f}" for v in row])
+    gib = sm.rows(s, axes)
     plot(
         img / "selection_memory.png",
         f"selection stage per-device temp memory, S = {s}",
         "tensor-axis size",
         "GiB per device",
-        {col: (axes, v) for col, v in values.items()},
+        {col: (axes, [gib[tp][i] for tp in axes]) for i, col in enumerate(columns)},
     )
     return "\n\n".join(
         [
@@ -270,30 +210,25 @@ def selection_memory_section(sz: Sizes, img: Path) -> str:
             "(`csa_eqx.ShardedSelection`, query rows over the tensor axis). "
             '"dense" forces the materialised-score path (`DenseSelection`); "default" is what '
             "`AutoSelection` picks at this size (the streaming top-k).",
-            table(["tensor axis"] + columns, rows),
+            sm.markdown(gib),
             "![selection memory](img/selection_memory.png)",
         ]
     )
 
 
 def remat_section(sz: Sizes) -> str:
-    x = jax.random.normal(jax.random.key(1), (1, sz.remat_seq, 512))
-    runs = {}
-    for save, label in ((False, "selection recomputed"), (True, "selection saved")):
-        layer = remat_timing.timed_layer(save, sz.remat_topk)
-        step = remat_timing.step_fn()
-        runs[label] = lambda step=step, layer=layer: jax.block_until_ready(step(layer, x))
-    times = layer_speed.interleaved(runs, sz.remat_reps)
-    rows = [[label, f"{statistics.median(t):.4f}", f"{min(t):.4f}"] for label, t in times.items()]
-    rec, sav = times["selection recomputed"], times["selection saved"]
+    times = remat_timing.measure(sz.remat_seq, sz.remat_topk, sz.remat_reps)
+    stats = {label: harness.summary(t) for label, t in times.items()}
+    rows = [[label, f"{s['median']:.4f}", f"{s['min']:.4f}"] for label, s in stats.items()]
+    rec, sav = stats["selection recomputed"], stats["selection saved"]
     return "\n\n".join(
         [
             f"Checkpointed fwd+bwd (`jax.checkpoint(policy=compose_selection_policy(None))`), "
             f"small V4 CSA layer (hidden 512, 8 heads x 64, indexer 16 x 64, m = 4), B = 1, "
             f"S = {sz.remat_seq}, k = {sz.remat_topk}; {sz.remat_reps} interleaved rounds.",
             table(["variant", "median (s)", "min (s)"], rows),
-            f"Ratio recomputed / saved: {statistics.median(rec) / statistics.median(sav):.3f}x "
-            f"(median), {min(rec) / min(sav):.3f}x (min).",
+            f"Ratio recomputed / saved: {rec['median'] / sav['median']:.3f}x "
+            f"(median), {rec['min'] / sav['min']:.3f}x (min).",
         ]
     )
 
@@ -375,7 +310,7 @@ def main(out: Path, quick: bool = False) -> int:
             "not a measurement.**"
             if quick
             else "",
-            machine=machine(),
+            machine=harness.machine_markdown(harness.machine_info()),
         )
     ]
 

@@ -1,14 +1,14 @@
 """Per-device compiled memory of the indexer's selection stage vs the tensor-axis size.
 
 V4-Flash indexer sizes (64 heads x 128, k = 512, m = 4) at S = 16384, so 4096 compressed
-entries; query rows sharded over the tensor axis with ``csa_eqx.ShardedSelection`` on simulated
-CPU devices. Compile only (nothing runs): ``memory_analysis()`` of the
+entries; query rows sharded over the tensor axis with ``csa_eqx.ShardedSelection``
+on simulated CPU devices. Compile only (nothing runs): ``memory_analysis()`` of the
 partitioned program is per device. Inputs arrive in the shard_map's layout (query rows already
 split over the tensor axis, keys replicated), so the numbers are the stage's own temporaries.
 
 Columns: the dense path (``[B, S, H, T]`` scores, or ``[B, S, T]`` plus one head chunk with
-``head_chunk=8``; ``csa_eqx.DenseSelection`` forced) and the default path
-(``csa_eqx.AutoSelection``), which streams key blocks at this size.
+``head_chunk=8``; streaming switched off for the measurement) and the default path, which
+streams key blocks at this size.
 
     python -m benchmarks.selection_memory
 """
@@ -26,23 +26,27 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import csa_eqx as ce  # noqa: E402
+from csa_eqx import presets  # noqa: E402
 from csa_eqx.compressor import EntryLayout  # noqa: E402
 
-B, S, H, D, K, M = 1, 16384, 64, 128, 512, 4
-T = S // M
-GIB = 2**30
+from . import harness  # noqa: E402
+
+_FLASH = presets.v4_flash("csa")
+H, D, K, M = _FLASH.index_n_heads, _FLASH.index_head_dim, _FLASH.index_topk, _FLASH.compress_rate
+B, S = 1, 16384
 COLUMNS = [("dense", 0), ("dense", 8), ("default", 0)]
 
 
-def shapes(mesh=None):
-    """Abstract inputs; with ``mesh``: rows split over ``tensor``, the rest replicated."""
+def shapes(seq: int, mesh=None):
+    """Abstract inputs at ``seq`` queries (``seq / m`` entries); with ``mesh``: query rows
+    split over ``tensor``, the rest replicated."""
 
     def sds(shape, dtype, spec=None):
         sharding = None if mesh is None else NamedSharding(mesh, spec or P())
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     f32, i32 = jnp.float32, jnp.int32
-    rows = P(None, "tensor")
+    rows, S, T = P(None, "tensor"), seq, seq // M
     layout = EntryLayout(sds((B, T), i32), sds((B, T), i32), sds((B, T), jnp.bool_))
     return (
         sds((B, S, H, D), f32, rows),
@@ -55,13 +59,14 @@ def shapes(mesh=None):
 
 
 def strategy(path: str, sharded: bool) -> ce.AbstractSelection:
-    """``"dense"``: the materialised scores forced; ``"default"``: the automatic choice;
-    ``sharded``: either one per shard of query rows over ``"tensor"``."""
+    """``"dense"``: the materialised scores forced (``DenseSelection``); ``"default"``: the
+    automatic choice; ``sharded``: either one per shard of query rows over ``"tensor"``."""
     inner = ce.DenseSelection() if path == "dense" else ce.AutoSelection()
     return ce.ShardedSelection(inner) if sharded else inner
 
 
 def temp_gib(sharded: bool, args, path: str, head_chunk: int) -> float:
+    """Per-device temp GiB of the selection strategy ``path`` (sharded or not) on ``args``."""
     select = strategy(path, sharded)
 
     def run(q, w, keys, query_index, segment, layout):
@@ -69,21 +74,32 @@ def temp_gib(sharded: bool, args, path: str, head_chunk: int) -> float:
         problem = ce.SelectionProblem.from_queries(q, w, keys, visibility, head_chunk)
         return select.select(problem, K)
 
-    compiled = jax.jit(run).lower(*args).compile()
-    return compiled.memory_analysis().temp_size_in_bytes / GIB
+    return harness.temp_bytes(run, *args) / harness.GIB
+
+
+def rows(seq: int, tensor_axes) -> dict[str | int, list[float]]:
+    """Per-device temp GiB of each column at ``seq`` queries: ``"unsharded"``, then one row
+    per tensor-axis size."""
+    out: dict[str | int, list[float]] = {
+        "unsharded": [temp_gib(False, shapes(seq), p, c) for p, c in COLUMNS]
+    }
+    for tp in tensor_axes:
+        mesh = jax.make_mesh((tp,), ("tensor",), devices=jax.devices()[:tp])
+        with jax.set_mesh(mesh):
+            args = shapes(seq, mesh)
+            out[tp] = [temp_gib(True, args, p, c) for p, c in COLUMNS]
+    return out
+
+
+def markdown(gib: dict[str | int, list[float]]) -> str:
+    """``rows(...)`` as a markdown table."""
+    header = ["tensor axis"] + [f"{p} head_chunk={c}" for p, c in COLUMNS]
+    return harness.table(header, [[a] + [f"{v:.3f}" for v in row] for a, row in gib.items()])
 
 
 def main() -> None:
-    print(f"B={B} S={S} heads={H} dim={D} k={K} m={M} entries={T}; per-device temp GiB")
-    print("| tensor axis | " + " | ".join(f"{p} head_chunk={c}" for p, c in COLUMNS) + " |")
-    print("|---" * (len(COLUMNS) + 1) + "|")
-    row = [temp_gib(False, shapes(), p, c) for p, c in COLUMNS]
-    print("| unsharded | " + " | ".join(f"{v:.3f}" for v in row) + " |")
-    for tp in (1, 2, 4, 8):
-        mesh = jax.make_mesh((tp,), ("tensor",), devices=jax.devices()[:tp])
-        with jax.set_mesh(mesh):
-            row = [temp_gib(True, shapes(mesh), p, c) for p, c in COLUMNS]
-        print(f"| {tp} | " + " | ".join(f"{v:.3f}" for v in row) + " |")
+    print(f"B={B} S={S} heads={H} dim={D} k={K} m={M} entries={S // M}; per-device temp GiB")
+    print(markdown(rows(S, (1, 2, 4, 8))))
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ import copy
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int
 
+from . import checks
 from .decode import ChunkRows, chunk_rows
 from .execution import Execution, check_stage, checked_execution
 from .selection import SelectionProblem, Visibility
@@ -94,7 +94,11 @@ class AbstractIndexedAttention(eqx.Module):
             ``None`` for a V4 layer without an indexer).
         """
         stage = self.stage(indexer_loss)
-        x = jnp.asarray(x)
+        x, lengths, segment_ids = checks.chunk_inputs(self, x, cache, lengths, segment_ids)
+        if x.shape[1] == 0:  # an empty chunk: nothing to attend to, nothing to write
+            topk = None if self.indexer is None else self.config.index_topk
+            y, aux = checks.empty_outputs(x, topk, None, True)
+            return (y, cache, aux) if return_aux else (y, cache)
         rows = chunk_rows(cache, x.shape[1], lengths, segment_ids)
         y, cache, selection = self.extend_rows(x, cache, rows, stage)
         return (y, cache, {"selection": selection}) if return_aux else (y, cache)

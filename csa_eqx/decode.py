@@ -2,22 +2,30 @@
 ``V4Attention.extend`` and ``V32Attention.extend`` over the caches of ``csa_eqx.cache``.
 
 ``extend`` runs a chunk ``x [B, T, D]`` that follows what the cache already holds and returns
-exactly what the full forward over the whole stream returns for those tokens
-(docs/concepts.md, "Decoding: prefill and decode with a cache").
+exactly what the full forward over the whole stream returns for those tokens (docs/concepts.md,
+"Decoding: prefill and decode with a cache").
 
-* ``lengths [B]``: real tokens per row in this chunk (right padding). Padded tokens are not
-  written and their outputs are unspecified; each row continues at its own position.
-* ``segment_ids [B, T]`` (``>= 0``): packed documents, contiguous runs. The first token of the
-  chunk continues the cache's last segment when its id equals it; positions restart at each new
-  segment, compression windows are aligned to segment starts and no token sees another
-  segment's keys or entries, as in the full forward. ``None`` continues the last segment.
+* ``lengths [B]`` (integer, ``0..T``): real tokens per row in this chunk (right padding). Padded
+  tokens are not written and their outputs are unspecified; each row continues at its own
+  position. A chunk of ``T = 0`` tokens returns ``[B, 0, D]`` and the cache unchanged.
+* ``segment_ids [B, T]`` (integer, ``>= 0`` on real tokens): packed documents, contiguous runs.
+  The first token of the chunk continues the cache's last segment when its id equals it;
+  positions restart at each new segment, compression windows are aligned to segment starts and
+  no token sees another segment's keys or entries, as in the full forward. ``None`` continues
+  the last segment. A new document may not reuse the id of a document the cache still holds
+  keys or entries of (it would see them).
+* Inputs are checked before any compute (``csa_eqx.checks``): ``x``'s dtype, rank, batch (the
+  cache's) and hidden size, the cache's kind, ``lengths`` and ``segment_ids`` as above.
 * Entry ``j`` of the cache is the ``j``-th window that closed in the row; a window closes at the
   token with ``(position + 1) % m == 0`` and is visible to that token. Its slot order is the
   closing order, so top-k ties still go to the earlier entry.
 * RoPE positions are the index inside the segment (the full forward's default positions).
 * Writing past ``max_length`` raises: a chunk longer than ``max_length`` at trace time
   (``ValueError``), otherwise at run time through ``eqx.error_if`` (``EquinoxRuntimeError``
-  under jit; a donated cache is then gone). Nothing wraps around or is silently dropped.
+  under ``eqx.filter_jit``; a donated cache is then gone). Nothing wraps around or is silently
+  dropped. Run ``extend`` under ``eqx.filter_jit``: under a plain ``jax.jit`` these run-time
+  errors (overflow, ``lengths`` or ``segment_ids`` values) arrive as an unreadable
+  ``INTERNAL: CpuCallback error``.
 """
 
 from __future__ import annotations

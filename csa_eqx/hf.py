@@ -12,22 +12,25 @@ either the HF ``config.json`` keys or DeepSeek's own inference keys (``dim``, ``
 from __future__ import annotations
 
 import inspect
-import json
-import math
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
-import ml_dtypes
-import numpy as np
 
-from .config import V4AttentionConfig, V32AttentionConfig, YaRNScaling
+from ._hf_checkpoint import load_tree, read_config, read_layer, rename, strip_prefix
+from ._hf_config import (
+    as_dict,
+    block_size,
+    v4_config_from_hf,
+    v4_layer_config,
+    v32_config_from_hf,
+    v32_layer_config,
+)
+from .config import V4AttentionConfig
 from .execution import Execution
-from .safetensors_io import SafetensorsError, decode_e8m0, read_safetensors, safetensors_header
+from .safetensors_io import SafetensorsError, read_safetensors
 from .v4 import V4Attention
 from .v32 import V32Attention
 
@@ -45,377 +48,6 @@ __all__ = [
     "load_v32_attention",
     "load_v32_attention_from_safetensors",
 ]
-
-# --- configs ---------------------------------------------------------------------------------
-
-_LAYER_KINDS = {  # HF layer type -> (csa_eqx layer kind, key of its rate in compress_rates)
-    "sliding_attention": "sliding",
-    "compressed_sparse_attention": "csa",
-    "heavily_compressed_attention": "hca",
-}
-_DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
-# DeepSeek's inference config.json keys (``inference/config.json``) -> the HF config's keys
-_NATIVE_KEYS = {
-    "dim": "hidden_size",
-    "n_heads": "num_attention_heads",
-    "n_layers": "num_hidden_layers",
-    "rope_head_dim": "qk_rope_head_dim",
-    "window_size": "sliding_window",
-    "norm_eps": "rms_norm_eps",
-}
-DEFAULT_BLOCK = (128, 128)  # DeepSeek's FP8 tile (``quantization_config.weight_block_size``)
-
-
-def _as_dict(config: Any) -> dict:
-    if isinstance(config, Mapping):
-        return dict(config)
-    if hasattr(config, "to_dict"):
-        return config.to_dict()
-    raise TypeError(f"config must be a transformers config or a dict, got {type(config).__name__}")
-
-
-def _from_native(d: dict) -> dict:
-    """HF-keyed view of a config; DeepSeek's inference keys (``dim``, ``n_heads``, …) are
-    renamed and its YaRN keys (``original_seq_len``, ``rope_factor``, …) become
-    ``rope_scaling``. An HF config (it has ``hidden_size``) is returned unchanged."""
-    if "hidden_size" in d or "dim" not in d:
-        return d
-    out = {_NATIVE_KEYS.get(k, k): v for k, v in d.items()}
-    if int(d.get("original_seq_len") or 0) > 0:
-        out["rope_scaling"] = {
-            "type": "yarn",
-            "factor": d.get("rope_factor"),
-            "original_max_position_embeddings": d["original_seq_len"],
-            "beta_fast": d.get("beta_fast", 32),
-            "beta_slow": d.get("beta_slow", 1),
-            # V3.2's softmax factor (0.1·mscale·ln(factor) + 1)², no factor on cos / sin
-            "mscale": d.get("mscale"),
-            "mscale_all_dim": d.get("mscale"),
-        }
-    return out
-
-
-def _need(d: Mapping, key: str, source: str) -> Any:
-    if d.get(key) is None:
-        raise ValueError(f"{source} lacks the key {key!r}, needed to build the layer")
-    return d[key]
-
-
-def _int(d: Mapping, key: str, source: str) -> int:
-    v = _need(d, key, source)
-    if isinstance(v, bool) or not isinstance(v, int | float) or v != int(v):
-        raise ValueError(f"{source}: {key!r} must be an int (got {v!r})")
-    return int(v)
-
-
-def _float(d: Mapping, key: str, source: str, default: float | None = None) -> float:
-    v = d.get(key, default) if default is not None else _need(d, key, source)
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise ValueError(f"{source}: {key!r} must be a number (got {v!r})")
-    return float(v)
-
-
-def _yarn(params: Mapping | None, source: str) -> YaRNScaling | None:
-    """``YaRNScaling`` of an HF ``rope_scaling`` / ``rope_parameters`` entry; None if default."""
-    if not params:
-        return None
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return None
-    if kind != "yarn":
-        raise ValueError(f"{source}: rope type {kind!r} is not supported (only 'default', 'yarn')")
-    if params.get("attention_factor") not in (None, 1.0):
-        raise ValueError(f"{source}: an explicit YaRN attention_factor is not supported")
-    where = f"{source} (rope scaling)"
-    return YaRNScaling(
-        factor=_float(params, "factor", where),
-        original_max_position_embeddings=_int(params, "original_max_position_embeddings", where),
-        beta_fast=float(params.get("beta_fast") or 32.0),
-        beta_slow=float(params.get("beta_slow") or 1.0),
-        mscale=params.get("mscale"),
-        mscale_all_dim=params.get("mscale_all_dim"),
-        truncate=bool(params.get("truncate", True)),
-    )
-
-
-def _check_layer_idx(layer_idx: Any, n_layers: int, source: str) -> None:
-    ok = isinstance(layer_idx, int | np.integer) and not isinstance(layer_idx, bool)
-    if not ok or not 0 <= layer_idx < n_layers:
-        raise ValueError(
-            f"layer_idx must be an int in [0, {n_layers}) for the {n_layers} layers of "
-            f"{source} (got {layer_idx!r})"
-        )
-
-
-def _v4_layer_rate(d: dict, layer_idx: int, source: str) -> int:
-    """Compression rate of layer ``layer_idx`` from ``layer_types`` (+ ``compress_rates``) or
-    DeepSeek's ``compress_ratios`` list (which may hold one more entry, for the MTP layer)."""
-    types, ratios = d.get("layer_types"), d.get("compress_ratios")
-    schedule = types if types is not None else ratios
-    if schedule is None:
-        raise ValueError(
-            f"{source} has neither 'layer_types' nor 'compress_ratios' (the per-layer schedule "
-            "of sliding / CSA / HCA layers)"
-        )
-    n_layers = d.get("num_hidden_layers")
-    n_layers = len(schedule) if n_layers is None else int(n_layers)
-    _check_layer_idx(layer_idx, n_layers, source)
-    key = "layer_types" if types is not None else "compress_ratios"
-    if layer_idx >= len(schedule):
-        raise ValueError(f"{source}: {key!r} lists {len(schedule)} layers, fewer than {n_layers}")
-    entry = schedule[layer_idx]
-    if types is not None:
-        if entry not in _LAYER_KINDS:
-            raise ValueError(
-                f"{source}: layer_types[{layer_idx}] = {entry!r} is not a DeepSeek-V4 layer kind "
-                f"(expected one of {sorted(_LAYER_KINDS)})"
-            )
-        if entry == "sliding_attention":
-            return 0
-        legacy = {  # older HF configs give the two rates as scalars
-            "compressed_sparse_attention": d.get("compress_rate_csa"),
-            "heavily_compressed_attention": d.get("compress_rate_hca"),
-        }
-        rates = dict(_DEFAULT_RATES, **{k: v for k, v in legacy.items() if v is not None})
-        rates.update(d.get("compress_rates") or {})
-        entry = rates[entry]
-    if isinstance(entry, bool) or not isinstance(entry, int) or not (entry == 0 or entry >= 4):
-        raise ValueError(
-            f"{source}: layer {layer_idx}'s compression rate ({key}) is {entry!r}; DeepSeek-V4 "
-            "layers use 0 (sliding), 4 (CSA) or a larger int (HCA)"
-        )
-    return entry
-
-
-def _v4_config(d: dict, layer_idx: int, source: str, options: dict) -> V4AttentionConfig:
-    d = _from_native(d)
-    head_dim = _int(d, "head_dim", source)
-    if d.get("qk_rope_head_dim") is not None:
-        rope_dim = _int(d, "qk_rope_head_dim", source)
-    else:
-        rope_dim = int(head_dim * _float(d, "partial_rotary_factor", source, 64 / 512))
-    rope = d.get("rope_parameters") or {}
-    compress_rope = rope.get("compress") if isinstance(rope.get("compress"), dict) else rope
-    fields = dict(
-        hidden_size=_int(d, "hidden_size", source),
-        num_heads=_int(d, "num_attention_heads", source),
-        head_dim=head_dim,
-        rope_dim=rope_dim,
-        q_lora_rank=_int(d, "q_lora_rank", source),
-        o_groups=_int(d, "o_groups", source),
-        o_lora_rank=_int(d, "o_lora_rank", source),
-        sliding_window=_int(d, "sliding_window", source),
-        compress_rate=_v4_layer_rate(d, layer_idx, source),
-        index_n_heads=_int(d, "index_n_heads", source),
-        index_head_dim=_int(d, "index_head_dim", source),
-        index_topk=_int(d, "index_topk", source),
-        rope_theta=_float(d, "rope_theta", source, 10000.0),
-        compress_rope_theta=_float(d, "compress_rope_theta", source, 160000.0),
-        rope_scaling=_yarn(compress_rope or d.get("rope_scaling"), source),
-        rms_norm_eps=_float(d, "rms_norm_eps", source, 1e-6),
-    )
-    fields.update(options)
-    return V4AttentionConfig(**fields)
-
-
-def v4_config_from_hf(config: Any, layer_idx: int, **options) -> V4AttentionConfig:
-    """The ``V4AttentionConfig`` of layer ``layer_idx`` of a V4 model config.
-
-    **Arguments:**
-
-    - ``config``: a transformers ``DeepseekV4Config`` or its dict, or a dict with DeepSeek's
-      inference keys (``dim``, ``n_heads``, ``head_dim``, ``rope_head_dim``, ``window_size``,
-      ``compress_ratios``, ``original_seq_len`` / ``rope_factor`` for YaRN, …).
-    - ``layer_idx``: which layer (its kind comes from ``layer_types`` or ``compress_ratios``).
-    - ``options``: architecture fields to override (execution options belong to the loaders).
-
-    **Returns:** the validated layer config. **Raises:** ``ValueError`` naming a missing key,
-    an out-of-range ``layer_idx`` or an unknown layer kind.
-    """
-    return _v4_config(_as_dict(config), layer_idx, "config", options)
-
-
-def _v32_config(d: dict, source: str, options: dict) -> V32AttentionConfig:
-    d = _from_native(d)
-    if d.get("attention_bias"):
-        raise ValueError(f"{source}: attention_bias=True is not supported (V3.2 has none)")
-    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-    fields = dict(
-        hidden_size=_int(d, "hidden_size", source),
-        num_heads=_int(d, "num_attention_heads", source),
-        q_lora_rank=_int(d, "q_lora_rank", source),
-        kv_lora_rank=_int(d, "kv_lora_rank", source),
-        qk_nope_head_dim=_int(d, "qk_nope_head_dim", source),
-        qk_rope_head_dim=_int(d, "qk_rope_head_dim", source),
-        v_head_dim=_int(d, "v_head_dim", source),
-        index_n_heads=_int(d, "index_n_heads", source),
-        index_head_dim=_int(d, "index_head_dim", source),
-        index_topk=_int(d, "index_topk", source),
-        rope_theta=_float(rope, "rope_theta", source, _float(d, "rope_theta", source, 1e4)),
-        rope_scaling=_yarn(rope, source),
-        rms_norm_eps=1e-6,
-    )
-    fields.update(options)
-    return V32AttentionConfig(**fields)
-
-
-def v32_config_from_hf(config: Any, **options) -> V32AttentionConfig:
-    """The ``V32AttentionConfig`` (shared by every layer) of a V3.2 model config.
-
-    **Arguments:**
-
-    - ``config``: a transformers ``DeepseekV32Config`` or its dict, or a dict with DeepSeek's
-      inference keys (``dim``, ``n_heads``, ``kv_lora_rank``, ``original_seq_len``,
-      ``rope_factor``, ``mscale``, …).
-    - ``options``: architecture fields to override.
-
-    HF's ``DeepseekV32Attention`` normalises with eps 1e-6 whatever ``rms_norm_eps`` says (as
-    DeepSeek's reference does), so ``rms_norm_eps`` is 1e-6 unless ``options`` set it.
-    """
-    return _v32_config(_as_dict(config), "config", options)
-
-
-def _block_size(d: Mapping, source: str) -> tuple[int, int]:
-    """FP8 tile of the checkpoint: ``quantization_config.weight_block_size`` or 128 x 128."""
-    block = (d.get("quantization_config") or {}).get("weight_block_size")
-    if block is None:
-        return DEFAULT_BLOCK
-    if (
-        not isinstance(block, list | tuple)
-        or len(block) != 2
-        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
-    ):
-        raise ValueError(
-            f"{source}: quantization_config.weight_block_size must be two positive ints "
-            f"(got {block!r})"
-        )
-    return int(block[0]), int(block[1])
-
-
-# --- tensors ---------------------------------------------------------------------------------
-
-
-def _dtype_name(value: Any) -> str:
-    return str(getattr(value, "dtype", type(value).__name__))
-
-
-def _to_numpy(name: str, value: Any) -> np.ndarray:
-    """Float array from numpy / torch / jax; low-precision floats are upcast to float32 and
-    E8M0 scales decoded as ``2**(byte - 127)``."""
-    if hasattr(value, "detach"):  # torch tensor, without importing torch up front
-        import torch
-
-        value = value.detach().cpu()
-        if value.dtype == getattr(torch, "float8_e8m0fnu", None):
-            return decode_e8m0(value.view(torch.uint8).numpy())
-        if value.dtype in (torch.bfloat16, torch.float16) or "float8" in str(value.dtype):
-            value = value.float()
-        value = value.numpy()
-    arr = np.asarray(value)
-    if arr.dtype == ml_dtypes.float8_e8m0fnu:
-        return decode_e8m0(arr)
-    if arr.dtype in (ml_dtypes.bfloat16, np.float16) or "float8" in str(arr.dtype):
-        arr = arr.astype(np.float32)
-    if not np.issubdtype(arr.dtype, np.floating):
-        raise ValueError(f"tensor {name!r} has non-float dtype {arr.dtype}")
-    return arr
-
-
-def _is_fp8(value: Any) -> bool:
-    dtype = _dtype_name(value)
-    return "float8" in dtype and "e8m0" not in dtype
-
-
-def _scale_key(name: str) -> str | None:
-    return name[: -len("weight")] + "weight_scale_inv" if name.endswith("weight") else None
-
-
-def _dequantize(
-    name: str, weight: Any, scale: Any, block: tuple[int, int], shown: Callable[[str], str]
-) -> np.ndarray:
-    """Upcast ``weight``; an FP8 weight is multiplied by its per-tile ``scale`` (DeepSeek's
-    ``weight_scale_inv`` / ``.scale``: one entry per ``block`` tile, ragged at the edges)."""
-    scale_name = _scale_key(name)
-    if not _is_fp8(weight):
-        if scale is not None:
-            raise ValueError(
-                f"tensor {shown(scale_name)!r} is a block scale, but {shown(name)!r} is stored "
-                f"as {_dtype_name(weight)}, not FP8"
-            )
-        return _to_numpy(shown(name), weight)
-    if scale is None:
-        raise ValueError(
-            f"tensor {shown(name)!r} is stored as FP8 without its block scale "
-            f"{shown(scale_name)!r}; load a dequantised checkpoint or include the scales"
-        )
-    w, s = _to_numpy(shown(name), weight), _to_numpy(shown(scale_name), scale)
-    grid = tuple(math.ceil(n / b) for n, b in zip(w.shape, block, strict=True))
-    if s.shape != grid:
-        raise ValueError(
-            f"block scale {shown(scale_name)!r} has shape {s.shape}, expected {grid} "
-            f"(one per {block[0]}x{block[1]} tile of the {w.shape} weight)"
-        )
-    if not np.isfinite(s).all():
-        raise ValueError(
-            f"block scale {shown(scale_name)!r} has {int((~np.isfinite(s)).sum())} non-finite "
-            "entries (an E8M0 byte 0xFF is NaN)"
-        )
-    full = np.repeat(np.repeat(s, block[0], axis=0), block[1], axis=1)[: w.shape[0], : w.shape[1]]
-    return w * full
-
-
-def _check_names(present: set[str], expected: set[str], where: str, shown) -> None:
-    """Every expected tensor present, nothing else (FP8 scales of expected weights allowed)."""
-    scales = {_scale_key(n) for n in expected} - {None}
-    missing = sorted(expected - present)
-    unexpected = sorted(present - expected - scales)
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing tensor(s): {', '.join(shown(n) for n in missing)}")
-        if unexpected:
-            parts.append(
-                f"unexpected tensor(s) for this layer: {', '.join(shown(n) for n in unexpected)}"
-            )
-        raise ValueError(f"{where}: {'; '.join(parts)}")
-
-
-def _load_tree(
-    module: eqx.Module,
-    names: dict[str, str],
-    tensors: Mapping[str, Any],
-    block: tuple[int, int],
-    where: str,
-    shown: Callable[[str], str],
-):
-    """Replace each leaf named in ``names`` (path -> HF key) with its (dequantised) tensor."""
-    _check_names(set(tensors), set(names.values()), where, shown)
-    for path, key in names.items():
-        current = _get_path(module, path)
-        value = _dequantize(key, tensors[key], tensors.get(_scale_key(key) or ""), block, shown)
-        if value.shape != current.shape:
-            raise ValueError(
-                f"{where}: tensor {shown(key)!r} has shape {value.shape}, "
-                f"expected {tuple(current.shape)}"
-            )
-        if not np.isfinite(value).all():
-            raise ValueError(
-                f"{where}: tensor {shown(key)!r} has {int((~np.isfinite(value)).sum())} "
-                "non-finite values"
-            )
-        new = jnp.asarray(value, dtype=current.dtype)
-        module = eqx.tree_at(lambda m, p=path: _get_path(m, p), module, new)
-    return module
-
-
-def _get_path(module: Any, path: str) -> Any:
-    for part in path.split("."):
-        module = getattr(module, part)
-    return module
-
-
-def _strip(state_dict: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-    return {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
 
 
 # --- DeepSeek-V4 -----------------------------------------------------------------------------
@@ -484,11 +116,11 @@ def _split_options(options: dict) -> tuple[dict, Execution]:
 
 def _load_v4(tensors, d, layer_idx, *, source, where, shown, dtype, options) -> V4Attention:
     overrides, execution = _split_options(options)
-    cfg = _v4_config(d, layer_idx, source, overrides)
+    cfg = v4_layer_config(d, layer_idx, source, overrides)
     _check_v4_kind(cfg, set(tensors), where, layer_idx)
     layer = V4Attention(cfg, key=jax.random.key(0), dtype=dtype, execution=execution)
     names = v4_parameter_names(cfg)
-    return _load_tree(layer, names, tensors, _block_size(d, source), where, shown)
+    return load_tree(layer, names, tensors, block_size(d, source), where, shown)
 
 
 def load_v4_attention(
@@ -521,10 +153,10 @@ def load_v4_attention(
     **Raises:** ``ValueError`` naming any missing, unexpected, mis-shaped or non-finite tensor,
     and a config whose layer kind does not match the tensors.
     """
-    tensors = _strip(state_dict, prefix)
+    tensors = strip_prefix(state_dict, prefix)
     return _load_v4(
         tensors,
-        _as_dict(config),
+        as_dict(config),
         layer_idx,
         source="config",
         where=f"state dict of layer {layer_idx}",
@@ -554,107 +186,9 @@ _NATIVE_V4_RENAMES = [
 ]
 
 
-def _rename(name: str, renames: list[tuple[str, str]]) -> str:
-    for pattern, repl in renames:
-        name = re.sub(pattern, repl, name)
-    return name
-
-
 def native_v4_name(name: str) -> str:
     """HF parameter name of a DeepSeek-native V4 attention tensor name (``wq_a.weight`` …)."""
-    return _rename(name, _NATIVE_V4_RENAMES)
-
-
-# --- checkpoint folders ----------------------------------------------------------------------
-
-
-def _read_config(folder: Path) -> tuple[dict, str]:
-    if not folder.is_dir():
-        raise ValueError(f"checkpoint folder {folder} does not exist or is not a directory")
-    path = folder / "config.json"
-    if not path.is_file():
-        raise ValueError(
-            f"{folder} has no config.json: a checkpoint folder holds config.json (HF keys or "
-            "DeepSeek's inference keys) and its *.safetensors files"
-        )
-    try:
-        d = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{path} must hold a JSON object (got {type(d).__name__})")
-    return d.get("text_config", d), str(path)
-
-
-def _shard_files(folder: Path, wanted: Callable[[str], bool]) -> dict[Path, set[str] | None]:
-    """Files to read -> the tensor names the index assigns to them (None without an index)."""
-    index_file = folder / "model.safetensors.index.json"
-    if not index_file.exists():
-        files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"{folder} holds no *.safetensors files")
-        return dict.fromkeys(files)
-    try:
-        weight_map = json.loads(index_file.read_text())["weight_map"]
-        assert isinstance(weight_map, dict)
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AssertionError):
-        raise ValueError(
-            f"{index_file} is not a safetensors index (a JSON object with a 'weight_map')"
-        ) from None
-    files: dict[Path, set[str]] = {}
-    for name, file in weight_map.items():
-        if wanted(name):
-            files.setdefault(folder / file, set()).add(name)
-    for file in files:
-        if not file.is_file():
-            raise ValueError(f"{index_file} maps tensors to {file.name}, which is missing")
-    return files
-
-
-def _read_layer(
-    folder: Path, prefixes: dict[str, Callable[[str], str]]
-) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """The requested layer's tensors (HF names) and each one's origin ``file: name``.
-
-    ``prefixes`` maps a checkpoint name prefix to the renaming of what follows it. With an
-    index only the files it names are read, and only the tensors it assigns to them; without
-    one, a tensor found in two files is an error (a stray shard must not silently win).
-    """
-
-    def wanted(name: str) -> bool:
-        return name.startswith(tuple(prefixes))
-
-    seen: dict[str, list[str]] = {}  # HF name -> every "file: checkpoint name" holding it
-    plan: dict[Path, dict[str, str]] = {}  # file -> checkpoint name -> HF name
-    for file, assigned in _shard_files(folder, wanted).items():
-        header, _ = safetensors_header(file)
-        if assigned is not None and (lost := sorted(assigned - header.keys())):
-            raise ValueError(
-                f"{folder / 'model.safetensors.index.json'} assigns {lost[0]!r} to {file.name}, "
-                "which does not hold it"
-            )
-        for name in header:
-            if wanted(name) and (assigned is None or name in assigned):
-                prefix = next(p for p in prefixes if name.startswith(p))
-                hf = prefixes[prefix](name[len(prefix) :])
-                plan.setdefault(file, {})[name] = hf
-                seen.setdefault(hf, []).append(f"{file.name}: {name}")
-    clashes = {hf: where for hf, where in seen.items() if len(where) > 1}
-    if clashes:
-        hf, where = sorted(clashes.items())[0]
-        raise ValueError(
-            f"{folder}: {len(clashes)} tensor(s) of this layer are stored more than once, e.g. "
-            f"{hf!r} in {' and '.join(where)}; without a model.safetensors.index.json the loader "
-            "cannot tell which copy is current (remove the stray file or add an index; DeepSeek's "
-            "convert.py output split over several model-parallel files is not supported)"
-        )
-    if not plan:
-        raise ValueError(f"{folder}: no attention tensors of this layer (looked for {prefixes})")
-    tensors: dict[str, np.ndarray] = {}
-    for file, names in plan.items():
-        for name, value in read_safetensors(file, keep=names.__contains__).items():
-            tensors[names[name]] = value
-    return tensors, {hf: where[0] for hf, where in seen.items()}
+    return rename(name, _NATIVE_V4_RENAMES)
 
 
 def load_v4_attention_from_safetensors(
@@ -677,14 +211,14 @@ def load_v4_attention_from_safetensors(
     or tensor at fault; docs/hf.md lists every case.
     """
     folder = Path(path)
-    d, source = _read_config(folder)
-    _v4_config(d, layer_idx, source, _split_options(options)[0])  # fails before any I/O
+    d, source = read_config(folder)
+    v4_layer_config(d, layer_idx, source, _split_options(options)[0])  # fails before any I/O
     prefixes = {
         f"model.layers.{layer_idx}.self_attn.": lambda n: n,
         f"model.layers.{layer_idx}.attn.": native_v4_name,
         f"layers.{layer_idx}.attn.": native_v4_name,
     }
-    tensors, origin = _read_layer(folder, prefixes)
+    tensors, origin = read_layer(folder, prefixes)
     return _load_v4(
         tensors,
         d,
@@ -735,24 +269,15 @@ _NATIVE_V32_RENAMES = [
 
 def native_v32_name(name: str) -> str:
     """HF parameter name of a DeepSeek-native V3.2 attention tensor name (``wkv_a.weight`` …)."""
-    return _rename(name, _NATIVE_V32_RENAMES)
-
-
-def _v32_layer_config(d: dict, layer_idx: int, source: str, options: dict):
-    """The layer config, after checking ``layer_idx`` against ``num_hidden_layers`` / ``n_layers``
-    (when the config gives it)."""
-    n_layers = _from_native(d).get("num_hidden_layers")
-    if n_layers is not None:
-        _check_layer_idx(layer_idx, int(n_layers), source)
-    return _v32_config(d, source, options)
+    return rename(name, _NATIVE_V32_RENAMES)
 
 
 def _load_v32(tensors, d, layer_idx, *, source, where, shown, dtype, options) -> V32Attention:
     overrides, execution = _split_options(options)
-    cfg = _v32_layer_config(d, layer_idx, source, overrides)
+    cfg = v32_layer_config(d, layer_idx, source, overrides)
     layer = V32Attention(cfg, key=jax.random.key(0), dtype=dtype, execution=execution)
     names = v32_parameter_names()
-    return _load_tree(layer, names, tensors, _block_size(d, source), where, shown)
+    return load_tree(layer, names, tensors, block_size(d, source), where, shown)
 
 
 def load_v32_attention(
@@ -772,8 +297,8 @@ def load_v32_attention(
     mis-shaped or non-finite tensor.
     """
     return _load_v32(
-        _strip(state_dict, prefix),
-        _as_dict(config),
+        strip_prefix(state_dict, prefix),
+        as_dict(config),
         layer_idx,
         source="config",
         where=f"state dict of layer {layer_idx}",
@@ -795,14 +320,14 @@ def load_v32_attention_from_safetensors(
     ``load_v4_attention_from_safetensors``.
     """
     folder = Path(path)
-    d, source = _read_config(folder)
-    _v32_layer_config(d, layer_idx, source, _split_options(options)[0])  # before any I/O
+    d, source = read_config(folder)
+    v32_layer_config(d, layer_idx, source, _split_options(options)[0])  # before any I/O
     prefixes = {
         f"model.layers.{layer_idx}.self_attn.": lambda n: n,
         f"model.layers.{layer_idx}.attn.": native_v32_name,
         f"layers.{layer_idx}.attn.": native_v32_name,
     }
-    tensors, origin = _read_layer(folder, prefixes)
+    tensors, origin = read_layer(folder, prefixes)
     return _load_v32(
         tensors,
         d,

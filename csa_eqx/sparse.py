@@ -3,6 +3,12 @@
 Each query attends to the keys named by its own index list (``-1`` = no key). The sink adds
 ``exp(s_h)`` to the softmax denominator only. A query with no valid key returns zeros.
 
+Non-finite values stay where they belong: key / value rows holding a NaN or Inf are zeroed
+before both matmuls (``0 x NaN`` would otherwise reach every query that shares the matmul, and
+every query's gradient), and exactly the queries that see such a row, or whose own query is
+non-finite, return NaN (output and ``lse``). Every other query gets what it would get if the
+bad rows held finite values.
+
 Keys that *every* query may see once visible (HCA's compressed entries, CSA's entries in the
 dense warm-up) are better attended with a plain matmul than gathered per query: pass them as
 ``dense=DenseKeys(...)``; their visibility is computed per query block from the entry layout,
@@ -21,7 +27,7 @@ from typing import NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, Shaped
 
 from .compressor import EntryLayout
 from .selection import Visibility, entry_visibility, scatter_rows
@@ -134,7 +140,7 @@ def picked_mask(
 _BLOCK_ELEMENTS = 1 << 24
 
 
-def gather_keys(kv: Float[Array, "batch keys dim"], indices: Int[Array, "batch seq k"]) -> Array:
+def gather_keys(kv: Shaped[Array, "batch keys dim"], indices: Int[Array, "batch seq k"]) -> Array:
     """``kv[b, indices[b, s, i]]`` as ``[B, S, k, dim]`` (``-1`` reads row 0; mask it)."""
     b, s, k = indices.shape
     flat = jnp.clip(indices, 0, kv.shape[1] - 1).reshape(b, s * k)
@@ -211,6 +217,16 @@ def sparse_attention(
         qb = min(qb, 1 << max(window - 1, 1).bit_length())
     qb = min(qb, s) if s else 1
     n = -(-s // qb)
+    # non-finite rows: zeroed for the matmuls, flagged to poison exactly the queries seeing them
+    q_bad = ~jnp.all(jnp.isfinite(q), axis=(2, 3))
+    q = _zero_rows(q, q_bad)
+    kv_bad = _nonfinite_rows(kv, values)
+    kv, values = _zero_rows(kv, kv_bad), _zero_rows(values, kv_bad)
+    if dense is not None:
+        dense_bad = _nonfinite_rows(dense.keys, dense.values)
+        dense = dense._replace(
+            keys=_zero_rows(dense.keys, dense_bad), values=_zero_rows(dense.values, dense_bad)
+        )
     band = None
     if window:  # kv rows (and segments) padded so that every block's slab is in range
         pad = [(0, 0), (window - 1, n * qb - s)]
@@ -218,6 +234,7 @@ def sparse_attention(
             jnp.pad(kv[:, :s], pad + [(0, 0)]),
             None if values is None else jnp.pad(values[:, :s], pad + [(0, 0)]),
             jnp.pad(segment, pad, constant_values=-1),
+            jnp.pad(kv_bad[:, :s], pad),
         )
 
     def body(start: Array, r: dict[str, Array]):
@@ -225,7 +242,8 @@ def sparse_attention(
         if indices.shape[-1] or not (window or dense):
             keys = gather_keys(kv, r["indices"])
             vals = keys if values is None else gather_keys(values, r["indices"])
-            parts.append((keys, vals, r["indices"] >= 0, True))
+            bad = gather_keys(kv_bad[..., None], r["indices"])[..., 0]
+            parts.append((keys, vals, r["indices"] >= 0, bad, True))
         if band is not None:
             parts.append(_band_part(band, start, r["segment"], window, s))
         if dense is not None:
@@ -233,10 +251,10 @@ def sparse_attention(
             if dense.picks is not None:
                 visible &= picked_mask(r["picks"], dense.keys.shape[1])
             vals = dense.keys if dense.values is None else dense.values
-            parts.append((dense.keys, vals, visible, False))
-        return _attend(r["q"], parts, sinks, scale, return_lse)
+            parts.append((dense.keys, vals, visible, dense_bad, False))
+        return _attend(r["q"], r["q_bad"], parts, sinks, scale, return_lse)
 
-    rows = {"q": q, "indices": indices}
+    rows = {"q": q, "q_bad": q_bad, "indices": indices}
     if window:
         rows["segment"] = segment
     if dense is not None:
@@ -247,7 +265,7 @@ def sparse_attention(
         return body(jnp.int32(0), rows)
 
     def blocks(x: Array) -> Array:
-        fill = 0 if x is q else -1  # padded query rows see no key
+        fill = -1 if jnp.issubdtype(x.dtype, jnp.integer) else 0  # padded rows see no key
         x = jnp.pad(x, [(0, 0), (0, n * qb - s)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
         return jnp.moveaxis(x.reshape(b, n, qb, *x.shape[2:]), 1, 0)
 
@@ -264,26 +282,45 @@ def _band_part(band, start: Array, query_segment: Array, window: int, seq: int):
     """Keys, values and mask of the sliding-window slab of the query block starting at row
     ``start``: padded rows ``start .. start + rows + window - 2``, i.e. tokens
     ``start - window + 1 .. start + rows - 1``."""
-    kv, values, key_segment = band
+    kv, values, key_segment, key_bad = band
     rows = query_segment.shape[1]
     size = rows + window - 1
     keys = jax.lax.dynamic_slice_in_dim(kv, start, size, axis=1)
     vals = keys if values is None else jax.lax.dynamic_slice_in_dim(values, start, size, axis=1)
     key_segment = jax.lax.dynamic_slice_in_dim(key_segment, start, size, axis=1)
+    key_bad = jax.lax.dynamic_slice_in_dim(key_bad, start, size, axis=1)
     row = start + jnp.arange(rows)
     token = start - window + 1 + jnp.arange(size)
     lag = row[:, None] - token[None, :]  # [rows, size]
     mask = (token >= 0) & (lag >= 0) & (lag < window) & (row < seq)[:, None]
-    return keys, vals, mask[None] & (key_segment[:, None, :] == query_segment[:, :, None]), False
+    mask = mask[None] & (key_segment[:, None, :] == query_segment[:, :, None])
+    return keys, vals, mask, key_bad, False
 
 
-def _attend(q, parts, sinks, scale, return_lse):
-    """Attention of one block of queries over ``parts``: ``(keys, values, mask, per_query)``
-    with keys ``[B, S, n, d]`` gathered per query (``per_query``) or ``[B, n, d]`` shared by
-    the block, mask ``[B, S, n]``; one softmax over all parts (see ``sparse_attention``)."""
+def _nonfinite_rows(keys: Array, values: Array | None) -> Bool[Array, "batch rows"]:
+    """Rows of ``keys`` (or of ``values``) holding a NaN or an Inf."""
+    bad = ~jnp.all(jnp.isfinite(keys), axis=-1)
+    return bad if values is None else bad | ~jnp.all(jnp.isfinite(values), axis=-1)
+
+
+def _zero_rows(x: Array | None, bad: Array) -> Array | None:
+    """``x`` with the rows flagged in ``bad`` (its leading axes) set to zero."""
+    if x is None:
+        return None
+    return jnp.where(bad.reshape(bad.shape + (1,) * (x.ndim - bad.ndim)), 0, x)
+
+
+def _attend(q, q_bad, parts, sinks, scale, return_lse):
+    """Attention of one block of queries over ``parts``: ``(keys, values, mask, bad,
+    per_query)`` with keys ``[B, S, n, d]`` gathered per query (``per_query``) or ``[B, n, d]``
+    shared by the block, mask ``[B, S, n]`` and ``bad`` the (zeroed) non-finite key rows; one
+    softmax over all parts (see ``sparse_attention``). Queries flagged in ``q_bad`` or seeing a
+    bad row return NaN."""
     acc = jnp.promote_types(q.dtype, jnp.float32)
+    poisoned = q_bad
     logits = []
-    for keys, _, mask, per_query in parts:
+    for keys, _, mask, bad, per_query in parts:
+        poisoned |= jnp.any(mask & (bad if per_query else bad[:, None, :]), axis=-1)
         spec = "bshd,bskd->bshk" if per_query else "bshd,bkd->bshk"
         part = jnp.einsum(spec, q, keys.astype(q.dtype), preferred_element_type=acc) * scale
         logits.append(jnp.where(mask[:, :, None, :], part, -jnp.inf))
@@ -299,12 +336,13 @@ def _attend(q, parts, sinks, scale, return_lse):
         denom = denom + jnp.exp(sink - peak)
     probs = p / jnp.where(denom > 0, denom, 1.0)[..., None]
     out, offset = 0.0, 0
-    for keys, vals, _, per_query in parts:
+    for keys, vals, _, _, per_query in parts:
         n = keys.shape[-2]
         spec = "bshk,bskd->bshd" if per_query else "bshk,bkd->bshd"
         p_part = probs[..., offset : offset + n].astype(vals.dtype)
         out = out + jnp.einsum(spec, p_part, vals, preferred_element_type=probs.dtype)
         offset += n
+    out = jnp.where(poisoned[:, :, None, None], jnp.nan, out).astype(q.dtype)
     if return_lse:
-        return out.astype(q.dtype), peak + jnp.log(denom)
-    return out.astype(q.dtype)
+        return out, jnp.where(poisoned[..., None], jnp.nan, peak + jnp.log(denom))
+    return out

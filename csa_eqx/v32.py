@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped
 
+from . import checks
 from .attention import AbstractIndexedAttention
 from .cache import V32Cache, check_cache_size, empty_rows
 from .compressor import EntryLayout, entry_layout, segment_positions
@@ -222,7 +223,7 @@ class V32Attention(AbstractIndexedAttention):
     @jaxtyped(typechecker=beartype)
     def __call__(
         self,
-        x: Float[ArrayLike, "batch seq {self.config.hidden_size}"],
+        x: Float[ArrayLike, "batch seq hidden"],
         positions: Int[ArrayLike, "batch seq"] | None = None,
         segment_ids: Int[ArrayLike, "batch seq"] | None = None,
         return_aux: bool = False,
@@ -250,7 +251,9 @@ class V32Attention(AbstractIndexedAttention):
         """
         c, ex = self.config, self.execution
         stage = self.stage(indexer_loss)
-        x = jnp.asarray(x)
+        x, positions, segment_ids = checks.layer_inputs(c.hidden_size, x, positions, segment_ids)
+        if x.size == 0:
+            return checks.empty_outputs(x, c.index_topk, stage != "off", return_aux)
         b, s, _ = x.shape
         seg = jnp.zeros((b, s), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids)
         seg = seg.astype(jnp.int32)

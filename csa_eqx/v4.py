@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped
 
+from . import checks
 from .attention import AbstractIndexedAttention
 from .cache import V4Cache, check_cache_size, compressor_state, empty_rows
 from .compressor import (
@@ -177,7 +178,7 @@ class V4Attention(AbstractIndexedAttention):
     @jaxtyped(typechecker=beartype)
     def __call__(
         self,
-        x: Float[ArrayLike, "batch seq {self.config.hidden_size}"],
+        x: Float[ArrayLike, "batch seq hidden"],
         positions: Int[ArrayLike, "batch seq"] | None = None,
         segment_ids: Int[ArrayLike, "batch seq"] | None = None,
         return_aux: bool = False,
@@ -205,7 +206,10 @@ class V4Attention(AbstractIndexedAttention):
         """
         c, ex = self.config, self.execution
         stage = self.stage(indexer_loss)
-        x = jnp.asarray(x)
+        x, positions, segment_ids = checks.layer_inputs(c.hidden_size, x, positions, segment_ids)
+        if x.size == 0:
+            k = c.index_topk if c.has_indexer else None
+            return checks.empty_outputs(x, k, c.has_indexer and stage != "off", return_aux)
         seg, query_index = token_rows(x, segment_ids)
         if positions is None:
             positions = segment_positions(seg)
@@ -277,6 +281,7 @@ class V4Attention(AbstractIndexedAttention):
         c, ex = self.config, self.execution
         if self.indexer is None:
             raise ValueError(f"entry_attention needs a CSA layer (this one is {c.layer_type})")
+        x, _, segment_ids = checks.layer_inputs(c.hidden_size, x, None, segment_ids)
         seg, query_index = token_rows(x, segment_ids)
         positions = segment_positions(seg)
         qr, q, kv = self.project_qkv(x, positions)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from csa_eqx import V4Attention
+from csa_eqx import V4Attention, V32Attention
 from csa_eqx.config import YaRNScaling
 from csa_eqx.presets import tiny_v4, tiny_v32
 
@@ -25,7 +25,8 @@ def test_odd_unrotated_channels_are_rejected(field, value):
 def test_odd_v32_dims_are_fine():
     """V3.2 rotates a separate slice (MLA) / the first channels (indexer): no parity rule."""
     cfg = tiny_v32(index_head_dim=17, qk_nope_head_dim=15, v_head_dim=15)
-    assert cfg.index_head_dim == 17
+    y = V32Attention(cfg, key=jax.random.key(0))(jnp.ones((1, 12, cfg.hidden_size)))
+    assert y.shape == (1, 12, cfg.hidden_size) and bool(jnp.isfinite(y).all())
 
 
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, 0.0])

@@ -528,6 +528,32 @@ def test_index_naming_a_missing_shard(v4_release, tmp_path):
         load_v4_attention_from_safetensors(bad, 1)
 
 
+def test_index_that_disagrees_with_the_shards(v4_release, tmp_path):
+    folder, _, _ = v4_release
+    bad = _copy(folder, tmp_path)
+    index_file = bad / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    right = index["weight_map"]["layers.1.attn.wq_a.weight"]
+    wrong = next(f for f in set(index["weight_map"].values()) if f != right)
+    index["weight_map"]["layers.1.attn.wq_a.weight"] = wrong
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=rf"assigns 'layers.1.attn.wq_a.weight' to {wrong}"):
+        load_v4_attention_from_safetensors(bad, 1)
+    index_file.write_text('{"weight_map": ')
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json is not valid JSON"):
+        load_v4_attention_from_safetensors(bad, 1)
+    index_file.write_text('{"metadata": {}}')
+    with pytest.raises(ValueError, match=r"index.json lacks a 'weight_map'"):
+        load_v4_attention_from_safetensors(bad, 1)
+
+
+def test_inference_config_key_names_its_alias(v4_release, tmp_path):
+    folder, _, _ = v4_release
+    config = {k: v for k, v in V4_INFERENCE_CONFIG.items() if k != "window_size"}
+    with pytest.raises(ValueError, match=r"lacks the key 'sliding_window' .*'window_size'"):
+        load_v4_attention_from_safetensors(_variant(folder, tmp_path, config), 0)
+
+
 def test_extra_tensor_of_the_layer_is_named(v4_release, tmp_path):
     folder, _, _ = v4_release
     bad = _copy(folder, tmp_path)

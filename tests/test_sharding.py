@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import multiprocess_worker as mp_worker
 import numpy as np
 import pytest
 from jax.sharding import AxisType
@@ -187,10 +188,15 @@ def free_port() -> int:
 
 
 def test_two_processes_match_single_process(tmp_path):
-    """2 processes x 4 CPU devices (jax.distributed on loopback, gloo collectives) run the
-    sharded selection on global (8,) and (2, 4) meshes; process 0's result must equal the
-    unsharded single-process selection."""
-    out = tmp_path / "sel.npz"
+    """2 processes x 4 CPU devices (jax.distributed on loopback, gloo collectives).
+
+    The sharded selection on global (8,) and (2, 4) meshes equals the unsharded one bitwise
+    in both processes. The full CSA layer with batch-sharded inputs and replicated global
+    weights on the (2, 4) mesh (row-sharded top-k): the parts each process holds of
+    the output, the selection and the gradients (input, two weights) equal one plain process's
+    run, and the two processes together hold all of them.
+    """
+    out = tmp_path / "run"
     port = free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONPATH": str(ROOT)}
     worker = str(ROOT / "tests" / "multiprocess_worker.py")
@@ -208,17 +214,56 @@ def test_two_processes_match_single_process(tmp_path):
     logs = []
     try:
         for p in procs:
-            logs.append(p.communicate(timeout=90)[0])
+            logs.append(p.communicate(timeout=240)[0])
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+    got = [np.load(f"{out}.{i}.npz") for i in range(2)]
 
     q, w, keys, qi, seg, layout = make_inputs()
     args = [jnp.asarray(a) for a in (q, w, keys, qi, seg)]
     want = np.asarray(selected(*args, EntryLayout(*map(jnp.asarray, layout)), k=K))
-    got = np.load(out)
-    assert sorted(got.files) == sorted(MESHES)
     for name in MESHES:
-        np.testing.assert_array_equal(got[name], want)
+        for part in got:
+            np.testing.assert_array_equal(part[f"sel_{name}"], want)
+
+    x, seg, cotangent = mp_worker.layer_inputs()
+    want = mp_worker.layer_results(mp_worker.make_layer(sharded=False), x, seg, cotangent)
+    for name in mp_worker.LAYER_OUTPUTS:
+        ref = np.asarray(want[name])
+        assert (got[0][f"{name}_known"] | got[1][f"{name}_known"]).all(), name
+        for part in got:
+            known = part[f"{name}_known"]
+            assert known.any(), name
+            if name == "selection":
+                np.testing.assert_array_equal(part[name][known], ref[known])
+            else:
+                np.testing.assert_allclose(
+                    part[name][known],
+                    ref[known],
+                    rtol=1e-5,
+                    atol=1e-6 * np.abs(ref).max(),
+                    err_msg=name,
+                )
+
+
+@pytest.mark.xfail(strict=True, reason="auto_axes meets weights typed on the Explicit mesh")
+def test_shard_indexer_acts_with_mesh_placed_weights():
+    """Weights replicated on an Explicit mesh (as multi-process runs need global arrays):
+    ``shard_indexer_acts`` fails today with "context mesh ... should match the aval mesh"
+    inside ``tensor_axis_auto``; ``indexer_sharded_topk`` alone works."""
+    import equinox as eqx
+    from jax.sharding import NamedSharding
+
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"))
+    x, seg = layer_inputs()
+    want, _ = RUN_LAYER(remat_layer(), x, seg)
+    layer = remat_layer(shard_indexer_acts=True)
+    layer = jax.tree.map(
+        lambda a: jax.device_put(a, NamedSharding(mesh, P())) if eqx.is_array(a) else a, layer
+    )
+    with jax.set_mesh(mesh):
+        y, _ = RUN_LAYER(layer, x, seg)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-6, atol=1e-6)

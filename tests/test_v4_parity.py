@@ -162,3 +162,26 @@ def test_every_path_matches_hf(case):
     if masked is not None:
         assert attends_masked_picks(s // 4, topk) == masked
     run_case(kind, 1, s, window, topk, rate, False, paths, seed=11)
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_packed_documents_match_hf_alone(kind):
+    """Two documents packed in one row == HF on each document alone. The second starts at
+    token 13, mid-window for m = 4 and m = 8: compression windows, positions and the sliding
+    window must all restart at the segment boundary."""
+    lengths = (13, 22)
+    cfg = hf_v4_config(tiny_v4(kind, sliding_window=6, index_topk=3))
+    hf_layer = random_hf_v4_layer(cfg, seed=9)
+    x = np.random.default_rng(9).normal(size=(1, sum(lengths), cfg.hidden_size))
+    x = x.astype(np.float32)
+    seg = np.repeat(np.arange(len(lengths)), lengths)[None].astype(np.int32)
+    layer = with_path(state_dict_numpy(hf_layer), cfg, {})
+    got = np.asarray(jax.jit(lambda m, x, s: m(x, segment_ids=s))(layer, x, seg))
+    start = 0
+    for n in lengths:
+        want, _, scores = run_hf_v4(hf_layer, cfg, x[:, start : start + n])
+        rows = np.ones((1, n), bool)
+        if scores is not None:
+            rows = untied_rows(scores, 3, 4, rel_gap=1e-5)
+        assert_close(got[:, start : start + n], want, rows)
+        start += n

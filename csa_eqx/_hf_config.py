@@ -1,0 +1,272 @@
+"""Model configs -> layer configs: HF ``config.json`` keys or DeepSeek's inference keys.
+
+Private to ``csa_eqx.hf``. Every missing or invalid key is a ``ValueError`` naming the source
+(``config`` or the ``config.json`` path) and the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .config import V4AttentionConfig, V32AttentionConfig, YaRNScaling
+
+_LAYER_KINDS = {  # HF layer type -> csa_eqx layer kind
+    "sliding_attention": "sliding",
+    "compressed_sparse_attention": "csa",
+    "heavily_compressed_attention": "hca",
+}
+_DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+# DeepSeek's inference config.json keys (``inference/config.json``) -> the HF config's keys
+_NATIVE_KEYS = {
+    "dim": "hidden_size",
+    "n_heads": "num_attention_heads",
+    "n_layers": "num_hidden_layers",
+    "rope_head_dim": "qk_rope_head_dim",
+    "window_size": "sliding_window",
+    "norm_eps": "rms_norm_eps",
+}
+_HF_TO_NATIVE = {hf: native for native, hf in _NATIVE_KEYS.items()}
+DEFAULT_BLOCK = (128, 128)  # DeepSeek's FP8 tile (``quantization_config.weight_block_size``)
+
+
+def as_dict(config: Any) -> dict:
+    """A transformers config object or a mapping as a plain dict."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    raise TypeError(f"config must be a transformers config or a dict, got {type(config).__name__}")
+
+
+def _from_native(d: dict, source: str) -> dict:
+    """HF-keyed view of a config; DeepSeek's inference keys (``dim``, ``n_heads``, …) are
+    renamed and its YaRN keys (``original_seq_len``, ``rope_factor``, …) become
+    ``rope_scaling``. An HF config (it has ``hidden_size``) is returned unchanged."""
+    if "hidden_size" in d or "dim" not in d:
+        return d
+    out = {_NATIVE_KEYS.get(k, k): v for k, v in d.items()}
+    if int(d.get("original_seq_len") or 0) > 0:
+        out["rope_scaling"] = {
+            "type": "yarn",
+            "factor": _need(d, "rope_factor", f"{source} (YaRN: original_seq_len > 0)"),
+            "original_max_position_embeddings": d["original_seq_len"],
+            "beta_fast": d.get("beta_fast", 32),
+            "beta_slow": d.get("beta_slow", 1),
+            # V3.2's softmax factor (0.1·mscale·ln(factor) + 1)², no factor on cos / sin
+            "mscale": d.get("mscale"),
+            "mscale_all_dim": d.get("mscale"),
+        }
+    return out
+
+
+def _need(d: Mapping, key: str, source: str) -> Any:
+    if d.get(key) is None:
+        native = _HF_TO_NATIVE.get(key)
+        alias = f" (DeepSeek's inference key: {native!r})" if native else ""
+        raise ValueError(f"{source} lacks the key {key!r}{alias}, needed to build the layer")
+    return d[key]
+
+
+def _int(d: Mapping, key: str, source: str) -> int:
+    v = _need(d, key, source)
+    if isinstance(v, bool) or not isinstance(v, int | float) or v != int(v):
+        raise ValueError(f"{source}: {key!r} must be an int (got {v!r})")
+    return int(v)
+
+
+def _float(d: Mapping, key: str, source: str, default: float | None = None) -> float:
+    v = d.get(key, default) if default is not None else _need(d, key, source)
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ValueError(f"{source}: {key!r} must be a number (got {v!r})")
+    return float(v)
+
+
+def _yarn(params: Mapping | None, source: str) -> YaRNScaling | None:
+    """``YaRNScaling`` of an HF ``rope_scaling`` / ``rope_parameters`` entry; None if default."""
+    if not params:
+        return None
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "yarn":
+        raise ValueError(f"{source}: rope type {kind!r} is not supported (only 'default', 'yarn')")
+    if params.get("attention_factor") not in (None, 1.0):
+        raise ValueError(f"{source}: an explicit YaRN attention_factor is not supported")
+    where = f"{source} (rope scaling)"
+    return YaRNScaling(
+        factor=_float(params, "factor", where),
+        original_max_position_embeddings=_int(params, "original_max_position_embeddings", where),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        truncate=bool(params.get("truncate", True)),
+    )
+
+
+def _check_layer_idx(layer_idx: Any, n_layers: int, source: str) -> None:
+    ok = isinstance(layer_idx, int | np.integer) and not isinstance(layer_idx, bool)
+    if not ok or not 0 <= layer_idx < n_layers:
+        raise ValueError(
+            f"layer_idx must be an int in [0, {n_layers}) for the {n_layers} layers of "
+            f"{source} (got {layer_idx!r})"
+        )
+
+
+def _v4_layer_rate(d: dict, layer_idx: int, source: str) -> int:
+    """Compression rate of layer ``layer_idx`` from ``layer_types`` (+ ``compress_rates``) or
+    DeepSeek's ``compress_ratios`` list (which may hold one more entry, for the MTP layer)."""
+    types, ratios = d.get("layer_types"), d.get("compress_ratios")
+    schedule = types if types is not None else ratios
+    if schedule is None:
+        raise ValueError(
+            f"{source} has neither 'layer_types' nor 'compress_ratios' (the per-layer schedule "
+            "of sliding / CSA / HCA layers)"
+        )
+    n_layers = d.get("num_hidden_layers")
+    n_layers = len(schedule) if n_layers is None else int(n_layers)
+    _check_layer_idx(layer_idx, n_layers, source)
+    key = "layer_types" if types is not None else "compress_ratios"
+    if layer_idx >= len(schedule):
+        raise ValueError(f"{source}: {key!r} lists {len(schedule)} layers, fewer than {n_layers}")
+    entry = schedule[layer_idx]
+    if types is not None:
+        if entry not in _LAYER_KINDS:
+            raise ValueError(
+                f"{source}: layer_types[{layer_idx}] = {entry!r} is not a DeepSeek-V4 layer kind "
+                f"(expected one of {sorted(_LAYER_KINDS)})"
+            )
+        if entry == "sliding_attention":
+            return 0
+        legacy = {  # older HF configs give the two rates as scalars
+            "compressed_sparse_attention": d.get("compress_rate_csa"),
+            "heavily_compressed_attention": d.get("compress_rate_hca"),
+        }
+        rates = dict(_DEFAULT_RATES, **{k: v for k, v in legacy.items() if v is not None})
+        rates.update(d.get("compress_rates") or {})
+        entry = rates[entry]
+    if isinstance(entry, bool) or not isinstance(entry, int) or not (entry == 0 or entry >= 4):
+        raise ValueError(
+            f"{source}: layer {layer_idx}'s compression rate ({key}) is {entry!r}; DeepSeek-V4 "
+            "layers use 0 (sliding), 4 (CSA) or a larger int (HCA)"
+        )
+    return entry
+
+
+def v4_layer_config(d: dict, layer_idx: int, source: str, options: dict) -> V4AttentionConfig:
+    """Layer ``layer_idx``'s config from a config dict (HF or inference keys); ``source``
+    names the config in errors, ``options`` set or override fields."""
+    d = _from_native(d, source)
+    head_dim = _int(d, "head_dim", source)
+    if d.get("qk_rope_head_dim") is not None:
+        rope_dim = _int(d, "qk_rope_head_dim", source)
+    else:
+        rope_dim = int(head_dim * _float(d, "partial_rotary_factor", source, 64 / 512))
+    rope = d.get("rope_parameters") or {}
+    compress_rope = rope.get("compress") if isinstance(rope.get("compress"), dict) else rope
+    fields = dict(
+        hidden_size=_int(d, "hidden_size", source),
+        num_heads=_int(d, "num_attention_heads", source),
+        head_dim=head_dim,
+        rope_dim=rope_dim,
+        q_lora_rank=_int(d, "q_lora_rank", source),
+        o_groups=_int(d, "o_groups", source),
+        o_lora_rank=_int(d, "o_lora_rank", source),
+        sliding_window=_int(d, "sliding_window", source),
+        compress_rate=_v4_layer_rate(d, layer_idx, source),
+        index_n_heads=_int(d, "index_n_heads", source),
+        index_head_dim=_int(d, "index_head_dim", source),
+        index_topk=_int(d, "index_topk", source),
+        rope_theta=_float(d, "rope_theta", source, 10000.0),
+        compress_rope_theta=_float(d, "compress_rope_theta", source, 160000.0),
+        rope_scaling=_yarn(compress_rope or d.get("rope_scaling"), source),
+        rms_norm_eps=_float(d, "rms_norm_eps", source, 1e-6),
+    )
+    fields.update(options)
+    return V4AttentionConfig(**fields)
+
+
+def v4_config_from_hf(config: Any, layer_idx: int, **options) -> V4AttentionConfig:
+    """The ``V4AttentionConfig`` of layer ``layer_idx`` of a V4 model config.
+
+    **Arguments:**
+
+    - ``config``: a transformers ``DeepseekV4Config`` or its dict, or a dict with DeepSeek's
+      inference keys (``dim``, ``n_heads``, ``head_dim``, ``rope_head_dim``, ``window_size``,
+      ``compress_ratios``, ``original_seq_len`` / ``rope_factor`` for YaRN, …).
+    - ``layer_idx``: which layer (its kind comes from ``layer_types`` or ``compress_ratios``).
+    - ``options``: architecture fields to override (execution options go to the loaders).
+
+    **Returns:** the validated layer config. **Raises:** ``ValueError`` naming a missing key,
+    an out-of-range ``layer_idx`` or an unknown layer kind.
+    """
+    return v4_layer_config(as_dict(config), layer_idx, "config", options)
+
+
+def _v32_config(d: dict, source: str, options: dict) -> V32AttentionConfig:
+    d = _from_native(d, source)
+    if d.get("attention_bias"):
+        raise ValueError(f"{source}: attention_bias=True is not supported (V3.2 has none)")
+    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    fields = dict(
+        hidden_size=_int(d, "hidden_size", source),
+        num_heads=_int(d, "num_attention_heads", source),
+        q_lora_rank=_int(d, "q_lora_rank", source),
+        kv_lora_rank=_int(d, "kv_lora_rank", source),
+        qk_nope_head_dim=_int(d, "qk_nope_head_dim", source),
+        qk_rope_head_dim=_int(d, "qk_rope_head_dim", source),
+        v_head_dim=_int(d, "v_head_dim", source),
+        index_n_heads=_int(d, "index_n_heads", source),
+        index_head_dim=_int(d, "index_head_dim", source),
+        index_topk=_int(d, "index_topk", source),
+        rope_theta=_float(rope, "rope_theta", source, _float(d, "rope_theta", source, 1e4)),
+        rope_scaling=_yarn(rope, source),
+        rms_norm_eps=1e-6,
+    )
+    fields.update(options)
+    return V32AttentionConfig(**fields)
+
+
+def v32_config_from_hf(config: Any, **options) -> V32AttentionConfig:
+    """The ``V32AttentionConfig`` (shared by every layer) of a V3.2 model config.
+
+    **Arguments:**
+
+    - ``config``: a transformers ``DeepseekV32Config`` or its dict, or a dict with DeepSeek's
+      inference keys (``dim``, ``n_heads``, ``kv_lora_rank``, ``original_seq_len``,
+      ``rope_factor``, ``mscale``, …).
+    - ``options``: architecture fields to override.
+
+    HF's ``DeepseekV32Attention`` normalises with eps 1e-6 whatever ``rms_norm_eps`` says (as
+    DeepSeek's reference does), so ``rms_norm_eps`` is 1e-6 unless ``options`` set it.
+    """
+    return _v32_config(as_dict(config), "config", options)
+
+
+def v32_layer_config(d: dict, layer_idx: int, source: str, options: dict) -> V32AttentionConfig:
+    """The layer config, after checking ``layer_idx`` against ``num_hidden_layers`` / ``n_layers``
+    (when the config gives it)."""
+    n_layers = _from_native(d, source).get("num_hidden_layers")
+    if n_layers is not None:
+        _check_layer_idx(layer_idx, int(n_layers), source)
+    return _v32_config(d, source, options)
+
+
+def block_size(d: Mapping, source: str) -> tuple[int, int]:
+    """FP8 tile of the checkpoint: ``quantization_config.weight_block_size`` or 128 x 128."""
+    block = (d.get("quantization_config") or {}).get("weight_block_size")
+    if block is None:
+        return DEFAULT_BLOCK
+    if (
+        not isinstance(block, list | tuple)
+        or len(block) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise ValueError(
+            f"{source}: quantization_config.weight_block_size must be two positive ints "
+            f"(got {block!r})"
+        )
+    return int(block[0]), int(block[1])

@@ -1,0 +1,176 @@
+"""Bad input to the layers' public calls gets an error naming the argument, the expected and the
+actual value, before any compute; empty inputs get empty outputs (``csa_eqx.checks``).
+
+The test session type-checks every ``csa_eqx`` function (``--jaxtyping-packages``); users get
+that only on ``__call__`` (``@jaxtyped``), so the ``extend`` tests switch it off to see what a
+user sees.
+"""
+
+import functools
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jaxtyping
+import numpy as np
+import pytest
+from jaxtyping import TypeCheckError
+
+import csa_eqx
+from csa_eqx.presets import tiny_v4, tiny_v32
+
+CONFIGS = {"csa": tiny_v4("csa"), "sliding": tiny_v4("sliding"), "v32": tiny_v32()}
+
+
+@functools.cache
+def _layer(name):
+    cls = csa_eqx.V32Attention if name == "v32" else csa_eqx.V4Attention
+    return cls(CONFIGS[name], key=jax.random.key(0))
+
+
+EXTEND = eqx.filter_jit(lambda m, x, c, **kw: m.extend(x, c, **kw))
+X = jnp.ones((2, 8, 64))  # tiny layers: hidden 64
+NON_CONTIGUOUS = jnp.array([[0, 0, 1, 1, 0, 0, 2, 2], [0] * 8])
+
+
+def _raises(error, *fragments):
+    """``pytest.raises`` whose message must contain every fragment (literally)."""
+    return pytest.raises(error, match="(?s)" + ".*".join(re.escape(f) for f in fragments))
+
+
+@pytest.fixture(params=["csa", "v32"])
+def layer(request):
+    return _layer(request.param)
+
+
+@pytest.fixture
+def no_hook():
+    """What a user calling ``extend`` sees: no jaxtyping checks on ``csa_eqx`` internals."""
+    jaxtyping.config.update("jaxtyping_disable", True)
+    yield
+    jaxtyping.config.update("jaxtyping_disable", False)
+
+
+# ---- forward ----------------------------------------------------------------------------
+
+
+def test_forward_hidden_size_is_named_with_its_value(layer):
+    with _raises(
+        ValueError, "x must have shape [batch, seq, 64]", "config.hidden_size", "(2, 8, 63)"
+    ):
+        layer(X[..., :63])
+
+
+def test_forward_integer_x_names_the_argument(layer):
+    with _raises(TypeCheckError, "parameter 'x'", "i32[2,8,64]", "Float"):
+        layer(X.astype(jnp.int32))
+
+
+def test_forward_rejects_non_contiguous_segments(layer):
+    with _raises(ValueError, "segment_ids must be contiguous runs", "row 0: [0 0 1 1 0 0 2 2]"):
+        layer(X, segment_ids=NON_CONTIGUOUS)
+
+
+def test_forward_rejects_negative_segments(layer):
+    with _raises(ValueError, "segment_ids must be >= 0", "row 1: [ 0  0  0  0 -1 -1 -1 -1]"):
+        layer(X, segment_ids=jnp.array([[0] * 8, [0] * 4 + [-1] * 4]))
+
+
+def test_forward_segment_checks_run_inside_jit(layer):
+    call = eqx.filter_jit(lambda m, x, s: m(x, segment_ids=s))
+    with _raises(eqx.EquinoxRuntimeError, "segment_ids must be contiguous runs"):
+        call(layer, X, NON_CONTIGUOUS)
+    ok = jnp.array([[3, 3, 1, 1, 0, 0, 2, 2], [5] * 8])  # ids in any order, each one run
+    assert call(layer, X, ok).shape == X.shape
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("shape", [(2, 0, 64), (0, 8, 64)], ids=["no-tokens", "no-rows"])
+def test_forward_empty_input_gives_empty_output(name, shape):
+    layer = _layer(name)
+    y, aux = layer(jnp.zeros(shape), return_aux=True)
+    assert y.shape == shape and y.dtype == jnp.float32
+    if name == "sliding":
+        assert aux["selection"] is None
+    else:
+        assert aux["selection"].shape == (*shape[:2], layer.config.index_topk)
+    assert layer(jnp.zeros(shape)).shape == shape
+
+
+# ---- extend -----------------------------------------------------------------------------
+
+
+def test_extend_rejects_integer_x(layer, no_hook):
+    with _raises(TypeError, "x must be a floating-point array", "int32"):
+        layer.extend(X.astype(jnp.int32), layer.init_cache(2, 32))
+
+
+@pytest.mark.parametrize(
+    "x, shown",
+    [(X[0], "(8, 64)"), (X[..., :3], "(2, 8, 3)")],
+    ids=["rank-2", "hidden"],
+)
+def test_extend_rejects_bad_x_shape(layer, no_hook, x, shown):
+    with _raises(ValueError, "x must have shape [batch, seq, 64]", shown):
+        layer.extend(x, layer.init_cache(2, 32))
+
+
+def test_extend_batch_must_match_the_cache(layer, no_hook):
+    with _raises(ValueError, "x must have the cache's batch size 2", "(1, 8, 64)"):
+        layer.extend(X[:1], layer.init_cache(2, 32))
+
+
+def test_extend_cache_must_come_from_the_layer(no_hook):
+    csa, sliding = _layer("csa"), _layer("sliding")
+    with _raises(TypeError, "cache must come from this layer's init_cache", "sliding"):
+        sliding.extend(X, csa.init_cache(2, 32))
+    with _raises(TypeError, "V32Cache", "got a V4Cache"):
+        _layer("v32").extend(X, csa.init_cache(2, 32))
+
+
+def test_extend_lengths_type_shape_and_range(layer, no_hook):
+    cache = layer.init_cache(2, 32)
+    with _raises(TypeError, "lengths must be an integer array", "float32"):
+        layer.extend(X, cache, lengths=jnp.array([1.0, 2.0]))
+    with _raises(ValueError, "lengths must have shape [batch] = (2,)", "(3,)"):
+        layer.extend(X, cache, lengths=jnp.array([1, 2, 3]))
+    for bad in ([1, 9], [-1, 2]):
+        with _raises(ValueError, "lengths must be in 0..8", str(np.array(bad))):
+            layer.extend(X, cache, lengths=jnp.array(bad))
+    with _raises(eqx.EquinoxRuntimeError, "lengths must be in 0..8"):
+        EXTEND(layer, X, cache, lengths=jnp.array([1, 9]))
+
+
+def test_extend_segment_ids(layer, no_hook):
+    cache = layer.init_cache(2, 32)
+    with _raises(ValueError, "segment_ids must have shape [batch, chunk] = (2, 8)", "(2, 7)"):
+        layer.extend(X, cache, segment_ids=jnp.zeros((2, 7), jnp.int32))
+    with _raises(ValueError, "segment_ids must be >= 0", "row 0: [-1 -1 -1 -1 -1 -1 -1 -1]"):
+        layer.extend(X, cache, segment_ids=-jnp.ones((2, 8), jnp.int32))
+    with _raises(ValueError, "contiguous runs", "row 0: [0 0 1 1 0 0 2 2]"):
+        layer.extend(X, cache, segment_ids=NON_CONTIGUOUS)
+    # padded tokens (beyond lengths) may carry anything
+    padded = jnp.array([[0, 0, 1, 1, 1, 1, -1, 0]] * 2)
+    y, cache = EXTEND(layer, X, cache, lengths=jnp.array([6, 6]), segment_ids=padded)
+    assert np.isfinite(np.asarray(y[:, :6])).all()
+    # after documents 0 and 1: continuing 1 or starting 2 is fine, coming back to 0 is not
+    for ok in (1, 2):
+        EXTEND(layer, X[:, :1], cache, segment_ids=jnp.full((2, 1), ok))
+    with _raises(ValueError, "contiguous runs", "across chunks", "row 0: [0]"):
+        layer.extend(X[:, :1], cache, segment_ids=jnp.zeros((2, 1), jnp.int32))
+    with _raises(eqx.EquinoxRuntimeError, "contiguous runs"):
+        EXTEND(layer, X[:, :1], cache, segment_ids=jnp.zeros((2, 1), jnp.int32))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_extend_empty_chunk_changes_nothing(name, no_hook):
+    layer = _layer(name)
+    cache = EXTEND(layer, X, layer.init_cache(2, 32))[1]
+    y, after, aux = layer.extend(X[:, :0], cache, return_aux=True)
+    assert y.shape == (2, 0, 64)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), cache, after))
+    if name == "sliding":
+        assert aux["selection"] is None
+    else:
+        assert aux["selection"].shape == (2, 0, layer.config.index_topk)

@@ -1,0 +1,288 @@
+"""Mutation check of the test suite (not run in CI): deliberate bugs, and which tests catch them.
+
+Each mutation replaces one exact snippet of library code (it must occur exactly once; the
+script stops with the file and snippet otherwise, so re-target the list when code moves).
+The repository at ``--ref`` (default ``HEAD``) is exported to a temporary folder; per mutation
+the snippet is replaced there and each of the mutation's test targets runs as
+``python -m pytest -x -q <target>`` with the copy as working directory and ``PYTHONPATH``, so
+the copy is what gets imported. A baseline run of every target on the unmutated copy comes
+first (a target that already fails cannot catch anything).
+
+A mutation counts as caught when a target whose reference is independent of the code under
+test (HF transformers, a numpy brute force, a jaxpr walk) fails. The result table is written
+between the markers of ``docs/testing.md``.
+
+    python tools/mutations.py                 # all mutations, write docs/testing.md
+    python tools/mutations.py --only sink_dropped window_off_by_one --no-docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs" / "testing.md"
+START, END = "<!-- mutations:start -->", "<!-- mutations:end -->"
+
+# Test targets and the reference each one checks against ("" = our own code: not independent).
+INDEPENDENT = {
+    "tests/test_v4_parity.py": "HF transformers",
+    "tests/test_v32.py::test_matches_hf": "HF transformers",
+    "tests/test_v32.py::test_every_path_matches_hf": "HF transformers",
+    "tests/test_decode_hf.py": "HF transformers (DynamicCache)",
+    "tests/test_decode.py::test_matches_hf_cached_path": "HF transformers (DynamicCache)",
+    "tests/test_topk_reference.py": "numpy brute force",
+    "tests/test_loss.py::test_layer_loss_matches_hf_probabilities": "HF attention probabilities",
+    "tests/test_loss_v32.py::test_loss_matches_hf_probabilities": "HF attention probabilities",
+    "tests/test_memory_guard.py": "jaxpr walk (array sizes)",
+}
+
+
+def reference(target: str) -> str | None:
+    """The independent reference of a target (a node id inherits its file's), else None."""
+    return INDEPENDENT.get(target) or INDEPENDENT.get(target.split("::")[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    """One deliberate bug: ``snippet`` in ``file`` becomes ``replacement``; ``targets`` are
+    the pytest targets (files or node ids) expected to catch it."""
+
+    name: str
+    description: str
+    file: str
+    snippet: str
+    replacement: str
+    targets: tuple[str, ...]
+
+
+MUTATIONS = [
+    Mutation(
+        "sink_dropped",
+        "attention sink left out of the softmax denominator",
+        "csa_eqx/sparse.py",
+        "        denom = denom + jnp.exp(sink - peak)\n",
+        "        denom = denom\n",
+        ("tests/test_v4_parity.py", "tests/test_decode_hf.py"),
+    ),
+    Mutation(
+        "window_off_by_one",
+        "banded sliding window one token too wide",
+        "csa_eqx/sparse.py",
+        "mask = (token >= 0) & (lag >= 0) & (lag < window)",
+        "mask = (token >= 0) & (lag >= 0) & (lag <= window)",
+        ("tests/test_v4_parity.py",),
+    ),
+    Mutation(
+        "decode_window_short",
+        "decode reads one window key fewer",
+        "csa_eqx/decode.py",
+        "- jnp.arange(window, dtype=jnp.int32)",
+        "- jnp.arange(window - 1, dtype=jnp.int32)",
+        ("tests/test_decode_hf.py", "tests/test_decode.py::test_matches_hf_cached_path"),
+    ),
+    Mutation(
+        "tie_rule_flipped",
+        "exact top-k breaks ties toward the higher index",
+        "csa_eqx/selection.py",
+        "(jnp.cumsum(tied, -1, dtype=jnp.int32) <= room[..., None])",
+        "(jnp.flip(jnp.cumsum(jnp.flip(tied, -1), -1, dtype=jnp.int32), -1) <= room[..., None])",
+        ("tests/test_topk_reference.py",),
+    ),
+    Mutation(
+        "rope_derotation_sign",
+        "V4 output de-rotated at +t instead of -t",
+        "csa_eqx/v4.py",
+        "o = apply_rope_interleaved(o, -positions[..., None], self.inv_freq)",
+        "o = apply_rope_interleaved(o, positions[..., None], self.inv_freq)",
+        ("tests/test_v4_parity.py", "tests/test_decode_hf.py"),
+    ),
+    Mutation(
+        "no_segment_restart",
+        "compression windows aligned to the row, not to each segment's start",
+        "csa_eqx/compressor.py",
+        "    pos = segment_positions(segment_ids)\n    # slot j holds",
+        "    pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))\n    # slot j holds",
+        ("tests/test_v4_parity.py::test_packed_documents_match_hf_alone",),
+    ),
+    Mutation(
+        "kl_denominator_entries_only",
+        "KL target normalised per head over the candidates only (window and sink left out)",
+        "csa_eqx/loss.py",
+        "    log_p = jnp.where(candidates[:, :, None, :], logits - lse[..., None], -jnp.inf)\n",
+        "    log_p = jnp.where(candidates[:, :, None, :], logits, -jnp.inf)\n"
+        "    norm = jax.nn.logsumexp(log_p, axis=-1, keepdims=True)\n"
+        "    log_p = log_p - jnp.where(jnp.isfinite(norm), norm, 0.0)\n",
+        (
+            "tests/test_loss.py::test_layer_loss_matches_hf_probabilities",
+            "tests/test_loss_v32.py::test_loss_matches_hf_probabilities",
+        ),
+    ),
+    Mutation(
+        "selection_never_streams",
+        "the automatic choice never streams the indexer top-k (dense [B, S, T] scores)",
+        "csa_eqx/streaming.py",
+        "    return batch * seq * entries * max(heads_at_once, 1) > _tiles().elements\n",
+        "    return False\n",
+        ("tests/test_memory_guard.py",),
+    ),
+]
+
+
+def export(ref: str, dest: Path) -> None:
+    """The tracked files of ``ref`` (a git revision) into ``dest``."""
+    archive = dest.parent / "export.tar"
+    subprocess.run(["git", "archive", "-o", str(archive), ref], cwd=ROOT, check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(dest, filter="data")
+    archive.unlink()
+
+
+def apply(copy: Path, m: Mutation) -> str:
+    """Replace the snippet in the copy; returns the original text (to restore)."""
+    path = copy / m.file
+    text = path.read_text()
+    count = text.count(m.snippet)
+    if count != 1:
+        raise SystemExit(
+            f"mutation {m.name!r}: snippet found {count} times in {m.file} (expected once); "
+            f"re-target it:\n{m.snippet}"
+        )
+    path.write_text(text.replace(m.snippet, m.replacement))
+    return text
+
+
+def run_target(copy: Path, target: str, timeout: int) -> tuple[str, float]:
+    """``"passed"``, ``"failed: <first failing test>"``, or ``"error: ..."``; and seconds."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(copy)}
+    env.pop("PYTEST_ADDOPTS", None)
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rf", "-p", "no:cacheprovider", target]
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"error: timed out after {timeout} s", time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    if r.returncode == 0:
+        return "passed", seconds
+    failed = re.findall(r"^FAILED (\S+)", r.stdout, flags=re.M)
+    if failed:
+        return f"failed: {failed[0].split('::', 1)[-1]}", seconds
+    return f"error: exit {r.returncode}: {(r.stdout + r.stderr).strip()[-300:]}", seconds
+
+
+def machine() -> str:
+    import jax
+
+    return (
+        f"{platform.node()}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs, Python {platform.python_version()}, JAX {jax.__version__}"
+    )
+
+
+def markdown(rows: list[dict], command: str, ref: str, commit: str) -> str:
+    lines = [
+        f"Command: `{command}` on `{ref}` ({commit}), "
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; machine: {machine()}.",
+        "",
+        "| Mutation | Where | Target | Reference | Result | Caught |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        for i, (target, result) in enumerate(row["results"]):
+            first = i == 0
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        f"`{row['name']}`: {row['description']}" if first else "",
+                        f"`{row['file']}`" if first else "",
+                        f"`{target}`",
+                        reference(target) or "own code",
+                        result.replace("|", "\\|"),
+                        ("**yes**" if row["caught"] else "**NO**") if first else "",
+                    ]
+                )
+                + " |"
+            )
+    return "\n".join(lines)
+
+
+def write_docs(table: str) -> None:
+    text = DOCS.read_text()
+    if START not in text or END not in text:
+        raise SystemExit(f"{DOCS} lacks the markers {START} / {END}")
+    head, rest = text.split(START, 1)
+    tail = rest.split(END, 1)[1]
+    DOCS.write_text(f"{head}{START}\n{table}\n{END}{tail}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ref", default="HEAD", help="git revision to mutate (default HEAD)")
+    p.add_argument("--only", nargs="*", help="names of the mutations to run (default: all)")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per pytest run")
+    p.add_argument("--no-baseline", action="store_true", help="skip the unmutated run")
+    p.add_argument("--no-docs", action="store_true", help=f"do not write {DOCS.name}")
+    args = p.parse_args()
+    names = {m.name for m in MUTATIONS}
+    unknown = set(args.only or ()) - names
+    if unknown:
+        raise SystemExit(f"--only: unknown mutations {sorted(unknown)} (known: {sorted(names)})")
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    for m in chosen:
+        unknown = [t for t in m.targets if reference(t) is None]
+        if unknown:
+            raise SystemExit(f"mutation {m.name!r}: targets {unknown} are not in INDEPENDENT")
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", args.ref], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+
+    with tempfile.TemporaryDirectory(prefix="csa_eqx_mutations_") as tmp:
+        copy = Path(tmp) / "repo"
+        export(args.ref, copy)
+        for m in chosen:  # every snippet must be found before anything runs
+            (copy / m.file).write_text(apply(copy, m))
+        if not args.no_baseline:
+            for target in sorted({t for m in chosen for t in m.targets}):
+                result, seconds = run_target(copy, target, args.timeout)
+                print(f"baseline {target}: {result} ({seconds:.0f} s)", flush=True)
+                if result != "passed":
+                    raise SystemExit(f"baseline run of {target} does not pass: {result}")
+        rows = []
+        for m in chosen:
+            original = apply(copy, m)
+            results = []
+            for target in m.targets:
+                result, seconds = run_target(copy, target, args.timeout)
+                print(f"{m.name} {target}: {result} ({seconds:.0f} s)", flush=True)
+                results.append((target, result))
+            (copy / m.file).write_text(original)
+            caught = any(r.startswith("failed") for _, r in results)
+            rows.append(dict(dataclasses.asdict(m), results=results, caught=caught))
+        shutil.rmtree(copy)
+
+    command = "python tools/mutations.py" + "".join(f" {a}" for a in sys.argv[1:])
+    table = markdown(rows, command, args.ref, commit)
+    print(table)
+    if not args.no_docs:
+        write_docs(table)
+    missed = [r["name"] for r in rows if not r["caught"]]
+    if missed:
+        raise SystemExit(f"not caught by an independent test: {missed}")
+
+
+if __name__ == "__main__":
+    main()
