@@ -393,6 +393,7 @@ class Bench:
         """Interleaved rounds of the runs that compiled; medians and minima into ``rec``
         (and the minimum into the predictions of later steps)."""
         if not runs:
+            self.pending = 0.0
             return
         try:
             times = harness.interleaved(runs, self.args.reps, settle=self.args.settle)
@@ -620,7 +621,7 @@ def markdown(res: dict) -> str:
     ]
     if res["gemm"]:
         rows = [
-            [name, cell(v), f"{v['tflops_best']:.1f}" if "tflops_best" in v else "-"]
+            [name, cell(v), f"{v['tflops_best']:.3g}" if "tflops_best" in v else "-"]
             for name, v in res["gemm"].items()
         ]
         n = next((v["n"] for v in res["gemm"].values() if "n" in v), "?")
@@ -680,7 +681,7 @@ def selection_table(res: dict, layers: list[dict]) -> list[str]:
             visible = flops["visible"] / sel["min"] / 1e12
             full = flops["with_projections"] / sel["min"] / 1e12
             cells = [
-                f"{visible:.1f}",
+                f"{visible:.3g}",
                 f"{visible / rate:.1%}" if rate else "-",
                 f"{full / rate:.1%}" if rate else "-",
             ]
@@ -754,8 +755,8 @@ def anchor_lines(res: dict) -> list[str]:
         rate = gemm_rate(res, "bfloat16")
         frac = f", {tflops / rate:.1%} of the bf16 GEMM rate" if rate else ""
         lines.append(
-            f"Visible-pair scoring: {a['flops']['visible'] / 1e12:.2f} TFLOP, "
-            f"{tflops:.1f} TFLOP/s{frac}."
+            f"Visible-pair scoring: {a['flops']['visible'] / 1e12:.3g} TFLOP, "
+            f"{tflops:.3g} TFLOP/s{frac}."
         )
     same = a.get("same_rows_as_dense")
     if same is not None:
