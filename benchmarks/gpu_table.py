@@ -25,7 +25,8 @@ fit the time budget or the device memory is skipped and listed as such.
 5. ``--tiles``: the selection stage at several streaming key tiles.
 
     python -m benchmarks.gpu_table --out DIR [--quick] [--budget 400] [--reps 3]
-        [--seqs 4096 16384 32768 65536] [--dtypes bfloat16 float32] [--no-hf] [--no-profile]
+        [--seqs 4096 16384 32768 65536] [--dtypes bfloat16 float32] [--gemm-n 8192]
+        [--no-hf] [--no-anchor] [--no-profile] [--tiles]
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ GEMM_OF = {"bfloat16": "bfloat16", "float32": "float32 (precision highest)"}
 LARGEST_MAIN_SEQ = 32768  # longer sequences run last, when time allows
 IMPLEMENTATIONS = (("csa_eqx", "csa_eqx"), ("naive", "naive dense-mask"), ("HF eager", "HF eager"))
 PROFILED = ("selection stage", "csa_eqx fwd", "csa_eqx fwd+bwd")
+# JAX runs of a layer step, most important first (the first to get the time that is left)
+PRIORITY = ("csa_eqx fwd+bwd", "csa_eqx fwd", "selection stage", "naive fwd+bwd", "naive fwd")
 TILE_KEY_BLOCKS = (0, 512, 1024, 2048)  # indexer_key_block values of --tiles (0 = automatic)
 MAX_TRACE_BYTES = 15 << 20  # a trace larger than this is summarised but not copied to OUT
 MODES = {
@@ -331,37 +334,40 @@ class Bench:
         ``reps`` x (settle + timed)."""
         return 2 + self.args.reps * (1 + self.args.settle)
 
-    def predict(self, name: str, dtype: str, seq: int) -> tuple[float, float]:
-        """(seconds, temp bytes) that run ``name`` will take at ``seq``, scaled from its last
-        measurement (time and memory x (S / S')^2; the first time: 30 s, 0 bytes)."""
+    def predict(self, name: str, dtype: str, seq: int) -> tuple[float, float, float]:
+        """(compile seconds, seconds of all its calls, temp bytes) of run ``name`` at ``seq``,
+        scaled from its last measurement (calls and memory x (S / S')^2; the first time:
+        30 s to compile, nothing else known)."""
         last = self.seen.get((name, dtype))
         if last is None:
-            return 30.0, 0.0
+            return 30.0, 0.0, 0.0
         grow = (seq / last["seq"]) ** 2
-        return last["compile_s"] + self.calls() * last["call_s"] * grow, last["temp"] * grow
+        return last["compile_s"], self.calls() * last["call_s"] * grow, last["temp"] * grow
 
     def compile_runs(self, programs: dict, dtype: str, seq: int, rec: dict) -> dict:
         """Compile the programs ``{name: (function, arguments)}`` predicted to fit the time
         and memory left (in parallel threads: XLA's compiles release the GIL), record their
         compiled memory and call each once. Returns the blocking calls of those that ran; why
         the others did not is in ``rec[name]``."""
-        t0, lowered, planned = time.perf_counter(), {}, 0.0
+        t0, lowered = time.perf_counter(), {}
+        compile_s, calls_s = 0.0, 0.0  # planned: the compiles run in parallel, calls in turn
         for name, (fn, args) in programs.items():
-            secs, temp = self.predict(name, dtype, seq)
-            if planned + secs > self.left():
-                rec[name] = {"skipped": f"time budget (~{secs:.0f} s, {self.left():.0f} s left)"}
+            c, secs, temp = self.predict(name, dtype, seq)
+            if max(compile_s, c) + calls_s + secs > self.left():
+                why = f"time budget (~{c + secs:.0f} s, {self.left():.0f} s left)"
+                rec[name] = {"skipped": why}
             elif temp > jax_free_bytes():
                 rec[name] = {"skipped": f"memory (~{temp / harness.GIB:.0f} GiB predicted)"}
             else:
                 try:
                     lowered[name] = jax.jit(fn).lower(*args)
-                    planned += secs
+                    compile_s, calls_s = max(compile_s, c), calls_s + secs
                 except Exception as err:  # noqa: BLE001 - recorded, the others go on
                     rec[name] = {"error": describe_error(err)}
         with ThreadPoolExecutor(max(len(lowered), 1)) as pool:
             futures = {name: pool.submit(low.compile) for name, low in lowered.items()}
-        share = (time.perf_counter() - t0) / max(len(lowered), 1)
-        log(f"  compiled {len(lowered)} programs in {share * len(lowered):.1f} s")
+        batch = time.perf_counter() - t0
+        log(f"  compiled {len(lowered)} programs in {batch:.1f} s")
         runs = {}
         for name, future in futures.items():
             try:
@@ -382,7 +388,7 @@ class Bench:
                 free_memory()
                 continue
             self.seen[(name, dtype)] = dict(
-                seq=seq, compile_s=share, call_s=call_s, temp=mem["temp"]
+                seq=seq, compile_s=batch, call_s=call_s, temp=mem["temp"]
             )
             self.pending += (self.calls() - 1) * call_s
             log(f"  {name}: temp {mem['temp'] / harness.GIB:.2f} GiB, first call {call_s:.2f} s")
@@ -393,6 +399,7 @@ class Bench:
         """Interleaved rounds of the runs that compiled; medians and minima into ``rec``
         (and the minimum into the predictions of later steps)."""
         if not runs:
+            self.pending = 0.0
             return
         try:
             times = harness.interleaved(runs, self.args.reps, settle=self.args.settle)
@@ -429,6 +436,7 @@ class Bench:
         rec: dict = dict(dtype=dtype_name, seq=seq, runs={})
         self.res["layers"].append(rec)
         programs = layer_speed.jax_layer_programs(jlayer, x)
+        programs = {name: programs[name] for name in PRIORITY}
         runs = self.compile_runs(programs, dtype_name, seq, rec["runs"])
         self.save()
         if torch_layer is not None:
@@ -474,7 +482,7 @@ class Bench:
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         runs = {}
         for name, fn in (("HF eager fwd+bwd", fwd_bwd), ("HF eager fwd", fwd)):
-            secs, peak = self.predict(name, dtype_name, seq)
+            _, secs, peak = self.predict(name, dtype_name, seq)
             free = torch.cuda.mem_get_info()[0] if cuda else float("inf")
             if secs > self.left():
                 rec["runs"][name] = {"skipped": f"time budget (~{secs:.0f} s)"}
@@ -616,7 +624,7 @@ def markdown(res: dict) -> str:
     ]
     if res["gemm"]:
         rows = [
-            [name, cell(v), f"{v['tflops_best']:.1f}" if "tflops_best" in v else "-"]
+            [name, cell(v), f"{v['tflops_best']:.3g}" if "tflops_best" in v else "-"]
             for name, v in res["gemm"].items()
         ]
         n = next((v["n"] for v in res["gemm"].values() if "n" in v), "?")
@@ -676,7 +684,7 @@ def selection_table(res: dict, layers: list[dict]) -> list[str]:
             visible = flops["visible"] / sel["min"] / 1e12
             full = flops["with_projections"] / sel["min"] / 1e12
             cells = [
-                f"{visible:.1f}",
+                f"{visible:.3g}",
                 f"{visible / rate:.1%}" if rate else "-",
                 f"{full / rate:.1%}" if rate else "-",
             ]
@@ -738,7 +746,7 @@ def anchor_lines(res: dict) -> list[str]:
         f"## Anchor: indexer alone, Q = K = {a['seq']} token keys, {a['heads']} heads x "
         f"{a['dim']}, k = {a['k']}, bf16, causal (V3.2-style)",
         "",
-        f"Time: {cell(run)} ms.",
+        f"Time: {cell(run)} ms." if run and "min" in run else f"Time: {ms(run)}.",
     ]
     if run and "min" in run:
         best = run["min"] * 1e3
@@ -750,8 +758,8 @@ def anchor_lines(res: dict) -> list[str]:
         rate = gemm_rate(res, "bfloat16")
         frac = f", {tflops / rate:.1%} of the bf16 GEMM rate" if rate else ""
         lines.append(
-            f"Visible-pair scoring: {a['flops']['visible'] / 1e12:.2f} TFLOP, "
-            f"{tflops:.1f} TFLOP/s{frac}."
+            f"Visible-pair scoring: {a['flops']['visible'] / 1e12:.3g} TFLOP, "
+            f"{tflops:.3g} TFLOP/s{frac}."
         )
     same = a.get("same_rows_as_dense")
     if same is not None:
@@ -795,6 +803,7 @@ def main() -> None:
     parser.add_argument("--settle", type=int, default=1, help="untimed calls before each timed")
     parser.add_argument("--seqs", type=int, nargs="+", help="sequence lengths")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
+    parser.add_argument("--gemm-n", type=int, help="GEMM matrix side (default 8192)")
     parser.add_argument("--no-hf", action="store_true", help="skip torch and transformers")
     parser.add_argument("--no-anchor", action="store_true", help="skip the indexer anchor")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiler traces")
@@ -803,6 +812,8 @@ def main() -> None:
     mode = dict(MODES["quick" if args.quick else "full"])
     if args.seqs:
         mode["seqs"] = tuple(args.seqs)
+    if args.gemm_n:
+        mode["gemm_n"] = args.gemm_n
     args.out.mkdir(parents=True, exist_ok=True)
     bench = Bench(args, mode)
     res = bench.res

@@ -51,6 +51,10 @@ def _run_name(text: str) -> str:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _layers(text: str) -> tuple[str, ...]:
+    return tuple(kind.strip() for kind in text.split(","))
+
+
 def _mesh(text: str) -> tuple[int, int]:
     try:
         data, tensor = (int(v) for v in text.lower().split("x"))
@@ -78,6 +82,7 @@ _TRAIN_FLAGS = [  # flag, TrainConfig field, parser, help
     ("--topk", "index_topk", _positive, "indexer top-k"),
     ("--window", "sliding_window", _positive, "sliding window"),
     ("--hidden", "hidden_size", _positive, "model width"),
+    ("--layers", "layers", _layers, "attention schedule, comma-separated sliding/csa/hca/dsa"),
     ("--eval-every", "eval_every", _positive, "steps between evaluations"),
     ("--checkpoint-every", "checkpoint_every", _positive, "steps between checkpoints"),
     ("--mesh", "mesh", _mesh, "DATAxTENSOR device mesh, 0x0 = automatic"),
@@ -100,8 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     for flag, field, kind, text in _TRAIN_FLAGS:
         default = defaults[field]
+        shown = ",".join(default) if field == "layers" else default
+        shown = "x".join(map(str, default)) if field == "mesh" else shown
         t.add_argument(
-            flag, dest=field, type=kind, default=default, help=f"{text} (default {default})"
+            flag, dest=field, type=kind, default=default, help=f"{text} (default {shown})"
         )
 
     b = sub.add_parser("bench", help="regenerate the benchmark tables and plots")
@@ -143,6 +150,13 @@ def _bench(out: Path, quick: bool, repo: Path) -> int:
             file=sys.stderr,
         )
         return 2
+    from .checkpoint import RunError, prepare_folder
+
+    try:
+        prepare_folder(out)
+    except RunError as err:
+        print(f"csa-eqx bench: error: {err} (--out)", file=sys.stderr)
+        return 2
     cmd = [sys.executable, "-m", "benchmarks.run_all", "--out", str(out.resolve())]
     return subprocess.run([*cmd, "--quick"] if quick else cmd, cwd=repo).returncode
 
@@ -159,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         _simulated_devices(args.devices)
-        from .train import train
+        from .train import RunError, train
 
         fields = {field: getattr(args, field) for _, field, _, _ in _TRAIN_FLAGS}
         try:
@@ -169,9 +183,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         try:
             report = train(cfg, args.runs / cfg.name, sys.stdout)
-        except ValueError as err:
+        except ValueError as err:  # e.g. a --mesh that does not fit the devices
             print(f"csa-eqx train: error: {err}", file=sys.stderr)
             return 2
+        except RunError as err:  # unusable checkpoint or folder, non-finite loss
+            print(f"\ncsa-eqx train: error: {err}", file=sys.stderr)
+            return 1
         print(
             f"retrieval_accuracy={report.get('retrieval_accuracy', float('nan')):.3f} "
             f"indexer_recall={report.get('indexer_recall', float('nan')):.3f} "

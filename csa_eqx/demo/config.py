@@ -87,6 +87,7 @@ class TrainConfig:
             check_learning_rate(self.learning_rate)
         except ValueError as err:
             raise ValueError(f"learning_rate: {err}") from None
+        self.model_config()  # the task and the model check their own fields
 
     @property
     def total_steps(self) -> int:

@@ -9,8 +9,10 @@ Three phases, as in DeepSeek's recipe for sparse attention:
    the indexer on the sparse-stage KL loss.
 
 Runs on all local devices with a ``data × tensor`` mesh (batch over ``data``, the indexer's
-top-k rows over ``tensor``), with the selection saved for the backward pass. Checkpoints every
-``checkpoint_every`` steps make an interrupted run resume where it stopped.
+top-k rows over ``tensor``), with the selection saved for the backward pass. A checkpoint every
+``checkpoint_every`` steps (one atomic file with the model, the optimizer state and its phase,
+the step and the history; see ``checkpoint.py``) makes a run killed at any instant resume to the
+same result as an uninterrupted one. A non-finite loss stops the run with ``RunError``.
 """
 
 from __future__ import annotations
@@ -27,13 +29,25 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .config import TrainConfig
+from .checkpoint import (
+    RunError,
+    kill_point,
+    prepare_folder,
+    read_checkpoint,
+    restore,
+    save_checkpoint,
+    unusable,
+    write_atomic,
+)
+from .config import PHASES, TrainConfig
 from .mesh import make_mesh, shard_batch
 from .models import DecoderLM
 from .models.probe import indexer_recall
 from .plots import plot_run
 
-__all__ = ["TrainConfig", "train"]
+__all__ = ["CHECKPOINT", "RunError", "TrainConfig", "evaluate", "train"]
+
+CHECKPOINT = "checkpoint.eqx"  # in the run folder; see checkpoint.py for its format
 
 
 def _labels(model: DecoderLM, phase: str):
@@ -78,7 +92,10 @@ def _train_step(opt, phase: str):
         loss = eqx.filter_grad(_loss, has_aux=True)
         grads, metrics = loss(model, tokens, targets, _stage(phase))
         updates, opt_state = opt.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-        return eqx.apply_updates(model, updates), opt_state, metrics
+        model = eqx.apply_updates(model, updates)
+        leaves = jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+        return model, opt_state, metrics, finite
 
     return step
 
@@ -99,33 +116,6 @@ class Progress:
         self.stream.write("\n")
 
 
-def _save(path: Path, model, opt_state, step: int, history: list, cfg: TrainConfig) -> None:
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        f.write(json.dumps({"step": step, "config": dataclasses.asdict(cfg)}).encode() + b"\n")
-        eqx.tree_serialise_leaves(f, (model, opt_state))
-    tmp.replace(path)
-    (path.parent / "history.json").write_text(json.dumps(history))
-
-
-def _load(path: Path, cfg: TrainConfig, start: Callable[[str], tuple]):
-    """Resume: ``(step, phase, model, opt, opt_state, history)`` from ``path``;
-    ``start(phase)`` builds a fresh ``(model, opt, opt_state)`` of the right structure."""
-    with open(path, "rb") as f:
-        meta = json.loads(f.readline())
-        if meta["config"] != json.loads(json.dumps(dataclasses.asdict(cfg))):
-            raise ValueError(
-                f"checkpoint {path} was written by a different configuration; "
-                "use a new --name or delete the run folder"
-            )
-        step = meta["step"]
-        phase = cfg.phase_at(min(step, cfg.total_steps - 1))
-        model, opt, opt_state = start(phase)
-        model, opt_state = eqx.tree_deserialise_leaves(f, (model, opt_state))
-    history = json.loads((path.parent / "history.json").read_text())
-    return step, phase, model, opt, opt_state, history
-
-
 def evaluate(model: DecoderLM, cfg: TrainConfig, mesh, phase: str = "sparse") -> dict:
     """Retrieval accuracy (attending as in ``phase``) and indexer recall on held-out batches
     (steps < 0 never train)."""
@@ -140,15 +130,57 @@ def evaluate(model: DecoderLM, cfg: TrainConfig, mesh, phase: str = "sparse") ->
     return {"retrieval_accuracy": float(np.mean(accs)), "indexer_recall": float(np.mean(recalls))}
 
 
+def _resume(path: Path, cfg: TrainConfig, start: Callable[[str], tuple]):
+    """``(step, phase, model, opt, opt_state, history)`` from the checkpoint ``path``; the
+    optimizer is rebuilt for the phase the checkpoint was written in (``start(phase)`` gives a
+    fresh ``(model, opt, opt_state)`` of that phase's structure)."""
+    header, payload = read_checkpoint(path)
+    config = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    if header["config"] != config:
+        changed = sorted(k for k in config if header["config"].get(k) != config[k])
+        raise unusable(path, f"it was written by a different configuration (differs in {changed})")
+    step, phase = header["step"], header["phase"]
+    if not (isinstance(step, int) and 0 < step <= cfg.total_steps and phase in PHASES):
+        raise unusable(path, f"its step {step!r} / phase {phase!r} do not fit this run")
+    model, opt, opt_state = start(phase)
+    model, opt_state = restore(path, payload, (model, opt_state))
+    return step, phase, model, opt, opt_state, header["history"]
+
+
+def _check_finite(metrics: dict, weights_finite, step: int, phase: str, ckpt: Path, saved: int):
+    """Stop with ``RunError`` when a loss or a weight is no longer finite (nothing is saved)."""
+    losses = {k: float(metrics[k]) for k in ("ce", "kl")}
+    if all(np.isfinite(v) for v in losses.values()) and bool(weights_finite):
+        return
+    what = ", ".join(f"{k}={v}" for k, v in losses.items())
+    what += "" if bool(weights_finite) else ", non-finite weights after the update"
+    kept = (
+        f"the last good checkpoint {ckpt} (step {saved}) is kept"
+        if saved
+        else "no checkpoint was written yet"
+    )
+    raise RunError(
+        f"non-finite training at step {step} ({phase} phase): {what}. Training stopped; "
+        f"{kept}. Running the same command again would fail the same way: start over under a "
+        "new --name with a smaller --lr (or another --seed)."
+    )
+
+
 def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = None) -> dict:
     """Run (or resume) training; writes checkpoints, ``report.json`` and plots to ``out_dir``.
 
-    ``stop_after`` ends the run early after that many steps in this call (used to test resume).
+    **Arguments:** ``cfg``: the run; ``out_dir``: its folder (``checkpoint.eqx`` there is
+    resumed from); ``stream``: where the progress bar goes; ``stop_after``: end early after
+    that many steps in this call (used to test resume).
+
+    **Returns:** the report (also written to ``out_dir/report.json``). Raises ``RunError`` for
+    an unusable checkpoint, an unwritable folder or a non-finite loss.
     """
-    out_dir.mkdir(parents=True, exist_ok=True)
+    prepare_folder(out_dir)
     mesh = make_mesh(cfg.mesh)
     start_time = time.perf_counter()
-    ckpt = out_dir / "checkpoint.eqx"
+    ckpt = out_dir / CHECKPOINT
+    config = dataclasses.asdict(cfg)
     with jax.set_mesh(mesh):
         initial = DecoderLM(cfg.model_config(), key=jax.random.key(cfg.seed))
 
@@ -157,9 +189,11 @@ def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = N
             return model, opt, opt.init(eqx.filter(model, eqx.is_array))
 
         step, history, phase = 0, [], cfg.phase_at(0)
-        model, opt, opt_state = start(phase)
         if ckpt.exists():
-            step, phase, model, opt, opt_state, history = _load(ckpt, cfg, start)
+            step, phase, model, opt, opt_state, history = _resume(ckpt, cfg, start)
+        else:
+            model, opt, opt_state = start(phase)
+        saved = step
         step_fn = _train_step(opt, phase)
         progress = Progress(cfg.total_steps, stream)
         done_here, tokens_seen, t0 = 0, 0, time.perf_counter()
@@ -169,12 +203,14 @@ def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = N
                 model, opt, opt_state = start(phase, model)
                 step_fn = _train_step(opt, phase)
             tokens, targets = cfg.task(cfg.seq_len_at(step)).batch(step, cfg.batch_size)
-            model, opt_state, metrics = step_fn(
+            model, opt_state, metrics, finite = step_fn(
                 model, opt_state, shard_batch(tokens, mesh), shard_batch(targets, mesh)
             )
             step += 1
             done_here += 1
             tokens_seen += tokens.size
+            _check_finite(metrics, finite, step, phase, ckpt, saved)
+            kill_point(step, "step")
             if step % cfg.eval_every == 0 or step == cfg.total_steps:
                 record = {
                     "step": step,
@@ -192,9 +228,14 @@ def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = N
                     f"tok/s={record['tokens_per_second']:.0f}",
                 )
             if step % cfg.checkpoint_every == 0 or step == cfg.total_steps:
-                _save(ckpt, model, opt_state, step, history, cfg)
+                save_checkpoint(
+                    ckpt, (model, opt_state), step=step, phase=phase, config=config, history=history
+                )
+                saved = step
+                write_atomic(out_dir / "history.json", json.dumps(history).encode(), step)
         progress.close()
         final = evaluate(model, cfg, mesh, phase) if step >= cfg.total_steps else {}
+    write_atomic(out_dir / "history.json", json.dumps(history).encode(), step)
     report = {
         "name": cfg.name,
         "finished": step >= cfg.total_steps,
@@ -203,11 +244,12 @@ def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = N
         "wall_seconds": time.perf_counter() - start_time,
         "devices": jax.local_device_count(),
         "mesh": dict(mesh.shape),
-        "config": dataclasses.asdict(cfg),
+        "config": config,
         "history": history,
     }
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2))
+    write_atomic(out_dir / "report.json", json.dumps(report, indent=2).encode(), step)
     if history:
         with jax.set_mesh(mesh):
             plot_run(history, model, cfg, out_dir, mesh)
+        kill_point(step, "plots")
     return report
