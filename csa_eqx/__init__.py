@@ -4,6 +4,7 @@ from .auto import AutoPicks, AutoSelection
 from .cache import CompressorState, V4Cache, V32Cache
 from .compressor import Compressor, EntryLayout, entry_layout, pool_windows, segment_positions
 from .config import V4AttentionConfig, V32AttentionConfig, YaRNScaling
+from .context import ContextParallel
 from .execution import Execution, IndexerLossStage
 from .generate import generate
 from .indexer import indexer_scores
@@ -46,6 +47,7 @@ __all__ = [
     "DenseSelection",
     "EntryLayout",
     "Execution",
+    "ContextParallel",
     "GatheredPicks",
     "GatheredWindow",
     "Indexer",

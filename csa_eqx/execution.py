@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .auto import AutoPicks, AutoSelection
+from .config import V4AttentionConfig
+from .context import ContextParallel
 from .remat import tag_selection
 from .selection import AbstractSelection, SelectionProblem, Visibility
 from .sharding import ShardedSelection, constrain_heads, tensor_axis_auto
@@ -63,6 +65,8 @@ class Execution(eqx.Module):
             (``csa_eqx.remat.compose_selection_policy``) can save it.
         indexer_heads_axis: mesh axis to shard the indexer's per-head activations over
             (``None`` = off); its size must divide ``index_n_heads``.
+        context: split the sequence over a mesh axis (``ContextParallel(axis)``; ``None`` =
+            off). V4 layers only; ``extend`` ignores it (decoding runs on one device).
         indexer_loss: the default training stage of the indexer's KL loss: ``"off"``,
             ``"dense"`` (warm-up: all visible entries, attended densely too) or ``"sparse"``
             (the selected entries). A call can override it (``layer(x, indexer_loss=...)``).
@@ -75,6 +79,7 @@ class Execution(eqx.Module):
     query_block: int = 0
     save_selection: bool = False
     indexer_heads_axis: str | None = None
+    context: ContextParallel | None = None
     indexer_loss: str = "off"
 
     def __check_init__(self):
@@ -89,6 +94,12 @@ class Execution(eqx.Module):
             "indexer_heads_axis",
             "must be None or a non-empty mesh axis name",
             axis,
+        )
+        _require(
+            self.context is None or isinstance(self.context, ContextParallel),
+            "context",
+            "must be None or a csa_eqx.ContextParallel",
+            self.context,
         )
 
     @classmethod
@@ -105,6 +116,7 @@ class Execution(eqx.Module):
         data_axis: str = "data",
         tensor_axis: str = "tensor",
         context_parallel: bool = False,
+        context_axis: str = "context",
         head_parallel: bool = False,
     ) -> Execution:
         """The execution the loaders' keyword options describe (the flags of earlier
@@ -119,15 +131,16 @@ class Execution(eqx.Module):
                 ``tensor_axis`` (batch over ``data_axis``).
             shard_indexer_acts: ``indexer_heads_axis=tensor_axis``.
             data_axis, tensor_axis: non-empty mesh axis names.
-            context_parallel, head_parallel: reserved for sequence / head parallelism of the
-                whole layer (not built yet: ``True`` raises ``NotImplementedError``).
+            context_parallel: split the sequence over the mesh axis ``context_axis``
+                (``context=ContextParallel(context_axis)``; V4 layers).
+            head_parallel: reserved for head parallelism of the whole layer (not built yet:
+                ``True`` raises ``NotImplementedError``).
 
         Returns:
             An ``Execution``.
         """
-        for name, on in (("context_parallel", context_parallel), ("head_parallel", head_parallel)):
-            if on:
-                raise NotImplementedError(f"{name}=True is not available yet")
+        if head_parallel:
+            raise NotImplementedError("head_parallel=True is not available yet")
         for name, axis in (("data_axis", data_axis), ("tensor_axis", tensor_axis)):
             _require(
                 isinstance(axis, str) and axis != "",
@@ -159,6 +172,7 @@ class Execution(eqx.Module):
             query_block=query_block,
             save_selection=indexer_save_selection,
             indexer_heads_axis=tensor_axis if shard_indexer_acts else None,
+            context=ContextParallel(context_axis) if context_parallel else None,
             indexer_loss=indexer_loss,
         )
 
@@ -232,4 +246,9 @@ def checked_execution(execution: Execution | None, config) -> Execution:
     if not isinstance(execution, Execution):
         raise TypeError(f"execution must be a csa_eqx.Execution (got {type(execution).__name__})")
     execution.check(config.index_n_heads, config.num_heads, execution.indexer_loss)
+    if execution.context is not None and not isinstance(config, V4AttentionConfig):
+        raise ValueError(
+            "context_parallel is available for V4 layers (sliding, CSA, HCA) only, not for "
+            f"a {type(config).__name__}"
+        )
     return execution

@@ -22,6 +22,7 @@ from .compressor import (
     token_rows,
 )
 from .config import V4AttentionConfig
+from .context import ShardRows, whole_rows
 from .decode import (
     ChunkRows,
     append_rows,
@@ -214,29 +215,82 @@ class V4Attention(AbstractIndexedAttention):
         if positions is None:
             positions = segment_positions(seg)
         positions = jnp.asarray(positions, jnp.int32)
+        want_loss = return_aux and self.indexer is not None and stage != "off"
+        if ex.context is not None:
+            if want_loss:
+                raise ValueError(
+                    "context_parallel does not compute the indexer loss yet: call with "
+                    f"indexer_loss='off' or return_aux=False (got indexer_loss={stage!r})"
+                )
+            params, static = eqx.partition(self, eqx.is_array)
 
+            def body(params, x, rows):
+                return eqx.combine(params, static).forward_rows(x, rows, stage)[:2]
+
+            y, selection = ex.context.apply(
+                body,
+                params,
+                x,
+                positions,
+                seg,
+                halo=self.context_halo,
+                rate=c.compress_rate,
+                selects=self.indexer is not None,
+            )
+            return (y, {"selection": selection, "indexer_loss": None}) if return_aux else y
+        rows = whole_rows(positions, seg, query_index, c.compress_rate)
+        y, selection, (problem, target) = self.forward_rows(x, rows, stage, want_loss)
+        if not return_aux:
+            return y
+        loss = None
+        if want_loss:  # the indexer's KL distillation (docs/concepts.md, "Training the indexer")
+            candidates = None if stage == "dense" else selection
+            loss = projected_indexer_kl_loss(problem, target, candidates, strategy=ex.selection)
+        return y, {"selection": selection, "indexer_loss": loss}
+
+    @property
+    def context_halo(self) -> int:
+        """Rows before a chunk of the sequence that its forward needs: the sliding window's
+        ``window - 1`` and the compressor's own window (``m - 1``, HCA) or its own and the
+        preceding one (``2m - 1``, CSA)."""
+        c = self.config
+        m = c.compress_rate
+        windows = 0 if not m else (2 * m - 1 if c.layer_type == "csa" else m - 1)
+        return max(c.sliding_window - 1, windows)
+
+    def forward_rows(
+        self, x: Float[Array, "batch rows hidden"], rows: ShardRows, stage: str, want_loss=False
+    ) -> tuple:
+        """The forward over ``rows`` (all of a sequence, or one device's chunks with their
+        halos under context parallelism).
+
+        Returns:
+            ``(y, selection or None, (problem, target))``; the last two are ``None`` unless
+            ``want_loss`` (the indexer loss' inputs).
+        """
+        c, ex = self.config, self.execution
+        positions, seg, query_index = rows[:3]
         qr, q, kv = self.project_qkv(x, positions)
 
-        # the window: token rows 0..S-1 of the keys, gathered or as a band
-        indices, band = ex.window.parts(query_index, seg, c.sliding_window)
-        keys, dense, selection, problem = kv, None, None, None
+        # the window: token rows 0..L-1 of the keys, gathered or as a band
+        local = token_rows(x, None)[1]
+        indices, band = ex.window.parts(local, seg, c.sliding_window)
+        keys, dense, selection, problem, entries = kv, None, None, None, None
         if self.compressor is not None:
-            layout = entry_layout(seg, c.compress_rate)
-            visibility = Visibility(query_index, seg, layout)
-            entries = self.compressor(x, positions, layout).astype(kv.dtype)
+            visibility = Visibility(query_index, seg, rows.layout)
+            entries = rows.gather(self.compressor(x, positions, rows.own)).astype(kv.dtype)
             if self.indexer is not None:
                 # the indexer's keys, once: the selection ignores gradients and the loss must
                 # train the indexer's compressor only, never x
-                index_keys = self.indexer.compressor(jax.lax.stop_gradient(x), positions, layout)
-                problem = self.indexer_problem(x, qr, positions, index_keys, visibility)
+                own_keys = self.indexer.compressor(jax.lax.stop_gradient(x), positions, rows.own)
+                problem = self.indexer_problem(x, qr, positions, rows.gather(own_keys), visibility)
                 selection = ex.select(problem, c.index_topk)
             dense, picked = ex.entry_parts(entries, visibility, selection, stage)
-            if picked.shape[-1]:  # picks gathered from the entries, stored after the S tokens
+            if picked.shape[-1]:  # picks gathered from the entries, stored after the L rows
                 picked = jnp.where(picked >= 0, picked + x.shape[1], -1)
                 indices = jnp.concatenate([indices, picked], axis=-1)
                 keys = jnp.concatenate([kv, entries], axis=1)
 
-        want_loss = return_aux and self.indexer is not None and stage != "off"
         o = sparse_attention(
             q,
             keys,
@@ -249,17 +303,11 @@ class V4Attention(AbstractIndexedAttention):
             window=band,
             segment=seg,
         )
+        target = None
         if want_loss:
             o, lse = o
-        y = self.project_out(o, positions)
-        if not return_aux:
-            return y
-        loss = None
-        if want_loss:  # the indexer's KL distillation (docs/concepts.md, "Training the indexer")
             target = AttentionTarget(q, entries, lse, c.head_dim**-0.5)
-            candidates = None if stage == "dense" else selection
-            loss = projected_indexer_kl_loss(problem, target, candidates, strategy=ex.selection)
-        return y, {"selection": selection, "indexer_loss": loss}
+        return self.project_out(o, positions), selection, (problem, target)
 
     def entry_attention(
         self,
