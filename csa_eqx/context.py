@@ -79,11 +79,6 @@ class _Plan(NamedTuple):
     halo: int
     chunks: np.ndarray  # [N, 2] chunk ids of each device's two shard rows
 
-    @property
-    def rows(self) -> np.ndarray:
-        """Stream rows of the chunks in shard order (device-major)."""
-        return (self.chunks[..., None] * self.chunk + np.arange(self.chunk)).reshape(-1)
-
     def extended(self) -> np.ndarray:
         """Stream rows of each chunk with its halo before it, in shard order (< 0: none)."""
         first = self.chunks[..., None] * self.chunk - self.halo
@@ -147,7 +142,8 @@ class ContextParallel(eqx.Module):
         plan = self.plan(s, halo, rate)
         n, c = plan.devices, plan.chunk
         pad = 2 * n * c - s
-        x = jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
+        if pad:  # padded whole, then split again (Explicit axes cannot pad a sharded axis)
+            x = jnp.pad(_place(x, mesh, P()), ((0, 0), (0, pad), (0, 0)))
         segment = jnp.pad(segment, ((0, 0), (0, pad)), mode="edge")
         positions = jnp.pad(positions, ((0, 0), (0, pad)))
         index = jnp.broadcast_to(jnp.arange(2 * n * c, dtype=jnp.int32), segment.shape)
@@ -169,7 +165,7 @@ class ContextParallel(eqx.Module):
                 *(jnp.take(a, slots, axis=1) for a in layout[1:]),
             )
         sharded, whole = P(None, axis), P()
-        args = (params, jnp.take(x, plan.rows, axis=1), ints, own, layout)
+        args = (params, x, ints, own, layout)
         specs = (
             jax.tree.map(lambda _: whole, params),
             sharded,
@@ -180,15 +176,17 @@ class ContextParallel(eqx.Module):
         args = jax.tree.map(lambda a, spec: _place(a, mesh, spec), args, specs)
 
         def local(params, x, ints, own, layout):
-            x = _with_halo(x, plan, axis)
+            x = _with_halo(_zigzag(x, plan, axis), plan, axis)
             ints = tuple(_chunk_rows(a, 2) for a in ints)
             if own is not None:
                 own = EntryLayout(*(_chunk_rows(a, 2) for a in own))
                 layout = EntryLayout(*(jnp.repeat(a, 2, axis=0) for a in layout))
             rows = ShardRows(*ints, own, layout, lambda e: _gather_entries(e, plan, axis))
             y, selection = body(params, x, rows)
-            out = (_own_rows(y, plan),)
-            return out + (_own_rows(selection, plan),) if selects else out
+            out = (_unzigzag(_own_rows(y, plan), plan, axis),)
+            if selects:
+                out += (_unzigzag(_own_rows(selection, plan), plan, axis),)
+            return out
 
         out_specs = (sharded, sharded) if selects else (sharded,)
         # check_vma=False: the selection's loops start their carries from constants, which the
@@ -202,8 +200,8 @@ class ContextParallel(eqx.Module):
             axis_names=frozenset({axis}),
             check_vma=False,
         )(*args)
-        inverse = np.argsort(plan.rows)[:s]
-        out = tuple(jnp.take(_place(a, mesh, whole), inverse, axis=1) for a in out)
+        if pad:
+            out = tuple(_place(a, mesh, whole)[:, :s] for a in out)
         return out if selects else (out[0], None)
 
 
@@ -216,6 +214,40 @@ def _own_rows(a: Array, plan: _Plan) -> Array:
     """``[2B, h + c, ...]`` per-chunk results -> ``[B, 2c, ...]`` without the halo rows."""
     a = a[:, plan.halo :]
     return a.reshape(a.shape[0] // 2, 2 * plan.chunk, *a.shape[2:])
+
+
+def _owner(chunk: int, devices: int) -> int:
+    """The device that owns ``chunk`` in the zigzag order."""
+    return chunk if chunk < devices else 2 * devices - 1 - chunk
+
+
+def _zigzag(x: Array, plan: _Plan, axis: str) -> Array:
+    """This device's contiguous rows (chunks ``2i``, ``2i + 1``) -> its zigzag chunks (``i``,
+    ``2N - 1 - i``), by one ``ppermute`` per chunk parity: ``i`` and ``2N - 1 - i`` differ in
+    parity, so each device receives one chunk of each."""
+    n, c = plan.devices, plan.chunk
+    got = [
+        jax.lax.ppermute(
+            x[:, k * c : (k + 1) * c], axis, [(d, _owner(2 * d + k, n)) for d in range(n)]
+        )
+        for k in (0, 1)
+    ]
+    even = jax.lax.axis_index(axis) % 2 == 0
+    first, second = jnp.where(even, got[0], got[1]), jnp.where(even, got[1], got[0])
+    return jnp.concatenate([first, second], axis=1)
+
+
+def _unzigzag(x: Array, plan: _Plan, axis: str) -> Array:
+    """``_zigzag``'s inverse: ``[B, 2c, ...]`` zigzag chunks -> this device's contiguous rows."""
+    n, c = plan.devices, plan.chunk
+    first, second = x[:, :c], x[:, c:]
+    even = jax.lax.axis_index(axis) % 2 == 0
+    sends = jnp.where(even, first, second), jnp.where(even, second, first)  # parity 0, 1
+    back = [
+        jax.lax.ppermute(sends[k], axis, [(_owner(2 * d + k, n), d) for d in range(n)])
+        for k in (0, 1)
+    ]
+    return jnp.concatenate(back, axis=1)
 
 
 def _with_halo(x: Array, plan: _Plan, axis: str) -> Array:

@@ -211,7 +211,9 @@ class V4Attention(AbstractIndexedAttention):
         if x.size == 0:
             k = c.index_topk if c.has_indexer else None
             return checks.empty_outputs(x, k, c.has_indexer and stage != "off", return_aux)
-        seg, query_index = token_rows(x, segment_ids)
+        # context parallel: integer rows of their own (x may be sharded along the sequence)
+        rows_like = x if ex.context is None else jnp.zeros(x.shape[:2], jnp.float32)
+        seg, query_index = token_rows(rows_like, segment_ids)
         if positions is None:
             positions = segment_positions(seg)
         positions = jnp.asarray(positions, jnp.int32)

@@ -1,0 +1,150 @@
+"""Context parallelism of the V4 layers on 8 simulated CPU devices: selections bitwise equal
+to the single-device layer, outputs and gradients (parameters and x) within 1e-5, packed
+documents crossing chunk boundaries, sequences that need padding, and the errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_v4_behaviour import randomise, tiny
+from test_v4_parity import assert_close, untied_rows
+
+import csa_eqx as ce
+from csa_eqx.hf import load_v4_attention
+from csa_eqx.presets import tiny_v4, tiny_v32
+from csa_eqx.testing import hf_v4_config, random_hf_v4_layer, run_hf_v4, state_dict_numpy
+
+CONTEXT8 = ((8,), ("context",))
+CONTEXT4_TENSOR2 = ((4, 2), ("context", "tensor"))
+
+
+def packed_segments(b, s):
+    """Documents of uneven lengths, several crossing chunk boundaries."""
+    seg = np.zeros((b, s), np.int32)
+    seg[0, 17:], seg[0, 30:] = 1, 2
+    seg[1, 6:] = 1
+    return jnp.asarray(seg)
+
+
+def relative_error(got, want):
+    """Largest deviation relative to the largest reference value (exact for all-zero ones)."""
+    return float(jnp.max(jnp.abs(got - want))) / max(float(jnp.max(jnp.abs(want))), 1e-30)
+
+
+def check_against_single_device(kind, mesh_shape, s, options, shard_x):
+    """The context-parallel layer vs the same parameters on one device: forward (output and
+    selection) and the gradient of a scalar loss w.r.t. every parameter and x."""
+    layer = randomise(ce.V4Attention(tiny(kind), key=jax.random.key(0)))
+    cp = layer.with_execution(ce.Execution.from_options(context_parallel=True, **options))
+    x = jax.random.normal(jax.random.key(1), (2, s, 32))
+    seg = packed_segments(2, s)
+
+    def loss(layer, x):
+        return jnp.sum(jnp.sin(layer(x, segment_ids=seg)))
+
+    def forward(layer, x):
+        return layer(x, segment_ids=seg, return_aux=True)
+
+    want_y, want_aux = forward(layer, x)
+    want_grads = jax.grad(loss, argnums=(0, 1))(layer, x)
+    mesh = jax.make_mesh(*mesh_shape)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P(None, "context"))) if shard_x else x
+        y, aux = jax.jit(forward)(cp, xs)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(cp, xs)
+    assert relative_error(y, want_y) < 1e-5
+    if kind == "csa":
+        sel = np.asarray(want_aux["selection"])
+        assert (sel == -1).any() and (sel >= 0).any()
+        np.testing.assert_array_equal(np.asarray(aux["selection"]), sel)
+    else:
+        assert aux["selection"] is None
+    leaves, want_leaves = jax.tree.leaves(grads), jax.tree.leaves(want_grads)
+    assert len(leaves) == len(want_leaves)
+    for got, want in zip(leaves, want_leaves, strict=True):
+        assert relative_error(got, want) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "kind, mesh_shape, s, options, shard_x",
+    [
+        # 45 rows: padded to 16 chunks of 8 (halo 7 = the CSA windows' 2m - 1)
+        ("csa", CONTEXT8, 45, {}, False),
+        # 64 rows split evenly; x arrives sharded along the sequence; streaming top-k with
+        # head chunks, the row-sharded top-k over the tensor axis and the saved selection
+        (
+            "csa",
+            CONTEXT4_TENSOR2,
+            64,
+            dict(
+                indexer_sharded_topk=True,
+                indexer_save_selection=True,
+                qk_head_chunk_size=2,
+                indexer_key_block=4,
+            ),
+            True,
+        ),
+        ("hca", CONTEXT4_TENSOR2, 45, {}, False),
+        ("sliding", CONTEXT8, 45, {}, False),
+    ],
+    ids=[
+        "csa-context8-padded",
+        "csa-context4xtensor2-sharded-x",
+        "hca-context4xtensor2",
+        "sliding",
+    ],
+)
+def test_matches_single_device(kind, mesh_shape, s, options, shard_x):
+    check_against_single_device(kind, mesh_shape, s, options, shard_x)
+
+
+def test_loader_option_matches_transformers():
+    """``load_v4_attention(..., context_parallel=True, context_axis=...)`` under a mesh with
+    that axis gives HF's output and top-k (S = 100: not a multiple of 2 x 4 x m)."""
+    hf_cfg = hf_v4_config(tiny_v4("csa"))
+    hf = random_hf_v4_layer(hf_cfg)
+    layer = load_v4_attention(
+        state_dict_numpy(hf), hf_cfg, 0, context_parallel=True, context_axis="seq"
+    )
+    assert layer.execution.context == ce.ContextParallel("seq")
+    x = np.random.default_rng(0).normal(size=(1, 100, hf_cfg.hidden_size)).astype(np.float32)
+    want, want_topk, scores = run_hf_v4(hf, hf_cfg, x)
+    with jax.set_mesh(jax.make_mesh((4, 2), ("seq", "tensor"))):
+        got, aux = jax.jit(lambda layer, x: layer(x, return_aux=True))(layer, x)
+    rows = untied_rows(scores, hf_cfg.index_topk, 4, rel_gap=1e-5)  # HF's top-k is unambiguous
+    assert rows.sum() > 90
+    assert_close(np.asarray(got), want, rows)
+    for b, t in zip(*np.nonzero(rows), strict=True):
+        ours = np.asarray(aux["selection"][b, t])
+        assert set(ours[ours >= 0].tolist()) == set(want_topk[b, t][want_topk[b, t] >= 0].tolist())
+
+
+def test_zigzag_balances_causal_work():
+    """Device i owns chunks i and 2N - 1 - i: the causal work (keys visible to its rows) is
+    the same on every device."""
+    plan = ce.ContextParallel("context", mesh=jax.make_mesh(*CONTEXT8)).plan(1000, 7, 4)
+    assert plan.devices == 8 and plan.chunk % 4 == 0 and 16 * plan.chunk >= 1000
+    rows = plan.chunks[..., None] * plan.chunk + np.arange(plan.chunk)  # [N, 2, c]
+    work = (rows + 1).sum(axis=(1, 2))
+    assert (work == work[0]).all()
+    np.testing.assert_array_equal(np.sort(rows.reshape(-1)), np.arange(16 * plan.chunk))
+
+
+def test_errors_name_axis_and_sizes():
+    layer = ce.V4Attention(tiny("csa"), key=jax.random.key(0))
+    cp = layer.with_execution(ce.Execution.from_options(context_parallel=True))
+    x = jnp.zeros((1, 16, 32))
+    no_axis = pytest.raises(ValueError, match=r"context_parallel needs a mesh axis named 'context'")
+    with jax.set_mesh(jax.make_mesh((8,), ("tensor",))), no_axis:
+        cp(x)
+    no_loss = pytest.raises(ValueError, match="context_parallel does not compute the indexer loss")
+    with jax.set_mesh(jax.make_mesh(*CONTEXT8)), no_loss:
+        cp(x, return_aux=True, indexer_loss="sparse")
+    with pytest.raises(ValueError, match="V4 layers .* only, not for a V32AttentionConfig"):
+        ce.V32Attention(tiny_v32(), key=jax.random.key(0), execution=cp.execution)
+    with pytest.raises(ValueError, match="context_axis must be a non-empty mesh axis name"):
+        ce.Execution.from_options(context_parallel=True, context_axis="")
+    with pytest.raises(NotImplementedError, match="head_parallel"):
+        ce.Execution.from_options(head_parallel=True)
