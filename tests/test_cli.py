@@ -120,13 +120,17 @@ def test_bench_out_that_is_a_file(tmp_path, capsys):
     assert f"cannot write to the folder {tmp_path / 'out'}" in err and "(--out)" in err
 
 
-def test_train_without_the_demo_extra_says_how_to_install_it(monkeypatch, capsys):
+@pytest.mark.parametrize("command", ["train", "bench"])
+def test_without_the_demo_extra_says_how_to_install_it(command, monkeypatch, capsys):
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "optax" else real(name, *a)
     )
-    assert main(["train", "--dense-steps", "1"]) == 2
+    assert main([command]) == 2
     err = capsys.readouterr().err
-    assert "missing: optax" in err and "pip install 'csa_eqx[demo]'" in err
+    assert (
+        f"csa-eqx {command}: error: needs the demo extra (missing: optax)" in err
+        and "pip install 'csa_eqx[demo]'" in err
+    )
