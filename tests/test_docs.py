@@ -56,3 +56,18 @@ def test_home_page_examples_run():
 def test_decoding_example_matches_full_forward():
     ns = run_python_blocks("concepts.md")
     np.testing.assert_allclose(ns["y_incremental"], ns["y_full"], rtol=1e-5, atol=1e-5)
+
+
+def test_reliability_table_names_existing_tests():
+    """Every test that docs/reliability.md cites exists, so the table cannot drift."""
+    import ast
+
+    text = (ROOT / "docs" / "reliability.md").read_text()
+    cited = set(re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", text))
+    assert len(cited) > 40
+    defined: dict[str, set[str]] = {}
+    for path, name in sorted(cited):
+        if path not in defined:
+            tree = ast.parse((ROOT / path).read_text())
+            defined[path] = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert name in defined[path], f"docs/reliability.md cites {path}::{name}, which is gone"
