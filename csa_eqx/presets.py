@@ -34,8 +34,14 @@ TINY_HCA_RATE = 8
 def _v4(base: V4AttentionConfig, kind: LayerKind, hca_rate: int, overrides: dict):
     if kind not in COMPRESS_RATES:
         raise ValueError(f"layer kind must be one of {sorted(COMPRESS_RATES)} (got {kind!r})")
-    rate = hca_rate if kind == "hca" else COMPRESS_RATES[kind]
-    return dataclasses.replace(base, compress_rate=rate, **overrides)
+    overrides.setdefault("compress_rate", hca_rate if kind == "hca" else COMPRESS_RATES[kind])
+    config = dataclasses.replace(base, **overrides)
+    if config.layer_type != kind:
+        raise ValueError(
+            f"compress_rate={config.compress_rate} makes a {config.layer_type!r} layer, "
+            f"not the {kind!r} layer asked for"
+        )
+    return config
 
 
 _V4_FLASH = V4AttentionConfig()  # the HF config's defaults are DeepSeek-V4-Flash's sizes

@@ -66,3 +66,18 @@ def test_execution_example_runs():
     ns = run_python_blocks("api/execution.md")
     assert isinstance(ns["layer"].execution.selection, ce.ShardedSelection)
     assert isinstance(ns["faster"].execution.selection, ce.AutoSelection)
+
+
+def test_reliability_table_names_existing_tests():
+    """Every test that docs/reliability.md cites exists, so the table cannot drift."""
+    import ast
+
+    text = (ROOT / "docs" / "reliability.md").read_text()
+    cited = set(re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", text))
+    assert len(cited) > 40
+    defined: dict[str, set[str]] = {}
+    for path, name in sorted(cited):
+        if path not in defined:
+            tree = ast.parse((ROOT / path).read_text())
+            defined[path] = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert name in defined[path], f"docs/reliability.md cites {path}::{name}, which is gone"

@@ -71,19 +71,9 @@ def nested_primitives(jaxpr, seen=None):
     return seen
 
 
-# V3.2's KL loss scores every token against every token ([B, S, H, S] and [B, S, S]): found
-# by this guard on main (a011bd9..); the redesign's shared query-block loop is to stream it
-# as V4 does. strict: the marker must go once it passes.
-V32_LOSS_DENSE = pytest.mark.xfail(
-    strict=True, reason="V3.2 indexer KL loss materialises [B, S, H, S] scores"
-)
-CASES = [
-    ("v4", "dense"),
-    ("v4", "sparse"),
-    ("v32", "off"),
-    pytest.param("v32", "dense", marks=V32_LOSS_DENSE),
-    pytest.param("v32", "sparse", marks=V32_LOSS_DENSE),
-]
+# V3.2's KL loss streams over the same SelectionProblem as V4's (it scored every token against
+# every token, [B, S, H, S], before the redesign).
+CASES = [("v4", "dense"), ("v4", "sparse"), ("v32", "off"), ("v32", "dense"), ("v32", "sparse")]
 
 
 @pytest.mark.parametrize("version, stage", CASES)

@@ -163,15 +163,14 @@ def _bench(out: Path, quick: bool, repo: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("train", "bench") and (missing := _missing_demo_extra()):
+        print(
+            f"csa-eqx {args.command}: error: needs the demo extra (missing: "
+            f"{', '.join(missing)}); install it with: pip install 'csa_eqx[demo]'",
+            file=sys.stderr,
+        )
+        return 2
     if args.command == "train":
-        missing = _missing_demo_extra()
-        if missing:
-            print(
-                f"csa-eqx train: error: needs the demo extra (missing: {', '.join(missing)}); "
-                "install it with: pip install 'csa_eqx[demo]'",
-                file=sys.stderr,
-            )
-            return 2
         _simulated_devices(args.devices)
         from .train import RunError, train
 

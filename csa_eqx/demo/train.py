@@ -137,7 +137,8 @@ def _resume(path: Path, cfg: TrainConfig, start: Callable[[str], tuple]):
     header, payload = read_checkpoint(path)
     config = json.loads(json.dumps(dataclasses.asdict(cfg)))
     if header["config"] != config:
-        changed = sorted(k for k in config if header["config"].get(k) != config[k])
+        keys = set(config) | set(header["config"])
+        changed = sorted(k for k in keys if header["config"].get(k) != config.get(k))
         raise unusable(path, f"it was written by a different configuration (differs in {changed})")
     step, phase = header["step"], header["phase"]
     if not (isinstance(step, int) and 0 < step <= cfg.total_steps and phase in PHASES):
