@@ -122,9 +122,11 @@ class ContextParallel(eqx.Module):
         halo: int,
         rate: int,
         selects: bool,
-    ) -> tuple[Float[Array, "batch seq hidden"], Int[Array, "batch seq k"] | None]:
+        sums: int = 0,
+    ) -> tuple[Float[Array, "batch seq hidden"], Int[Array, "batch seq k"] | None, tuple]:
         """``body(params, x, rows)`` (a forward over ``ShardRows``, returning ``(y, selection
-        or None)`` per row) run context-parallel over the whole sequence.
+        or None, sums)`` with ``sums`` a tuple of per-shard float32 scalars over its own rows)
+        run context-parallel over the whole sequence.
 
         Arguments:
             body: the layer's per-row forward.
@@ -133,9 +135,11 @@ class ContextParallel(eqx.Module):
             halo: rows before a chunk its queries or windows need.
             rate: the compression rate (0: no compressor).
             selects: whether ``body`` returns a selection.
+            sums: how many scalars ``body`` returns to be summed over the shards.
 
         Returns:
-            ``(y, selection)``, ``[B, S, ...]`` as a single-device forward returns them.
+            ``(y, selection, sums)``: ``y`` and ``selection`` ``[B, S, ...]`` as a
+            single-device forward returns them, and the ``sums`` summed over the shards.
         """
         mesh = mesh_with_axis(self.axis, "context_parallel", self.mesh)
         axis, s = self.axis, x.shape[1]
@@ -149,9 +153,16 @@ class ContextParallel(eqx.Module):
         index = jnp.broadcast_to(jnp.arange(2 * n * c, dtype=jnp.int32), segment.shape)
         ext = plan.extended()
         inside, ext = ext >= 0, np.maximum(ext, 0)
+        # queries are the own real rows only: halo and padding rows see no entry (and count
+        # for no loss); their outputs are dropped
+        own_rows = inside & (np.arange(len(ext)) % (halo + c) >= halo) & (ext < s)
         ints = tuple(
-            jnp.where(inside, jnp.take(a, ext, axis=1), fill)
-            for a, fill in ((positions, 0), (segment, _NO_SEGMENT), (index, -1))
+            jnp.where(keep, jnp.take(a, ext, axis=1), fill)
+            for a, keep, fill in (
+                (positions, inside, 0),
+                (segment, inside, _NO_SEGMENT),
+                (index, own_rows, -1),
+            )
         )
         own = layout = None
         if rate:
@@ -182,13 +193,14 @@ class ContextParallel(eqx.Module):
                 own = EntryLayout(*(_chunk_rows(a, 2) for a in own))
                 layout = EntryLayout(*(jnp.repeat(a, 2, axis=0) for a in layout))
             rows = ShardRows(*ints, own, layout, lambda e: _gather_entries(e, plan, axis))
-            y, selection = body(params, x, rows)
+            y, selection, shard_sums = body(params, x, rows)
             out = (_unzigzag(_own_rows(y, plan), plan, axis),)
             if selects:
                 out += (_unzigzag(_own_rows(selection, plan), plan, axis),)
-            return out
+            return out + tuple(jnp.reshape(a, (1,)) for a in shard_sums)
 
         out_specs = (sharded, sharded) if selects else (sharded,)
+        out_specs += (P(axis),) * sums
         # check_vma=False: the selection's loops start their carries from constants, which the
         # varying-manual-axes check rejects; every output is mapped over the context axis, so
         # the transpose's psum of the replicated parameters' cotangents is the exact gradient.
@@ -200,9 +212,10 @@ class ContextParallel(eqx.Module):
             axis_names=frozenset({axis}),
             check_vma=False,
         )(*args)
+        rows_out, summed = out[: len(out) - sums], tuple(jnp.sum(a) for a in out[len(out) - sums :])
         if pad:
-            out = tuple(_place(a, mesh, whole)[:, :s] for a in out)
-        return out if selects else (out[0], None)
+            rows_out = tuple(_place(a, mesh, whole)[:, :s] for a in rows_out)
+        return rows_out[0], rows_out[1] if selects else None, summed
 
 
 def _chunk_rows(a: Array, chunks: int) -> Array:

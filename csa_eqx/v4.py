@@ -35,7 +35,7 @@ from .execution import Execution, checked_execution
 from .loss import AttentionTarget, attention_target, projected_indexer_kl_loss
 from .ops import init_linear, linear, rms_norm
 from .rope import apply_rope_interleaved, rope_inv_freq
-from .selection import Visibility
+from .selection import Visibility, entry_visibility
 from .sparse import DenseKeys, sparse_attention
 
 __all__ = ["V4Attention", "Indexer"]
@@ -219,17 +219,21 @@ class V4Attention(AbstractIndexedAttention):
         positions = jnp.asarray(positions, jnp.int32)
         want_loss = return_aux and self.indexer is not None and stage != "off"
         if ex.context is not None:
-            if want_loss:
-                raise ValueError(
-                    "context_parallel does not compute the indexer loss yet: call with "
-                    f"indexer_loss='off' or return_aux=False (got indexer_loss={stage!r})"
-                )
             params, static = eqx.partition(self, eqx.is_array)
 
             def body(params, x, rows):
-                return eqx.combine(params, static).forward_rows(x, rows, stage)[:2]
+                layer = eqx.combine(params, static)
+                y, selection, (problem, target) = layer.forward_rows(x, rows, stage, want_loss)
+                if not want_loss:
+                    return y, selection, ()
+                # the loss' mean over queries with a candidate, as (sum, count) per shard
+                loss = projected_indexer_kl_loss(
+                    problem, target, None if stage == "dense" else selection, strategy=ex.selection
+                )
+                count = jnp.sum(layer.has_candidates(rows, selection, stage), dtype=jnp.float32)
+                return y, selection, (loss * count, count)
 
-            y, selection = ex.context.apply(
+            y, selection, sums = ex.context.apply(
                 body,
                 params,
                 x,
@@ -238,8 +242,12 @@ class V4Attention(AbstractIndexedAttention):
                 halo=self.context_halo,
                 rate=c.compress_rate,
                 selects=self.indexer is not None,
+                sums=2 if want_loss else 0,
             )
-            return (y, {"selection": selection, "indexer_loss": None}) if return_aux else y
+            if not return_aux:
+                return y
+            loss = sums[0] / jnp.maximum(sums[1], 1.0) if want_loss else None
+            return y, {"selection": selection, "indexer_loss": loss}
         rows = whole_rows(positions, seg, query_index, c.compress_rate)
         y, selection, (problem, target) = self.forward_rows(x, rows, stage, want_loss)
         if not return_aux:
@@ -249,6 +257,14 @@ class V4Attention(AbstractIndexedAttention):
             candidates = None if stage == "dense" else selection
             loss = projected_indexer_kl_loss(problem, target, candidates, strategy=ex.selection)
         return y, {"selection": selection, "indexer_loss": loss}
+
+    def has_candidates(self, rows: ShardRows, selection: Array, stage: str) -> Array:
+        """Which queries of ``rows`` have a candidate in the indexer loss (``[B', L]``): a pick
+        (sparse stage), else a visible entry (the dense ``[B', L, T]`` visibility)."""
+        if stage != "dense":
+            return jnp.any(selection >= 0, axis=-1)
+        visible = entry_visibility(rows.query_index, rows.segment, rows.layout)
+        return jnp.any(visible, axis=-1)
 
     @property
     def context_halo(self) -> int:
