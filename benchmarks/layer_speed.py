@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from csa_eqx import entry_layout
+from csa_eqx import Visibility, entry_layout
 
 from . import harness
 from .naive_baseline import naive_v4_csa
@@ -64,7 +64,10 @@ def selection_stage(layer, x):
     segment = jnp.zeros((b, s), jnp.int32)
     qr, _, _ = layer.project_qkv(x, positions)
     layout = entry_layout(segment, layer.config.compress_rate)
-    return layer.indexer.select(x, qr, positions, positions, segment, layout)
+    keys = layer.indexer.compressor(x, positions, layout)
+    visibility = Visibility(positions, segment, layout)
+    problem = layer.indexer_problem(x, qr, positions, keys, visibility)
+    return layer.execution.select(problem, layer.config.index_topk)
 
 
 FLOP_ROWS = (
