@@ -101,6 +101,12 @@ class Execution(eqx.Module):
             "must be None or a csa_eqx.ContextParallel",
             self.context,
         )
+        _require(  # the head-sharded stage cannot close over the context shards' arrays yet
+            self.context is None or axis is None,
+            "indexer_heads_axis",
+            "must be None with context parallelism (not composable yet)",
+            axis,
+        )
 
     @classmethod
     def from_options(

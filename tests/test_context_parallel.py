@@ -174,6 +174,8 @@ def test_errors_name_axis_and_sizes():
         ce.V32Attention(tiny_v32(), key=jax.random.key(0), execution=cp.execution)
     with pytest.raises(ValueError, match="context_axis must be a non-empty mesh axis name"):
         ce.Execution.from_options(context_parallel=True, context_axis="")
+    with pytest.raises(ValueError, match="indexer_heads_axis must be None with context"):
+        ce.Execution.from_options(context_parallel=True, shard_indexer_acts=True)
     with pytest.raises(NotImplementedError, match="head_parallel"):
         ce.Execution.from_options(head_parallel=True)
 
