@@ -186,6 +186,31 @@ _NATIVE_V4_RENAMES = [
 ]
 
 
+def _load_folder(path, layer_idx, layer_config, native_name, load, dtype, options):
+    """The shared body of the ``load_*_from_safetensors`` loaders: check the config before any
+    I/O, read layer ``layer_idx``'s tensors under HF or DeepSeek-native names (``native_name``
+    maps the latter) and build the layer with ``load``."""
+    folder = Path(path)
+    d, source = read_config(folder)
+    layer_config(d, layer_idx, source, _split_options(options)[0])  # fails before any I/O
+    prefixes = {
+        f"model.layers.{layer_idx}.self_attn.": lambda n: n,
+        f"model.layers.{layer_idx}.attn.": native_name,
+        f"layers.{layer_idx}.attn.": native_name,
+    }
+    tensors, origin = read_layer(folder, prefixes)
+    return load(
+        tensors,
+        d,
+        layer_idx,
+        source=source,
+        where=f"{folder}, layer {layer_idx}",
+        shown=lambda n: origin.get(n, n),
+        dtype=dtype,
+        options=options,
+    )
+
+
 def native_v4_name(name: str) -> str:
     """HF parameter name of a DeepSeek-native V4 attention tensor name (``wq_a.weight`` …)."""
     return rename(name, _NATIVE_V4_RENAMES)
@@ -210,25 +235,7 @@ def load_v4_attention_from_safetensors(
     **Raises:** ``ValueError`` (``SafetensorsError`` for a corrupt file) naming the file, key
     or tensor at fault; docs/hf.md lists every case.
     """
-    folder = Path(path)
-    d, source = read_config(folder)
-    v4_layer_config(d, layer_idx, source, _split_options(options)[0])  # fails before any I/O
-    prefixes = {
-        f"model.layers.{layer_idx}.self_attn.": lambda n: n,
-        f"model.layers.{layer_idx}.attn.": native_v4_name,
-        f"layers.{layer_idx}.attn.": native_v4_name,
-    }
-    tensors, origin = read_layer(folder, prefixes)
-    return _load_v4(
-        tensors,
-        d,
-        layer_idx,
-        source=source,
-        where=f"{folder}, layer {layer_idx}",
-        shown=lambda n: origin.get(n, n),
-        dtype=dtype,
-        options=options,
-    )
+    return _load_folder(path, layer_idx, v4_layer_config, native_v4_name, _load_v4, dtype, options)
 
 
 # --- DeepSeek-V3.2 (DSA) ---------------------------------------------------------------------
@@ -319,22 +326,6 @@ def load_v32_attention_from_safetensors(
     + ``.scale``) and inference config keys load too. Otherwise as
     ``load_v4_attention_from_safetensors``.
     """
-    folder = Path(path)
-    d, source = read_config(folder)
-    v32_layer_config(d, layer_idx, source, _split_options(options)[0])  # before any I/O
-    prefixes = {
-        f"model.layers.{layer_idx}.self_attn.": lambda n: n,
-        f"model.layers.{layer_idx}.attn.": native_v32_name,
-        f"layers.{layer_idx}.attn.": native_v32_name,
-    }
-    tensors, origin = read_layer(folder, prefixes)
-    return _load_v32(
-        tensors,
-        d,
-        layer_idx,
-        source=source,
-        where=f"{folder}, layer {layer_idx}",
-        shown=lambda n: origin.get(n, n),
-        dtype=dtype,
-        options=options,
+    return _load_folder(
+        path, layer_idx, v32_layer_config, native_v32_name, _load_v32, dtype, options
     )

@@ -45,18 +45,9 @@ def _v4(base: V4AttentionConfig, kind: LayerKind, hca_rate: int, overrides: dict
 
 
 _V4_FLASH = V4AttentionConfig()  # the HF config's defaults are DeepSeek-V4-Flash's sizes
-_V4_PRO = V4AttentionConfig(
-    hidden_size=7168,
-    num_heads=128,
-    head_dim=512,
-    rope_dim=64,
-    q_lora_rank=1536,
-    o_groups=16,
-    o_lora_rank=1024,
-    sliding_window=128,
-    index_n_heads=64,
-    index_head_dim=128,
-    index_topk=1024,
+# V4-Pro differs from V4-Flash only in width, heads, query LoRA rank, output groups and k
+_V4_PRO = dataclasses.replace(
+    _V4_FLASH, hidden_size=7168, num_heads=128, q_lora_rank=1536, o_groups=16, index_topk=1024
 )
 _TINY_V4 = V4AttentionConfig(
     hidden_size=64,
