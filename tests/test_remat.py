@@ -13,25 +13,15 @@ from jax._src.ad_checkpoint import name_p
 from jax._src.lax.lax import dot_general_p
 
 import csa_eqx
+from csa_eqx.presets import tiny_v4
 from csa_eqx.remat import SELECTION_NAME, compose_selection_policy
 
 B, S, K = 2, 24, 3
 
 
 def config():
-    return csa_eqx.V4AttentionConfig(
-        hidden_size=48,
-        num_heads=4,
-        head_dim=32,
-        rope_dim=8,
-        q_lora_rank=24,
-        o_groups=2,
-        o_lora_rank=16,
-        sliding_window=6,
-        compress_rate=4,
-        index_n_heads=8,
-        index_head_dim=16,
-        index_topk=K,
+    return tiny_v4(
+        "csa", hidden_size=48, q_lora_rank=24, sliding_window=6, index_n_heads=8, index_topk=K
     )
 
 
