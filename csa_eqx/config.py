@@ -69,6 +69,13 @@ class YaRNScaling:
 
     ``mscale`` / ``mscale_all_dim`` only matter for V3.2's softmax scale; V4 uses the scaled
     frequencies without any magnitude factor.
+
+    Arguments:
+        factor: context extension factor; original_max_position_embeddings: the pre-training
+            context length the frequencies are interpolated from.
+        beta_fast, beta_slow: rotations per context bounding the interpolated band.
+        mscale, mscale_all_dim: V3.2's magnitude factors (``None`` = 1).
+        truncate: round the band's bounds to whole dimensions, as HF does.
     """
 
     factor: float
@@ -130,11 +137,17 @@ def _rope_scaling(cfg) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class V4AttentionConfig:
-    """One DeepSeek-V4 attention layer's architecture (docs/concepts.md, "DeepSeek-V4 layers").
-    Field names follow the HF config; how the layer runs is ``csa_eqx.Execution``.
+    """One DeepSeek-V4 attention layer's architecture (docs/concepts.md, "The DeepSeek-V4
+    attention block"). Field names follow the HF config; how the layer runs is
+    ``csa_eqx.Execution``.
 
     ``compress_rate`` picks the layer type: 0 sliding window only, 4 CSA (overlapping
     compressor + lightning indexer), any other value > 4 HCA (all visible compressed entries).
+
+    Arguments: the fields below (HF names; ``index_*`` are the lightning indexer's heads,
+    head dim and ``k``; ``o_groups`` / ``o_lora_rank`` the grouped output LoRA). Every
+    field is checked in ``__post_init__``: a ``ValueError`` names the field, the rule and the
+    value.
     """
 
     hidden_size: int = 4096
@@ -194,23 +207,28 @@ class V4AttentionConfig:
 
     @property
     def layer_type(self) -> Literal["sliding", "csa", "hca"]:
+        """Returns: ``"sliding"``, ``"csa"`` or ``"hca"``, from ``compress_rate``."""
         if self.compress_rate == 0:
             return "sliding"
         return "csa" if self.compress_rate == 4 else "hca"
 
     @property
     def has_indexer(self) -> bool:
+        """Returns: whether the layer selects entries with an indexer (CSA only)."""
         return self.layer_type == "csa"
 
 
 @dataclasses.dataclass(frozen=True)
 class V32AttentionConfig:
-    """One DeepSeek-V3.2 DSA layer's architecture (docs/concepts.md, "DeepSeek-V3.2"): MLA
+    """One DeepSeek-V3.2 DSA layer's architecture (docs/concepts.md, "DeepSeek-V3.2 DSA"): MLA
     plus a lightning indexer over raw tokens. How it runs is ``csa_eqx.Execution``.
 
     Field names follow the HF config. ``rope_scaling`` (YaRN) rescales the rotary frequencies,
     multiplies the rotated channels by YaRN's attention factor (as HF's cos/sin do) and the
     softmax scale by ``yarn_mscale(rope_scaling)**2``.
+
+    Arguments: the fields below (HF names; ``index_*`` as in ``V4AttentionConfig``), checked
+    in ``__post_init__`` like V4's.
     """
 
     hidden_size: int = 7168

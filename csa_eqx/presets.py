@@ -25,7 +25,8 @@ __all__ = [
 
 LayerKind = Literal["sliding", "csa", "hca"]
 
-# compress_rate of each V4 layer kind in the released models (docs/concepts.md, "Layer types")
+# compress_rate of each V4 layer kind in the released models
+# (docs/concepts.md, "The DeepSeek-V4 attention block")
 COMPRESS_RATES: dict[str, int] = {"sliding": 0, "csa": 4, "hca": 128}
 # tiny test layers use a short HCA window so that a few dozen tokens close several entries
 TINY_HCA_RATE = 8
@@ -81,7 +82,8 @@ def v4_flash(kind: LayerKind = "csa", **overrides) -> V4AttentionConfig:
     indexer 64 x 128, k = 512, HCA m = 128).
 
     Arguments:
-        kind: ``"sliding"``, ``"csa"`` or ``"hca"`` (docs/concepts.md, "Layer types").
+        kind: ``"sliding"``, ``"csa"`` or ``"hca"`` (docs/concepts.md, "The DeepSeek-V4
+            attention block").
         overrides: fields of ``V4AttentionConfig`` to change.
 
     Returns: the ``V4AttentionConfig``. Raises ``ValueError`` for an unknown ``kind`` or a

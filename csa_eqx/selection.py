@@ -152,15 +152,22 @@ def select_topk(
 
 
 class Visibility(NamedTuple):
-    """Which entries each query may see (``entry_visibility``): query stream indices and
-    segments ``[B, S]`` and the entries' ``EntryLayout`` (``[B, T]`` each)."""
+    """Which entries each query may see (docs/concepts.md, "Visibility"): an entry is visible
+    when it closed at or before the query, in the query's segment.
+
+    Arguments:
+        query_index: int32 ``[B, S]`` stream index of each query.
+        query_segment: int32 ``[B, S]`` segment of each query.
+        layout: the entries' ``EntryLayout`` (``[B, T]`` each).
+    """
 
     query_index: Int[Array, "batch seq"]
     query_segment: Int[Array, "batch seq"]
     layout: EntryLayout
 
     def mask(self) -> Bool[Array, "batch seq entries"]:
-        """The dense ``[B, S, T]`` visibility mask."""
+        """Returns: the dense bool ``[B, S, T]`` mask (``entry_visibility``); only dense
+        paths form it."""
         return entry_visibility(self.query_index, self.query_segment, self.layout)
 
 
@@ -193,16 +200,23 @@ class SelectionProblem(NamedTuple):
         visibility: Visibility,
         head_chunk: int = 0,
     ) -> SelectionProblem:
-        """A problem whose queries and head weights are already projected."""
+        """A problem whose queries and head weights are already projected.
+
+        Arguments:
+            q: float ``[B, S, H, d]`` indexer queries; weights: float ``[B, S, H]``.
+            keys, visibility, head_chunk: as for the class.
+
+        Returns: the ``SelectionProblem`` (its ``project`` is the identity).
+        """
         return cls(_identity, (q, weights), keys, visibility, head_chunk)
 
     def sizes(self) -> tuple[int, int, int, int]:
-        """``(batch, seq, entries, heads scored at once)``."""
+        """Returns: ``(batch, seq, entries, heads scored at once)`` (no computation)."""
         b, s, h, _ = jax.eval_shape(self.project, *self.rows)[0].shape
         return b, s, self.keys.shape[1], self.head_chunk or h
 
     def queries(self) -> tuple[Array, Array]:
-        """The whole ``[B, S, H, d]`` queries and ``[B, S, H]`` weights."""
+        """Returns: the whole float ``[B, S, H, d]`` queries and ``[B, S, H]`` weights."""
         return self.project(*self.rows)
 
 
@@ -224,13 +238,20 @@ class AbstractSelection(eqx.Module):
 
     @abc.abstractmethod
     def tiling(self, batch: int, seq: int, entries: int, heads: int) -> AbstractSelection:
-        """The single-device strategy this one runs per shard for a problem of these sizes
-        (``DenseSelection`` or ``StreamingSelection``); the KL loss tiles the same way."""
+        """The single-device strategy this one runs per shard; the KL loss tiles the same way.
+
+        Arguments: the problem's ``batch``, ``seq``, ``entries`` and ``heads`` scored at once.
+
+        Returns: a ``DenseSelection`` or ``StreamingSelection``.
+        """
 
 
 class DenseSelection(AbstractSelection):
     """Score every query against every entry (``[B, S, T]`` float32), then one exact top-k.
-    Fastest while that tensor is small; see ``csa_eqx.auto.AutoSelection``."""
+    Fastest while that tensor is small; see ``csa_eqx.auto.AutoSelection``.
+
+    Arguments: none. ``select`` returns int32 ``[B, S, k]``, ``-1`` = none.
+    """
 
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
         scores = indexer_scores(*problem.queries(), problem.keys, head_chunk=problem.head_chunk)
