@@ -32,7 +32,15 @@ __all__ = [
 
 
 class EntryLayout(NamedTuple):
-    """Where each compressed-entry slot comes from (all ``[batch, slots]``)."""
+    """Where each compressed-entry slot comes from (docs/concepts.md, "Compressed entries").
+
+    Arguments:
+        end: int32 ``[B, T]`` row index of the last token of the entry's window;
+            ``-1`` = empty slot.
+        segment: int32 ``[B, T]`` the window's segment.
+        has_prior: bool ``[B, T]`` whether a previous window of the same segment exists
+            (CSA's overlap half; it restarts at a segment start).
+    """
 
     end: Int[Array, "batch slots"]
     segment: Int[Array, "batch slots"]
