@@ -66,7 +66,13 @@ def _rotary(config: V32AttentionConfig):
 
 
 class V32Indexer(eqx.Module):
-    """V3.2 lightning indexer: scores every earlier token of the segment, keeps the top-k."""
+    """V3.2 lightning indexer (docs/concepts.md, "DeepSeek-V3.2 DSA"): scores every earlier
+    token of the segment, keeps the top-k.
+
+    Arguments:
+        config: the layer's ``V32AttentionConfig``.
+        key: PRNG key for the random initial weights; dtype: their dtype.
+    """
 
     wq_b: Float[Array, "heads_x_dim q_lora"]
     wk: Float[Array, "dim hidden"]
@@ -95,7 +101,11 @@ class V32Indexer(eqx.Module):
     def queries(
         self, qr: Float[Array, "batch seq q_lora"], positions: Int[Array, "batch seq"]
     ) -> Float[Array, "batch seq heads dim"]:
-        """Roped per-head queries ``[B,S,H_I,d_I]`` from the query latent."""
+        """Arguments: the query latent ``qr [B, S, q_lora_rank]`` and int32 ``positions``
+        ``[B, S]``.
+
+        Returns: roped per-head queries ``[B, S, H_I, d_I]``.
+        """
         c = self.config
         b, s, _ = qr.shape
         q = linear(qr, self.wq_b).reshape(b, s, c.index_n_heads, c.index_head_dim)
@@ -104,12 +114,18 @@ class V32Indexer(eqx.Module):
     def keys(
         self, x: Float[Array, "batch seq hidden"], positions: Int[Array, "batch seq"]
     ) -> Float[Array, "batch seq dim"]:
-        """The one shared key per token: ``RoPE(LayerNorm(x W_k))`` ``[B,S,d_I]``."""
+        """Arguments: the layer input ``x [B, S, hidden]`` and int32 ``positions [B, S]``.
+
+        Returns: the one shared key per token, ``RoPE(LayerNorm(x W_k))`` ``[B, S, d_I]``.
+        """
         k = _layer_norm(linear(x, self.wk), self.k_norm, self.k_norm_bias, _INDEXER_NORM_EPS)
         return self._rope(k, positions)
 
     def head_weights(self, x: Float[Array, "batch seq hidden"]) -> Float[Array, "batch seq heads"]:
-        """Per-head weights ``[B,S,H_I]`` including the ``H_I^-1/2`` factor (float32)."""
+        """Arguments: the layer input ``x [B, S, hidden]``.
+
+        Returns: float32 per-head weights ``[B, S, H_I]``, ``H_I^-1/2`` included.
+        """
         c = self.config
         return linear(x, self.weights_proj).astype(jnp.float32) * c.index_n_heads**-0.5
 
@@ -119,6 +135,11 @@ class V32Attention(AbstractIndexedAttention):
 
     Parameters use the HF module's names and torch's ``[out, in]`` layout (``k_norm_bias`` holds
     ``indexer.k_norm.bias``), so ``csa_eqx.hf.load_v32_attention`` is a plain copy.
+
+    Arguments:
+        config: the ``V32AttentionConfig`` (architecture only).
+        key: PRNG key for the random initial weights; dtype: their dtype.
+        execution: how it runs (``csa_eqx.Execution``; ``None`` = the automatic default).
     """
 
     q_a_proj: Float[Array, "q_lora hidden"]

@@ -41,7 +41,13 @@ __all__ = ["V4Attention", "Indexer"]
 
 
 class Indexer(eqx.Module):
-    """V4 lightning indexer: its own CSA compressor at ``index_head_dim`` plus query heads."""
+    """V4 lightning indexer (docs/concepts.md, "The lightning indexer"): its own CSA
+    compressor at ``index_head_dim`` plus query heads.
+
+    Arguments:
+        config: the layer's ``V4AttentionConfig`` (a CSA layer).
+        key: PRNG key for the random initial weights; dtype: their dtype.
+    """
 
     compressor: Compressor
     q_b_proj: Float[Array, "heads_x_dim q_lora"]
@@ -70,7 +76,11 @@ class Indexer(eqx.Module):
     def queries(
         self, qr: Float[Array, "batch seq q_lora"], positions: Int[Array, "batch seq"]
     ) -> Float[Array, "batch seq heads dim"]:
-        """Roped per-head queries ``[B,S,H_I,d_I]`` (from the query latent)."""
+        """Arguments: the query latent ``qr [B, S, q_lora_rank]`` and int32 ``positions``
+        ``[B, S]``.
+
+        Returns: roped per-head queries ``[B, S, H_I, d_I]``.
+        """
         c = self.config
         b, s, _ = qr.shape
         q = linear(qr, self.q_b_proj).reshape(b, s, c.index_n_heads, c.index_head_dim)
@@ -78,7 +88,10 @@ class Indexer(eqx.Module):
         return apply_rope_interleaved(q, positions[..., None], inv_freq)
 
     def head_weights(self, x: Float[Array, "batch seq hidden"]) -> Float[Array, "batch seq heads"]:
-        """Per-head weights ``[B,S,H_I]`` including the ``H_I^-1/2`` factor (float32)."""
+        """Arguments: the layer input ``x [B, S, hidden]``.
+
+        Returns: float32 per-head weights ``[B, S, H_I]``, ``H_I^-1/2`` included.
+        """
         c = self.config
         return linear(x, self.weights_proj).astype(jnp.float32) * c.index_n_heads**-0.5
 
@@ -88,6 +101,11 @@ class V4Attention(AbstractIndexedAttention):
 
     Parameters use the HF module's names and torch's ``[out, in]`` layout, so
     ``csa_eqx.hf.load_v4_attention`` is a plain copy.
+
+    Arguments:
+        config: the ``V4AttentionConfig`` (architecture only).
+        key: PRNG key for the random initial weights; dtype: their dtype.
+        execution: how it runs (``csa_eqx.Execution``; ``None`` = the automatic default).
     """
 
     q_a_proj: Float[Array, "q_lora hidden"]
