@@ -136,10 +136,8 @@ class V32Attention(AbstractIndexedAttention):
     Parameters use the HF module's names and torch's ``[out, in]`` layout (``k_norm_bias`` holds
     ``indexer.k_norm.bias``), so ``csa_eqx.hf.load_v32_attention`` is a plain copy.
 
-    Arguments:
-        config: the ``V32AttentionConfig`` (architecture only).
-        key: PRNG key for the random initial weights; dtype: their dtype.
-        execution: how it runs (``csa_eqx.Execution``; ``None`` = the automatic default).
+    Arguments: ``config`` (a ``V32AttentionConfig``), ``key``, ``dtype``, ``execution``, as in
+    ``csa_eqx.attention.AbstractIndexedAttention``.
     """
 
     q_a_proj: Float[Array, "q_lora hidden"]

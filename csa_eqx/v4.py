@@ -102,10 +102,8 @@ class V4Attention(AbstractIndexedAttention):
     Parameters use the HF module's names and torch's ``[out, in]`` layout, so
     ``csa_eqx.hf.load_v4_attention`` is a plain copy.
 
-    Arguments:
-        config: the ``V4AttentionConfig`` (architecture only).
-        key: PRNG key for the random initial weights; dtype: their dtype.
-        execution: how it runs (``csa_eqx.Execution``; ``None`` = the automatic default).
+    Arguments: ``config`` (a ``V4AttentionConfig``), ``key``, ``dtype``, ``execution``, as in
+    ``csa_eqx.attention.AbstractIndexedAttention``.
     """
 
     q_a_proj: Float[Array, "q_lora hidden"]
