@@ -211,8 +211,8 @@ class Compressor(eqx.Module):
         """Arguments: ``x [B, S, hidden]``, int32 RoPE ``positions [B, S]`` and the slots'
         ``EntryLayout``.
 
-        Returns: the entries ``[B, T, dim]`` in ``x``'s dtype (empty slots hold junk; the
-        layout's ``end = -1`` masks them).
+        Returns: the entries ``[B, T, dim]`` in ``x``'s dtype; empty slots (``end = -1``) are
+        never visible, whatever they hold.
         """
         kv, gate = self.project(x)
         return self.finish(
