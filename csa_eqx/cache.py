@@ -86,11 +86,10 @@ class V32Cache(eqx.Module):
     ``V32Attention.init_cache``; ``extend`` returns the next one.
 
     Arguments:
-        length, position, segment: int32 ``[B]`` as in ``V4Cache``.
+        length, position, segment, max_length: as in ``V4Cache``.
         latent: float ``[B, max_length, kv_lora_rank + qk_rope_head_dim]``.
         index_keys: float ``[B, max_length, index_head_dim]``.
         token_segment: int32 ``[B, max_length]``, ``-1`` = not written.
-        max_length: static; the most tokens the cache holds.
     """
 
     length: Int[Array, " batch"]

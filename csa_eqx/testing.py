@@ -96,17 +96,11 @@ def _check_round_trip(config, back) -> None:
 
 
 def _shared_hf_fields(config: V4AttentionConfig | V32AttentionConfig) -> dict:
-    """The HF fields both versions take from the same config fields, for one layer."""
-    return dict(
-        _UNUSED_MOE,
-        hidden_size=config.hidden_size,
-        num_attention_heads=config.num_heads,
-        q_lora_rank=config.q_lora_rank,
-        index_n_heads=config.index_n_heads,
-        index_head_dim=config.index_head_dim,
-        index_topk=config.index_topk,
-        num_hidden_layers=1,
-    )
+    """The HF fields both versions take from the same config fields, for one layer (HF's
+    names equal ours but for ``num_attention_heads``)."""
+    same = ("hidden_size", "q_lora_rank", "index_n_heads", "index_head_dim", "index_topk")
+    fields = {name: getattr(config, name) for name in same}
+    return dict(_UNUSED_MOE, **fields, num_attention_heads=config.num_heads, num_hidden_layers=1)
 
 
 def hf_v4_config(config: V4AttentionConfig, **hf_fields) -> DeepseekV4Config:

@@ -101,11 +101,7 @@ class V32Indexer(eqx.Module):
     def queries(
         self, qr: Float[Array, "batch seq q_lora"], positions: Int[Array, "batch seq"]
     ) -> Float[Array, "batch seq heads dim"]:
-        """Arguments: the query latent ``qr [B, S, q_lora_rank]`` and int32 ``positions``
-        ``[B, S]``.
-
-        Returns: roped per-head queries ``[B, S, H_I, d_I]``.
-        """
+        """As ``csa_eqx.Indexer.queries``, with V3.2's half-split, YaRN-scaled RoPE."""
         c = self.config
         b, s, _ = qr.shape
         q = linear(qr, self.wq_b).reshape(b, s, c.index_n_heads, c.index_head_dim)
@@ -122,10 +118,7 @@ class V32Indexer(eqx.Module):
         return self._rope(k, positions)
 
     def head_weights(self, x: Float[Array, "batch seq hidden"]) -> Float[Array, "batch seq heads"]:
-        """Arguments: the layer input ``x [B, S, hidden]``.
-
-        Returns: float32 per-head weights ``[B, S, H_I]``, ``H_I^-1/2`` included.
-        """
+        """As ``csa_eqx.Indexer.head_weights``."""
         c = self.config
         return linear(x, self.weights_proj).astype(jnp.float32) * c.index_n_heads**-0.5
 
