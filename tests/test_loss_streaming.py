@@ -11,6 +11,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_helpers import primitives, walk_avals
 
 import csa_eqx as ce
 from csa_eqx import V4Attention, V4AttentionConfig, entry_layout
@@ -141,14 +142,6 @@ def test_no_candidates_anywhere(sparse):
         assert all(np.all(np.asarray(v) == 0) for v in jax.tree.leaves(g))
 
 
-def _walk_avals(jaxpr):
-    for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            yield v.aval
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            yield from _walk_avals(sub)
-
-
 @pytest.mark.parametrize("sparse", [False, True])
 def test_streaming_forms_no_score_matrix(sparse):
     """fwd+bwd jaxpr holds no float array as large as [B, S, T] (nor the [B, S, H_I, d_I]
@@ -160,7 +153,7 @@ def test_streaming_forms_no_score_matrix(sparse):
 
     def floats(fn):
         jaxpr = jax.make_jaxpr(jax.grad(fn))(params).jaxpr
-        return [a for a in _walk_avals(jaxpr) if jnp.issubdtype(a.dtype, jnp.floating)]
+        return [a for a in walk_avals(jaxpr) if jnp.issubdtype(a.dtype, jnp.floating)]
 
     assert max(a.size for a in floats(lambda p: dense_loss(p, fx, sel))) >= b * s * t
     stream = floats(lambda p: streaming_loss(p, fx, sel, key_block=32, query_block=64))
@@ -208,17 +201,9 @@ def test_v4_layer_streaming_loss_matches_dense():
             np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-4, atol=1e-6 * scale)
 
 
-def _primitives(jaxpr) -> set[str]:
-    names = {eqn.primitive.name for eqn in jaxpr.eqns}
-    for eqn in jaxpr.eqns:
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            names |= _primitives(sub)
-    return names
-
-
 def test_automatic_choice_streams_long_sequences_only():
     """Without block sizes: dense path (no loop) when short, streaming loops when long."""
     for s, streams in [(64, False), (8192, True)]:
         params, fx = problem(8, 1, s, 4, False)
         jaxpr = jax.make_jaxpr(jax.grad(lambda p, fx=fx: streaming_loss(p, fx)))(params).jaxpr
-        assert ("while" in _primitives(jaxpr)) == streams
+        assert ("while" in primitives(jaxpr)) == streams
