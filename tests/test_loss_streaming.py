@@ -14,9 +14,10 @@ import pytest
 from jaxpr_helpers import primitives, walk_avals
 
 import csa_eqx as ce
-from csa_eqx import V4Attention, V4AttentionConfig, entry_layout
+from csa_eqx import V4Attention, entry_layout
 from csa_eqx.indexer import indexer_scores
 from csa_eqx.loss import indexer_kl_loss, projected_indexer_kl_loss, selection_mask
+from csa_eqx.presets import tiny_v4
 from csa_eqx.selection import entry_visibility, select_topk
 
 H, D, H_I, D_I, HIDDEN = 4, 6, 4, 8, 12
@@ -164,20 +165,8 @@ def test_streaming_forms_no_score_matrix(sparse):
 def test_v4_layer_streaming_loss_matches_dense():
     """The layer's indexer loss and its indexer gradients, both stages: streaming (key blocks
     set) == dense, packed input."""
-    base = dict(
-        hidden_size=32,
-        num_heads=4,
-        head_dim=16,
-        rope_dim=8,
-        q_lora_rank=16,
-        o_lora_rank=8,
-        o_groups=2,
-        sliding_window=4,
-        compress_rate=4,
-        index_n_heads=4,
-        index_head_dim=8,
-        index_topk=3,
-    )
+    small = dict(hidden_size=32, head_dim=16, q_lora_rank=16, o_lora_rank=8, sliding_window=4)
+    config = tiny_v4("csa", **small, index_head_dim=8, index_topk=3)
     x = jax.random.normal(jax.random.key(0), (2, 30, 32))
     seg = jnp.asarray(np.repeat([[0] * 17 + [1] * 13], 2, 0), jnp.int32)
 
@@ -189,7 +178,7 @@ def test_v4_layer_streaming_loss_matches_dense():
         out = []
         for tiles in [{}, {"indexer_key_block": 2, "query_block": 8}]:
             ex = ce.Execution.from_options(indexer_loss=stage, qk_head_chunk_size=2, **tiles)
-            layer = V4Attention(V4AttentionConfig(**base), key=jax.random.key(1), execution=ex)
+            layer = V4Attention(config, key=jax.random.key(1), execution=ex)
             out.append(eqx.filter_jit(eqx.filter_value_and_grad(loss))(layer.indexer, layer))
         (want, want_g), (got, got_g) = out
         assert float(want) > 0.01
