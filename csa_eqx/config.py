@@ -135,6 +135,20 @@ def _rope_scaling(cfg) -> None:
     )
 
 
+def _check_shared_fields(config) -> None:
+    """The checks of the fields V4's and V3.2's configs share (same names, same rules)."""
+    _positive(
+        config,
+        "hidden_size",
+        "num_heads",
+        "q_lora_rank",
+        "index_n_heads",
+        "index_head_dim",
+        "index_topk",
+    )
+    _finite_positive(config, "rope_theta", "rms_norm_eps")
+
+
 @dataclasses.dataclass(frozen=True)
 class V4AttentionConfig:
     """One DeepSeek-V4 attention layer's architecture (docs/concepts.md, "The DeepSeek-V4
@@ -168,19 +182,8 @@ class V4AttentionConfig:
     rms_norm_eps: float = 1e-6
 
     def __post_init__(self):
-        _positive(
-            self,
-            "hidden_size",
-            "num_heads",
-            "head_dim",
-            "q_lora_rank",
-            "o_groups",
-            "o_lora_rank",
-            "sliding_window",
-            "index_n_heads",
-            "index_head_dim",
-            "index_topk",
-        )
+        _check_shared_fields(self)
+        _positive(self, "head_dim", "o_groups", "o_lora_rank", "sliding_window")
         _non_negative(self, "rope_dim", "compress_rate")
         _require(
             self.rope_dim % 2 == 0 and self.rope_dim <= min(self.head_dim, self.index_head_dim),
@@ -202,7 +205,7 @@ class V4AttentionConfig:
         )
         _even_unrotated(self, "head_dim", "rope_dim")
         _even_unrotated(self, "index_head_dim", "rope_dim")
-        _finite_positive(self, "rope_theta", "compress_rope_theta", "rms_norm_eps")
+        _finite_positive(self, "compress_rope_theta")
         _rope_scaling(self)
 
     @property
@@ -246,24 +249,12 @@ class V32AttentionConfig:
     rms_norm_eps: float = 1e-6
 
     def __post_init__(self):
-        _positive(
-            self,
-            "hidden_size",
-            "num_heads",
-            "q_lora_rank",
-            "kv_lora_rank",
-            "qk_nope_head_dim",
-            "qk_rope_head_dim",
-            "v_head_dim",
-            "index_n_heads",
-            "index_head_dim",
-            "index_topk",
-        )
+        _check_shared_fields(self)
+        _positive(self, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
         _require(
             self.qk_rope_head_dim % 2 == 0 and self.qk_rope_head_dim <= self.index_head_dim,
             "qk_rope_head_dim",
             f"must be even and at most index_head_dim={self.index_head_dim}",
             self.qk_rope_head_dim,
         )
-        _finite_positive(self, "rope_theta", "rms_norm_eps")
         _rope_scaling(self)
