@@ -68,14 +68,25 @@ def entry_visibility(
 
 def canonical_scores(scores: Array) -> Array:
     """Map ``-0.0`` to ``+0.0`` so that equal scores tie (XLA sorts by total order). XLA
-    flushes subnormals to zero, so they become ``+0.0`` here too."""
+    flushes subnormals to zero, so they become ``+0.0`` here too.
+
+    Arguments: float ``scores`` of any shape.
+
+    Returns: the same shape and dtype, without ``-0.0``.
+    """
     return jnp.where(scores == 0, jnp.zeros_like(scores), scores)
 
 
 def scatter_rows(index: Int[Array, "*rows n"], updates: Array, width: int, fill) -> Array:
     """``out[..., index[..., i]] = updates[..., i]`` in a new ``[*rows, width]`` array of
     ``fill``; indices outside ``[0, width)`` are dropped. Under an Explicit mesh the result's
-    rows are sharded like ``index``'s rows (a scatter cannot infer that by itself)."""
+    rows are sharded like ``index``'s rows (a scatter cannot infer that by itself).
+
+    Arguments: int ``index [*rows, n]``, ``updates`` of the same shape, the output ``width``
+    and the ``fill`` value.
+
+    Returns: ``[*rows, width]`` in ``updates``' dtype.
+    """
     lead = index.shape[:-1]
     rows = tuple(jnp.arange(n).reshape((n,) + (1,) * (len(lead) - i)) for i, n in enumerate(lead))
     sharding = jax.typeof(index).sharding
@@ -101,7 +112,11 @@ def exact_topk(
     A radix select, not a sort: 32 halving steps find each row's k-th largest value (as an
     order-preserving ``uint32`` key) by counting, then the picks are compacted in place. On
     CPU this is ~4x faster than ``lax.top_k`` at indexer sizes (k = 512 of 1024), and the
-    cost does not grow with ``k``.
+    cost does not grow with ``k`` (docs/concepts.md, "Top-k selection").
+
+    Arguments: float ``values [*rows, n]``, bool ``valid [*rows, n]`` and ``k > 0``.
+
+    Returns: ``(top values, positions)``, float32 and int32 ``[*rows, k]``.
     """
     want = min(k, values.shape[-1])
     key = jnp.where(valid, _order_keys(values), jnp.uint32(0))  # valid keys are > 0
