@@ -188,9 +188,13 @@ class V32Attention(AbstractIndexedAttention):
         Float[Array, "batch seq heads latent"],
         Float[Array, "batch seq latent"],
     ]:
-        """Query latent ``qr``, absorbed per-head queries ``[q_nope·W_kb ; q_rope]`` and the
-        shared per-token key ``[c_kv ; k_rope]`` (its first ``kv_lora_rank`` channels are the
-        value)."""
+        """Arguments: ``x [B, S, hidden]`` and int32 RoPE ``positions [B, S]``.
+
+        Returns: the query latent ``qr [B, S, q_lora_rank]``, absorbed per-head queries
+        ``[q_nope·W_kb ; q_rope]`` ``[B, S, H, latent]`` and the shared per-token key
+        ``[c_kv ; k_rope]`` ``[B, S, latent]`` (its first ``kv_lora_rank`` channels are the
+        value), ``latent = kv_lora_rank + qk_rope_head_dim``.
+        """
         c = self.config
         b, s, _ = x.shape
         inv_freq, rope_factor = _rotary(c)
@@ -227,7 +231,12 @@ class V32Attention(AbstractIndexedAttention):
     def project_out(
         self, o: Float[Array, "batch seq heads kv_lora"]
     ) -> Float[Array, "batch seq hidden"]:
-        """Per-head values from the attended latents (``W_vb``), then the output projection."""
+        """Per-head values from the attended latents (``W_vb``), then the output projection.
+
+        Arguments: the attended latents ``o [B, S, H, kv_lora_rank]``.
+
+        Returns: ``[B, S, hidden]``.
+        """
         b, s = o.shape[:2]
         o = jnp.einsum("bshc,hvc->bshv", o, self._kv_up()[1].astype(o.dtype)).reshape(b, s, -1)
         return linear(o, self.o_proj)

@@ -157,6 +157,8 @@ class V4Attention(AbstractIndexedAttention):
 
     @property
     def inv_freq(self):
+        """Returns: the RoPE inverse frequencies ``[rope_dim // 2]`` (float32 numpy): plain
+        ``rope_theta`` for sliding layers, YaRN-scaled ``compress_rope_theta`` otherwise."""
         c = self.config
         if c.layer_type == "sliding":
             return rope_inv_freq(c.rope_dim, c.rope_theta)
@@ -169,7 +171,11 @@ class V4Attention(AbstractIndexedAttention):
         Float[Array, "batch seq heads dim"],
         Float[Array, "batch seq dim"],
     ]:
-        """Query latent ``qr``, roped per-head queries and the roped shared key/value."""
+        """Arguments: ``x [B, S, hidden]`` and int32 RoPE ``positions [B, S]``.
+
+        Returns: the query latent ``qr [B, S, q_lora_rank]``, roped per-head queries
+        ``[B, S, H, head_dim]`` and the roped shared key/value ``[B, S, head_dim]``.
+        """
         c = self.config
         b, s, _ = x.shape
         qr = rms_norm(linear(x, self.q_a_proj), self.q_a_norm, c.rms_norm_eps)
@@ -183,7 +189,13 @@ class V4Attention(AbstractIndexedAttention):
     def project_out(
         self, o: Float[Array, "batch seq heads dim"], positions: Int[Array, "batch seq"]
     ) -> Float[Array, "batch seq hidden"]:
-        """De-rotate the attention output (RoPE at ``-t``), then the grouped output projection."""
+        """De-rotate the attention output (RoPE at ``-t``), then the grouped output projection
+        (docs/concepts.md, "The DeepSeek-V4 attention block").
+
+        Arguments: ``o [B, S, H, head_dim]`` and the queries' ``positions [B, S]``.
+
+        Returns: ``[B, S, hidden]``.
+        """
         c = self.config
         b, s = o.shape[:2]
         o = apply_rope_interleaved(o, -positions[..., None], self.inv_freq)
