@@ -105,10 +105,18 @@ class AbstractIndexedAttention(eqx.Module):
 
     @abc.abstractmethod
     def extend_rows(self, x: Array, cache: eqx.Module, rows: ChunkRows, stage: str) -> tuple:
-        """``extend`` after its checks: ``(y, new cache, selection or None)``."""
+        """``extend`` after its checks.
+
+        Arguments: the chunk ``x [B, T, hidden]``, the ``cache``, its ``ChunkRows`` and the
+        checked training ``stage``.
+
+        Returns: ``(y, new cache, selection or None)`` as in ``extend``.
+        """
 
     def with_execution(self, execution: Execution):
         """The same parameters, run as ``execution`` says (e.g. another selection strategy).
+
+        Arguments: the ``csa_eqx.Execution`` (checked against the config).
 
         Returns: a new layer sharing this one's arrays.
         """
@@ -118,8 +126,12 @@ class AbstractIndexedAttention(eqx.Module):
         return new
 
     def stage(self, indexer_loss: str | None) -> str:
-        """The training stage of one call (``indexer_loss``, else ``execution.indexer_loss``),
-        checked against the head chunk."""
+        """The training stage of one call, checked against the head chunk.
+
+        Arguments: the call's ``indexer_loss`` (``None``: ``execution.indexer_loss``).
+
+        Returns: ``"off"``, ``"dense"`` or ``"sparse"``; a ``ValueError`` otherwise.
+        """
         stage = self.execution.indexer_loss if indexer_loss is None else indexer_loss
         check_stage(stage)
         if indexer_loss is not None:

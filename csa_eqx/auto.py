@@ -50,7 +50,10 @@ class AutoPicks(AbstractPicks):
     ratio: int = 4
 
     def choose(self, entries: int, picks: int) -> AbstractPicks:
-        """The concrete strategy for ``picks`` of ``entries`` per query."""
+        """Arguments: the entry count ``T`` and picks per query ``k``.
+
+        Returns: ``MaskedPicks()`` when ``T <= ratio * k``, else ``GatheredPicks()``.
+        """
         return MaskedPicks() if entries <= self.ratio * picks else GatheredPicks()
 
     def parts(self, keys, visibility, picks, values=None):

@@ -34,7 +34,13 @@ __all__ = [
 class CompressorState(eqx.Module):
     """One compressor's state: per-token ``(C, Z)`` of the last ``ring`` tokens (``2m`` for
     CSA, which covers the open window and the previous window's overlap halves; ``m`` for HCA)
-    and the entries emitted so far, in closing order."""
+    and the entries emitted so far, in closing order (docs/concepts.md, "Compressed entries").
+
+    Arguments:
+        kv, gate: float ``[B, ring, width]`` per-token projections ``C`` and gate logits ``Z``
+            (``width`` = 2 x entry dim for CSA's overlapping windows, the entry dim for HCA).
+        entries: float ``[B, slots, dim]`` closed entries; slots past the count are zero.
+    """
 
     kv: Float[Array, "batch ring width"]
     gate: Float[Array, "batch ring width"]
@@ -48,6 +54,17 @@ class V4Cache(eqx.Module):
     Entry ``j`` (in closing order) closed at stream index ``entry_end[j]`` in segment
     ``entry_segment[j]``; ``-1`` marks an empty slot. There are ``max_length // m`` slots, one
     per possible window, so entries can never overflow once ``length <= max_length`` holds.
+    Made by ``V4Attention.init_cache``; ``extend`` returns the next one.
+
+    Arguments:
+        length, position, segment: int32 ``[B]`` tokens written, the next token's position
+            and the current segment of each row.
+        window_kv, window_segment: the last ``sliding_window - 1`` tokens' keys (float
+            ``[B, sliding_window - 1, head_dim]``) and segments (int32, ``-1`` = empty).
+        entry_end, entry_segment: int32 ``[B, slots]``; entry_count: int32 ``[B]``.
+        compressor, indexer: the main and the indexer's ``CompressorState`` (``None`` when
+            the layer has none).
+        max_length: static; the most tokens the cache holds.
     """
 
     length: Int[Array, " batch"]
@@ -65,7 +82,15 @@ class V4Cache(eqx.Module):
 
 class V32Cache(eqx.Module):
     """State of one V3.2 layer: the MLA latent ``[c_kv ; k_rope]`` and the indexer key of every
-    token so far, and each token's segment (``-1`` = not written)."""
+    token so far, and each token's segment (``-1`` = not written). Made by
+    ``V32Attention.init_cache``; ``extend`` returns the next one.
+
+    Arguments:
+        length, position, segment, max_length: as in ``V4Cache``.
+        latent: float ``[B, max_length, kv_lora_rank + qk_rope_head_dim]``.
+        index_keys: float ``[B, max_length, index_head_dim]``.
+        token_segment: int32 ``[B, max_length]``, ``-1`` = not written.
+    """
 
     length: Int[Array, " batch"]
     position: Int[Array, " batch"]

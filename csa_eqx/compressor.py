@@ -32,7 +32,15 @@ __all__ = [
 
 
 class EntryLayout(NamedTuple):
-    """Where each compressed-entry slot comes from (all ``[batch, slots]``)."""
+    """Where each compressed-entry slot comes from (docs/concepts.md, "Compressed entries").
+
+    Arguments:
+        end: int32 ``[B, T]`` row index of the last token of the entry's window;
+            ``-1`` = empty slot.
+        segment: int32 ``[B, T]`` the window's segment.
+        has_prior: bool ``[B, T]`` whether a previous window of the same segment exists
+            (CSA's overlap half; it restarts at a segment start).
+    """
 
     end: Int[Array, "batch slots"]
     segment: Int[Array, "batch slots"]
@@ -137,7 +145,16 @@ def pool_windows(
 
 
 class Compressor(eqx.Module):
-    """Learned compressor producing one RMS-normed, RoPE'd entry per closed window."""
+    """Learned compressor producing one RMS-normed, RoPE'd entry per closed window
+    (docs/concepts.md, "Compressed entries").
+
+    Arguments:
+        hidden_size: input width; dim: entry width.
+        compress_rate: tokens per window ``m``; overlap: CSA's overlapping windows (each entry
+            also pools the previous window's other half), else HCA's disjoint ones.
+        rope_dim, rope_theta, rope_scaling: the entries' RoPE; eps: the RMSNorm epsilon.
+        key: PRNG key for the random initial weights; dtype: their dtype.
+    """
 
     kv_proj: Float[Array, "width hidden"]
     gate_proj: Float[Array, "width hidden"]
@@ -178,7 +195,11 @@ class Compressor(eqx.Module):
         self.eps = eps
 
     def project(self, x: Float[Array, "batch seq hidden"]) -> tuple[Array, Array]:
-        """Per-token ``(C, Z)`` before pooling (what the decode cache keeps for open windows)."""
+        """Arguments: ``x [B, S, hidden]``.
+
+        Returns: per-token ``(C, Z)``, each ``[B, S, width]``, before pooling (what the decode
+        cache keeps for open windows).
+        """
         return linear(x, self.kv_proj), linear(x, self.gate_proj)
 
     def __call__(
@@ -187,13 +208,25 @@ class Compressor(eqx.Module):
         positions: Int[Array, "batch seq"],
         layout: EntryLayout,
     ) -> Float[Array, "batch slots dim"]:
+        """Arguments: ``x [B, S, hidden]``, int32 RoPE ``positions [B, S]`` and the slots'
+        ``EntryLayout``.
+
+        Returns: the entries ``[B, T, dim]`` in ``x``'s dtype; empty slots (``end = -1``) are
+        never visible, whatever they hold.
+        """
         kv, gate = self.project(x)
         return self.finish(
             pool_windows(kv, gate, self.position_bias, layout, self.overlap), positions, layout
         )
 
     def finish(self, pooled: Array, positions: Int[Array, "batch seq"], layout: EntryLayout):
-        """RMSNorm, then RoPE at the position of each window's first token."""
+        """RMSNorm, then RoPE at the position of each window's first token.
+
+        Arguments: ``pooled [B, T, dim]`` windows, the tokens' ``positions [B, S]`` and the
+        ``EntryLayout``.
+
+        Returns: the entries ``[B, T, dim]``.
+        """
         first = jnp.clip(layout.end - self.compress_rate + 1, 0, positions.shape[1] - 1)
         entry_pos = jnp.take_along_axis(positions, first, axis=1)
         inv_freq = rope_inv_freq(self.rope_dim, self.rope_theta, self.rope_scaling)

@@ -69,6 +69,13 @@ class YaRNScaling:
 
     ``mscale`` / ``mscale_all_dim`` only matter for V3.2's softmax scale; V4 uses the scaled
     frequencies without any magnitude factor.
+
+    Arguments:
+        factor: context extension factor; original_max_position_embeddings: the pre-training
+            context length the frequencies are interpolated from.
+        beta_fast, beta_slow: rotations per context bounding the interpolated band.
+        mscale, mscale_all_dim: V3.2's magnitude factors (``None`` = 1).
+        truncate: round the band's bounds to whole dimensions, as HF does.
     """
 
     factor: float
@@ -128,13 +135,33 @@ def _rope_scaling(cfg) -> None:
     )
 
 
+def _check_shared_fields(config) -> None:
+    """The checks of the fields V4's and V3.2's configs share (same names, same rules)."""
+    _positive(
+        config,
+        "hidden_size",
+        "num_heads",
+        "q_lora_rank",
+        "index_n_heads",
+        "index_head_dim",
+        "index_topk",
+    )
+    _finite_positive(config, "rope_theta", "rms_norm_eps")
+
+
 @dataclasses.dataclass(frozen=True)
 class V4AttentionConfig:
-    """One DeepSeek-V4 attention layer's architecture (docs/concepts.md, "DeepSeek-V4 layers").
-    Field names follow the HF config; how the layer runs is ``csa_eqx.Execution``.
+    """One DeepSeek-V4 attention layer's architecture (docs/concepts.md, "The DeepSeek-V4
+    attention block"). Field names follow the HF config; how the layer runs is
+    ``csa_eqx.Execution``.
 
     ``compress_rate`` picks the layer type: 0 sliding window only, 4 CSA (overlapping
     compressor + lightning indexer), any other value > 4 HCA (all visible compressed entries).
+
+    Arguments: the fields below (HF names; ``index_*`` are the lightning indexer's heads,
+    head dim and ``k``; ``o_groups`` / ``o_lora_rank`` the grouped output LoRA). Every
+    field is checked in ``__post_init__``: a ``ValueError`` names the field, the rule and the
+    value.
     """
 
     hidden_size: int = 4096
@@ -155,19 +182,8 @@ class V4AttentionConfig:
     rms_norm_eps: float = 1e-6
 
     def __post_init__(self):
-        _positive(
-            self,
-            "hidden_size",
-            "num_heads",
-            "head_dim",
-            "q_lora_rank",
-            "o_groups",
-            "o_lora_rank",
-            "sliding_window",
-            "index_n_heads",
-            "index_head_dim",
-            "index_topk",
-        )
+        _check_shared_fields(self)
+        _positive(self, "head_dim", "o_groups", "o_lora_rank", "sliding_window")
         _non_negative(self, "rope_dim", "compress_rate")
         _require(
             self.rope_dim % 2 == 0 and self.rope_dim <= min(self.head_dim, self.index_head_dim),
@@ -189,28 +205,33 @@ class V4AttentionConfig:
         )
         _even_unrotated(self, "head_dim", "rope_dim")
         _even_unrotated(self, "index_head_dim", "rope_dim")
-        _finite_positive(self, "rope_theta", "compress_rope_theta", "rms_norm_eps")
+        _finite_positive(self, "compress_rope_theta")
         _rope_scaling(self)
 
     @property
     def layer_type(self) -> Literal["sliding", "csa", "hca"]:
+        """Returns: ``"sliding"``, ``"csa"`` or ``"hca"``, from ``compress_rate``."""
         if self.compress_rate == 0:
             return "sliding"
         return "csa" if self.compress_rate == 4 else "hca"
 
     @property
     def has_indexer(self) -> bool:
+        """Returns: whether the layer selects entries with an indexer (CSA only)."""
         return self.layer_type == "csa"
 
 
 @dataclasses.dataclass(frozen=True)
 class V32AttentionConfig:
-    """One DeepSeek-V3.2 DSA layer's architecture (docs/concepts.md, "DeepSeek-V3.2"): MLA
+    """One DeepSeek-V3.2 DSA layer's architecture (docs/concepts.md, "DeepSeek-V3.2 DSA"): MLA
     plus a lightning indexer over raw tokens. How it runs is ``csa_eqx.Execution``.
 
     Field names follow the HF config. ``rope_scaling`` (YaRN) rescales the rotary frequencies,
     multiplies the rotated channels by YaRN's attention factor (as HF's cos/sin do) and the
     softmax scale by ``yarn_mscale(rope_scaling)**2``.
+
+    Arguments: the fields below (HF names; ``index_*`` as in ``V4AttentionConfig``), checked
+    in ``__post_init__`` like V4's.
     """
 
     hidden_size: int = 7168
@@ -228,24 +249,12 @@ class V32AttentionConfig:
     rms_norm_eps: float = 1e-6
 
     def __post_init__(self):
-        _positive(
-            self,
-            "hidden_size",
-            "num_heads",
-            "q_lora_rank",
-            "kv_lora_rank",
-            "qk_nope_head_dim",
-            "qk_rope_head_dim",
-            "v_head_dim",
-            "index_n_heads",
-            "index_head_dim",
-            "index_topk",
-        )
+        _check_shared_fields(self)
+        _positive(self, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
         _require(
             self.qk_rope_head_dim % 2 == 0 and self.qk_rope_head_dim <= self.index_head_dim,
             "qk_rope_head_dim",
             f"must be even and at most index_head_dim={self.index_head_dim}",
             self.qk_rope_head_dim,
         )
-        _finite_positive(self, "rope_theta", "rms_norm_eps")
         _rope_scaling(self)

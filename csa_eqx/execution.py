@@ -184,7 +184,12 @@ class Execution(eqx.Module):
 
     def check(self, index_heads: int, heads: int, stage: str) -> None:
         """``ValueError`` unless ``qk_head_chunk_size`` divides the ``index_heads`` (and the
-        attention's ``heads`` when ``stage`` trains the indexer)."""
+        attention's ``heads`` when ``stage`` trains the indexer).
+
+        Arguments: the layer's ``index_n_heads``, ``num_heads`` and the training ``stage``.
+
+        Returns: ``None``.
+        """
         check_stage(stage)
         c = self.qk_head_chunk_size
         _require(
@@ -201,8 +206,10 @@ class Execution(eqx.Module):
         )
 
     def on_heads(self, x: Array) -> Array:
-        """``x`` (per-head indexer activations, heads on axis 2) placed on
-        ``indexer_heads_axis`` when set."""
+        """Arguments: per-head indexer activations ``x [B, S, H, ...]``.
+
+        Returns: ``x``, placed on ``indexer_heads_axis`` over the heads when that is set.
+        """
         if self.indexer_heads_axis is None:
             return x
         return constrain_heads(x, self.indexer_heads_axis)
@@ -219,6 +226,10 @@ class Execution(eqx.Module):
         visible one by one matmul without a ``selection`` (HCA) or in the ``"dense"`` warm-up,
         else its picks as ``picks`` says. Forward and ``extend`` both read them this way.
 
+        Arguments: the entries' ``keys`` (and MLA ``values``), their ``visibility``, the
+        int32 ``selection [B, S, k]`` (``-1`` = none; ``None`` = every visible entry) and the
+        training ``stage``.
+
         Returns: ``(dense, indices)`` for ``sparse_attention``: entries attended by matmul (or
         ``None``) and per-query entry indices to gather (``[B, S, 0]`` when none).
         """
@@ -230,6 +241,8 @@ class Execution(eqx.Module):
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
         """Run ``selection`` on ``problem`` (under ``indexer_heads_axis`` Auto when the
         activations are head-sharded) and tag the result for remat.
+
+        Arguments: the ``SelectionProblem`` and ``k > 0`` picks per query.
 
         Returns: int32 ``[B, S, k]`` entry indices, ``-1`` = none.
         """
@@ -247,7 +260,10 @@ class Execution(eqx.Module):
 
 
 def checked_execution(execution: Execution | None, config) -> Execution:
-    """``execution`` (``None``: ``Execution()``), checked against a layer ``config``."""
+    """Arguments: an ``Execution`` (``None``: ``Execution()``) and a layer ``config``.
+
+    Returns: the ``Execution``, checked against ``config`` (``TypeError`` / ``ValueError``).
+    """
     execution = Execution() if execution is None else execution
     if not isinstance(execution, Execution):
         raise TypeError(f"execution must be a csa_eqx.Execution (got {type(execution).__name__})")

@@ -54,7 +54,11 @@ __all__ = [
 
 
 def v4_parameter_names(config: V4AttentionConfig) -> dict[str, str]:
-    """Module attribute path -> HF parameter name, for one V4 layer."""
+    """Arguments: the layer's ``config`` (its kind decides which compressor / indexer
+    tensors exist).
+
+    Returns: module attribute path -> HF parameter name, for one V4 layer.
+    """
     names = {
         "q_a_proj": "q_a_proj.weight",
         "q_a_norm": "q_a_norm.weight",
@@ -187,8 +191,36 @@ _NATIVE_V4_RENAMES = [
 ]
 
 
+def _load_folder(path, layer_idx, layer_config, native_name, load, dtype, options):
+    """The shared body of the ``load_*_from_safetensors`` loaders: check the config before any
+    I/O, read layer ``layer_idx``'s tensors under HF or DeepSeek-native names (``native_name``
+    maps the latter) and build the layer with ``load``."""
+    folder = Path(path)
+    d, source = read_config(folder)
+    layer_config(d, layer_idx, source, _split_options(options)[0])  # fails before any I/O
+    prefixes = {
+        f"model.layers.{layer_idx}.self_attn.": lambda n: n,
+        f"model.layers.{layer_idx}.attn.": native_name,
+        f"layers.{layer_idx}.attn.": native_name,
+    }
+    tensors, origin = read_layer(folder, prefixes)
+    return load(
+        tensors,
+        d,
+        layer_idx,
+        source=source,
+        where=f"{folder}, layer {layer_idx}",
+        shown=lambda n: origin.get(n, n),
+        dtype=dtype,
+        options=options,
+    )
+
+
 def native_v4_name(name: str) -> str:
-    """HF parameter name of a DeepSeek-native V4 attention tensor name (``wq_a.weight`` …)."""
+    """Arguments: a DeepSeek-native V4 attention tensor name (``wq_a.weight``, ``wq_a.scale``).
+
+    Returns: the HF module's parameter name (``q_a_proj.weight``, ``q_a_proj.weight_scale_inv``).
+    """
     return rename(name, _NATIVE_V4_RENAMES)
 
 
@@ -208,35 +240,19 @@ def load_v4_attention_from_safetensors(
     - ``layer_idx``: which layer; only its attention tensors are read.
     - ``options``: as for ``load_v4_attention`` (``execution=`` or its keywords).
 
+    **Returns:** the ``V4Attention`` (float weights in ``dtype``).
+
     **Raises:** ``ValueError`` (``SafetensorsError`` for a corrupt file) naming the file, key
     or tensor at fault; docs/hf.md lists every case.
     """
-    folder = Path(path)
-    d, source = read_config(folder)
-    v4_layer_config(d, layer_idx, source, _split_options(options)[0])  # fails before any I/O
-    prefixes = {
-        f"model.layers.{layer_idx}.self_attn.": lambda n: n,
-        f"model.layers.{layer_idx}.attn.": native_v4_name,
-        f"layers.{layer_idx}.attn.": native_v4_name,
-    }
-    tensors, origin = read_layer(folder, prefixes)
-    return _load_v4(
-        tensors,
-        d,
-        layer_idx,
-        source=source,
-        where=f"{folder}, layer {layer_idx}",
-        shown=lambda n: origin.get(n, n),
-        dtype=dtype,
-        options=options,
-    )
+    return _load_folder(path, layer_idx, v4_layer_config, native_v4_name, _load_v4, dtype, options)
 
 
 # --- DeepSeek-V3.2 (DSA) ---------------------------------------------------------------------
 
 
 def v32_parameter_names() -> dict[str, str]:
-    """Module attribute path -> HF parameter name, for one V3.2 attention layer."""
+    """Returns: module attribute path -> HF parameter name, for one V3.2 attention layer."""
     names = {
         n: f"{n}.weight"
         for n in (
@@ -269,7 +285,10 @@ _NATIVE_V32_RENAMES = [
 
 
 def native_v32_name(name: str) -> str:
-    """HF parameter name of a DeepSeek-native V3.2 attention tensor name (``wkv_a.weight`` …)."""
+    """Arguments: a DeepSeek-native V3.2 attention tensor name (``wkv_a.weight`` …).
+
+    Returns: the HF parameter name (``kv_a_proj_with_mqa.weight`` …).
+    """
     return rename(name, _NATIVE_V32_RENAMES)
 
 
@@ -292,10 +311,13 @@ def load_v32_attention(
 ) -> V32Attention:
     """A ``V32Attention`` holding layer ``layer_idx``'s weights from an HF attention state dict.
 
+    **Arguments:** as for ``load_v4_attention`` (``config``: see ``v32_config_from_hf``).
     Every V3.2 layer is a DSA layer, so ``layer_idx`` only has to be in range (when the
-    config gives ``num_hidden_layers``). ``prefix``, FP8 scales and ``options`` work as in
-    ``load_v4_attention``. **Raises:** ``ValueError`` naming any missing, unexpected,
-    mis-shaped or non-finite tensor.
+    config gives ``num_hidden_layers``).
+
+    **Returns:** the ``V32Attention``.
+
+    **Raises:** ``ValueError`` naming any missing, unexpected, mis-shaped or non-finite tensor.
     """
     return _load_v32(
         strip_prefix(state_dict, prefix),
@@ -317,25 +339,12 @@ def load_v32_attention_from_safetensors(
     The released V3.2 layout: HF names (``model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight``,
     ``...indexer.wk.weight``) with FP8 weights and float32 ``weight_scale_inv`` tile scales,
     and the HF ``config.json``; DeepSeek's ``convert.py`` names (``layers.{i}.attn.wkv_a.weight``
-    + ``.scale``) and inference config keys load too. Otherwise as
-    ``load_v4_attention_from_safetensors``.
+    + ``.scale``) and inference config keys load too.
+
+    **Arguments**, **Raises:** as for ``load_v4_attention_from_safetensors``.
+
+    **Returns:** the ``V32Attention``.
     """
-    folder = Path(path)
-    d, source = read_config(folder)
-    v32_layer_config(d, layer_idx, source, _split_options(options)[0])  # before any I/O
-    prefixes = {
-        f"model.layers.{layer_idx}.self_attn.": lambda n: n,
-        f"model.layers.{layer_idx}.attn.": native_v32_name,
-        f"layers.{layer_idx}.attn.": native_v32_name,
-    }
-    tensors, origin = read_layer(folder, prefixes)
-    return _load_v32(
-        tensors,
-        d,
-        layer_idx,
-        source=source,
-        where=f"{folder}, layer {layer_idx}",
-        shown=lambda n: origin.get(n, n),
-        dtype=dtype,
-        options=options,
+    return _load_folder(
+        path, layer_idx, v32_layer_config, native_v32_name, _load_v32, dtype, options
     )

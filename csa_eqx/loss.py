@@ -45,9 +45,12 @@ __all__ = [
 
 
 def selection_mask(selection: Int[Array, "batch seq k"], n: int) -> Bool[Array, "batch seq {n}"]:
-    """``[B, S, n]`` mask of each query's selected candidates (``-1`` picks are ignored).
+    """Turns the sparse stage's top-k indices into the ``candidates`` of ``indexer_kl_loss``.
 
-    Turns the sparse stage's top-k indices into the ``candidates`` of ``indexer_kl_loss``.
+    Arguments: int32 ``selection [B, S, k]`` (``-1`` picks are ignored) and the candidate
+    count ``n``.
+
+    Returns: bool ``[B, S, n]``, true on each query's selected candidates.
     """
     b, s, _ = selection.shape
     idx = jnp.where(selection >= 0, selection, n)
@@ -97,7 +100,14 @@ def attention_target(
 
     ``log_normalizer`` is each head's log softmax denominator over the *full* key set (as
     returned by ``sparse_attention(..., return_lse=True)``), so the probabilities are those of
-    the main attention, not a softmax over the candidates alone.
+    the main attention, not a softmax over the candidates alone (docs/concepts.md, "Training
+    the indexer").
+
+    Arguments: the main attention's ``q [B, S, H, d]``, the candidates' ``keys [B, T, d]``,
+    ``log_normalizer [B, S, H]``, bool ``candidates [B, S, T]``, the softmax ``scale`` and
+    ``head_chunk`` (heads at once, 0 = all).
+
+    Returns: float32 ``[B, S, T]``, rows summing to 1 (or all zero).
     """
     mass = _target_mass(q, keys, log_normalizer, candidates, scale, head_chunk)
     total = jnp.sum(mass, axis=-1, keepdims=True)

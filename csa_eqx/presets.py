@@ -25,7 +25,8 @@ __all__ = [
 
 LayerKind = Literal["sliding", "csa", "hca"]
 
-# compress_rate of each V4 layer kind in the released models (docs/concepts.md, "Layer types")
+# compress_rate of each V4 layer kind in the released models
+# (docs/concepts.md, "The DeepSeek-V4 attention block")
 COMPRESS_RATES: dict[str, int] = {"sliding": 0, "csa": 4, "hca": 128}
 # tiny test layers use a short HCA window so that a few dozen tokens close several entries
 TINY_HCA_RATE = 8
@@ -45,18 +46,9 @@ def _v4(base: V4AttentionConfig, kind: LayerKind, hca_rate: int, overrides: dict
 
 
 _V4_FLASH = V4AttentionConfig()  # the HF config's defaults are DeepSeek-V4-Flash's sizes
-_V4_PRO = V4AttentionConfig(
-    hidden_size=7168,
-    num_heads=128,
-    head_dim=512,
-    rope_dim=64,
-    q_lora_rank=1536,
-    o_groups=16,
-    o_lora_rank=1024,
-    sliding_window=128,
-    index_n_heads=64,
-    index_head_dim=128,
-    index_topk=1024,
+# V4-Pro differs from V4-Flash only in width, heads, query LoRA rank, output groups and k
+_V4_PRO = dataclasses.replace(
+    _V4_FLASH, hidden_size=7168, num_heads=128, q_lora_rank=1536, o_groups=16, index_topk=1024
 )
 _TINY_V4 = V4AttentionConfig(
     hidden_size=64,
@@ -87,28 +79,52 @@ _TINY_V32 = V32AttentionConfig(
 
 def v4_flash(kind: LayerKind = "csa", **overrides) -> V4AttentionConfig:
     """One DeepSeek-V4-Flash attention layer of ``kind`` (hidden 4096, 64 heads x 512,
-    indexer 64 x 128, k = 512, HCA m = 128)."""
+    indexer 64 x 128, k = 512, HCA m = 128).
+
+    Arguments:
+        kind: ``"sliding"``, ``"csa"`` or ``"hca"`` (docs/concepts.md, "The DeepSeek-V4
+            attention block").
+        overrides: fields of ``V4AttentionConfig`` to change.
+
+    Returns: the ``V4AttentionConfig``. Raises ``ValueError`` for an unknown ``kind`` or a
+    ``compress_rate`` override that makes another kind.
+    """
     return _v4(_V4_FLASH, kind, COMPRESS_RATES["hca"], overrides)
 
 
 def v4_pro(kind: LayerKind = "csa", **overrides) -> V4AttentionConfig:
     """One DeepSeek-V4-Pro attention layer of ``kind`` (hidden 7168, 128 heads x 512,
-    16 output groups, indexer 64 x 128, k = 1024, HCA m = 128)."""
+    16 output groups, indexer 64 x 128, k = 1024, HCA m = 128).
+
+    Arguments and Returns: as for ``v4_flash``.
+    """
     return _v4(_V4_PRO, kind, COMPRESS_RATES["hca"], overrides)
 
 
 def v32(**overrides) -> V32AttentionConfig:
     """One DeepSeek-V3.2 DSA layer (hidden 7168, 128 MLA heads, indexer 64 x 128,
-    k = 2048)."""
+    k = 2048).
+
+    Arguments:
+        overrides: fields of ``V32AttentionConfig`` to change.
+
+    Returns: the ``V32AttentionConfig``.
+    """
     return dataclasses.replace(V32AttentionConfig(), **overrides)
 
 
 def tiny_v4(kind: LayerKind = "csa", **overrides) -> V4AttentionConfig:
     """A V4 layer of ``kind`` small enough for unit tests (hidden 64, 4 heads x 32,
-    indexer 4 x 16, k = 8, window 16, HCA m = 8)."""
+    indexer 4 x 16, k = 8, window 16, HCA m = 8).
+
+    Arguments and Returns: as for ``v4_flash``.
+    """
     return _v4(_TINY_V4, kind, TINY_HCA_RATE, overrides)
 
 
 def tiny_v32(**overrides) -> V32AttentionConfig:
-    """A V3.2 layer small enough for unit tests (hidden 64, 4 heads, indexer 4 x 16, k = 8)."""
+    """A V3.2 layer small enough for unit tests (hidden 64, 4 heads, indexer 4 x 16, k = 8).
+
+    Arguments and Returns: as for ``v32``.
+    """
     return dataclasses.replace(_TINY_V32, **overrides)

@@ -68,14 +68,25 @@ def entry_visibility(
 
 def canonical_scores(scores: Array) -> Array:
     """Map ``-0.0`` to ``+0.0`` so that equal scores tie (XLA sorts by total order). XLA
-    flushes subnormals to zero, so they become ``+0.0`` here too."""
+    flushes subnormals to zero, so they become ``+0.0`` here too.
+
+    Arguments: float ``scores`` of any shape.
+
+    Returns: the same shape and dtype, without ``-0.0``.
+    """
     return jnp.where(scores == 0, jnp.zeros_like(scores), scores)
 
 
 def scatter_rows(index: Int[Array, "*rows n"], updates: Array, width: int, fill) -> Array:
     """``out[..., index[..., i]] = updates[..., i]`` in a new ``[*rows, width]`` array of
     ``fill``; indices outside ``[0, width)`` are dropped. Under an Explicit mesh the result's
-    rows are sharded like ``index``'s rows (a scatter cannot infer that by itself)."""
+    rows are sharded like ``index``'s rows (a scatter cannot infer that by itself).
+
+    Arguments: int ``index [*rows, n]``, ``updates`` of the same shape, the output ``width``
+    and the ``fill`` value.
+
+    Returns: ``[*rows, width]`` in ``updates``' dtype.
+    """
     lead = index.shape[:-1]
     rows = tuple(jnp.arange(n).reshape((n,) + (1,) * (len(lead) - i)) for i, n in enumerate(lead))
     sharding = jax.typeof(index).sharding
@@ -101,7 +112,11 @@ def exact_topk(
     A radix select, not a sort: 32 halving steps find each row's k-th largest value (as an
     order-preserving ``uint32`` key) by counting, then the picks are compacted in place. On
     CPU this is ~4x faster than ``lax.top_k`` at indexer sizes (k = 512 of 1024), and the
-    cost does not grow with ``k``.
+    cost does not grow with ``k`` (docs/concepts.md, "Top-k selection").
+
+    Arguments: float ``values [*rows, n]``, bool ``valid [*rows, n]`` and ``k > 0``.
+
+    Returns: ``(top values, positions)``, float32 and int32 ``[*rows, k]``.
     """
     want = min(k, values.shape[-1])
     key = jnp.where(valid, _order_keys(values), jnp.uint32(0))  # valid keys are > 0
@@ -152,15 +167,22 @@ def select_topk(
 
 
 class Visibility(NamedTuple):
-    """Which entries each query may see (``entry_visibility``): query stream indices and
-    segments ``[B, S]`` and the entries' ``EntryLayout`` (``[B, T]`` each)."""
+    """Which entries each query may see (docs/concepts.md, "Visibility"): an entry is visible
+    when it closed at or before the query, in the query's segment.
+
+    Arguments:
+        query_index: int32 ``[B, S]`` stream index of each query.
+        query_segment: int32 ``[B, S]`` segment of each query.
+        layout: the entries' ``EntryLayout`` (``[B, T]`` each).
+    """
 
     query_index: Int[Array, "batch seq"]
     query_segment: Int[Array, "batch seq"]
     layout: EntryLayout
 
     def mask(self) -> Bool[Array, "batch seq entries"]:
-        """The dense ``[B, S, T]`` visibility mask."""
+        """Returns: the dense bool ``[B, S, T]`` mask (``entry_visibility``); only dense
+        paths form it."""
         return entry_visibility(self.query_index, self.query_segment, self.layout)
 
 
@@ -193,16 +215,23 @@ class SelectionProblem(NamedTuple):
         visibility: Visibility,
         head_chunk: int = 0,
     ) -> SelectionProblem:
-        """A problem whose queries and head weights are already projected."""
+        """A problem whose queries and head weights are already projected.
+
+        Arguments:
+            q: float ``[B, S, H, d]`` indexer queries; weights: float ``[B, S, H]``.
+            keys, visibility, head_chunk: as for the class.
+
+        Returns: the ``SelectionProblem`` (its ``project`` is the identity).
+        """
         return cls(_identity, (q, weights), keys, visibility, head_chunk)
 
     def sizes(self) -> tuple[int, int, int, int]:
-        """``(batch, seq, entries, heads scored at once)``."""
+        """Returns: ``(batch, seq, entries, heads scored at once)`` (no computation)."""
         b, s, h, _ = jax.eval_shape(self.project, *self.rows)[0].shape
         return b, s, self.keys.shape[1], self.head_chunk or h
 
     def queries(self) -> tuple[Array, Array]:
-        """The whole ``[B, S, H, d]`` queries and ``[B, S, H]`` weights."""
+        """Returns: the whole float ``[B, S, H, d]`` queries and ``[B, S, H]`` weights."""
         return self.project(*self.rows)
 
 
@@ -224,13 +253,20 @@ class AbstractSelection(eqx.Module):
 
     @abc.abstractmethod
     def tiling(self, batch: int, seq: int, entries: int, heads: int) -> AbstractSelection:
-        """The single-device strategy this one runs per shard for a problem of these sizes
-        (``DenseSelection`` or ``StreamingSelection``); the KL loss tiles the same way."""
+        """The single-device strategy this one runs per shard; the KL loss tiles the same way.
+
+        Arguments: the problem's ``batch``, ``seq``, ``entries`` and ``heads`` scored at once.
+
+        Returns: a ``DenseSelection`` or ``StreamingSelection``.
+        """
 
 
 class DenseSelection(AbstractSelection):
     """Score every query against every entry (``[B, S, T]`` float32), then one exact top-k.
-    Fastest while that tensor is small; see ``csa_eqx.auto.AutoSelection``."""
+    Fastest while that tensor is small; see ``csa_eqx.auto.AutoSelection``.
+
+    Arguments: none. ``select`` returns int32 ``[B, S, k]``, ``-1`` = none.
+    """
 
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
         scores = indexer_scores(*problem.queries(), problem.keys, head_chunk=problem.head_chunk)

@@ -36,8 +36,11 @@ MeshLike = Mesh | AbstractMesh
 
 
 def mesh_with_axis(axis: str, flag: str, mesh: MeshLike | None = None) -> MeshLike:
-    """``mesh`` (else the ``jax.set_mesh`` one), checked to have ``axis``; ``flag`` names the
-    feature in the error."""
+    """Arguments: the mesh ``axis`` needed, the ``flag`` naming the feature in the error, and
+    the ``mesh`` (``None``: the ``jax.set_mesh`` one).
+
+    Returns: the mesh; a ``ValueError`` when it lacks ``axis``.
+    """
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if axis not in mesh.axis_names:
         raise ValueError(
@@ -156,6 +159,10 @@ def constrain_heads(x: Float[Array, "batch seq heads *rest"], tensor_axis: str) 
     ``x`` unchanged (run the stage under ``tensor_axis_auto`` to apply it there, as
     the layers do). A mesh without ``tensor_axis``, or whose ``tensor_axis`` size does not
     divide the heads, is a ``ValueError``.
+
+    Arguments: ``x [B, S, H, ...]`` and the mesh axis name.
+
+    Returns: ``x``, with the sharding constraint where it applies.
     """
     mesh = mesh_with_axis(tensor_axis, "shard_indexer_acts")
     devices, heads = mesh.shape[tensor_axis], x.shape[2]
@@ -175,6 +182,10 @@ def tensor_axis_auto(fn: Callable, tensor_axis: str, like: Array) -> Callable:
 
     A no-op where the axis already is Auto. Where it is Explicit, the ``[B, S, ...]`` result
     comes back in the ``[B, S]`` layout of ``like``.
+
+    Arguments: the function ``fn``, the mesh axis name and ``like`` (a ``[B, S]`` array).
+
+    Returns: the wrapped function.
     """
     mesh = mesh_with_axis(tensor_axis, "shard_indexer_acts")
     if not _explicit(mesh, tensor_axis):

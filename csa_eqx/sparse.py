@@ -51,7 +51,15 @@ class DenseKeys(NamedTuple):
     """Entries attended by matmul: ``keys [B, T, d]``, visible to query ``t`` per
     ``entry_visibility(query_index, query_segment, layout)``; ``values [B, T, vdim]`` default to
     the keys (V4) and are separate for MLA (V3.2). With ``picks [B, S, p]`` (distinct entry
-    slots, ``-1`` = none) a query attends only to its visible picks."""
+    slots, ``-1`` = none) a query attends only to its visible picks (docs/concepts.md,
+    "Sparse attention without a dense mask").
+
+    Arguments:
+        keys: float ``[B, T, d]``; values: float ``[B, T, vdim]`` or ``None`` (= ``keys``).
+        layout: the entries' ``EntryLayout``.
+        query_index, query_segment: int32 ``[B, S]``, as in ``Visibility``.
+        picks: int32 ``[B, S, p]`` or ``None`` (every visible entry).
+    """
 
     keys: Float[Array, "batch entries dim"]
     layout: EntryLayout
@@ -81,14 +89,16 @@ class AbstractPicks(eqx.Module):
 
 
 class GatheredPicks(AbstractPicks):
-    """Gather each query's ``k`` picked keys (``[B, Qb, k, d]`` per query block)."""
+    """Gather each query's ``k`` picked keys (``[B, Qb, k, d]`` per query block); cheap
+    while ``k`` is small against the entry count. Arguments: none."""
 
     def parts(self, keys, visibility, picks, values=None):
         return None, picks
 
 
 class MaskedPicks(AbstractPicks):
-    """One matmul over all entries, masked to each query's visible picks."""
+    """One matmul over all entries, masked to each query's visible picks; cheaper than
+    gathering when ``k`` is close to the entry count (short sequences). Arguments: none."""
 
     def parts(self, keys, visibility, picks, values=None):
         dense = DenseKeys(keys, visibility.layout, *visibility[:2], values, picks)
@@ -111,14 +121,16 @@ class AbstractWindow(eqx.Module):
 
 
 class BandWindow(AbstractWindow):
-    """One banded matmul per query block over a slab of ``block + window - 1`` token rows."""
+    """One banded matmul per query block over a slab of ``block + window - 1`` token rows.
+    Arguments: none."""
 
     def parts(self, query_index, segment, window):
         return jnp.zeros((*query_index.shape, 0), jnp.int32), window
 
 
 class GatheredWindow(AbstractWindow):
-    """Gather each query's ``window`` token rows (``t - window < j <= t``, same segment)."""
+    """Gather each query's ``window`` token rows (``t - window < j <= t``, same segment).
+    Arguments: none."""
 
     def parts(self, query_index, segment, window):
         b, s = query_index.shape
@@ -132,7 +144,10 @@ class GatheredWindow(AbstractWindow):
 def picked_mask(
     picks: Int[Array, "batch seq p"], entries: int
 ) -> Bool[Array, "batch seq {entries}"]:
-    """``mask[b, s, j]``: entry ``j`` is among ``picks[b, s]`` (``-1`` picks nothing)."""
+    """Arguments: int32 ``picks [B, S, p]`` (``-1`` picks nothing) and the entry count ``T``.
+
+    Returns: bool ``[B, S, T]``, ``mask[b, s, j]`` = entry ``j`` is among ``picks[b, s]``.
+    """
     slot = jnp.where(picks >= 0, picks, entries)  # out of range: dropped
     return scatter_rows(slot, jnp.ones(picks.shape, bool), entries, False)
 
@@ -141,7 +156,10 @@ _BLOCK_ELEMENTS = 1 << 24
 
 
 def gather_keys(kv: Shaped[Array, "batch keys dim"], indices: Int[Array, "batch seq k"]) -> Array:
-    """``kv[b, indices[b, s, i]]`` as ``[B, S, k, dim]`` (``-1`` reads row 0; mask it)."""
+    """Arguments: ``kv [B, N, dim]`` and int32 ``indices [B, S, k]``.
+
+    Returns: ``kv[b, indices[b, s, i]]`` as ``[B, S, k, dim]`` (``-1`` reads row 0; mask it).
+    """
     b, s, k = indices.shape
     flat = jnp.clip(indices, 0, kv.shape[1] - 1).reshape(b, s * k)
     return jnp.take_along_axis(kv, flat[..., None], axis=1).reshape(b, s, k, kv.shape[-1])
@@ -150,7 +168,12 @@ def gather_keys(kv: Shaped[Array, "batch keys dim"], indices: Int[Array, "batch 
 def sparse_query_block(batch: int, heads: int, dim: int, k: int, entries: int = 0) -> int:
     """Automatic query block: keeps the gathered ``[B, Qb, k, dim]`` keys (and values) plus
     the ``[B, Qb, H, k]`` logits of one block, and the ``[B, Qb, H, entries]`` logits and mask
-    of entries attended by matmul, near 64 MiB of float32."""
+    of entries attended by matmul, near 64 MiB of float32.
+
+    Arguments: the sizes (``entries``: those attended by matmul, 0 = none).
+
+    Returns: the query block, a power of two >= 1.
+    """
     per_row = k * (dim + heads) + entries * (heads + 1)
     rows = max(_BLOCK_ELEMENTS // max(batch * per_row, 1), 1)
     return 1 << (rows.bit_length() - 1)

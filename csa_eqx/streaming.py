@@ -56,15 +56,18 @@ def _tiles() -> _Tiles:
 
 
 def tile_elements() -> int:
-    """Elements of one automatic tile (and of one row buffer) for the current backend: 2^24 on
-    CPU, 2^26 on accelerators."""
+    """Returns: the elements of one automatic tile (and of one row buffer) for the current
+    backend: 2^24 on CPU, 2^26 on accelerators."""
     return _tiles().elements
 
 
 def streaming_block_sizes(
     batch: int, seq: int, entries: int, heads_at_once: int, key_block: int = 0, query_block: int = 0
 ) -> tuple[int, int]:
-    """``(query_block, key_block)``: given sizes (0 = automatic), clipped to the sequence.
+    """Arguments: the problem's sizes and the requested ``key_block`` / ``query_block``
+    (0 = automatic).
+
+    Returns: ``(query_block, key_block)``, clipped to the sequence and the entries.
 
     Automatic: key tiles of 128 entries on CPU (512 on accelerators) and the largest power-of-two
     query block (up to 256 rows on CPU, 1024 on accelerators) whose ``[B, Qb, heads, Kb]``
@@ -84,7 +87,13 @@ def topk_block_size(
 ) -> int:
     """Entries per top-k pass, a multiple of ``key_block``: ``topk_block`` rounded up, or
     (0 = automatic) all entries when one ``[B, Qb, T]`` score buffer fits one tile's budget
-    (see ``streaming_block_sizes``), else as many key tiles as do."""
+    (see ``streaming_block_sizes``), else as many key tiles as do.
+
+    Arguments: the sizes, the tiles (``streaming_block_sizes``) and the requested
+    ``topk_block`` (0 = automatic).
+
+    Returns: entries per top-k pass (int, >= ``key_block``).
+    """
     tiles = -(-entries // key_block)
     per_pass = (
         -(-topk_block // key_block)

@@ -95,6 +95,14 @@ def _check_round_trip(config, back) -> None:
         raise ValueError(f"config has no exact transformers equivalent: (ours, HF's) {diff}")
 
 
+def _shared_hf_fields(config: V4AttentionConfig | V32AttentionConfig) -> dict:
+    """The HF fields both versions take from the same config fields, for one layer (HF's
+    names equal ours but for ``num_attention_heads``)."""
+    same = ("hidden_size", "q_lora_rank", "index_n_heads", "index_head_dim", "index_topk")
+    fields = {name: getattr(config, name) for name in same}
+    return dict(_UNUSED_MOE, **fields, num_attention_heads=config.num_heads, num_hidden_layers=1)
+
+
 def hf_v4_config(config: V4AttentionConfig, **hf_fields) -> DeepseekV4Config:
     """The one-layer transformers ``DeepseekV4Config`` (eager attention) of a V4 layer config.
 
@@ -111,22 +119,15 @@ def hf_v4_config(config: V4AttentionConfig, **hf_fields) -> DeepseekV4Config:
     if config.layer_type == "hca":
         rates["heavily_compressed_attention"] = config.compress_rate
     fields = dict(
-        _UNUSED_MOE,
-        hidden_size=config.hidden_size,
-        num_attention_heads=config.num_heads,
+        _shared_hf_fields(config),
         head_dim=config.head_dim,
         partial_rotary_factor=config.rope_dim / config.head_dim,
-        q_lora_rank=config.q_lora_rank,
         o_groups=config.o_groups,
         o_lora_rank=config.o_lora_rank,
         sliding_window=config.sliding_window,
-        index_n_heads=config.index_n_heads,
-        index_head_dim=config.index_head_dim,
-        index_topk=config.index_topk,
         rope_theta=config.rope_theta,
         compress_rope_theta=config.compress_rope_theta,
         rms_norm_eps=config.rms_norm_eps,
-        num_hidden_layers=1,
         layer_types=[_HF_LAYER_TYPE[config.layer_type]],
         compress_rates=rates,
         mlp_layer_types=["moe"],
@@ -155,19 +156,12 @@ def hf_v32_config(config: V32AttentionConfig, **hf_fields) -> DeepseekV32Config:
     through ``csa_eqx.hf.v32_config_from_hf`` (checked; ``ValueError`` otherwise).
     """
     fields = dict(
-        _UNUSED_MOE,
-        hidden_size=config.hidden_size,
-        num_attention_heads=config.num_heads,
+        _shared_hf_fields(config),
         num_key_value_heads=config.num_heads,
-        q_lora_rank=config.q_lora_rank,
         kv_lora_rank=config.kv_lora_rank,
         qk_nope_head_dim=config.qk_nope_head_dim,
         qk_rope_head_dim=config.qk_rope_head_dim,
         v_head_dim=config.v_head_dim,
-        index_n_heads=config.index_n_heads,
-        index_head_dim=config.index_head_dim,
-        index_topk=config.index_topk,
-        num_hidden_layers=1,
         n_group=1,
         topk_group=1,
         intermediate_size=32,
@@ -202,7 +196,12 @@ def _randomise(layer: torch.nn.Module, seed: int, scaled: Callable[[str], float 
 
 def random_hf_v4_layer(hf_config: DeepseekV4Config, seed: int = 0) -> DeepseekV4Attention:
     """Layer 0 of ``hf_config`` in eval mode with random weights (sinks and compressor
-    position biases ~ 0.5·N(0,1), so they matter), reproducible from ``seed``."""
+    position biases ~ 0.5·N(0,1), so they matter), reproducible from ``seed``.
+
+    **Arguments:** ``hf_config`` (from ``hf_v4_config``) and the torch ``seed``.
+
+    **Returns:** the transformers ``DeepseekV4Attention`` (float32, eval mode).
+    """
     layer = DeepseekV4Attention(hf_config, layer_idx=0).eval()
     biases = ("position_bias", "sinks")
     _randomise(layer, seed, lambda n: 0.5 if n.split(".")[-1] in biases else None)
@@ -211,14 +210,23 @@ def random_hf_v4_layer(hf_config: DeepseekV4Config, seed: int = 0) -> DeepseekV4
 
 def random_hf_v32_layer(hf_config: DeepseekV32Config, seed: int = 0) -> DeepseekV32Attention:
     """Layer 0 of ``hf_config`` in eval mode with random weights (the indexer key norm's
-    bias ~ 0.1·N(0,1)), reproducible from ``seed``."""
+    bias ~ 0.1·N(0,1)), reproducible from ``seed``.
+
+    **Arguments:** ``hf_config`` (from ``hf_v32_config``) and the torch ``seed``.
+
+    **Returns:** the transformers ``DeepseekV32Attention`` (float32, eval mode).
+    """
     layer = DeepseekV32Attention(hf_config, layer_idx=0).eval()
     _randomise(layer, seed, lambda n: 0.1 if n.endswith("bias") else None)
     return layer
 
 
 def state_dict_numpy(layer: torch.nn.Module) -> dict[str, np.ndarray]:
-    """The module's parameters and buffers as float numpy arrays, keyed by HF name."""
+    """**Arguments:** a torch module (an HF attention layer).
+
+    **Returns:** its parameters and buffers as float32 numpy arrays, keyed by HF name (what
+    ``csa_eqx.hf.load_v4_attention`` / ``load_v32_attention`` take).
+    """
     return {k: v.detach().cpu().float().numpy() for k, v in layer.state_dict().items()}
 
 
@@ -396,6 +404,11 @@ def run_hf_v32(layer: DeepseekV32Attention, hf_config: DeepseekV32Config, x: np.
 def hf_v32_extend(
     layer: DeepseekV32Attention, hf_config: DeepseekV32Config, x: np.ndarray, start: int, cache
 ):
-    """One cached HF V3.2 call on tokens ``start..start+S-1``; arguments and returns as in
-    ``hf_v4_extend`` (``scores`` [B,S,start+S] over every cached token)."""
+    """One cached HF V3.2 call on tokens ``start..start+S-1``.
+
+    **Arguments:** as in ``hf_v4_extend``.
+
+    **Returns:** as in ``run_hf_v32``; ``scores`` ``[B, S, start + S]`` cover every cached
+    token.
+    """
     return _run_v32(layer, hf_config, x, start, cache)

@@ -66,7 +66,13 @@ def _rotary(config: V32AttentionConfig):
 
 
 class V32Indexer(eqx.Module):
-    """V3.2 lightning indexer: scores every earlier token of the segment, keeps the top-k."""
+    """V3.2 lightning indexer (docs/concepts.md, "DeepSeek-V3.2 DSA"): scores every earlier
+    token of the segment, keeps the top-k.
+
+    Arguments:
+        config: the layer's ``V32AttentionConfig``.
+        key: PRNG key for the random initial weights; dtype: their dtype.
+    """
 
     wq_b: Float[Array, "heads_x_dim q_lora"]
     wk: Float[Array, "dim hidden"]
@@ -95,7 +101,7 @@ class V32Indexer(eqx.Module):
     def queries(
         self, qr: Float[Array, "batch seq q_lora"], positions: Int[Array, "batch seq"]
     ) -> Float[Array, "batch seq heads dim"]:
-        """Roped per-head queries ``[B,S,H_I,d_I]`` from the query latent."""
+        """As ``csa_eqx.Indexer.queries``, with V3.2's half-split, YaRN-scaled RoPE."""
         c = self.config
         b, s, _ = qr.shape
         q = linear(qr, self.wq_b).reshape(b, s, c.index_n_heads, c.index_head_dim)
@@ -104,12 +110,15 @@ class V32Indexer(eqx.Module):
     def keys(
         self, x: Float[Array, "batch seq hidden"], positions: Int[Array, "batch seq"]
     ) -> Float[Array, "batch seq dim"]:
-        """The one shared key per token: ``RoPE(LayerNorm(x W_k))`` ``[B,S,d_I]``."""
+        """Arguments: the layer input ``x [B, S, hidden]`` and int32 ``positions [B, S]``.
+
+        Returns: the one shared key per token, ``RoPE(LayerNorm(x W_k))`` ``[B, S, d_I]``.
+        """
         k = _layer_norm(linear(x, self.wk), self.k_norm, self.k_norm_bias, _INDEXER_NORM_EPS)
         return self._rope(k, positions)
 
     def head_weights(self, x: Float[Array, "batch seq hidden"]) -> Float[Array, "batch seq heads"]:
-        """Per-head weights ``[B,S,H_I]`` including the ``H_I^-1/2`` factor (float32)."""
+        """As ``csa_eqx.Indexer.head_weights``."""
         c = self.config
         return linear(x, self.weights_proj).astype(jnp.float32) * c.index_n_heads**-0.5
 
@@ -119,6 +128,9 @@ class V32Attention(AbstractIndexedAttention):
 
     Parameters use the HF module's names and torch's ``[out, in]`` layout (``k_norm_bias`` holds
     ``indexer.k_norm.bias``), so ``csa_eqx.hf.load_v32_attention`` is a plain copy.
+
+    Arguments: ``config`` (a ``V32AttentionConfig``), ``key``, ``dtype``, ``execution``, as in
+    ``csa_eqx.attention.AbstractIndexedAttention``.
     """
 
     q_a_proj: Float[Array, "q_lora hidden"]
@@ -176,9 +188,13 @@ class V32Attention(AbstractIndexedAttention):
         Float[Array, "batch seq heads latent"],
         Float[Array, "batch seq latent"],
     ]:
-        """Query latent ``qr``, absorbed per-head queries ``[q_nope·W_kb ; q_rope]`` and the
-        shared per-token key ``[c_kv ; k_rope]`` (its first ``kv_lora_rank`` channels are the
-        value)."""
+        """Arguments: ``x [B, S, hidden]`` and int32 RoPE ``positions [B, S]``.
+
+        Returns: the query latent ``qr [B, S, q_lora_rank]``, absorbed per-head queries
+        ``[q_nope·W_kb ; q_rope]`` ``[B, S, H, latent]`` and the shared per-token key
+        ``[c_kv ; k_rope]`` ``[B, S, latent]`` (its first ``kv_lora_rank`` channels are the
+        value), ``latent = kv_lora_rank + qk_rope_head_dim``.
+        """
         c = self.config
         b, s, _ = x.shape
         inv_freq, rope_factor = _rotary(c)
@@ -215,7 +231,12 @@ class V32Attention(AbstractIndexedAttention):
     def project_out(
         self, o: Float[Array, "batch seq heads kv_lora"]
     ) -> Float[Array, "batch seq hidden"]:
-        """Per-head values from the attended latents (``W_vb``), then the output projection."""
+        """Per-head values from the attended latents (``W_vb``), then the output projection.
+
+        Arguments: the attended latents ``o [B, S, H, kv_lora_rank]``.
+
+        Returns: ``[B, S, hidden]``.
+        """
         b, s = o.shape[:2]
         o = jnp.einsum("bshc,hvc->bshv", o, self._kv_up()[1].astype(o.dtype)).reshape(b, s, -1)
         return linear(o, self.o_proj)

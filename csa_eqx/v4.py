@@ -42,7 +42,13 @@ __all__ = ["V4Attention", "Indexer"]
 
 
 class Indexer(eqx.Module):
-    """V4 lightning indexer: its own CSA compressor at ``index_head_dim`` plus query heads."""
+    """V4 lightning indexer (docs/concepts.md, "The lightning indexer"): its own CSA
+    compressor at ``index_head_dim`` plus query heads.
+
+    Arguments:
+        config: the layer's ``V4AttentionConfig`` (a CSA layer).
+        key: PRNG key for the random initial weights; dtype: their dtype.
+    """
 
     compressor: Compressor
     q_b_proj: Float[Array, "heads_x_dim q_lora"]
@@ -71,7 +77,11 @@ class Indexer(eqx.Module):
     def queries(
         self, qr: Float[Array, "batch seq q_lora"], positions: Int[Array, "batch seq"]
     ) -> Float[Array, "batch seq heads dim"]:
-        """Roped per-head queries ``[B,S,H_I,d_I]`` (from the query latent)."""
+        """Arguments: the query latent ``qr [B, S, q_lora_rank]`` and int32 ``positions``
+        ``[B, S]``.
+
+        Returns: roped per-head queries ``[B, S, H_I, d_I]``.
+        """
         c = self.config
         b, s, _ = qr.shape
         q = linear(qr, self.q_b_proj).reshape(b, s, c.index_n_heads, c.index_head_dim)
@@ -79,7 +89,10 @@ class Indexer(eqx.Module):
         return apply_rope_interleaved(q, positions[..., None], inv_freq)
 
     def head_weights(self, x: Float[Array, "batch seq hidden"]) -> Float[Array, "batch seq heads"]:
-        """Per-head weights ``[B,S,H_I]`` including the ``H_I^-1/2`` factor (float32)."""
+        """Arguments: the layer input ``x [B, S, hidden]``.
+
+        Returns: float32 per-head weights ``[B, S, H_I]``, ``H_I^-1/2`` included.
+        """
         c = self.config
         return linear(x, self.weights_proj).astype(jnp.float32) * c.index_n_heads**-0.5
 
@@ -89,6 +102,9 @@ class V4Attention(AbstractIndexedAttention):
 
     Parameters use the HF module's names and torch's ``[out, in]`` layout, so
     ``csa_eqx.hf.load_v4_attention`` is a plain copy.
+
+    Arguments: ``config`` (a ``V4AttentionConfig``), ``key``, ``dtype``, ``execution``, as in
+    ``csa_eqx.attention.AbstractIndexedAttention``.
     """
 
     q_a_proj: Float[Array, "q_lora hidden"]
@@ -142,6 +158,8 @@ class V4Attention(AbstractIndexedAttention):
 
     @property
     def inv_freq(self):
+        """Returns: the RoPE inverse frequencies ``[rope_dim // 2]`` (float32 numpy): plain
+        ``rope_theta`` for sliding layers, YaRN-scaled ``compress_rope_theta`` otherwise."""
         c = self.config
         if c.layer_type == "sliding":
             return rope_inv_freq(c.rope_dim, c.rope_theta)
@@ -154,7 +172,11 @@ class V4Attention(AbstractIndexedAttention):
         Float[Array, "batch seq heads dim"],
         Float[Array, "batch seq dim"],
     ]:
-        """Query latent ``qr``, roped per-head queries and the roped shared key/value."""
+        """Arguments: ``x [B, S, hidden]`` and int32 RoPE ``positions [B, S]``.
+
+        Returns: the query latent ``qr [B, S, q_lora_rank]``, roped per-head queries
+        ``[B, S, H, head_dim]`` and the roped shared key/value ``[B, S, head_dim]``.
+        """
         c = self.config
         b, s, _ = x.shape
         qr = rms_norm(linear(x, self.q_a_proj), self.q_a_norm, c.rms_norm_eps)
@@ -168,7 +190,13 @@ class V4Attention(AbstractIndexedAttention):
     def project_out(
         self, o: Float[Array, "batch seq heads dim"], positions: Int[Array, "batch seq"]
     ) -> Float[Array, "batch seq hidden"]:
-        """De-rotate the attention output (RoPE at ``-t``), then the grouped output projection."""
+        """De-rotate the attention output (RoPE at ``-t``), then the grouped output projection
+        (docs/concepts.md, "The DeepSeek-V4 attention block").
+
+        Arguments: ``o [B, S, H, head_dim]`` and the queries' ``positions [B, S]``.
+
+        Returns: ``[B, S, hidden]``.
+        """
         c = self.config
         b, s = o.shape[:2]
         o = apply_rope_interleaved(o, -positions[..., None], self.inv_freq)

@@ -11,11 +11,13 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_helpers import primitives, walk_avals
 
 import csa_eqx as ce
-from csa_eqx import V4Attention, V4AttentionConfig, entry_layout
+from csa_eqx import V4Attention, entry_layout
 from csa_eqx.indexer import indexer_scores
 from csa_eqx.loss import indexer_kl_loss, projected_indexer_kl_loss, selection_mask
+from csa_eqx.presets import tiny_v4
 from csa_eqx.selection import entry_visibility, select_topk
 
 H, D, H_I, D_I, HIDDEN = 4, 6, 4, 8, 12
@@ -141,14 +143,6 @@ def test_no_candidates_anywhere(sparse):
         assert all(np.all(np.asarray(v) == 0) for v in jax.tree.leaves(g))
 
 
-def _walk_avals(jaxpr):
-    for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            yield v.aval
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            yield from _walk_avals(sub)
-
-
 @pytest.mark.parametrize("sparse", [False, True])
 def test_streaming_forms_no_score_matrix(sparse):
     """fwd+bwd jaxpr holds no float array as large as [B, S, T] (nor the [B, S, H_I, d_I]
@@ -160,7 +154,7 @@ def test_streaming_forms_no_score_matrix(sparse):
 
     def floats(fn):
         jaxpr = jax.make_jaxpr(jax.grad(fn))(params).jaxpr
-        return [a for a in _walk_avals(jaxpr) if jnp.issubdtype(a.dtype, jnp.floating)]
+        return [a for a in walk_avals(jaxpr) if jnp.issubdtype(a.dtype, jnp.floating)]
 
     assert max(a.size for a in floats(lambda p: dense_loss(p, fx, sel))) >= b * s * t
     stream = floats(lambda p: streaming_loss(p, fx, sel, key_block=32, query_block=64))
@@ -171,20 +165,8 @@ def test_streaming_forms_no_score_matrix(sparse):
 def test_v4_layer_streaming_loss_matches_dense():
     """The layer's indexer loss and its indexer gradients, both stages: streaming (key blocks
     set) == dense, packed input."""
-    base = dict(
-        hidden_size=32,
-        num_heads=4,
-        head_dim=16,
-        rope_dim=8,
-        q_lora_rank=16,
-        o_lora_rank=8,
-        o_groups=2,
-        sliding_window=4,
-        compress_rate=4,
-        index_n_heads=4,
-        index_head_dim=8,
-        index_topk=3,
-    )
+    small = dict(hidden_size=32, head_dim=16, q_lora_rank=16, o_lora_rank=8, sliding_window=4)
+    config = tiny_v4("csa", **small, index_head_dim=8, index_topk=3)
     x = jax.random.normal(jax.random.key(0), (2, 30, 32))
     seg = jnp.asarray(np.repeat([[0] * 17 + [1] * 13], 2, 0), jnp.int32)
 
@@ -196,7 +178,7 @@ def test_v4_layer_streaming_loss_matches_dense():
         out = []
         for tiles in [{}, {"indexer_key_block": 2, "query_block": 8}]:
             ex = ce.Execution.from_options(indexer_loss=stage, qk_head_chunk_size=2, **tiles)
-            layer = V4Attention(V4AttentionConfig(**base), key=jax.random.key(1), execution=ex)
+            layer = V4Attention(config, key=jax.random.key(1), execution=ex)
             out.append(eqx.filter_jit(eqx.filter_value_and_grad(loss))(layer.indexer, layer))
         (want, want_g), (got, got_g) = out
         assert float(want) > 0.01
@@ -208,17 +190,9 @@ def test_v4_layer_streaming_loss_matches_dense():
             np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-4, atol=1e-6 * scale)
 
 
-def _primitives(jaxpr) -> set[str]:
-    names = {eqn.primitive.name for eqn in jaxpr.eqns}
-    for eqn in jaxpr.eqns:
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            names |= _primitives(sub)
-    return names
-
-
 def test_automatic_choice_streams_long_sequences_only():
     """Without block sizes: dense path (no loop) when short, streaming loops when long."""
     for s, streams in [(64, False), (8192, True)]:
         params, fx = problem(8, 1, s, 4, False)
         jaxpr = jax.make_jaxpr(jax.grad(lambda p, fx=fx: streaming_loss(p, fx)))(params).jaxpr
-        assert ("while" in _primitives(jaxpr)) == streams
+        assert ("while" in primitives(jaxpr)) == streams

@@ -29,7 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from csa_eqx import V4AttentionConfig, V32AttentionConfig
+from csa_eqx import V4AttentionConfig
 from csa_eqx.config import YaRNScaling
 from csa_eqx.hf import (
     SafetensorsError,
@@ -37,6 +37,7 @@ from csa_eqx.hf import (
     load_v32_attention_from_safetensors,
     read_safetensors,
 )
+from csa_eqx.presets import COMPRESS_RATES, TINY_HCA_RATE, tiny_v4, tiny_v32
 from csa_eqx.testing import (
     hf_v4_config,
     hf_v32_config,
@@ -48,24 +49,16 @@ from csa_eqx.testing import (
 
 TILE = 128
 # hidden 160 and 6 x 32 heads make ragged last tiles (160 = 128 + 32, 192 = 128 + 64)
-V4_BASE = dict(
+V4_OVERRIDES = dict(  # the tiny preset's other sizes
     hidden_size=160,
     num_heads=6,
-    head_dim=32,
-    rope_dim=8,
     q_lora_rank=48,
-    o_groups=2,
-    o_lora_rank=16,
     sliding_window=8,
-    index_n_heads=4,
-    index_head_dim=16,
     index_topk=4,
-    rope_theta=10000.0,
-    compress_rope_theta=160000.0,
     rope_scaling=YaRNScaling(factor=4.0, original_max_position_embeddings=32),
-    rms_norm_eps=1e-6,
 )
-V4_RATES = [0, 4, 8]  # sliding, CSA, HCA (tiny HCA rate)
+V4_KINDS = ["sliding", "csa", "hca"]
+V4_RATES = [COMPRESS_RATES["sliding"], COMPRESS_RATES["csa"], TINY_HCA_RATE]
 V4_INFERENCE_CONFIG = {  # DeepSeek's inference/config.json keys
     "vocab_size": 64,
     "dim": 160,
@@ -151,18 +144,9 @@ V4_INDEXER = {
     "indexer.compressor.norm.weight": ("compressor.indexer.kv_norm.weight", "bf16"),
 }
 
-V32_CONFIG = V32AttentionConfig(
+V32_CONFIG = tiny_v32(
     hidden_size=160,
-    num_heads=4,
     q_lora_rank=48,
-    kv_lora_rank=32,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=16,
-    index_n_heads=4,
-    index_head_dim=16,
-    index_topk=8,
-    rope_theta=10000.0,
     rope_scaling=YaRNScaling(
         factor=4.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=1.0
     ),
@@ -267,7 +251,7 @@ def write_shards(folder, tensors: dict, n_shards: int, config: dict, index=True)
 
 
 def v4_layer_config(layer_idx: int) -> V4AttentionConfig:
-    return V4AttentionConfig(compress_rate=V4_RATES[layer_idx], **V4_BASE)
+    return tiny_v4(V4_KINDS[layer_idx], **V4_OVERRIDES)
 
 
 @pytest.fixture(scope="module")

@@ -13,25 +13,15 @@ from jax._src.ad_checkpoint import name_p
 from jax._src.lax.lax import dot_general_p
 
 import csa_eqx
+from csa_eqx.presets import tiny_v4, tiny_v32
 from csa_eqx.remat import SELECTION_NAME, compose_selection_policy
 
 B, S, K = 2, 24, 3
 
 
 def config():
-    return csa_eqx.V4AttentionConfig(
-        hidden_size=48,
-        num_heads=4,
-        head_dim=32,
-        rope_dim=8,
-        q_lora_rank=24,
-        o_groups=2,
-        o_lora_rank=16,
-        sliding_window=6,
-        compress_rate=4,
-        index_n_heads=8,
-        index_head_dim=16,
-        index_topk=K,
+    return tiny_v4(
+        "csa", hidden_size=48, q_lora_rank=24, sliding_window=6, index_n_heads=8, index_topk=K
     )
 
 
@@ -215,30 +205,16 @@ def test_composition_in_saved_residuals():
 
 
 def test_v32_saved_selection_is_not_recomputed():
-    from csa_eqx.config import V32AttentionConfig
     from csa_eqx.v32 import V32Attention
 
-    small = dict(
-        hidden_size=32,
-        num_heads=2,
-        q_lora_rank=8,
-        kv_lora_rank=8,
-        qk_nope_head_dim=4,
-        qk_rope_head_dim=4,
-        v_head_dim=4,
-        index_n_heads=2,
-        index_head_dim=8,
-        index_topk=3,
-    )
-    x = jax.random.normal(jax.random.key(1), (B, 12, 32))
+    config = tiny_v32(index_topk=3)
+    x = jax.random.normal(jax.random.key(1), (B, 12, config.hidden_size))
     seg = jnp.asarray(np.repeat([[0] * 5 + [1] * 7], B, 0), jnp.int32)
     loss = checkpointed_loss(JAX_CKPT)
     counts = {}
     for save in (False, True):
         execution = csa_eqx.Execution(save_selection=save)
-        layer = V32Attention(
-            V32AttentionConfig(**small), key=jax.random.key(0), execution=execution
-        )
+        layer = V32Attention(config, key=jax.random.key(0), execution=execution)
         assert count_prim(jax.make_jaxpr(loss)(layer, x, seg), TOPK) == 1
         counts[save] = count_prim(jax.make_jaxpr(jax.grad(loss))(layer, x, seg), TOPK)
     assert counts == {False: 2, True: 1}

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jaxpr_helpers import primitives, walk_avals
 from selection_helpers import problem, selected
 
 import csa_eqx as ce
@@ -179,22 +180,6 @@ def test_key_block_ranges_cover_visible_blocks(packed):
         assert (hi - lo).sum() < 0.6 * nq * nk
 
 
-def _walk_avals(jaxpr):
-    for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            yield v.aval
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            yield from _walk_avals(sub)
-
-
-def _primitives(jaxpr) -> set[str]:
-    names = {eqn.primitive.name for eqn in jaxpr.eqns}
-    for eqn in jaxpr.eqns:
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            names |= _primitives(sub)
-    return names
-
-
 def test_select_entries_streams_long_sequences_without_score_matrix():
     """Long inputs take the streaming path on their own; no [B,S,T]-sized tensor is traced."""
     b, s, h, d, m, k = 1, 8192, 8, 32, 4, 64
@@ -211,9 +196,9 @@ def test_select_entries_streams_long_sequences_without_score_matrix():
         layout,
     )
     jaxpr = jax.make_jaxpr(lambda *a: selected(*a, k=k))(*args).jaxpr
-    sizes = [int(np.prod(a.shape)) for a in _walk_avals(jaxpr) if hasattr(a, "shape")]
+    sizes = [int(np.prod(a.shape)) for a in walk_avals(jaxpr) if hasattr(a, "shape")]
     assert max(sizes) <= b * s * t // 4  # a [B, Qb, H, Kb] tile at most, never [B, S, T]
-    assert "while" in _primitives(jaxpr)
+    assert "while" in primitives(jaxpr)
     short = jax.make_jaxpr(lambda *a: selected(*a, k=k))(
         *(spec((b, 64, *x.shape[2:]), x.dtype) for x in args[:2]),
         spec((b, 16, d), jnp.float32),
@@ -221,7 +206,7 @@ def test_select_entries_streams_long_sequences_without_score_matrix():
         spec((b, 64), jnp.int32),
         jax.eval_shape(lambda x: entry_layout(x, m), jnp.zeros((b, 64), jnp.int32)),
     )
-    assert "while" not in _primitives(short.jaxpr)
+    assert "while" not in primitives(short.jaxpr)
 
 
 def test_projected_selection_matches_and_never_forms_queries():
@@ -275,7 +260,7 @@ def test_projected_selection_matches_and_never_forms_queries():
         spec((1, s_long), jnp.int32),
         spec((1, s_long), jnp.int32),
     ).jaxpr
-    shapes = {tuple(a.shape) for a in _walk_avals(jaxpr) if hasattr(a, "shape")}
+    shapes = {tuple(a.shape) for a in walk_avals(jaxpr) if hasattr(a, "shape")}
     assert (1, s_long, h, d) not in shapes and (1, s_long, h * d) not in shapes
     assert (1, 256, h, d) in shapes  # one query block's queries
 
@@ -412,7 +397,7 @@ def test_blocked_sparse_attention_never_gathers_all_rows():
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(
         spec((b, s, h, d), jnp.float32), spec((b, n, d), jnp.float32), spec((b, s, k), jnp.int32)
     ).jaxpr
-    sizes = [int(np.prod(a.shape)) for a in _walk_avals(jaxpr) if hasattr(a, "shape")]
+    sizes = [int(np.prod(a.shape)) for a in walk_avals(jaxpr) if hasattr(a, "shape")]
     assert max(sizes) < b * s * k * d // 8
 
 

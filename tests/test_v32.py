@@ -221,22 +221,9 @@ def test_bad_state_dict_names_the_tensor():
 
 
 def test_wrong_input_shape_is_a_jaxtyping_error():
-    layer = V32Attention(V32AttentionConfig(**_SMALL), key=jax.random.key(0))
+    config = tiny_v32()
+    layer = V32Attention(config, key=jax.random.key(0))
     with pytest.raises(jaxtyping.TypeCheckError):
-        layer(jnp.zeros((5, 32)))
+        layer(jnp.zeros((5, config.hidden_size)))
     with pytest.raises(jaxtyping.TypeCheckError):
-        layer(jnp.zeros((1, 5, 32)), positions=jnp.zeros((1, 4), jnp.int32))
-
-
-_SMALL = dict(
-    hidden_size=32,
-    num_heads=2,
-    q_lora_rank=8,
-    kv_lora_rank=8,
-    qk_nope_head_dim=4,
-    qk_rope_head_dim=4,
-    v_head_dim=4,
-    index_n_heads=2,
-    index_head_dim=8,
-    index_topk=2,
-)
+        layer(jnp.zeros((1, 5, config.hidden_size)), positions=jnp.zeros((1, 4), jnp.int32))

@@ -10,26 +10,15 @@ import pytest
 from jax.test_util import check_grads
 
 import csa_eqx as ce
+from csa_eqx.presets import tiny_v4
 
 
 def tiny(kind: str, **over) -> ce.V4AttentionConfig:
-    rate = {"sliding": 0, "csa": 4, "hca": 8}[kind]
+    """The tiny preset, narrower still: hidden 32, 4 heads x 16, window 5, k = 3."""
     fields = dict(
-        hidden_size=32,
-        num_heads=4,
-        head_dim=16,
-        rope_dim=8,
-        q_lora_rank=16,
-        o_groups=2,
-        o_lora_rank=8,
-        sliding_window=5,
-        compress_rate=rate,
-        index_n_heads=4,
-        index_head_dim=16,
-        index_topk=3,
+        hidden_size=32, head_dim=16, q_lora_rank=16, o_lora_rank=8, sliding_window=5, index_topk=3
     )
-    fields.update(over)
-    return ce.V4AttentionConfig(**fields)
+    return tiny_v4(kind, **{**fields, **over})
 
 
 def randomise(layer, seed=0):
