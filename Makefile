@@ -13,9 +13,12 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# The suite runs in two processes: one process holding every compiled program of the whole
+# suite crashed inside XLA's CPU compiler (segfault) late in a run on the 2-core machine.
 test: $(STAMP)
 	$(BIN)/ruff check csa_eqx tests benchmarks
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q tests/test_[a-l]*.py
+	$(BIN)/python -m pytest -q tests/test_[m-z]*.py
 
 demo: $(STAMP)
 	$(BIN)/csa-eqx train --name demo
