@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Int
 
-from .cache import CompressorState, V4Cache, V32Cache
+from .cache import AbstractCache, CompressorState
 from .compressor import Compressor, EntryLayout, pool_windows
 
 __all__ = [
@@ -64,7 +64,7 @@ class ChunkRows(eqx.Module):
 
 
 def chunk_rows(
-    cache: V4Cache | V32Cache,
+    cache: AbstractCache,
     seq: int,
     lengths: Int[ArrayLike, " batch"] | None,
     segment_ids: Int[ArrayLike, "batch seq"] | None,
