@@ -208,7 +208,9 @@ class AbstractIndexedAttention(eqx.Module):
         """Run the chunk ``x`` after the tokens in ``cache``: equal to the full forward over the
         whole stream (prefill, chunked prefill or a decode step; docs/concepts.md, "Decoding:
         prefill and decode with a cache"). The indexer runs the forward's selection strategy
-        and the entries are read as in the forward (``Execution.entry_parts``).
+        and the chunk reads what the forward reads: the entries through
+        ``Execution.entry_parts`` and V4's sliding window through ``Execution.window`` over
+        ``[ring ; chunk]`` rows (``window_history=`` of ``sparse_attention``).
 
         Arguments:
             x: the chunk's hidden states ``[B, T, hidden]``.
