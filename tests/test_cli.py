@@ -4,49 +4,74 @@ import io
 import json
 
 import pytest
+from demo_helpers import tiny_config
 
 from csa_eqx.demo.checkpoint import read_checkpoint
-from csa_eqx.demo.cli import main
-from csa_eqx.demo.train import TrainConfig, train
-
-TINY = dict(
-    seq_len=96,
-    start_seq_len=96,
-    batch_size=4,
-    n_pairs=4,
-    n_keys=4,
-    dense_steps=3,
-    warmup_steps=2,
-    sparse_steps=3,
-    index_topk=4,
-    sliding_window=8,
-    hidden_size=32,
-    eval_every=2,
-    eval_batches=1,
-    checkpoint_every=2,
-)
+from csa_eqx.demo.cli import main, summary
+from csa_eqx.demo.train import TrainConfig, targets_met, train
 
 
-def test_train_smoke_and_resume(tmp_path):
-    cfg = TrainConfig(name="smoke", **TINY)
-    partial = train(cfg, tmp_path / "smoke", io.StringIO(), stop_after=4)
-    assert not partial["finished"] and partial["step"] == 4
-    header, _ = read_checkpoint(tmp_path / "smoke" / "checkpoint.eqx")
+def test_train_smoke_resume_and_controls(tmp_path):
+    cfg = tiny_config(name="smoke")  # CSA, sliding, HCA layers; both controls
+    run = tmp_path / "smoke"
+    partial = train(cfg, run, io.StringIO(), stop_after=4)
+    assert not partial["finished"] and partial["step"] == 4 and partial["controls"] == {}
+    header, _ = read_checkpoint(run / "checkpoint.eqx")
     assert (header["step"], header["phase"]) == (4, "warmup")  # the phase of step 4's optimizer
     out = io.StringIO()
-    report = train(cfg, tmp_path / "smoke", out)  # resumes from step 4
+    report = train(cfg, run, out)  # resumes from step 4, then runs the controls
     assert report["finished"] and report["step"] == cfg.total_steps
-    saved = json.loads((tmp_path / "smoke" / "report.json").read_text())
+    saved = json.loads((run / "report.json").read_text())
     for key in ("retrieval_accuracy", "indexer_recall", "wall_seconds", "config", "history"):
         assert key in saved
     assert 0.0 <= saved["retrieval_accuracy"] <= 1.0 and 0.0 <= saved["indexer_recall"] <= 1.0
-    assert saved["config"]["seq_len"] == 96
-    steps = [h["step"] for h in saved["history"]]
-    assert steps == sorted(set(steps)) and steps[-1] == cfg.total_steps
-    assert {h["phase"] for h in saved["history"]} == {"dense", "warmup", "sparse"}
-    for plot in ("loss.png", "recall.png", "selections.png"):
-        assert (tmp_path / "smoke" / plot).stat().st_size > 1000
+    assert saved["targets_met"] == targets_met(saved)
+    assert saved["config"]["seq_len"] == 64
+    history = saved["history"]  # one record per step, with the loss, KL and batch accuracy
+    assert [h["step"] for h in history] == list(range(1, cfg.total_steps + 1))
+    assert [h["phase"] for h in history] == ["dense"] * 2 + ["warmup"] * 2 + ["sparse"] * 2
+    assert all({"ce", "kl", "accuracy", "seq_len"} <= set(h) for h in history)
+    assert [h["step"] for h in history if "retrieval_accuracy" in h] == [3, 6]
+    for plot in ("loss.png", "recall.png", "selections.png", "controls.png"):
+        assert (run / plot).stat().st_size > 1000
     assert f"{cfg.total_steps}/{cfg.total_steps}" in out.getvalue()
+    controls = saved["controls"]
+    assert set(controls) == {"sliding", "dense"}
+    sliding = json.loads((run / "control-sliding" / "report.json").read_text())
+    assert sliding["config"]["variant"] == "sliding" and sliding["indexer_recall"] is None
+    assert controls["sliding"]["retrieval_accuracy"] == sliding["retrieval_accuracy"]
+    dense = json.loads((run / "control-dense" / "report.json").read_text())
+    assert len(dense["history"]) == len(history)  # the same budget
+    assert 0.0 <= controls["dense"]["indexer_recall"] <= 1.0
+
+
+def test_summary_says_whether_the_targets_were_met(tmp_path):
+    report = {"retrieval_accuracy": 0.95, "indexer_recall": 0.5, "wall_seconds": 3.0}
+    report["controls"] = {"sliding": {"retrieval_accuracy": 0.06}}
+    report["targets_met"] = targets_met(report)
+    text = summary(report, tmp_path)
+    assert "control sliding: retrieval_accuracy=0.060" in text
+    assert text.splitlines()[-1] == (
+        "targets NOT met (retrieval_accuracy >= 0.9, indexer_recall >= 0.9)"
+    )
+    report.update(indexer_recall=0.9, targets_met=True)
+    assert summary(report, tmp_path).endswith(
+        "targets met (retrieval_accuracy >= 0.9, indexer_recall >= 0.9)"
+    )
+
+
+def test_control_configs():
+    cfg = TrainConfig(layers=("csa", "sliding", "hca"))
+    sliding = cfg.model_config().layers, cfg.control("sliding").model_config().layers
+    assert sliding == (("csa", "sliding", "hca"), ("sliding",) * 3)
+    dense = cfg.control("dense")
+    assert [dense.stage(p) for p in ("dense", "warmup", "sparse")] == ["dense"] * 3
+    assert [cfg.stage(p) for p in ("dense", "warmup", "sparse")] == ["dense", "dense", "sparse"]
+    assert (dense.seq_len_at(10), dense.total_steps) == (cfg.seq_len_at(10), cfg.total_steps)
+    with pytest.raises(ValueError, match="has no controls of its own"):
+        TrainConfig(variant="dense")
+    with pytest.raises(ValueError, match="controls must be distinct names"):
+        TrainConfig(controls=("sliding", "sliding"))
 
 
 @pytest.mark.parametrize(
@@ -64,6 +89,7 @@ def test_train_smoke_and_resume(tmp_path):
         (["train", "--name", "/tmp/x"], "argument --name: run name must be one folder name"),
         (["train", "--name", ".."], "argument --name: run name must be one folder name"),
         (["train", "--name", ""], "argument --name: run name must be one folder name"),
+        (["train", "--controls", "full"], "argument --controls: controls must be 'none' or"),
         (["inspect", "--preset", "v5"], "invalid choice"),
         (["inspect", "--layer", "mla"], "invalid choice"),
         (["frobnicate"], "invalid choice"),

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
+from demo_helpers import TINY, tiny_config
 
 from csa_eqx.demo.checkpoint import (
     KILL_AT,
@@ -35,23 +36,7 @@ from csa_eqx.demo.cli import main
 from csa_eqx.demo.train import CHECKPOINT, TrainConfig, train
 
 # dense steps 1-2, warm-up 3-4, sparse 5-6: steps 2 and 4 end a phase
-FLAGS = dict(
-    seq_len=64,
-    start_seq_len=64,
-    batch_size=4,
-    pairs=2,
-    keys=4,
-    values=4,
-    dense_steps=2,
-    warmup_steps=2,
-    sparse_steps=2,
-    topk=4,
-    window=8,
-    hidden=32,
-    layers="csa",
-    eval_every=3,
-    checkpoint_every=1,
-)
+FLAGS = [*TINY, "--layers=csa", "--controls=none"]
 STEPS = 6
 C, H, R = CHECKPOINT, "history.json", "report.json"
 CHAINS = (
@@ -95,10 +80,9 @@ def start(runs: Path, name: str, cache: Path, kill: tuple[int, str] | None) -> s
     )
     if kill:
         env[KILL_AT] = f"{kill[0]}:{kill[1]}"
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in FLAGS.items()]
     cmd = [sys.executable, "-m", "csa_eqx.demo.cli", "train", f"--runs={runs}", f"--name={name}"]
     return subprocess.Popen(
-        [*cmd, *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [*cmd, *FLAGS], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
 
 
@@ -178,7 +162,9 @@ def test_sigkill_at_any_instant_resumes_to_the_uninterrupted_result(tmp_path):
     assert kills >= 20
     expected = outcome(runs / "reference")
     assert expected[2]["step"] == STEPS and expected[2]["finished"]
-    assert [h["phase"] for h in expected[0]["history"]] == ["warmup", "sparse"]
+    history = expected[0]["history"]  # one record per step, evaluations at steps 3 and 6
+    assert [h["phase"] for h in history] == ["dense"] * 2 + ["warmup"] * 2 + ["sparse"] * 2
+    assert [h["step"] for h in history if "retrieval_accuracy" in h] == [3, 6]
     for name in (f"chain{i}" for i in range(len(CHAINS))):
         header, payload, final = outcome(runs / name)
         assert header == expected[0]
@@ -188,22 +174,8 @@ def test_sigkill_at_any_instant_resumes_to_the_uninterrupted_result(tmp_path):
 
 # ---- unusable checkpoints: one message naming the file and the choices ----
 
-SMALL = TrainConfig(
-    name="small",
-    seq_len=64,
-    start_seq_len=64,
-    batch_size=4,
-    n_pairs=2,
-    n_keys=4,
-    n_values=4,
-    dense_steps=2,
-    warmup_steps=0,
-    sparse_steps=0,
-    index_topk=4,
-    sliding_window=8,
-    hidden_size=32,
-    layers=("csa",),
-    checkpoint_every=1,
+SMALL = tiny_config(
+    "--warmup-steps=0", "--sparse-steps=0", "--layers=csa", "--controls=none", name="small"
 )
 
 
@@ -275,11 +247,9 @@ def test_cli_reports_an_unusable_checkpoint_once(tmp_path, capsys):
 def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path, capsys):
     """A learning rate of 1e38 makes the first update's weights ~1e38 (finite: the checkpoint of
     step 1 is written) and the second step's loss non-finite."""
-    argv = ["train", "--runs", str(tmp_path), "--name", "nan", "--lr", "1e38", "--layers", "csa"]
-    flags = ["--seq-len", "64", "--start-seq-len", "64", "--batch-size", "4", "--pairs", "2"]
-    flags += ["--keys", "4", "--values", "4", "--topk", "4", "--window", "8", "--hidden", "32"]
-    flags += ["--dense-steps", "3", "--warmup-steps", "0", "--sparse-steps", "0"]
-    assert main([*argv, *flags, "--checkpoint-every", "1"]) == 1
+    argv = ["train", "--runs", str(tmp_path), "--name", "nan"]
+    flags = [*TINY, "--dense-steps=3", "--warmup-steps=0", "--sparse-steps=0", "--lr=1e38"]
+    assert main([*argv, *flags, "--layers=csa", "--controls=none"]) == 1
     err = capsys.readouterr().err
     ckpt = tmp_path / "nan" / CHECKPOINT
     assert "non-finite training at step 2 (dense phase)" in err

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .config import TrainConfig, check_learning_rate, check_run_name
+from .config import CONTROLS, TARGETS, TrainConfig, check_learning_rate, check_run_name
 
 
 def _simulated_devices(n: int) -> None:
@@ -55,6 +55,16 @@ def _layers(text: str) -> tuple[str, ...]:
     return tuple(kind.strip() for kind in text.split(","))
 
 
+def _controls(text: str) -> tuple[str, ...]:
+    names = () if text == "none" else tuple(text.split(","))
+    if not set(names) <= set(CONTROLS):
+        raise argparse.ArgumentTypeError(
+            f"controls must be 'none' or a comma-separated list of {', '.join(CONTROLS)} "
+            f"(got {text})"
+        )
+    return names
+
+
 def _mesh(text: str) -> tuple[int, int]:
     try:
         data, tensor = (int(v) for v in text.lower().split("x"))
@@ -67,7 +77,7 @@ def _mesh(text: str) -> tuple[int, int]:
     return data, tensor
 
 
-_TRAIN_FLAGS = [  # flag, TrainConfig field, parser, help
+TRAIN_FLAGS = [  # flag, TrainConfig field, parser, help
     ("--name", "name", _run_name, "run name; output goes to RUNS/NAME"),
     ("--seq-len", "seq_len", _positive, "tokens per sequence"),
     ("--start-seq-len", "start_seq_len", _positive, "first length of the dense curriculum"),
@@ -78,15 +88,20 @@ _TRAIN_FLAGS = [  # flag, TrainConfig field, parser, help
     ("--dense-steps", "dense_steps", _non_negative, "dense-attention steps"),
     ("--warmup-steps", "warmup_steps", _non_negative, "indexer-only warm-up steps"),
     ("--sparse-steps", "sparse_steps", _non_negative, "sparse (top-k) steps"),
-    ("--lr", "learning_rate", _learning_rate, "AdamW learning rate"),
+    ("--lr", "learning_rate", _learning_rate, "AdamW peak learning rate"),
+    ("--lr-warmup", "lr_warmup_steps", _non_negative, "warm-up steps of each phase's schedule"),
+    ("--clip", "grad_clip", float, "global gradient-norm clip"),
+    ("--short-batch-scale", "short_batch_scale", _positive, "batch growth for short rows"),
     ("--topk", "index_topk", _positive, "indexer top-k"),
     ("--window", "sliding_window", _positive, "sliding window"),
     ("--hidden", "hidden_size", _positive, "model width"),
     ("--layers", "layers", _layers, "attention schedule, comma-separated sliding/csa/hca/dsa"),
     ("--eval-every", "eval_every", _positive, "steps between evaluations"),
+    ("--eval-batches", "eval_batches", _positive, "held-out batches per evaluation"),
     ("--checkpoint-every", "checkpoint_every", _positive, "steps between checkpoints"),
     ("--mesh", "mesh", _mesh, "DATAxTENSOR device mesh, 0x0 = automatic"),
     ("--seed", "seed", int, "data and init seed"),
+    ("--controls", "controls", _controls, "control runs after training (or none)"),
 ]
 
 
@@ -103,9 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="simulated CPU devices when JAX only finds one CPU (default 4)",
     )
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    for flag, field, kind, text in _TRAIN_FLAGS:
+    for flag, field, kind, text in TRAIN_FLAGS:
         default = defaults[field]
-        shown = ",".join(default) if field == "layers" else default
+        shown = ",".join(default) or "none" if field in ("layers", "controls") else default
         shown = "x".join(map(str, default)) if field == "mesh" else shown
         t.add_argument(
             flag, dest=field, type=kind, default=default, help=f"{text} (default {shown})"
@@ -161,6 +176,31 @@ def _bench(out: Path, quick: bool, repo: Path) -> int:
     return subprocess.run([*cmd, "--quick"] if quick else cmd, cwd=repo).returncode
 
 
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """The ``TrainConfig`` of parsed ``csa-eqx train`` arguments (``ValueError`` if invalid)."""
+    return TrainConfig(**{field: getattr(args, field) for _, field, _, _ in TRAIN_FLAGS})
+
+
+def summary(report: dict, folder: Path) -> str:
+    """The run's last lines: its metrics, the controls' accuracies, and whether the targets
+    (``TARGETS``) were met."""
+
+    def value(x):
+        return "n/a" if x is None else f"{x:.3f}"
+
+    lines = [
+        f"retrieval_accuracy={value(report.get('retrieval_accuracy'))} "
+        f"indexer_recall={value(report.get('indexer_recall'))} "
+        f"wall_seconds={report['wall_seconds']:.0f} -> {folder}"
+    ]
+    for name, control in report["controls"].items():
+        lines.append(f"control {name}: retrieval_accuracy={value(control['retrieval_accuracy'])}")
+    wanted = ", ".join(f"{k} >= {v}" for k, v in TARGETS.items())
+    verdict = "met" if report["targets_met"] else "NOT met"
+    lines.append(f"targets {verdict} ({wanted})")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("train", "bench") and (missing := _missing_demo_extra()):
@@ -174,9 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         _simulated_devices(args.devices)
         from .train import RunError, train
 
-        fields = {field: getattr(args, field) for _, field, _, _ in _TRAIN_FLAGS}
         try:
-            cfg = TrainConfig(**fields)
+            cfg = train_config(args)
         except ValueError as err:
             print(f"csa-eqx train: error: {err}", file=sys.stderr)
             return 2
@@ -188,11 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         except RunError as err:  # unusable checkpoint or folder, non-finite loss
             print(f"\ncsa-eqx train: error: {err}", file=sys.stderr)
             return 1
-        print(
-            f"retrieval_accuracy={report.get('retrieval_accuracy', float('nan')):.3f} "
-            f"indexer_recall={report.get('indexer_recall', float('nan')):.3f} "
-            f"wall_seconds={report['wall_seconds']:.0f} -> {args.runs / args.name}"
-        )
+        print(summary(report, args.runs / args.name))
         return 0
     if args.command == "bench":
         return _bench(args.out, args.quick, args.repo)

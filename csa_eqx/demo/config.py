@@ -12,9 +12,22 @@ from ..sharding import ShardedSelection
 from .models import LMConfig
 from .tasks import RetrievalTask
 
-__all__ = ["PHASES", "TrainConfig", "check_run_name", "check_learning_rate"]
+__all__ = [
+    "CONTROLS",
+    "PHASES",
+    "TARGETS",
+    "TrainConfig",
+    "check_run_name",
+    "check_learning_rate",
+]
 
 PHASES = ("dense", "warmup", "sparse")
+# What a run trains: the recipe ("csa"), or a control with the same model size, data and steps:
+# every layer a sliding-window layer (cannot see the stored pair: near chance), or the CSA
+# layers attending to every visible compressed entry in every phase (the upper bound).
+VARIANTS = ("csa", "sliding", "dense")
+CONTROLS = VARIANTS[1:]
+TARGETS = {"retrieval_accuracy": 0.9, "indexer_recall": 0.9}  # what `make demo` must reach
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
@@ -52,6 +65,9 @@ class TrainConfig:
     warmup_steps: int = 20
     sparse_steps: int = 60
     learning_rate: float = 1e-2
+    lr_warmup_steps: int = 10  # per phase: linear warm-up, then cosine decay to 10% at its end
+    grad_clip: float = 1.0  # global gradient-norm clip
+    short_batch_scale: int = 4  # rows shorter than seq_len come in up to 4x larger batches
     index_topk: int = 8
     sliding_window: int = 16
     hidden_size: int = 128
@@ -61,6 +77,8 @@ class TrainConfig:
     eval_batches: int = 4  # held-out batches per evaluation (4 x 32 queries by default)
     checkpoint_every: int = 50
     seed: int = 0
+    variant: str = "csa"
+    controls: tuple[str, ...] = CONTROLS  # control runs after a "csa" run (see VARIANTS)
 
     def __post_init__(self):
         check_run_name(self.name)
@@ -77,21 +95,43 @@ class TrainConfig:
             "eval_every",
             "eval_batches",
             "checkpoint_every",
+            "short_batch_scale",
         ):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f} must be positive (got {getattr(self, f)})")
-        for f in ("dense_steps", "warmup_steps", "sparse_steps"):
+        if not (math.isfinite(self.grad_clip) and self.grad_clip > 0):
+            raise ValueError(f"grad_clip must be a finite positive number (got {self.grad_clip})")
+        for f in ("dense_steps", "warmup_steps", "sparse_steps", "lr_warmup_steps"):
             if getattr(self, f) < 0:
                 raise ValueError(f"{f} must be >= 0 (got {getattr(self, f)})")
         try:
             check_learning_rate(self.learning_rate)
         except ValueError as err:
             raise ValueError(f"learning_rate: {err}") from None
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS} (got {self.variant!r})")
+        if not set(self.controls) <= set(CONTROLS) or len(set(self.controls)) < len(self.controls):
+            raise ValueError(
+                f"controls must be distinct names from {CONTROLS} (got {self.controls})"
+            )
+        if self.controls and self.variant != "csa":
+            raise ValueError(f"a {self.variant!r} control run has no controls of its own")
         self.model_config()  # the task and the model check their own fields
 
     @property
     def total_steps(self) -> int:
         return self.dense_steps + self.warmup_steps + self.sparse_steps
+
+    def control(self, variant: str) -> TrainConfig:
+        """The control run ``variant`` of this run: same sizes, data, steps and curriculum."""
+        return dataclasses.replace(
+            self, name=f"{self.name}-{variant}", variant=variant, controls=()
+        )
+
+    def stage(self, phase: str) -> str:
+        """The CSA layers' training stage in ``phase``: dense until the sparse phase (the
+        ``dense`` control stays dense)."""
+        return "sparse" if phase == "sparse" and self.variant == "csa" else "dense"
 
     def phase_at(self, step: int) -> str:
         """The phase that training step ``step`` (0-based) runs in."""
@@ -114,6 +154,18 @@ class TrainConfig:
         rest = lengths[1:]
         return rest[(step - half) * len(rest) // (self.dense_steps - half)]
 
+    def batch_at(self, step: int) -> int:
+        """Rows per batch at ``step``: shorter rows come in larger batches (``seq_len /
+        length`` times, at most ``short_batch_scale``), so the curriculum's early steps see
+        more answers for about the same work per step."""
+        return self.batch_size * min(self.short_batch_scale, self.seq_len // self.seq_len_at(step))
+
+    def phase_steps(self, phase: str) -> int:
+        """How many steps ``phase`` lasts."""
+        return {"dense": self.dense_steps, "warmup": self.warmup_steps}.get(
+            phase, self.sparse_steps
+        )
+
     def task(self, seq_len: int | None = None) -> RetrievalTask:
         """The retrieval task at ``seq_len`` (default: the full length). Every stored pair is
         more than ``sliding_window`` tokens before the first query."""
@@ -131,6 +183,7 @@ class TrainConfig:
         """The ``DecoderLM`` this run trains (sharded top-k, selection saved for backward)."""
         d = self.hidden_size
         base = LMConfig(vocab_size=self.task().vocab_size)
+        layers = self.layers if self.variant != "sliding" else ("sliding",) * len(self.layers)
         attention = dataclasses.replace(
             base.attention,
             hidden_size=d,
@@ -139,6 +192,4 @@ class TrainConfig:
         )
         selection = ShardedSelection(tensor_axis=mesh_axes[1], data_axis=mesh_axes[0])
         execution = Execution(selection=selection, save_selection=True)
-        return dataclasses.replace(
-            base, layers=self.layers, attention=attention, execution=execution
-        )
+        return dataclasses.replace(base, layers=layers, attention=attention, execution=execution)

@@ -1,4 +1,4 @@
-"""PNG plots for a training run: loss, accuracy/recall, and one query's selections."""
+"""PNG plots for a training run: loss, accuracy/recall, one query's selections, controls."""
 
 from __future__ import annotations
 
@@ -10,17 +10,34 @@ import numpy as np
 from .mesh import shard_batch
 
 
+def smooth(values: list[float], weight: float = 0.9) -> np.ndarray:
+    """Exponential moving average with bias correction (the first points are not pulled
+    towards zero)."""
+    out, avg = [], 0.0
+    for i, v in enumerate(values):
+        avg = weight * avg + (1 - weight) * v
+        out.append(avg / (1 - weight ** (i + 1)))
+    return np.asarray(out)
+
+
+def evaluations(history: list[dict]) -> list[dict]:
+    """The records of ``history`` that hold an evaluation."""
+    return [h for h in history if "retrieval_accuracy" in h]
+
+
 def plot_run(history: list[dict], model, cfg, out_dir: Path, mesh) -> None:
-    """Write ``loss.png``, ``recall.png`` and ``selections.png`` into ``out_dir``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Write ``loss.png`` (every step, raw and smoothed), ``recall.png`` (each evaluation) and,
+    when the model has a CSA layer, ``selections.png`` into ``out_dir``."""
+    plt = _pyplot()
     steps = [h["step"] for h in history]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, [h["ce"] for h in history], label="LM loss (answer)")
-    ax.plot(steps, [h["kl"] for h in history], label="indexer KL")
+    for key, label, color in (
+        ("ce", "LM loss (answer)", "tab:blue"),
+        ("kl", "indexer KL", "tab:orange"),
+    ):
+        values = [max(h[key], 1e-6) for h in history]
+        ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
+        ax.plot(steps, smooth(values), color=color, label=f"{label} (smoothed)")
     _shade_phases(ax, cfg)
     ax.set_xlabel("step")
     ax.set_yscale("log")
@@ -29,9 +46,12 @@ def plot_run(history: list[dict], model, cfg, out_dir: Path, mesh) -> None:
     fig.savefig(out_dir / "loss.png", dpi=100)
     plt.close(fig)
 
+    evals = evaluations(history)
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, [h["retrieval_accuracy"] for h in history], label="retrieval accuracy")
-    ax.plot(steps, [h["indexer_recall"] for h in history], label="indexer recall")
+    steps = [h["step"] for h in evals]
+    ax.plot(steps, [h["retrieval_accuracy"] for h in evals], "o-", label="retrieval accuracy")
+    if any(h["indexer_recall"] is not None for h in evals):
+        ax.plot(steps, [h["indexer_recall"] for h in evals], "o-", label="indexer recall")
     _shade_phases(ax, cfg)
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("step")
@@ -39,10 +59,50 @@ def plot_run(history: list[dict], model, cfg, out_dir: Path, mesh) -> None:
     fig.tight_layout()
     fig.savefig(out_dir / "recall.png", dpi=100)
     plt.close(fig)
+    if cfg.variant == "csa":
+        _plot_selections(model, cfg, out_dir, mesh, plt)
 
+
+def plot_controls(report: dict, out_dir: Path) -> None:
+    """``controls.png``: retrieval accuracy of the run and of each control, step by step."""
+    plt = _pyplot()
+    runs = {"CSA (the recipe)": report["history"]}
+    names = {"sliding": "sliding window only", "dense": "dense over all entries"}
+    runs.update({names[k]: c["history"] for k, c in report["controls"].items()})
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for label, history in runs.items():
+        evals = evaluations(history)
+        ax.plot(
+            [h["step"] for h in evals], [h["retrieval_accuracy"] for h in evals], "o-", label=label
+        )
+    chance = 1 / report["config"]["n_values"]
+    ax.axhline(chance, color="grey", linestyle=":", label="chance")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("step")
+    ax.set_ylabel("retrieval accuracy")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "controls.png", dpi=100)
+    plt.close(fig)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _plot_selections(model, cfg, out_dir: Path, mesh, plt) -> None:
+    """``selections.png``: the first CSA layer's top-k entries for each query of one row
+    (nothing when the model has no layer with an indexer)."""
     tokens, _ = cfg.task().batch(-1, cfg.batch_size)
     _, aux = eqx.filter_jit(lambda m, t: m(t, return_aux=True))(model, shard_batch(tokens, mesh))
-    layer = next(i for i, s in enumerate(aux["selections"]) if s is not None)
+    layer = next((i for i, s in enumerate(aux["selections"]) if s is not None), None)
+    if layer is None:
+        return
     sel = np.asarray(aux["selections"][layer][0])
     s, k = sel.shape
     grid = np.zeros((s, -(-s // 4)))

@@ -39,13 +39,13 @@ from .checkpoint import (
     unusable,
     write_atomic,
 )
-from .config import PHASES, TrainConfig
+from .config import PHASES, TARGETS, TrainConfig
 from .mesh import make_mesh, shard_batch
 from .models import DecoderLM
 from .models.probe import indexer_recall
-from .plots import plot_run
+from .plots import plot_controls, plot_run
 
-__all__ = ["CHECKPOINT", "RunError", "TrainConfig", "evaluate", "train"]
+__all__ = ["CHECKPOINT", "RunError", "TrainConfig", "evaluate", "targets_met", "train"]
 
 CHECKPOINT = "checkpoint.eqx"  # in the run folder; see checkpoint.py for its format
 
@@ -62,7 +62,20 @@ def _labels(model: DecoderLM, phase: str):
 
 
 def _optimizer(model: DecoderLM, cfg: TrainConfig, phase: str):
-    adam = optax.adamw(cfg.learning_rate, weight_decay=0.0)
+    """AdamW on ``phase``'s trainable leaves, with a fresh schedule per phase (each phase starts
+    a new optimizer state): linear warm-up, cosine decay to 10%, global-norm clipping."""
+    steps = cfg.phase_steps(phase)
+    warmup = min(cfg.lr_warmup_steps, steps // 2)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.1 * cfg.learning_rate,
+        cfg.learning_rate,
+        warmup,
+        max(steps, warmup + 1),
+        0.1 * cfg.learning_rate,
+    )
+    adam = optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip), optax.adamw(schedule, weight_decay=0.0)
+    )
     labels = _labels(model, phase)  # a DecoderLM of strings: callable, so wrap it
     return optax.multi_transform({"train": adam, "freeze": optax.set_to_zero()}, lambda _: labels)
 
@@ -75,22 +88,17 @@ def _answer_metrics(logits, targets):
     return jnp.sum(ce * mask) / n, jnp.sum((jnp.argmax(logits, -1) == targets) & mask) / n
 
 
-def _stage(phase: str) -> str:
-    """The indexers' training stage in ``phase``: dense until the sparse phase."""
-    return "sparse" if phase == "sparse" else "dense"
-
-
 def _loss(model: DecoderLM, tokens, targets, stage: str):
     logits, aux = model(tokens, return_aux=True, indexer_loss=stage)
     ce, acc = _answer_metrics(logits, targets)
     return ce + aux["indexer_loss"], {"ce": ce, "accuracy": acc, "kl": aux["indexer_loss"]}
 
 
-def _train_step(opt, phase: str):
+def _train_step(opt, stage: str):
     @eqx.filter_jit(donate="all-except-first")
     def step(model, opt_state, tokens, targets):
         loss = eqx.filter_grad(_loss, has_aux=True)
-        grads, metrics = loss(model, tokens, targets, _stage(phase))
+        grads, metrics = loss(model, tokens, targets, stage)
         updates, opt_state = opt.update(grads, opt_state, eqx.filter(model, eqx.is_array))
         model = eqx.apply_updates(model, updates)
         leaves = jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))
@@ -121,13 +129,17 @@ def evaluate(model: DecoderLM, cfg: TrainConfig, mesh, phase: str = "sparse") ->
     (steps < 0 never train)."""
     task = cfg.task()
     accs, recalls = [], []
-    stage = _stage(phase)
+    stage = cfg.stage(phase)
     run = eqx.filter_jit(lambda m, t, y: _answer_metrics(m(t, indexer_loss=stage), y)[1])
     for i in range(cfg.eval_batches):
         tokens, targets = (shard_batch(a, mesh) for a in task.batch(-1 - i, cfg.batch_size))
         accs.append(float(run(model, tokens, targets)))
         recalls.append(float(indexer_recall(model, tokens, targets >= 0)))
-    return {"retrieval_accuracy": float(np.mean(accs)), "indexer_recall": float(np.mean(recalls))}
+    recall = float(np.mean(recalls))
+    return {
+        "retrieval_accuracy": float(np.mean(accs)),
+        "indexer_recall": recall if np.isfinite(recall) else None,  # None: no CSA layer
+    }
 
 
 def _resume(path: Path, cfg: TrainConfig, start: Callable[[str], tuple]):
@@ -168,15 +180,38 @@ def _check_finite(metrics: dict, weights_finite, step: int, phase: str, ckpt: Pa
 
 
 def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = None) -> dict:
-    """Run (or resume) training; writes checkpoints, ``report.json`` and plots to ``out_dir``.
+    """Run (or resume) training, then its control runs; writes checkpoints, ``report.json`` and
+    plots to ``out_dir`` (each control in ``out_dir/control-NAME``).
 
     **Arguments:** ``cfg``: the run; ``out_dir``: its folder (``checkpoint.eqx`` there is
     resumed from); ``stream``: where the progress bar goes; ``stop_after``: end early after
-    that many steps in this call (used to test resume).
+    that many steps in this call (used to test resume; no control runs then).
 
-    **Returns:** the report (also written to ``out_dir/report.json``). Raises ``RunError`` for
-    an unusable checkpoint, an unwritable folder or a non-finite loss.
+    **Returns:** the report (also written to ``out_dir/report.json``): the final
+    ``retrieval_accuracy`` / ``indexer_recall``, ``targets_met``, ``wall_seconds``, the
+    ``history`` (one record per step; evaluations every ``eval_every`` steps) and ``controls``
+    (each control's final metrics and history). Raises ``RunError`` for an unusable checkpoint,
+    an unwritable folder or a non-finite loss.
     """
+    report, model, mesh = _run(cfg, out_dir, stream, stop_after)
+    if report["finished"] and cfg.controls:
+        for variant in cfg.controls:
+            stream.write(f"control run: {variant}\n")
+            control, _, _ = _run(cfg.control(variant), out_dir / f"control-{variant}", stream)
+            report["controls"][variant] = {
+                k: control.get(k)
+                for k in ("retrieval_accuracy", "indexer_recall", "wall_seconds", "history")
+            }
+        write_atomic(
+            out_dir / "report.json", json.dumps(report, indent=2).encode(), cfg.total_steps
+        )
+        plot_controls(report, out_dir)
+        kill_point(cfg.total_steps, "controls")
+    return report
+
+
+def _run(cfg: TrainConfig, out_dir: Path, stream, stop_after: int | None = None):
+    """One run (no controls): ``(report, final model, mesh)``."""
     prepare_folder(out_dir)
     mesh = make_mesh(cfg.mesh)
     start_time = time.perf_counter()
@@ -195,15 +230,16 @@ def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = N
         else:
             model, opt, opt_state = start(phase)
         saved = step
-        step_fn = _train_step(opt, phase)
+        step_fn = _train_step(opt, cfg.stage(phase))
         progress = Progress(cfg.total_steps, stream)
         done_here, tokens_seen, t0 = 0, 0, time.perf_counter()
         while step < cfg.total_steps and (stop_after is None or done_here < stop_after):
             if cfg.phase_at(step) != phase:
                 phase = cfg.phase_at(step)
                 model, opt, opt_state = start(phase, model)
-                step_fn = _train_step(opt, phase)
-            tokens, targets = cfg.task(cfg.seq_len_at(step)).batch(step, cfg.batch_size)
+                step_fn = _train_step(opt, cfg.stage(phase))
+            seq_len = cfg.seq_len_at(step)
+            tokens, targets = cfg.task(seq_len).batch(step, cfg.batch_at(step))
             model, opt_state, metrics, finite = step_fn(
                 model, opt_state, shard_batch(tokens, mesh), shard_batch(targets, mesh)
             )
@@ -212,22 +248,13 @@ def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = N
             tokens_seen += tokens.size
             _check_finite(metrics, finite, step, phase, ckpt, saved)
             kill_point(step, "step")
+            record = {"step": step, "phase": phase, "seq_len": seq_len}
+            record.update({k: float(v) for k, v in metrics.items()})
             if step % cfg.eval_every == 0 or step == cfg.total_steps:
-                record = {
-                    "step": step,
-                    "phase": phase,
-                    **{k: float(v) for k, v in metrics.items()},
-                    **evaluate(model, cfg, mesh, phase),
-                    "tokens_per_second": tokens_seen / (time.perf_counter() - t0),
-                }
-                history.append(record)
-                progress.update(
-                    step,
-                    f"{phase} loss={record['ce']:.3f} "
-                    f"acc={record['retrieval_accuracy']:.2f} "
-                    f"recall={record['indexer_recall']:.2f} "
-                    f"tok/s={record['tokens_per_second']:.0f}",
-                )
+                record.update(evaluate(model, cfg, mesh, phase))
+                record["tokens_per_second"] = tokens_seen / (time.perf_counter() - t0)
+                progress.update(step, _progress_text(record))
+            history.append(record)
             if step % cfg.checkpoint_every == 0 or step == cfg.total_steps:
                 save_checkpoint(
                     ckpt, (model, opt_state), step=step, phase=phase, config=config, history=history
@@ -239,18 +266,35 @@ def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = N
     write_atomic(out_dir / "history.json", json.dumps(history).encode(), step)
     report = {
         "name": cfg.name,
+        "variant": cfg.variant,
         "finished": step >= cfg.total_steps,
         "step": step,
         **final,
+        "targets_met": bool(final) and targets_met(final),
         "wall_seconds": time.perf_counter() - start_time,
         "devices": jax.local_device_count(),
         "mesh": dict(mesh.shape),
         "config": config,
         "history": history,
+        "controls": {},
     }
     write_atomic(out_dir / "report.json", json.dumps(report, indent=2).encode(), step)
     if history:
         with jax.set_mesh(mesh):
             plot_run(history, model, cfg, out_dir, mesh)
         kill_point(step, "plots")
-    return report
+    return report, model, mesh
+
+
+def targets_met(metrics: dict) -> bool:
+    """Whether ``metrics`` reach every target of ``TARGETS`` (a missing recall misses)."""
+    return all((metrics.get(k) or 0.0) >= v for k, v in TARGETS.items())
+
+
+def _progress_text(record: dict) -> str:
+    recall = record["indexer_recall"]
+    return (
+        f"{record['phase']} loss={record['ce']:.3f} acc={record['retrieval_accuracy']:.2f} "
+        f"recall={'-' if recall is None else f'{recall:.2f}'} "
+        f"tok/s={record['tokens_per_second']:.0f}"
+    )

@@ -12,6 +12,7 @@ from jaxtyping import Array, Float, Int
 from ...config import V4AttentionConfig, V32AttentionConfig
 from ...execution import Execution
 from ...ops import init_linear, linear, rms_norm
+from ...presets import v32_sized_as
 from ...v4 import V4Attention
 from ...v32 import V32Attention
 
@@ -112,17 +113,12 @@ class Block(eqx.Module):
 
 def dsa_config(t: V4AttentionConfig) -> V32AttentionConfig:
     """The V3.2 DSA layer matching a V4 template's sizes."""
-    return V32AttentionConfig(
-        hidden_size=t.hidden_size,
-        num_heads=t.num_heads,
-        q_lora_rank=t.q_lora_rank,
+    return v32_sized_as(
+        t,
         kv_lora_rank=t.head_dim,
         qk_nope_head_dim=t.head_dim - t.rope_dim,
         qk_rope_head_dim=t.rope_dim,
         v_head_dim=t.head_dim,
-        index_n_heads=t.index_n_heads,
-        index_head_dim=t.index_head_dim,
-        index_topk=t.index_topk,
         rope_theta=t.rope_theta,
         rms_norm_eps=t.rms_norm_eps,
     )
