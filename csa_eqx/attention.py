@@ -1,6 +1,7 @@
 """What the attention layers with a lightning indexer share (``V4Attention``,
-``V32Attention``): construction, the indexer's selection problem, the per-call training stage,
-switching execution, and ``extend``'s entry point."""
+``V32Attention``): construction, the public forward (input checks, positions, context
+parallelism, the indexer loss and the aux contract), the indexer's selection problem, the
+per-call training stage, switching execution, and ``extend``'s entry point."""
 
 from __future__ import annotations
 
@@ -9,12 +10,17 @@ import copy
 
 import equinox as eqx
 import jax
-from jaxtyping import Array, ArrayLike, Float, Int
+import jax.numpy as jnp
+from beartype import beartype
+from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped
 
 from . import checks
+from .compressor import segment_positions, token_rows
+from .context import ShardRows, whole_rows
 from .decode import ChunkRows, chunk_rows
 from .execution import Execution, check_stage, checked_execution
-from .selection import SelectionProblem, Visibility
+from .loss import AttentionTarget, projected_indexer_kl_loss
+from .selection import SelectionProblem, Visibility, entry_visibility
 
 __all__ = ["AbstractIndexedAttention"]
 
@@ -31,7 +37,138 @@ class AbstractIndexedAttention(eqx.Module):
         key: PRNG key of the random initialisation (``csa_eqx.hf`` loads real weights).
         dtype: parameter dtype (norm weights and sinks stay float32).
         execution: how the layer runs (``csa_eqx.Execution``; ``None``: automatic).
+
+    A layer implements ``forward_rows`` (its forward over ``ShardRows``), ``extend_rows``,
+    ``init_cache``, ``entry_rate`` and ``context_halo``.
     """
+
+    @jaxtyped(typechecker=beartype)
+    def __call__(
+        self,
+        x: Float[ArrayLike, "batch seq hidden"],
+        positions: Int[ArrayLike, "batch seq"] | None = None,
+        segment_ids: Int[ArrayLike, "batch seq"] | None = None,
+        return_aux: bool = False,
+        *,
+        indexer_loss: str | None = None,
+    ) -> Float[Array, "batch seq hidden"] | tuple[Float[Array, "batch seq hidden"], dict]:
+        """The layer's forward (docs/concepts.md, "The DeepSeek-V4 attention block": the
+        sliding window plus the compressed entries; "DeepSeek-V3.2 DSA": sparse MLA over the
+        tokens the indexer selects).
+
+        Arguments:
+            x: hidden states ``[B, S, hidden]``.
+            positions: RoPE positions ``[B, S]``; default: the index inside each segment.
+            segment_ids: packed-document ids ``[B, S]`` (contiguous runs, ``>= 0``); tokens
+                only see their own segment, and V4's compression windows restart at each
+                segment.
+            return_aux: also return the aux dict.
+            indexer_loss: the indexer's training stage for this call (``"off"``, ``"dense"``:
+                attend to every visible entry and distil towards that, ``"sparse"``: attend to
+                the selection and distil over it); ``None`` = ``execution.indexer_loss``.
+
+        Returns:
+            ``y`` ``[B, S, hidden]`` in ``x``'s dtype; with ``return_aux``, ``(y, aux)`` with
+            ``aux["selection"]`` int32 ``[B, S, index_topk]`` in increasing order (V4: entry
+            slots, V3.2: token indices; ``-1`` = none; ``None`` for a V4 layer without an
+            indexer) and ``aux["indexer_loss"]`` a float32 scalar (``None`` when the stage is
+            ``"off"`` or the layer has no indexer).
+        """
+        c, ex = self.config, self.execution
+        stage = self.stage(indexer_loss)
+        x, positions, segment_ids = checks.layer_inputs(c.hidden_size, x, positions, segment_ids)
+        selects = self.indexer is not None
+        if x.size == 0:
+            topk = c.index_topk if selects else None
+            return checks.empty_outputs(x, topk, selects and stage != "off", return_aux)
+        # context parallel: integer rows of their own (x may be sharded along the sequence)
+        rows_like = x if ex.context is None else jnp.zeros(x.shape[:2], jnp.float32)
+        seg, query_index = token_rows(rows_like, segment_ids)
+        positions = segment_positions(seg) if positions is None else positions
+        want_loss = return_aux and selects and stage != "off"
+        if ex.context is None:
+            rows = whole_rows(positions, seg, query_index, self.entry_rate)
+            y, selection, (problem, target) = self.forward_rows(x, rows, stage, want_loss)
+            loss = self._kl_loss(problem, target, selection, stage) if want_loss else None
+        else:
+            y, selection, loss = self._context_forward(x, positions, seg, stage, want_loss)
+        return (y, {"selection": selection, "indexer_loss": loss}) if return_aux else y
+
+    def _kl_loss(self, problem: SelectionProblem, target: AttentionTarget, selection, stage):
+        """The indexer's KL distillation (docs/concepts.md, "Training the indexer") over every
+        visible entry (``"dense"`` stage) or over the selection."""
+        candidates = None if stage == "dense" else selection
+        return projected_indexer_kl_loss(
+            problem, target, candidates, strategy=self.execution.selection
+        )
+
+    def _context_forward(self, x, positions, seg, stage: str, want_loss: bool) -> tuple:
+        """``forward_rows`` run context-parallel (``execution.context``); the loss is the mean
+        over queries with a candidate, summed as ``(sum, count)`` per shard.
+
+        Returns: ``(y, selection, loss or None)``.
+        """
+        params, static = eqx.partition(self, eqx.is_array)
+
+        def body(params, x, rows):
+            layer = eqx.combine(params, static)
+            y, selection, (problem, target) = layer.forward_rows(x, rows, stage, want_loss)
+            if not want_loss:
+                return y, selection, ()
+            loss = layer._kl_loss(problem, target, selection, stage)
+            count = jnp.sum(layer._has_candidates(rows, selection, stage), dtype=jnp.float32)
+            return y, selection, (loss * count, count)
+
+        y, selection, sums = self.execution.context.apply(
+            body,
+            params,
+            x,
+            positions,
+            seg,
+            halo=self.context_halo,
+            rate=self.entry_rate,
+            selects=self.indexer is not None,
+            sums=2 if want_loss else 0,
+        )
+        loss = sums[0] / jnp.maximum(sums[1], 1.0) if want_loss else None
+        return y, selection, loss
+
+    @staticmethod
+    def _has_candidates(rows: ShardRows, selection: Array, stage: str) -> Array:
+        """Which queries of ``rows`` have a candidate in the indexer loss (``[B', L]``): a pick
+        (sparse stage), else a visible entry (the dense ``[B', L, T]`` visibility)."""
+        if stage != "dense":
+            return jnp.any(selection >= 0, axis=-1)
+        visible = entry_visibility(rows.query_index, rows.segment, rows.layout)
+        return jnp.any(visible, axis=-1)
+
+    @property
+    @abc.abstractmethod
+    def entry_rate(self) -> int:
+        """Returns: tokens per entry the attention reads besides its window (V4:
+        ``compress_rate``, 0 for a sliding layer; V3.2: 1, every token is an entry)."""
+
+    @property
+    @abc.abstractmethod
+    def context_halo(self) -> int:
+        """Returns: rows before a chunk of the sequence that its forward needs besides the
+        entries (context parallelism's halo)."""
+
+    @abc.abstractmethod
+    def forward_rows(
+        self, x: Float[Array, "batch rows hidden"], rows: ShardRows, stage: str, want_loss: bool
+    ) -> tuple:
+        """The forward over ``rows`` (all of a sequence, or one device's chunks with their
+        halos under context parallelism), after ``__call__``'s checks.
+
+        Arguments: hidden states ``x [B', L, hidden]``, their ``ShardRows``, the checked
+        training ``stage`` and whether the indexer loss' inputs are wanted.
+
+        Returns:
+            ``(y, selection or None, (problem, target))``: the indexer's ``SelectionProblem``
+            (``None`` without an indexer) and the ``AttentionTarget`` (``None`` unless
+            ``want_loss``).
+        """
 
     def indexer_problem(
         self,

@@ -15,17 +15,16 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from beartype import beartype
-from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped
+from jaxtyping import Array, Float, Int
 
-from . import checks
 from .attention import AbstractIndexedAttention
 from .cache import V32Cache, check_cache_size, empty_rows
-from .compressor import EntryLayout, entry_layout, segment_positions
+from .compressor import EntryLayout
 from .config import V32AttentionConfig, YaRNScaling
+from .context import ShardRows
 from .decode import ChunkRows, append_rows
 from .execution import Execution, checked_execution
-from .loss import AttentionTarget, projected_indexer_kl_loss
+from .loss import AttentionTarget
 from .ops import init_linear, linear, rms_norm, upcast
 from .rope import apply_rope_half_split, apply_rope_interleaved, rope_inv_freq, yarn_mscale
 from .selection import Visibility
@@ -241,66 +240,40 @@ class V32Attention(AbstractIndexedAttention):
         o = jnp.einsum("bshc,hvc->bshv", o, self._kv_up()[1].astype(o.dtype)).reshape(b, s, -1)
         return linear(o, self.o_proj)
 
-    @jaxtyped(typechecker=beartype)
-    def __call__(
-        self,
-        x: Float[ArrayLike, "batch seq hidden"],
-        positions: Int[ArrayLike, "batch seq"] | None = None,
-        segment_ids: Int[ArrayLike, "batch seq"] | None = None,
-        return_aux: bool = False,
-        *,
-        indexer_loss: str | None = None,
-    ) -> Float[Array, "batch seq hidden"] | tuple[Float[Array, "batch seq hidden"], dict]:
-        """Sparse MLA over the tokens the indexer selects (docs/concepts.md, "DeepSeek-V3.2
-        DSA"); in the ``"dense"`` stage, the warm-up: plain causal MLA over every earlier token
-        of the segment.
+    @property
+    def entry_rate(self) -> int:
+        """Returns: 1 (every token is an entry the indexer selects among)."""
+        return 1
 
-        Arguments:
-            x: hidden states ``[B, S, hidden]``.
-            positions: RoPE positions ``[B, S]``; default: the index inside each segment.
-            segment_ids: packed-document ids ``[B, S]`` (contiguous runs); tokens only see
-                earlier tokens of their own segment.
-            return_aux: also return the aux dict.
-            indexer_loss: the indexer's training stage for this call (``"off"``, ``"dense"``,
-                ``"sparse"``); ``None`` = ``execution.indexer_loss``.
+    @property
+    def context_halo(self) -> int:
+        """Returns: 0: a chunk's rows need nothing of the rows before them but their keys,
+        which context parallelism all-gathers (``ShardRows.gather``)."""
+        return 0
 
-        Returns:
-            ``y`` ``[B, S, hidden]``; with ``return_aux``, ``(y, aux)`` with
-            ``aux["selection"]`` int32 ``[B, S, index_topk]`` token indices in increasing order
-            (``-1`` = none) and ``aux["indexer_loss"]`` a float32 scalar (``None`` when the
-            stage is ``"off"``).
-        """
-        c, ex = self.config, self.execution
-        stage = self.stage(indexer_loss)
-        x, positions, segment_ids = checks.layer_inputs(c.hidden_size, x, positions, segment_ids)
-        if x.size == 0:
-            return checks.empty_outputs(x, c.index_topk, stage != "off", return_aux)
-        b, s, _ = x.shape
-        seg = jnp.zeros((b, s), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids)
-        seg = seg.astype(jnp.int32)
-        positions = segment_positions(seg) if positions is None else jnp.asarray(positions)
-        positions = positions.astype(jnp.int32)
+    def forward_rows(
+        self, x: Float[Array, "batch rows hidden"], rows: ShardRows, stage: str, want_loss=False
+    ) -> tuple:
+        """The forward over ``rows`` (see ``AbstractIndexedAttention.forward_rows``): sparse
+        MLA over the tokens the indexer selects (docs/concepts.md, "DeepSeek-V3.2 DSA"); in
+        the ``"dense"`` stage, the warm-up: plain causal MLA over every earlier token of the
+        segment. Every row is its own entry: under context parallelism the rows' MLA latents
+        and indexer keys are all-gathered into the whole sequence's (``rows.gather``)."""
+        positions, seg, query_index = rows[:3]
         qr, queries, keys = self.project_qkv(x, positions)
-        query_index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        visibility = Visibility(query_index, seg, entry_layout(seg, 1))
+        visibility = Visibility(query_index, seg, rows.layout)
         # the indexer's keys, once: the selection ignores gradients and the loss must train
         # the indexer only, never x
         index_keys = self.indexer.keys(jax.lax.stop_gradient(x), positions)
+        keys, index_keys = rows.gather(keys), rows.gather(index_keys)
         problem = self.indexer_problem(x, qr, positions, index_keys, visibility)
-        selection = ex.select(problem, c.index_topk)
-        want_loss = return_aux and stage != "off"
+        selection = self.execution.select(problem, self.config.index_topk)
         o = self._attend(queries, keys, visibility, selection, stage, want_loss)
-        if want_loss:
-            o, lse = o
-        y = self.project_out(o)
-        if not return_aux:
-            return y
-        loss = None
+        target = None
         if want_loss:  # KL distillation against the absorbed MLA queries and keys attended
+            o, lse = o
             target = AttentionTarget(queries, keys, lse, self.softmax_scale)
-            candidates = None if stage == "dense" else selection
-            loss = projected_indexer_kl_loss(problem, target, candidates, strategy=ex.selection)
-        return y, {"selection": selection, "indexer_loss": loss}
+        return self.project_out(o), selection, (problem, target)
 
     def init_cache(self, batch_size: int, max_length: int, dtype=jnp.float32) -> V32Cache:
         """An empty decode cache of fixed-size buffers.

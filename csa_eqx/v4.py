@@ -8,8 +8,7 @@ import dataclasses
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from beartype import beartype
-from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped
+from jaxtyping import Array, Float, Int
 
 from . import checks
 from .attention import AbstractIndexedAttention
@@ -22,7 +21,7 @@ from .compressor import (
     token_rows,
 )
 from .config import V4AttentionConfig
-from .context import ShardRows, whole_rows
+from .context import ShardRows
 from .decode import (
     ChunkRows,
     append_rows,
@@ -32,10 +31,10 @@ from .decode import (
     window_indices,
 )
 from .execution import Execution, checked_execution
-from .loss import AttentionTarget, attention_target, projected_indexer_kl_loss
+from .loss import AttentionTarget, attention_target
 from .ops import init_linear, linear, rms_norm
 from .rope import apply_rope_interleaved, rope_inv_freq
-from .selection import Visibility, entry_visibility
+from .selection import Visibility
 from .sparse import DenseKeys, sparse_attention
 
 __all__ = ["V4Attention", "Indexer"]
@@ -204,95 +203,10 @@ class V4Attention(AbstractIndexedAttention):
         w_a = self.o_a_proj.reshape(c.o_groups, c.o_lora_rank, -1).astype(o.dtype)
         return linear(jnp.einsum("bsgi,goi->bsgo", o, w_a).reshape(b, s, -1), self.o_b_proj)
 
-    @jaxtyped(typechecker=beartype)
-    def __call__(
-        self,
-        x: Float[ArrayLike, "batch seq hidden"],
-        positions: Int[ArrayLike, "batch seq"] | None = None,
-        segment_ids: Int[ArrayLike, "batch seq"] | None = None,
-        return_aux: bool = False,
-        *,
-        indexer_loss: str | None = None,
-    ) -> Float[Array, "batch seq hidden"] | tuple[Float[Array, "batch seq hidden"], dict]:
-        """Attend over the sliding window plus this layer's compressed entries
-        (docs/concepts.md, "The DeepSeek-V4 attention block").
-
-        Arguments:
-            x: hidden states ``[B, S, hidden]``.
-            positions: RoPE positions ``[B, S]``; default: the index inside each segment.
-            segment_ids: packed-document ids ``[B, S]`` (contiguous runs); tokens only see
-                their own segment, and compression windows restart at each segment.
-            return_aux: also return the aux dict.
-            indexer_loss: the indexer's training stage for this call (``"off"``, ``"dense"``:
-                attend to every visible entry and distil towards that, ``"sparse"``: attend to
-                the selection and distil over it); ``None`` = ``execution.indexer_loss``.
-
-        Returns:
-            ``y`` ``[B, S, hidden]`` in ``x``'s dtype; with ``return_aux``, ``(y, aux)`` with
-            ``aux["selection"]`` int32 ``[B, S, index_topk]`` entry slots in increasing order
-            (``-1`` = none; ``None`` without an indexer) and ``aux["indexer_loss"]`` a float32
-            scalar (``None`` when the stage is ``"off"`` or the layer has no indexer).
-        """
-        c, ex = self.config, self.execution
-        stage = self.stage(indexer_loss)
-        x, positions, segment_ids = checks.layer_inputs(c.hidden_size, x, positions, segment_ids)
-        if x.size == 0:
-            k = c.index_topk if c.has_indexer else None
-            return checks.empty_outputs(x, k, c.has_indexer and stage != "off", return_aux)
-        # context parallel: integer rows of their own (x may be sharded along the sequence)
-        rows_like = x if ex.context is None else jnp.zeros(x.shape[:2], jnp.float32)
-        seg, query_index = token_rows(rows_like, segment_ids)
-        if positions is None:
-            positions = segment_positions(seg)
-        positions = jnp.asarray(positions, jnp.int32)
-        want_loss = return_aux and self.indexer is not None and stage != "off"
-        if ex.context is not None:
-            params, static = eqx.partition(self, eqx.is_array)
-
-            def body(params, x, rows):
-                layer = eqx.combine(params, static)
-                y, selection, (problem, target) = layer.forward_rows(x, rows, stage, want_loss)
-                if not want_loss:
-                    return y, selection, ()
-                # the loss' mean over queries with a candidate, as (sum, count) per shard
-                loss = projected_indexer_kl_loss(
-                    problem, target, None if stage == "dense" else selection, strategy=ex.selection
-                )
-                count = jnp.sum(layer.has_candidates(rows, selection, stage), dtype=jnp.float32)
-                return y, selection, (loss * count, count)
-
-            y, selection, sums = ex.context.apply(
-                body,
-                params,
-                x,
-                positions,
-                seg,
-                halo=self.context_halo,
-                rate=c.compress_rate,
-                selects=self.indexer is not None,
-                sums=2 if want_loss else 0,
-            )
-            if not return_aux:
-                return y
-            loss = sums[0] / jnp.maximum(sums[1], 1.0) if want_loss else None
-            return y, {"selection": selection, "indexer_loss": loss}
-        rows = whole_rows(positions, seg, query_index, c.compress_rate)
-        y, selection, (problem, target) = self.forward_rows(x, rows, stage, want_loss)
-        if not return_aux:
-            return y
-        loss = None
-        if want_loss:  # the indexer's KL distillation (docs/concepts.md, "Training the indexer")
-            candidates = None if stage == "dense" else selection
-            loss = projected_indexer_kl_loss(problem, target, candidates, strategy=ex.selection)
-        return y, {"selection": selection, "indexer_loss": loss}
-
-    def has_candidates(self, rows: ShardRows, selection: Array, stage: str) -> Array:
-        """Which queries of ``rows`` have a candidate in the indexer loss (``[B', L]``): a pick
-        (sparse stage), else a visible entry (the dense ``[B', L, T]`` visibility)."""
-        if stage != "dense":
-            return jnp.any(selection >= 0, axis=-1)
-        visible = entry_visibility(rows.query_index, rows.segment, rows.layout)
-        return jnp.any(visible, axis=-1)
+    @property
+    def entry_rate(self) -> int:
+        """Returns: ``compress_rate`` (tokens per compressed entry; 0 for a sliding layer)."""
+        return self.config.compress_rate
 
     @property
     def context_halo(self) -> int:
@@ -307,13 +221,9 @@ class V4Attention(AbstractIndexedAttention):
     def forward_rows(
         self, x: Float[Array, "batch rows hidden"], rows: ShardRows, stage: str, want_loss=False
     ) -> tuple:
-        """The forward over ``rows`` (all of a sequence, or one device's chunks with their
-        halos under context parallelism).
-
-        Returns:
-            ``(y, selection or None, (problem, target))``; the last two are ``None`` unless
-            ``want_loss`` (the indexer loss' inputs).
-        """
+        """The forward over ``rows`` (see ``AbstractIndexedAttention.forward_rows``): the
+        sliding window plus this layer's compressed entries (docs/concepts.md, "The
+        DeepSeek-V4 attention block")."""
         c, ex = self.config, self.execution
         positions, seg, query_index = rows[:3]
         qr, q, kv = self.project_qkv(x, positions)

@@ -1,6 +1,7 @@
-"""Context parallelism of the V4 layers on 8 simulated CPU devices: selections bitwise equal
-to the single-device layer, outputs and gradients (parameters and x) within 1e-5, packed
-documents crossing chunk boundaries, sequences that need padding, and the errors."""
+"""Context parallelism of the V4 layers and V3.2 on 8 simulated CPU devices: selections
+bitwise equal to the single-device layer, outputs and gradients (parameters and x) within
+1e-5, packed documents crossing chunk boundaries, sequences that need padding, and the
+errors."""
 
 import equinox as eqx
 import jax
@@ -19,6 +20,7 @@ from csa_eqx.testing import hf_v4_config, random_hf_v4_layer, run_hf_v4, state_d
 
 CONTEXT8 = ((8,), ("context",))
 CONTEXT4_TENSOR2 = ((4, 2), ("context", "tensor"))
+DATA2_CONTEXT2_TENSOR2 = ((2, 2, 2), ("data", "context", "tensor"))
 
 
 def packed_segments(b, s):
@@ -34,12 +36,20 @@ def relative_error(got, want):
     return float(jnp.max(jnp.abs(got - want))) / max(float(jnp.max(jnp.abs(want))), 1e-30)
 
 
+def random_layer(kind):
+    """A tiny layer with random values in every leaf: V4 ``"sliding"`` / ``"csa"`` / ``"hca"``
+    (hidden 32) or ``"v32"`` (hidden 64, k = 8)."""
+    if kind == "v32":
+        return randomise(ce.V32Attention(tiny_v32(), key=jax.random.key(0)))
+    return randomise(ce.V4Attention(tiny(kind), key=jax.random.key(0)))
+
+
 def check_against_single_device(kind, mesh_shape, s, options, shard_x):
     """The context-parallel layer vs the same parameters on one device: forward (output and
     selection) and the gradient of a scalar loss w.r.t. every parameter and x."""
-    layer = randomise(ce.V4Attention(tiny(kind), key=jax.random.key(0)))
+    layer = random_layer(kind)
     cp = layer.with_execution(ce.Execution.from_options(context_parallel=True, **options))
-    x = jax.random.normal(jax.random.key(1), (2, s, 32))
+    x = jax.random.normal(jax.random.key(1), (2, s, layer.config.hidden_size))
     seg = packed_segments(2, s)
 
     def loss(layer, x):
@@ -52,11 +62,12 @@ def check_against_single_device(kind, mesh_shape, s, options, shard_x):
     want_grads = jax.grad(loss, argnums=(0, 1))(layer, x)
     mesh = jax.make_mesh(*mesh_shape)
     with jax.set_mesh(mesh):
-        xs = jax.device_put(x, NamedSharding(mesh, P(None, "context"))) if shard_x else x
+        data = "data" if "data" in mesh.axis_names else None
+        xs = jax.device_put(x, NamedSharding(mesh, P(data, "context"))) if shard_x else x
         y, aux = jax.jit(forward)(cp, xs)
         grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(cp, xs)
     assert relative_error(y, want_y) < 1e-5
-    if kind == "csa":
+    if kind in ("csa", "v32"):
         sel = np.asarray(want_aux["selection"])
         assert (sel == -1).any() and (sel >= 0).any()
         np.testing.assert_array_equal(np.asarray(aux["selection"]), sel)
@@ -89,32 +100,63 @@ def check_against_single_device(kind, mesh_shape, s, options, shard_x):
         ),
         ("hca", CONTEXT4_TENSOR2, 45, {}, False),
         ("sliding", CONTEXT8, 45, {}, False),
+        # V3.2: chunks of 3 tokens (45 rows padded to 48), every token an entry
+        ("v32", CONTEXT8, 45, {}, False),
+        (
+            "v32",
+            CONTEXT4_TENSOR2,
+            36,  # padded to 8 chunks of 5, with x sharded along the sequence
+            dict(
+                indexer_sharded_topk=True,
+                indexer_save_selection=True,
+                qk_head_chunk_size=2,
+                indexer_key_block=4,
+            ),
+            True,
+        ),
     ],
     ids=[
         "csa-context8-padded",
         "csa-context4xtensor2-sharded-x",
         "hca-context4xtensor2",
         "sliding",
+        "v32-context8-padded",
+        "v32-context4xtensor2-sharded-x",
     ],
 )
 def test_matches_single_device(kind, mesh_shape, s, options, shard_x):
     check_against_single_device(kind, mesh_shape, s, options, shard_x)
 
 
+@pytest.mark.parametrize("kind", ["sliding", "csa", "hca", "v32"])
+def test_data_axis_matches_single_device(kind):
+    """(data=2, context=2, tensor=2): the batch split over data (one row each), the sequence
+    over context (22 rows, padded), the top-k rows over tensor, x sharded over both."""
+    options = dict(indexer_sharded_topk=True) if kind in ("csa", "v32") else {}
+    check_against_single_device(kind, DATA2_CONTEXT2_TENSOR2, 22, options, True)
+
+
 @pytest.mark.parametrize(
-    "stage, mesh_shape, options",
+    "kind, stage, mesh_shape, options",
     [
-        ("sparse", CONTEXT8, {}),
-        ("dense", CONTEXT4_TENSOR2, dict(indexer_key_block=4, qk_head_chunk_size=2)),
+        ("csa", "sparse", CONTEXT8, {}),
+        ("csa", "dense", CONTEXT4_TENSOR2, dict(indexer_key_block=4, qk_head_chunk_size=2)),
+        ("v32", "sparse", CONTEXT4_TENSOR2, dict(indexer_sharded_topk=True)),
+        ("v32", "dense", CONTEXT8, dict(indexer_key_block=4, qk_head_chunk_size=2)),
     ],
-    ids=["sparse-context8", "dense-streaming-context4xtensor2"],
+    ids=[
+        "csa-sparse-context8",
+        "csa-dense-streaming-context4xtensor2",
+        "v32-sparse-context4xtensor2",
+        "v32-dense-streaming-context8",
+    ],
 )
-def test_indexer_loss_matches_single_device(stage, mesh_shape, options):
+def test_indexer_loss_matches_single_device(kind, stage, mesh_shape, options):
     """The KL loss (a mean over the queries with a candidate, summed over the shards) and the
     gradients of a loss that includes it."""
-    layer = randomise(ce.V4Attention(tiny("csa"), key=jax.random.key(0)))
+    layer = random_layer(kind)
     cp = layer.with_execution(ce.Execution.from_options(context_parallel=True, **options))
-    x = jax.random.normal(jax.random.key(1), (2, 45, 32))
+    x = jax.random.normal(jax.random.key(1), (2, 45, layer.config.hidden_size))
     seg = packed_segments(2, 45)
 
     def loss(layer, x):
@@ -170,8 +212,6 @@ def test_errors_name_axis_and_sizes():
     no_axis = pytest.raises(ValueError, match=r"context_parallel needs a mesh axis named 'context'")
     with jax.set_mesh(jax.make_mesh((8,), ("tensor",))), no_axis:
         cp(x)
-    with pytest.raises(ValueError, match="V4 layers .* only, not for a V32AttentionConfig"):
-        ce.V32Attention(tiny_v32(), key=jax.random.key(0), execution=cp.execution)
     with pytest.raises(ValueError, match="context_axis must be a non-empty mesh axis name"):
         ce.Execution.from_options(context_parallel=True, context_axis="")
     with pytest.raises(ValueError, match="indexer_heads_axis must be None with context"):
