@@ -81,8 +81,10 @@ class AbstractIndexedAttention(eqx.Module):
         if x.size == 0:
             topk = c.index_topk if selects else None
             return checks.empty_outputs(x, topk, selects and stage != "off", return_aux)
-        # context parallel: integer rows of their own (x may be sharded along the sequence)
-        rows_like = x if ex.context is None else jnp.zeros(x.shape[:2], jnp.float32)
+        rows_like = x
+        if ex.context is not None:  # integer rows of their own, whole (x may be split along S)
+            rows_like = jnp.zeros(x.shape[:2], jnp.float32)
+            positions, segment_ids = ex.context.whole(positions, segment_ids)
         seg, query_index = token_rows(rows_like, segment_ids)
         positions = segment_positions(seg) if positions is None else positions
         want_loss = return_aux and selects and stage != "off"

@@ -109,6 +109,13 @@ class ContextParallel(eqx.Module):
         if self.axis == self.data_axis:
             raise ValueError(f"context_axis and data_axis must differ (both are {self.axis!r})")
 
+    def whole(self, *arrays: Array | None) -> tuple[Array | None, ...]:
+        """The integer ``[B, S]`` inputs (positions, segment ids; ``None`` passes) replicated
+        on the mesh: every shard reads them whole (they may arrive split along the sequence).
+        """
+        mesh = mesh_with_axis(self.axis, "context_parallel", self.mesh)
+        return tuple(None if a is None else _place(a, mesh, P()) for a in arrays)
+
     def plan(self, seq: int, halo: int, rate: int) -> _Plan:
         """Chunk sizes for ``seq`` rows on the axis' devices: ``2N`` chunks, each a multiple of
         ``rate`` rows and at least ``halo`` rows (the sequence is padded up to that)."""

@@ -52,20 +52,21 @@ def check_against_single_device(kind, mesh_shape, s, options, shard_x):
     x = jax.random.normal(jax.random.key(1), (2, s, layer.config.hidden_size))
     seg = packed_segments(2, s)
 
-    def loss(layer, x):
+    def loss(layer, x, seg):
         return jnp.sum(jnp.sin(layer(x, segment_ids=seg)))
 
-    def forward(layer, x):
+    def forward(layer, x, seg):
         return layer(x, segment_ids=seg, return_aux=True)
 
-    want_y, want_aux = forward(layer, x)
-    want_grads = jax.grad(loss, argnums=(0, 1))(layer, x)
+    want_y, want_aux = forward(layer, x, seg)
+    want_grads = jax.grad(loss, argnums=(0, 1))(layer, x, seg)
     mesh = jax.make_mesh(*mesh_shape)
     with jax.set_mesh(mesh):
-        data = "data" if "data" in mesh.axis_names else None
-        xs = jax.device_put(x, NamedSharding(mesh, P(data, "context"))) if shard_x else x
-        y, aux = jax.jit(forward)(cp, xs)
-        grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(cp, xs)
+        if shard_x:  # x and the segment ids split along the sequence (and the batch over data)
+            data = "data" if "data" in mesh.axis_names else None
+            x, seg = (jax.device_put(a, NamedSharding(mesh, P(data, "context"))) for a in (x, seg))
+        y, aux = jax.jit(forward)(cp, x, seg)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(cp, x, seg)
     assert relative_error(y, want_y) < 1e-5
     if kind in ("csa", "v32"):
         sel = np.asarray(want_aux["selection"])
@@ -134,6 +135,14 @@ def test_data_axis_matches_single_device(kind):
     over context (22 rows, padded), the top-k rows over tensor, x sharded over both."""
     options = dict(indexer_sharded_topk=True) if kind in ("csa", "v32") else {}
     check_against_single_device(kind, DATA2_CONTEXT2_TENSOR2, 22, options, True)
+    # the batch is split by the shard_map itself (manual over data), not left to the compiler
+    cp = random_layer(kind).with_execution(ce.Execution.from_options(context_parallel=True))
+    with jax.set_mesh(jax.make_mesh(*DATA2_CONTEXT2_TENSOR2)):
+        jaxpr = jax.make_jaxpr(cp)(jnp.zeros((2, 22, cp.config.hidden_size)))
+    (manual,) = [
+        e.params["newly_manual_axes"] for e in jaxpr.eqns if e.primitive.name == "shard_map"
+    ]
+    assert manual == {"data", "context"}
 
 
 @pytest.mark.parametrize(
@@ -214,6 +223,8 @@ def test_errors_name_axis_and_sizes():
         cp(x)
     with pytest.raises(ValueError, match="context_axis must be a non-empty mesh axis name"):
         ce.Execution.from_options(context_parallel=True, context_axis="")
+    with pytest.raises(ValueError, match="context_axis and data_axis must differ"):
+        ce.Execution.from_options(context_parallel=True, context_axis="data")
     with pytest.raises(ValueError, match="indexer_heads_axis must be None with context"):
         ce.Execution.from_options(context_parallel=True, shard_indexer_acts=True)
     with pytest.raises(NotImplementedError, match="head_parallel"):
