@@ -14,9 +14,17 @@ from test_v4_behaviour import randomise, tiny
 from test_v4_parity import assert_close, untied_rows
 
 import csa_eqx as ce
-from csa_eqx.hf import load_v4_attention
+from csa_eqx.hf import load_v4_attention, load_v32_attention
 from csa_eqx.presets import tiny_v4, tiny_v32
-from csa_eqx.testing import hf_v4_config, random_hf_v4_layer, run_hf_v4, state_dict_numpy
+from csa_eqx.testing import (
+    hf_v4_config,
+    hf_v32_config,
+    random_hf_v4_layer,
+    random_hf_v32_layer,
+    run_hf_v4,
+    run_hf_v32,
+    state_dict_numpy,
+)
 
 CONTEXT8 = ((8,), ("context",))
 CONTEXT4_TENSOR2 = ((4, 2), ("context", "tensor"))
@@ -24,10 +32,10 @@ DATA2_CONTEXT2_TENSOR2 = ((2, 2, 2), ("data", "context", "tensor"))
 
 
 def packed_segments(b, s):
-    """Documents of uneven lengths, several crossing chunk boundaries."""
+    """Row 0: packed documents of uneven lengths crossing chunk boundaries; row 1: one
+    document (unpacked)."""
     seg = np.zeros((b, s), np.int32)
     seg[0, 17:], seg[0, 30:] = 1, 2
-    seg[1, 6:] = 1
     return jnp.asarray(seg)
 
 
@@ -201,6 +209,25 @@ def test_loader_option_matches_transformers():
     for b, t in zip(*np.nonzero(rows), strict=True):
         ours = np.asarray(aux["selection"][b, t])
         assert set(ours[ours >= 0].tolist()) == set(want_topk[b, t][want_topk[b, t] >= 0].tolist())
+
+
+def test_v32_loader_option_matches_transformers():
+    """``load_v32_attention(..., context_parallel=True)`` on a (context=8) mesh gives HF's
+    output and top-k tokens (S = 50: padded to 16 chunks of 4)."""
+    hf_cfg = hf_v32_config(tiny_v32())
+    hf = random_hf_v32_layer(hf_cfg)
+    layer = load_v32_attention(state_dict_numpy(hf), hf_cfg, 0, context_parallel=True)
+    x = np.random.default_rng(0).normal(size=(1, 50, hf_cfg.hidden_size)).astype(np.float32)
+    want, want_topk, scores = run_hf_v32(hf, hf_cfg, x)
+    with jax.set_mesh(jax.make_mesh(*CONTEXT8)):
+        got, aux = jax.jit(lambda layer, x: layer(x, return_aux=True))(layer, x)
+    k = hf_cfg.index_topk
+    rows = untied_rows(scores, k, 1, rel_gap=1e-5)  # HF's top-k is unambiguous
+    assert rows.mean() > 0.5
+    assert_close(np.asarray(got), want, rows)
+    for b, t in zip(*np.nonzero(rows), strict=True):
+        ours, theirs = np.asarray(aux["selection"][b, t]), want_topk[b, t]
+        assert set(ours[ours >= 0].tolist()) == set(theirs[theirs <= t].tolist())
 
 
 def test_zigzag_balances_causal_work():
