@@ -74,20 +74,10 @@ def small_v4(kind: presets.LayerKind, **overrides) -> V4AttentionConfig:
 
 
 def small_v32(**overrides) -> V32AttentionConfig:
-    """A V3.2 layer with the small dims of ``small_v4`` (kv_lora 128, k = 512)."""
-    small = dict(
-        hidden_size=256,
-        num_heads=8,
-        q_lora_rank=128,
-        kv_lora_rank=128,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=32,
-        index_n_heads=8,
-        index_head_dim=32,
-        index_topk=512,
-    )
-    return presets.v32(**(small | overrides))
+    """A V3.2 layer with the shared sizes of ``small_v4`` but k = 512, and MLA latents of 128
+    (nope 32, rope 16, values 32)."""
+    mla = dict(kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+    return presets.v32_sized_as(small_v4("csa"), **(mla | {"index_topk": 512} | overrides))
 
 
 # --- machine --------------------------------------------------------------------------------

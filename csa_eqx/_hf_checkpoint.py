@@ -56,6 +56,18 @@ def _scale_key(name: str) -> str | None:
     return name[: -len("weight")] + "weight_scale_inv" if name.endswith("weight") else None
 
 
+def _check_tensor(
+    label: str, value: np.ndarray, shape: tuple, why: str = "", what: str = "values"
+) -> None:
+    """``ValueError`` (naming ``label``) unless ``value`` has ``shape`` (``why``: what the
+    expected shape follows from) and only finite ``what`` (entries of a scale, values)."""
+    if value.shape != shape:
+        raise ValueError(f"{label} has shape {value.shape}, expected {shape}{why}")
+    bad = int((~np.isfinite(value)).sum())
+    if bad:
+        raise ValueError(f"{label} has {bad} non-finite {what}")
+
+
 def _dequantize(
     name: str, weight: Any, scale: Any, block: tuple[int, int], shown: Callable[[str], str]
 ) -> np.ndarray:
@@ -78,16 +90,13 @@ def _dequantize(
     if w.ndim != 2:
         raise ValueError(f"FP8 tensor {shown(name)!r} has shape {w.shape}; tile scales need 2-D")
     grid = tuple(math.ceil(n / b) for n, b in zip(w.shape, block, strict=True))
-    if s.shape != grid:
-        raise ValueError(
-            f"block scale {shown(scale_name)!r} has shape {s.shape}, expected {grid} "
-            f"(one per {block[0]}x{block[1]} tile of the {w.shape} weight)"
-        )
-    if not np.isfinite(s).all():
-        raise ValueError(
-            f"block scale {shown(scale_name)!r} has {int((~np.isfinite(s)).sum())} non-finite "
-            "entries (an E8M0 byte 0xFF is NaN)"
-        )
+    _check_tensor(
+        f"block scale {shown(scale_name)!r}",
+        s,
+        grid,
+        f" (one per {block[0]}x{block[1]} tile of the {w.shape} weight)",
+        "entries (an E8M0 byte 0xFF is NaN)",
+    )
     full = np.repeat(np.repeat(s, block[0], axis=0), block[1], axis=1)[: w.shape[0], : w.shape[1]]
     return w * full
 
@@ -121,16 +130,7 @@ def load_tree(
     for path, key in names.items():
         current = _get_path(module, path)
         value = _dequantize(key, tensors[key], tensors.get(_scale_key(key) or ""), block, shown)
-        if value.shape != current.shape:
-            raise ValueError(
-                f"{where}: tensor {shown(key)!r} has shape {value.shape}, "
-                f"expected {tuple(current.shape)}"
-            )
-        if not np.isfinite(value).all():
-            raise ValueError(
-                f"{where}: tensor {shown(key)!r} has {int((~np.isfinite(value)).sum())} "
-                "non-finite values"
-            )
+        _check_tensor(f"{where}: tensor {shown(key)!r}", value, tuple(current.shape))
         new = jnp.asarray(value, dtype=current.dtype)
         module = eqx.tree_at(lambda m, p=path: _get_path(m, p), module, new)
     return module

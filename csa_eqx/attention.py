@@ -15,6 +15,7 @@ from beartype import beartype
 from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped
 
 from . import checks
+from .cache import AbstractCache
 from .compressor import segment_positions, token_rows
 from .context import ShardRows, whole_rows
 from .decode import ChunkRows, chunk_rows
@@ -204,7 +205,7 @@ class AbstractIndexedAttention(eqx.Module):
     def extend(
         self,
         x: Float[ArrayLike, "batch seq hidden"],
-        cache: eqx.Module,
+        cache: AbstractCache,
         lengths: Int[ArrayLike, " batch"] | None = None,
         segment_ids: Int[ArrayLike, "batch seq"] | None = None,
         return_aux: bool = False,
@@ -214,7 +215,9 @@ class AbstractIndexedAttention(eqx.Module):
         """Run the chunk ``x`` after the tokens in ``cache``: equal to the full forward over the
         whole stream (prefill, chunked prefill or a decode step; docs/concepts.md, "Decoding:
         prefill and decode with a cache"). The indexer runs the forward's selection strategy
-        and the entries are read as in the forward (``Execution.entry_parts``).
+        and the chunk reads what the forward reads: the entries through
+        ``Execution.entry_parts`` and V4's sliding window through ``Execution.window`` over
+        ``[ring ; chunk]`` rows (``window_history=`` of ``sparse_attention``).
 
         Arguments:
             x: the chunk's hidden states ``[B, T, hidden]``.
@@ -243,7 +246,7 @@ class AbstractIndexedAttention(eqx.Module):
         return (y, cache, {"selection": selection}) if return_aux else (y, cache)
 
     @abc.abstractmethod
-    def extend_rows(self, x: Array, cache: eqx.Module, rows: ChunkRows, stage: str) -> tuple:
+    def extend_rows(self, x: Array, cache: AbstractCache, rows: ChunkRows, stage: str) -> tuple:
         """``extend`` after its checks.
 
         Arguments: the chunk ``x [B, T, hidden]``, the ``cache``, its ``ChunkRows`` and the

@@ -21,6 +21,7 @@ from jaxtyping import Array, Float, Int
 from .compressor import Compressor
 
 __all__ = [
+    "AbstractCache",
     "CompressorState",
     "V4Cache",
     "V32Cache",
@@ -47,7 +48,23 @@ class CompressorState(eqx.Module):
     entries: Float[Array, "batch slots dim"]
 
 
-class V4Cache(eqx.Module):
+class AbstractCache(eqx.Module):
+    """What every layer's cache holds besides its buffers: each row's progress and the
+    static capacity (the module docstring's row bookkeeping).
+
+    Arguments:
+        length, position, segment: int32 ``[B]`` tokens written, the next token's position
+            and the current segment of each row.
+        max_length: static; the most tokens the cache holds.
+    """
+
+    length: Int[Array, " batch"]
+    position: Int[Array, " batch"]
+    segment: Int[Array, " batch"]
+    max_length: int = eqx.field(static=True)
+
+
+class V4Cache(AbstractCache):
     """State of one V4 layer (sliding: window only; HCA: plus one compressor; CSA: plus the
     indexer's compressor at ``index_head_dim``).
 
@@ -57,19 +74,14 @@ class V4Cache(eqx.Module):
     Made by ``V4Attention.init_cache``; ``extend`` returns the next one.
 
     Arguments:
-        length, position, segment: int32 ``[B]`` tokens written, the next token's position
-            and the current segment of each row.
+        length, position, segment, max_length: as in ``AbstractCache``.
         window_kv, window_segment: the last ``sliding_window - 1`` tokens' keys (float
             ``[B, sliding_window - 1, head_dim]``) and segments (int32, ``-1`` = empty).
         entry_end, entry_segment: int32 ``[B, slots]``; entry_count: int32 ``[B]``.
         compressor, indexer: the main and the indexer's ``CompressorState`` (``None`` when
             the layer has none).
-        max_length: static; the most tokens the cache holds.
     """
 
-    length: Int[Array, " batch"]
-    position: Int[Array, " batch"]
-    segment: Int[Array, " batch"]
     window_kv: Float[Array, "batch ring dim"]
     window_segment: Int[Array, "batch ring"]
     entry_end: Int[Array, "batch slots"]
@@ -77,28 +89,23 @@ class V4Cache(eqx.Module):
     entry_count: Int[Array, " batch"]
     compressor: CompressorState | None
     indexer: CompressorState | None
-    max_length: int = eqx.field(static=True)
 
 
-class V32Cache(eqx.Module):
+class V32Cache(AbstractCache):
     """State of one V3.2 layer: the MLA latent ``[c_kv ; k_rope]`` and the indexer key of every
     token so far, and each token's segment (``-1`` = not written). Made by
     ``V32Attention.init_cache``; ``extend`` returns the next one.
 
     Arguments:
-        length, position, segment, max_length: as in ``V4Cache``.
+        length, position, segment, max_length: as in ``AbstractCache``.
         latent: float ``[B, max_length, kv_lora_rank + qk_rope_head_dim]``.
         index_keys: float ``[B, max_length, index_head_dim]``.
         token_segment: int32 ``[B, max_length]``, ``-1`` = not written.
     """
 
-    length: Int[Array, " batch"]
-    position: Int[Array, " batch"]
-    segment: Int[Array, " batch"]
     latent: Float[Array, "batch max_length latent"]
     index_keys: Float[Array, "batch max_length index_dim"]
     token_segment: Int[Array, "batch max_length"]
-    max_length: int = eqx.field(static=True)
 
 
 def empty_rows(batch: int) -> tuple[Array, Array, Array]:

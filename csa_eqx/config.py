@@ -11,6 +11,7 @@ import math
 from typing import Literal
 
 __all__ = [
+    "SHARED_SIZES",
     "YaRNScaling",
     "V4AttentionConfig",
     "V32AttentionConfig",
@@ -135,17 +136,21 @@ def _rope_scaling(cfg) -> None:
     )
 
 
+# the sizes V4's and V3.2's configs share (same names, same rules): width, attention heads,
+# query LoRA rank and the lightning indexer's heads, head dim and k
+SHARED_SIZES = (
+    "hidden_size",
+    "num_heads",
+    "q_lora_rank",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
+)
+
+
 def _check_shared_fields(config) -> None:
     """The checks of the fields V4's and V3.2's configs share (same names, same rules)."""
-    _positive(
-        config,
-        "hidden_size",
-        "num_heads",
-        "q_lora_rank",
-        "index_n_heads",
-        "index_head_dim",
-        "index_topk",
-    )
+    _positive(config, *SHARED_SIZES)
     _finite_positive(config, "rope_theta", "rms_norm_eps")
 
 

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Int
 
-from .cache import CompressorState, V4Cache, V32Cache
+from .cache import AbstractCache, CompressorState
 from .compressor import Compressor, EntryLayout, pool_windows
 
 __all__ = [
@@ -43,7 +43,6 @@ __all__ = [
     "chunk_rows",
     "shift_in",
     "append_rows",
-    "window_indices",
     "closing_layout",
     "compress_chunk",
 ]
@@ -64,7 +63,7 @@ class ChunkRows(eqx.Module):
 
 
 def chunk_rows(
-    cache: V4Cache | V32Cache,
+    cache: AbstractCache,
     seq: int,
     lengths: Int[ArrayLike, " batch"] | None,
     segment_ids: Int[ArrayLike, "batch seq"] | None,
@@ -129,19 +128,6 @@ def append_rows(
     slot = jnp.where(i < count[:, None], start[:, None] + i, buffer.shape[1])
     rows = jnp.arange(buffer.shape[0])[:, None]
     return buffer.at[rows, slot].set(values.astype(buffer.dtype), mode="drop")
-
-
-def window_indices(window_segment: Array, rows: ChunkRows, window: int) -> Array:
-    """Indices ``[B, T, window]`` into ``concat(ring, chunk)`` of each query's window keys
-    (newest first, ``-1`` = outside the segment or empty)."""
-    ring = window_segment.shape[1]
-    seq = rows.segment.shape[1]
-    seg = jnp.concatenate([window_segment, rows.segment], axis=1)
-    idx = ring + jnp.arange(seq, dtype=jnp.int32)[:, None] - jnp.arange(window, dtype=jnp.int32)
-    idx = jnp.broadcast_to(idx, (seg.shape[0],) + idx.shape)
-    key_seg = jnp.take_along_axis(seg, idx.reshape(seg.shape[0], -1), 1).reshape(idx.shape)
-    keep = (key_seg == rows.segment[..., None]) & rows.valid[..., None]
-    return jnp.where(keep, idx, -1)
 
 
 def closing_layout(rows: ChunkRows, ring: int, m: int) -> tuple[EntryLayout, Array]:

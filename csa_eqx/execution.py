@@ -53,9 +53,9 @@ class Execution(eqx.Module):
             ``ShardedSelection(inner, tensor_axis, data_axis)``).
         picks: how the attention reads the picked entries (``AutoPicks()``,
             ``MaskedPicks()``, ``GatheredPicks()``).
-        window: how V4's forward reads the sliding window (``BandWindow()``: a banded matmul,
-            ``GatheredWindow()``: gathered token rows). ``extend`` always gathers from its
-            ring buffer.
+        window: how V4 reads the sliding window (``BandWindow()``: a banded matmul,
+            ``GatheredWindow()``: gathered token rows), in the forward and in ``extend``
+            (there over the cached ring's rows, then the chunk's).
         qk_head_chunk_size: indexer heads (and, for the KL target, attention heads) scored
             at once (0 = all); must divide ``index_n_heads`` (and ``num_heads`` when the
             indexer loss is on).

@@ -12,9 +12,9 @@ either the HF ``config.json`` keys or DeepSeek's own inference keys (``dim``, ``
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -118,13 +118,41 @@ def _split_options(options: dict) -> tuple[dict, Execution]:
     return overrides, Execution.from_options(**flags) if execution is None else execution
 
 
-def _load_v4(tensors, d, layer_idx, *, source, where, shown, dtype, options) -> V4Attention:
+class _Family(NamedTuple):
+    """What differs between loading a V4 and a V3.2 layer."""
+
+    layer: type  # V4Attention / V32Attention
+    layer_config: Callable  # (config dict, layer_idx, source, overrides) -> layer config
+    parameter_names: Callable  # layer config -> {module path: HF parameter name}
+    native_name: Callable  # DeepSeek-native tensor name -> HF name
+    check: Callable  # (layer config, tensor names, where, layer_idx) -> None, or raises
+
+
+def _load(family: _Family, tensors, d, layer_idx, *, source, where, shown, dtype, options):
+    """Build ``family``'s layer ``layer_idx`` from the config dict ``d`` (``source`` says
+    whose keys) and copy ``tensors`` (HF names) into it; errors name ``where`` and ``shown``
+    tensor names."""
     overrides, execution = _split_options(options)
-    cfg = v4_layer_config(d, layer_idx, source, overrides)
-    _check_v4_kind(cfg, set(tensors), where, layer_idx)
-    layer = V4Attention(cfg, key=jax.random.key(0), dtype=dtype, execution=execution)
-    names = v4_parameter_names(cfg)
+    cfg = family.layer_config(d, layer_idx, source, overrides)
+    family.check(cfg, set(tensors), where, layer_idx)
+    layer = family.layer(cfg, key=jax.random.key(0), dtype=dtype, execution=execution)
+    names = family.parameter_names(cfg)
     return load_tree(layer, names, tensors, block_size(d, source), where, shown)
+
+
+def _load_state_dict(family: _Family, state_dict, config, layer_idx, prefix, dtype, options):
+    """The shared body of the ``load_*_attention`` loaders (keys under ``prefix``)."""
+    return _load(
+        family,
+        strip_prefix(state_dict, prefix),
+        as_dict(config),
+        layer_idx,
+        source="config",
+        where=f"state dict of layer {layer_idx}",
+        shown=lambda n: prefix + n,
+        dtype=dtype,
+        options=options,
+    )
 
 
 def load_v4_attention(
@@ -158,17 +186,7 @@ def load_v4_attention(
     **Raises:** ``ValueError`` naming any missing, unexpected, mis-shaped or non-finite tensor,
     and a config whose layer kind does not match the tensors.
     """
-    tensors = strip_prefix(state_dict, prefix)
-    return _load_v4(
-        tensors,
-        as_dict(config),
-        layer_idx,
-        source="config",
-        where=f"state dict of layer {layer_idx}",
-        shown=lambda n: prefix + n,
-        dtype=dtype,
-        options=options,
-    )
+    return _load_state_dict(_V4, state_dict, config, layer_idx, prefix, dtype, options)
 
 
 # DeepSeek's native V4 names -> the HF module's, applied in order to the part after
@@ -191,20 +209,21 @@ _NATIVE_V4_RENAMES = [
 ]
 
 
-def _load_folder(path, layer_idx, layer_config, native_name, load, dtype, options):
+def _load_folder(family: _Family, path, layer_idx, dtype, options):
     """The shared body of the ``load_*_from_safetensors`` loaders: check the config before any
-    I/O, read layer ``layer_idx``'s tensors under HF or DeepSeek-native names (``native_name``
-    maps the latter) and build the layer with ``load``."""
+    I/O, read layer ``layer_idx``'s tensors under HF or DeepSeek-native names and build
+    ``family``'s layer."""
     folder = Path(path)
     d, source = read_config(folder)
-    layer_config(d, layer_idx, source, _split_options(options)[0])  # fails before any I/O
+    family.layer_config(d, layer_idx, source, _split_options(options)[0])  # fails before I/O
     prefixes = {
         f"model.layers.{layer_idx}.self_attn.": lambda n: n,
-        f"model.layers.{layer_idx}.attn.": native_name,
-        f"layers.{layer_idx}.attn.": native_name,
+        f"model.layers.{layer_idx}.attn.": family.native_name,
+        f"layers.{layer_idx}.attn.": family.native_name,
     }
     tensors, origin = read_layer(folder, prefixes)
-    return load(
+    return _load(
+        family,
         tensors,
         d,
         layer_idx,
@@ -222,6 +241,9 @@ def native_v4_name(name: str) -> str:
     Returns: the HF module's parameter name (``q_a_proj.weight``, ``q_a_proj.weight_scale_inv``).
     """
     return rename(name, _NATIVE_V4_RENAMES)
+
+
+_V4 = _Family(V4Attention, v4_layer_config, v4_parameter_names, native_v4_name, _check_v4_kind)
 
 
 def load_v4_attention_from_safetensors(
@@ -245,7 +267,7 @@ def load_v4_attention_from_safetensors(
     **Raises:** ``ValueError`` (``SafetensorsError`` for a corrupt file) naming the file, key
     or tensor at fault; docs/hf.md lists every case.
     """
-    return _load_folder(path, layer_idx, v4_layer_config, native_v4_name, _load_v4, dtype, options)
+    return _load_folder(_V4, path, layer_idx, dtype, options)
 
 
 # --- DeepSeek-V3.2 (DSA) ---------------------------------------------------------------------
@@ -292,12 +314,17 @@ def native_v32_name(name: str) -> str:
     return rename(name, _NATIVE_V32_RENAMES)
 
 
-def _load_v32(tensors, d, layer_idx, *, source, where, shown, dtype, options) -> V32Attention:
-    overrides, execution = _split_options(options)
-    cfg = v32_layer_config(d, layer_idx, source, overrides)
-    layer = V32Attention(cfg, key=jax.random.key(0), dtype=dtype, execution=execution)
-    names = v32_parameter_names()
-    return load_tree(layer, names, tensors, block_size(d, source), where, shown)
+def _any_v32_layer(cfg, present, where, layer_idx) -> None:
+    """Every V3.2 layer is a DSA layer: nothing to check against the tensors."""
+
+
+_V32 = _Family(
+    V32Attention,
+    v32_layer_config,
+    lambda cfg: v32_parameter_names(),  # the same tensors for every layer
+    native_v32_name,
+    _any_v32_layer,
+)
 
 
 def load_v32_attention(
@@ -319,16 +346,7 @@ def load_v32_attention(
 
     **Raises:** ``ValueError`` naming any missing, unexpected, mis-shaped or non-finite tensor.
     """
-    return _load_v32(
-        strip_prefix(state_dict, prefix),
-        as_dict(config),
-        layer_idx,
-        source="config",
-        where=f"state dict of layer {layer_idx}",
-        shown=lambda n: prefix + n,
-        dtype=dtype,
-        options=options,
-    )
+    return _load_state_dict(_V32, state_dict, config, layer_idx, prefix, dtype, options)
 
 
 def load_v32_attention_from_safetensors(
@@ -345,6 +363,4 @@ def load_v32_attention_from_safetensors(
 
     **Returns:** the ``V32Attention``.
     """
-    return _load_folder(
-        path, layer_idx, v32_layer_config, native_v32_name, _load_v32, dtype, options
-    )
+    return _load_folder(_V32, path, layer_idx, dtype, options)

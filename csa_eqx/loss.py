@@ -85,30 +85,43 @@ def _target_mass(q, keys, lse, candidates, scale, head_chunk, spec="bshd,btd->bs
     )
 
 
+class AttentionTarget(NamedTuple):
+    """The main attention the indexer learns from (all detached by the loss).
+
+    Arguments:
+        q: the attention's queries ``[B, S, H, d]``.
+        keys: its keys of the candidates ``[B, T, d]`` (V4: the compressed entries; V3.2: the
+            absorbed MLA keys of the tokens).
+        log_normalizer: each head's float32 log softmax denominator ``[B, S, H]`` over its whole
+            key set, sink included (``sparse_attention(..., return_lse=True)``).
+        scale: its softmax scale.
+    """
+
+    q: Float[Array, "batch seq heads dim"]
+    keys: Float[Array, "batch cands dim"]
+    log_normalizer: Float[Array, "batch seq heads"]
+    scale: float
+
+
 def attention_target(
-    q: Float[Array, "batch seq heads dim"],
-    keys: Float[Array, "batch cands dim"],
-    log_normalizer: Float[Array, "batch seq heads"],
-    candidates: Bool[Array, "batch seq cands"],
-    scale: float,
-    *,
-    head_chunk: int = 0,
+    target: AttentionTarget, candidates: Bool[Array, "batch seq cands"], *, head_chunk: int = 0
 ) -> Float[Array, "batch seq cands"]:
     """The distillation target ``p_t`` (no gradient): the main attention's probability mass on
     each candidate, summed over heads and L1-normalised over the candidates (rows without
     candidates, or without mass, are all zero).
 
-    ``log_normalizer`` is each head's log softmax denominator over the *full* key set (as
-    returned by ``sparse_attention(..., return_lse=True)``), so the probabilities are those of
-    the main attention, not a softmax over the candidates alone (docs/concepts.md, "Training
-    the indexer").
+    ``target.log_normalizer`` is each head's log softmax denominator over the *full* key set
+    (as returned by ``sparse_attention(..., return_lse=True)``), so the probabilities are those
+    of the main attention, not a softmax over the candidates alone (docs/concepts.md,
+    "Training the indexer").
 
-    Arguments: the main attention's ``q [B, S, H, d]``, the candidates' ``keys [B, T, d]``,
-    ``log_normalizer [B, S, H]``, bool ``candidates [B, S, T]``, the softmax ``scale`` and
-    ``head_chunk`` (heads at once, 0 = all).
+    Arguments: the main attention ``target`` (``AttentionTarget``: ``q [B, S, H, d]``, the
+    candidates' ``keys [B, T, d]``, ``log_normalizer [B, S, H]``, ``scale``), bool
+    ``candidates [B, S, T]`` and ``head_chunk`` (heads at once, 0 = all).
 
     Returns: float32 ``[B, S, T]``, rows summing to 1 (or all zero).
     """
+    q, keys, log_normalizer, scale = target
     mass = _target_mass(q, keys, log_normalizer, candidates, scale, head_chunk)
     total = jnp.sum(mass, axis=-1, keepdims=True)
     return mass / jnp.where(total > 0, total, 1.0)
@@ -382,24 +395,6 @@ def _streaming_sparse_kl(
 
 
 _AUTO = AutoSelection()
-
-
-class AttentionTarget(NamedTuple):
-    """The main attention the indexer learns from (all detached by the loss).
-
-    Arguments:
-        q: the attention's queries ``[B, S, H, d]``.
-        keys: its keys of the candidates ``[B, T, d]`` (V4: the compressed entries; V3.2: the
-            absorbed MLA keys of the tokens).
-        log_normalizer: each head's float32 log softmax denominator ``[B, S, H]`` over its whole
-            key set, sink included (``sparse_attention(..., return_lse=True)``).
-        scale: its softmax scale.
-    """
-
-    q: Float[Array, "batch seq heads dim"]
-    keys: Float[Array, "batch cands dim"]
-    log_normalizer: Float[Array, "batch seq heads"]
-    scale: float
 
 
 def projected_indexer_kl_loss(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from .config import V4AttentionConfig, V32AttentionConfig
+from .config import SHARED_SIZES, V4AttentionConfig, V32AttentionConfig
 
 __all__ = [
     "LayerKind",
@@ -21,6 +21,7 @@ __all__ = [
     "v32",
     "tiny_v4",
     "tiny_v32",
+    "v32_sized_as",
 ]
 
 LayerKind = Literal["sliding", "csa", "hca"]
@@ -59,18 +60,6 @@ _TINY_V4 = V4AttentionConfig(
     o_groups=2,
     o_lora_rank=16,
     sliding_window=16,
-    index_n_heads=4,
-    index_head_dim=16,
-    index_topk=8,
-)
-_TINY_V32 = V32AttentionConfig(
-    hidden_size=64,
-    num_heads=4,
-    q_lora_rank=32,
-    kv_lora_rank=32,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=16,
     index_n_heads=4,
     index_head_dim=16,
     index_topk=8,
@@ -122,9 +111,27 @@ def tiny_v4(kind: LayerKind = "csa", **overrides) -> V4AttentionConfig:
     return _v4(_TINY_V4, kind, TINY_HCA_RATE, overrides)
 
 
+def v32_sized_as(config: V4AttentionConfig, **fields) -> V32AttentionConfig:
+    """A V3.2 layer with a V4 layer's shared sizes (``csa_eqx.config.SHARED_SIZES``: width,
+    attention heads, query LoRA rank, indexer heads, head dim and k).
+
+    Arguments:
+        config: the V4 layer whose shared sizes to take.
+        fields: the MLA sizes (``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
+            ``v_head_dim``) and any other field of ``V32AttentionConfig`` to set; the rest are
+            V3.2's defaults.
+
+    Returns: the ``V32AttentionConfig``.
+    """
+    shared = {name: getattr(config, name) for name in SHARED_SIZES}
+    return V32AttentionConfig(**(shared | fields))
+
+
 def tiny_v32(**overrides) -> V32AttentionConfig:
-    """A V3.2 layer small enough for unit tests (hidden 64, 4 heads, indexer 4 x 16, k = 8).
+    """A V3.2 layer small enough for unit tests: ``tiny_v4``'s shared sizes (hidden 64,
+    4 heads, indexer 4 x 16, k = 8) with MLA latents of 32 (nope 16, rope 8, values 16).
 
     Arguments and Returns: as for ``v32``.
     """
-    return dataclasses.replace(_TINY_V32, **overrides)
+    mla = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    return v32_sized_as(_TINY_V4, **(mla | overrides))

@@ -106,25 +106,34 @@ class MaskedPicks(AbstractPicks):
 
 
 class AbstractWindow(eqx.Module):
-    """How the attention reads each query's sliding window of raw tokens."""
+    """How the attention reads each query's sliding window of raw tokens: the forward over
+    the sequence's own rows, ``extend`` over ``[ring ; chunk]`` rows (the ``window - 1``
+    cached tokens before the chunk, then the chunk's own)."""
 
     @abc.abstractmethod
     def parts(
-        self, query_index: Int[Array, "batch seq"], segment: Int[Array, "batch seq"], window: int
+        self,
+        query_index: Int[Array, "batch seq"],
+        segment: Int[Array, "batch seq"],
+        window: int,
+        history: Int[Array, "batch ring"] | None = None,
     ) -> tuple[Int[Array, "batch seq n"], int]:
-        """Arguments: the queries' token rows and segments, and the window length.
+        """Arguments: the queries' own token rows and segments, the window length and the
+        segments of the ``window - 1`` earlier tokens stored before the queries' rows
+        (``extend``'s ring, ``-1`` = empty; ``None``: nothing precedes them).
 
         Returns: ``(indices, band)`` for ``sparse_attention``: per-query indices of window
-        tokens to gather (``[B, S, 0]`` when none; ``-1`` = none) and the ``window=`` of a
-        banded matmul (0 = none).
+        tokens to gather (``[B, S, 0]`` when none; ``-1`` = none; rows counted from the first
+        ``history`` row) and the ``window=`` of a banded matmul (0 = none; pass ``history`` as
+        its ``window_history``).
         """
 
 
 class BandWindow(AbstractWindow):
-    """One banded matmul per query block over a slab of ``block + window - 1`` token rows.
-    Arguments: none."""
+    """One banded matmul per query block over a slab of ``block + window - 1`` token rows
+    (for a single decoded token: its ``window`` rows, what a gather reads). Arguments: none."""
 
-    def parts(self, query_index, segment, window):
+    def parts(self, query_index, segment, window, history=None):
         return jnp.zeros((*query_index.shape, 0), jnp.int32), window
 
 
@@ -132,11 +141,13 @@ class GatheredWindow(AbstractWindow):
     """Gather each query's ``window`` token rows (``t - window < j <= t``, same segment).
     Arguments: none."""
 
-    def parts(self, query_index, segment, window):
+    def parts(self, query_index, segment, window, history=None):
         b, s = query_index.shape
-        idx = query_index[..., None] - jnp.arange(window, dtype=jnp.int32)
-        flat = jnp.clip(idx, 0, s - 1).reshape(b, -1)
-        key_segment = jnp.take_along_axis(segment, flat, axis=1).reshape(idx.shape)
+        before = 0 if history is None else history.shape[1]
+        keys = segment if history is None else jnp.concatenate([history, segment], axis=1)
+        idx = before + query_index[..., None] - jnp.arange(window, dtype=jnp.int32)
+        flat = jnp.clip(idx, 0, before + s - 1).reshape(b, -1)
+        key_segment = jnp.take_along_axis(keys, flat, axis=1).reshape(idx.shape)
         keep = (idx >= 0) & (key_segment == segment[..., None])
         return jnp.where(keep, idx, -1), 0
 
@@ -192,6 +203,7 @@ def sparse_attention(
     dense: DenseKeys | None = None,
     window: int = 0,
     segment: Int[Array, "batch seq"] | None = None,
+    window_history: Int[Array, "batch ring"] | None = None,
 ) -> (
     Float[Array, "batch seq heads vdim"]
     | tuple[Float[Array, "batch seq heads vdim"], Float[Array, "batch seq heads"]]
@@ -211,9 +223,12 @@ def sparse_attention(
     same softmax (their values: ``dense.values``, else the keys as in V4).
 
     ``window > 0`` adds a sliding window by a banded matmul instead of a gather: query ``t``
-    also sees rows ``t - window < j <= t`` of ``kv`` (and ``values``) in its own ``segment``
-    (ids ``[B, S]``); rows ``0..S-1`` of ``kv`` must be the queries' own tokens. Each query
-    block then reads one slab of ``query_block + window - 1`` rows.
+    also sees tokens ``t - window < j <= t`` in its own ``segment`` (ids ``[B, S]``); rows
+    ``0..S-1`` of ``kv`` (and ``values``) must be the queries' own tokens. With
+    ``window_history`` (segment ids ``[B, window - 1]`` of the tokens just before the
+    queries, ``-1`` = none: ``extend``'s ring) those tokens are rows ``0..window-2`` of
+    ``kv`` and the queries' own follow. Each query block then reads one slab of
+    ``query_block + window - 1`` rows.
 
     Arguments:
         q: queries ``[B, S, H, d]``.
@@ -223,8 +238,8 @@ def sparse_attention(
         scale: softmax scale.
         values: ``[B, N, vdim]`` (MLA), default ``kv``.
         return_lse: also return the log-normalisers.
-        query_block, dense, window, segment: as above (docs/concepts.md, "Sparse attention
-            without a dense mask").
+        query_block, dense, window, segment, window_history: as above (docs/concepts.md,
+            "Sparse attention without a dense mask").
 
     Returns:
         ``[B, S, H, vdim]`` in ``q``'s dtype (zeros for a query with no key); with
@@ -252,12 +267,20 @@ def sparse_attention(
         )
     band = None
     if window:  # kv rows (and segments) padded so that every block's slab is in range
-        pad = [(0, 0), (window - 1, n * qb - s)]
+        before = 0 if window_history is None else window - 1  # rows before the queries' own
+        if before and window_history.shape[1] != before:
+            raise ValueError(
+                f"window_history must have window - 1 = {before} rows "
+                f"(got shape {tuple(window_history.shape)})"
+            )
+        pad = [(0, 0), (window - 1 - before, n * qb - s)]
+        key_segment = segment if not before else jnp.concatenate([window_history, segment], 1)
         band = (
-            jnp.pad(kv[:, :s], pad + [(0, 0)]),
-            None if values is None else jnp.pad(values[:, :s], pad + [(0, 0)]),
-            jnp.pad(segment, pad, constant_values=-1),
-            jnp.pad(kv_bad[:, :s], pad),
+            jnp.pad(kv[:, : before + s], pad + [(0, 0)]),
+            None if values is None else jnp.pad(values[:, : before + s], pad + [(0, 0)]),
+            jnp.pad(key_segment, pad, constant_values=-1),
+            jnp.pad(kv_bad[:, : before + s], pad),
+            before,
         )
 
     def body(start: Array, r: dict[str, Array]):
@@ -304,8 +327,9 @@ def sparse_attention(
 def _band_part(band, start: Array, query_segment: Array, window: int, seq: int):
     """Keys, values and mask of the sliding-window slab of the query block starting at row
     ``start``: padded rows ``start .. start + rows + window - 2``, i.e. tokens
-    ``start - window + 1 .. start + rows - 1``."""
-    kv, values, key_segment, key_bad = band
+    ``start - window + 1 .. start + rows - 1`` (those before the first query are real rows
+    only for the ``before`` rows of a window history)."""
+    kv, values, key_segment, key_bad, before = band
     rows = query_segment.shape[1]
     size = rows + window - 1
     keys = jax.lax.dynamic_slice_in_dim(kv, start, size, axis=1)
@@ -315,7 +339,7 @@ def _band_part(band, start: Array, query_segment: Array, window: int, seq: int):
     row = start + jnp.arange(rows)
     token = start - window + 1 + jnp.arange(size)
     lag = row[:, None] - token[None, :]  # [rows, size]
-    mask = (token >= 0) & (lag >= 0) & (lag < window) & (row < seq)[:, None]
+    mask = (token >= -before) & (lag >= 0) & (lag < window) & (row < seq)[:, None]
     mask = mask[None] & (key_segment[:, None, :] == query_segment[:, :, None])
     return keys, vals, mask, key_bad, False
 

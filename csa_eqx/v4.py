@@ -28,7 +28,6 @@ from .decode import (
     closing_layout,
     compress_chunk,
     shift_in,
-    window_indices,
 )
 from .execution import Execution, checked_execution
 from .loss import AttentionTarget, attention_target
@@ -304,14 +303,8 @@ class V4Attention(AbstractIndexedAttention):
             window=c.sliding_window,
             segment=seg,
         )
-        mass = attention_target(
-            q,
-            entries,
-            lse,
-            visibility.mask(),
-            c.head_dim**-0.5,
-            head_chunk=ex.qk_head_chunk_size,
-        )
+        target = AttentionTarget(q, entries, lse, c.head_dim**-0.5)
+        mass = attention_target(target, visibility.mask(), head_chunk=ex.qk_head_chunk_size)
         index_keys = self.indexer.compressor(x, positions, layout)
         problem = self.indexer_problem(x, qr, positions, index_keys, visibility)
         return mass, ex.select(problem, c.index_topk)
@@ -353,10 +346,13 @@ class V4Attention(AbstractIndexedAttention):
     def extend_rows(self, x: Array, cache, rows: ChunkRows, stage: str) -> tuple:
         """``extend`` (see ``AbstractIndexedAttention.extend``) of a checked chunk."""
         c, ex = self.config, self.execution
-        seq = x.shape[1]
+        b, seq = rows.segment.shape
         qr, q, kv = self.project_qkv(x, rows.position)
         ring = cache.window_kv.shape[1]
-        indices = window_indices(cache.window_segment, rows, c.sliding_window)
+        # the window over [ring ; chunk] rows, read as the forward reads it (the band)
+        local = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq))
+        history = cache.window_segment
+        indices, band = ex.window.parts(local, rows.segment, c.sliding_window, history)
         keys = jnp.concatenate([cache.window_kv, kv.astype(cache.window_kv.dtype)], axis=1)
         selection, dense = None, None
         new = dict(
@@ -401,6 +397,9 @@ class V4Attention(AbstractIndexedAttention):
             c.head_dim**-0.5,
             query_block=ex.query_block,
             dense=dense,
+            window=band,
+            segment=rows.segment,
+            window_history=history,
         )
         y = self.project_out(o, rows.position)
         return y, dataclasses.replace(cache, **new), selection

@@ -102,6 +102,19 @@ def test_prefill_steps_and_chunks_equal_full(kind):
             assert (sel >= 0).any() and (sel == -1).any()
 
 
+@pytest.mark.parametrize("window", [ce.BandWindow(), ce.GatheredWindow()], ids=["band", "gathered"])
+def test_csa_chunks_read_the_window_like_the_forward(window):
+    """CSA chunks of several tokens after earlier ones, the window read as a band over
+    ``[ring ; chunk]`` in 4-query blocks or gathered: per element the full forward's outputs,
+    selections bitwise (the HF comparison for sliding / HCA is in test_decode_hf.py)."""
+    layer = make("csa", seed=2).with_execution(ce.Execution(window=window, query_block=4))
+    x = jax.random.normal(jax.random.key(2), (B, T, D))
+    want, aux = full(layer, x, jnp.zeros((B, T), jnp.int32))
+    got, sel, _ = run_chunks(layer, x, [5, 11, 1, 10], layer.init_cache(B, MAXLEN))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    np.testing.assert_array_equal(sel, aux["selection"])
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_padded_rows_decode_like_each_row_alone(kind):
     """Right-padded prefill of rows with different lengths (one empty), then steps in which a

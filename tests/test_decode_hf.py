@@ -3,7 +3,8 @@
 A prefill chunk then single-token steps through HF's cache (sliding window, HCA compressor
 state, V3.2 latent and indexer-key caches) against our ``init_cache`` + ``extend``: outputs
 per element (``rtol=1e-5`` plus ``atol=1e-6·max|HF|``) and, for V3.2, the selections on rows
-whose top-k boundary is untied. The CSA case is ``test_decode.py::test_matches_hf_cached_path``.
+whose top-k boundary is untied; and multi-token chunks after earlier ones, with the window
+read as a band or gathered. The CSA case is ``test_decode.py::test_matches_hf_cached_path``.
 """
 
 import equinox as eqx
@@ -12,6 +13,7 @@ import pytest
 from test_v4_parity import assert_close, untied_rows
 from transformers import DynamicCache
 
+from csa_eqx import BandWindow, Execution, GatheredWindow
 from csa_eqx.hf import load_v4_attention, load_v32_attention
 from csa_eqx.presets import tiny_v4, tiny_v32
 from csa_eqx.testing import (
@@ -58,6 +60,25 @@ def test_v4_matches_hf_cached_path(kind):
     want = np.concatenate(want, 1)
     got, sels = run_ours(load_v4_attention(state_dict_numpy(hf), cfg, 0), x, chunks(prefill, steps))
     assert all(s is None for s in sels)
+    assert_close(got, want, np.ones(got.shape[:2], bool))
+
+
+@pytest.mark.parametrize("window", [BandWindow(), GatheredWindow()], ids=["band", "gathered"])
+@pytest.mark.parametrize("kind", ["sliding", "hca"])
+def test_v4_multi_token_chunks_match_hf_cached_path(kind, window):
+    """Chunks of several tokens after a non-empty ring (window 6), read as a band over
+    ``[ring ; chunk]`` (4-query blocks: slabs that start inside the ring) or gathered."""
+    plan = [(0, 9), (9, 11), (20, 1), (21, 10)]
+    cfg = hf_v4_config(tiny_v4(kind, sliding_window=6))
+    hf = random_hf_v4_layer(cfg, seed=11)
+    x = np.random.default_rng(11).normal(size=(B, 31, cfg.hidden_size)).astype(np.float32)
+    cache, want = DynamicCache(config=cfg), []
+    for start, n in plan:
+        want.append(hf_v4_extend(hf, cfg, x[:, start : start + n], start, cache)[0])
+    want = np.concatenate(want, 1)
+    execution = Execution(window=window, query_block=4)
+    layer = load_v4_attention(state_dict_numpy(hf), cfg, 0, execution=execution)
+    got, _ = run_ours(layer, x, plan)
     assert_close(got, want, np.ones(got.shape[:2], bool))
 
 
