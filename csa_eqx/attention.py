@@ -40,8 +40,7 @@ class AbstractIndexedAttention(eqx.Module):
         execution: how the layer runs (``csa_eqx.Execution``; ``None``: automatic).
 
     A layer implements ``forward_rows`` (its forward over ``ShardRows``), ``extend_rows``,
-    ``init_cache`` and ``entry_rate``; those that allow context parallelism also
-    ``context_halo``.
+    ``init_cache``, ``entry_rate`` and ``context_halo``.
     """
 
     @jaxtyped(typechecker=beartype)
@@ -83,8 +82,10 @@ class AbstractIndexedAttention(eqx.Module):
         if x.size == 0:
             topk = c.index_topk if selects else None
             return checks.empty_outputs(x, topk, selects and stage != "off", return_aux)
-        # context parallel: integer rows of their own (x may be sharded along the sequence)
-        rows_like = x if ex.context is None else jnp.zeros(x.shape[:2], jnp.float32)
+        rows_like = x
+        if ex.context is not None:  # integer rows of their own, whole (x may be split along S)
+            rows_like = jnp.zeros(x.shape[:2], jnp.float32)
+            positions, segment_ids = ex.context.whole(positions, segment_ids)
         seg, query_index = token_rows(rows_like, segment_ids)
         positions = segment_positions(seg) if positions is None else positions
         want_loss = return_aux and selects and stage != "off"
@@ -149,6 +150,12 @@ class AbstractIndexedAttention(eqx.Module):
     def entry_rate(self) -> int:
         """Returns: tokens per entry the attention reads besides its window (V4:
         ``compress_rate``, 0 for a sliding layer; V3.2: 1, every token is an entry)."""
+
+    @property
+    @abc.abstractmethod
+    def context_halo(self) -> int:
+        """Returns: rows before a chunk of the sequence that its forward needs besides the
+        entries (context parallelism's halo)."""
 
     @abc.abstractmethod
     def forward_rows(

@@ -16,6 +16,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike, Bool, Int
 
 from .cache import V4Cache, V32Cache
@@ -59,6 +60,9 @@ def _require(value: Array, bad: Bool[Array, " batch"], message: str, given: Arra
 
 def _reused_ids(ids: Int[Array, "batch n"]) -> Bool[Array, " batch"]:
     """Rows where some id comes back after another id (more runs than distinct ids)."""
+    spec = tuple(jax.typeof(ids).sharding.spec)
+    if len(spec) > 1 and spec[1] is not None:  # split along the sequence: compare on a whole copy
+        ids = jax.reshard(ids, P(spec[0], None))
     runs = jnp.sum(ids[:, 1:] != ids[:, :-1], axis=1)
     ordered = jnp.sort(ids, axis=1)
     return runs > jnp.sum(ordered[:, 1:] != ordered[:, :-1], axis=1)

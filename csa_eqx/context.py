@@ -1,17 +1,19 @@
-"""Context parallelism: a V4 layer's sequence split over a mesh axis (docs/scaling.md).
+"""Context parallelism: a layer's sequence split over a mesh axis (docs/scaling.md).
 
 ``ContextParallel`` runs a layer's per-row forward inside ``jax.shard_map`` over the context
-axis (manual over that axis only; the other mesh axes stay with the compiler). With ``N``
-devices the (padded) sequence is cut into ``2N`` chunks of ``c`` rows and device ``i`` owns
-chunks ``i`` and ``2N - 1 - i`` (zigzag), so every device holds as many early (cheap) as late
-(expensive) causal rows. Each chunk becomes one batch row of the shard, preceded by a *halo*:
-the ``h`` rows before it (the sliding window's ``window - 1`` and the compressor's preceding /
-overlapping window, ``2m - 1`` rows for CSA, ``m - 1`` for HCA). The halo's hidden states
-arrive by ``ppermute`` from the neighbouring chunk's owner, and the shard recomputes their
-projections (``h / c`` extra work, none of it duplicated communication of per-token keys).
-Every shard compresses the windows that close in its own chunks and the compressed entries
-(and the indexer's keys) are all-gathered, ``S / m`` rows. Everything integer (segments,
-positions, the entry layout) is tiny and computed for the whole sequence first.
+axis, and over the data axis when the mesh has one that divides the batch (manual over those
+axes only; the other mesh axes stay with the compiler). With ``N`` devices the (padded)
+sequence is cut into ``2N`` chunks of ``c`` rows and device ``i`` owns chunks ``i`` and
+``2N - 1 - i`` (zigzag), so every device holds as many early (cheap) as late (expensive)
+causal rows. Each chunk becomes one batch row of the shard, preceded by a *halo*: the ``h``
+rows before it (V4: the sliding window's ``window - 1`` and the compressor's preceding /
+overlapping window, ``2m - 1`` rows for CSA, ``m - 1`` for HCA; V3.2: none). The halo's
+hidden states arrive by ``ppermute`` from the neighbouring chunk's owner, and the shard
+recomputes their projections (``h / c`` extra work, none of it duplicated communication of
+per-token keys). Every shard makes the entries of its own chunks (V4: the windows that close
+in them, ``S / m`` rows in all; V3.2: every token's MLA latent and indexer key) and they are
+all-gathered. Everything integer (segments, positions, the entry layout) is tiny and computed
+for the whole sequence first.
 
 Selections are bitwise equal to one device's: each query scores the same keys. The sequence is
 padded at its end to ``2N`` chunks of a multiple of ``m`` rows, each at least ``h`` rows long;
@@ -86,20 +88,33 @@ class _Plan(NamedTuple):
 
 
 class ContextParallel(eqx.Module):
-    """Run a V4 layer's forward with its sequence split over the mesh axis ``axis``
-    (zigzag chunks, halo by ``ppermute``, entries by all-gather; see the module docstring).
+    """Run a layer's forward with its sequence split over the mesh axis ``axis`` (zigzag
+    chunks, halo by ``ppermute``, entries by all-gather; see the module docstring).
 
     Arguments:
         axis: the mesh axis the sequence is split over; the mesh must have it.
+        data_axis: the mesh axis the batch is split over, when the mesh has it and its size
+            divides the batch (otherwise the batch is replicated over it).
         mesh: the mesh (``None``: the one set with ``jax.set_mesh``).
     """
 
     axis: str = "context"
+    data_axis: str = "data"
     mesh: MeshLike | None = None
 
     def __check_init__(self):
-        if not isinstance(self.axis, str) or not self.axis:
-            raise ValueError(f"context_axis must be a non-empty mesh axis name (got {self.axis!r})")
+        for name, value in (("context_axis", self.axis), ("data_axis", self.data_axis)):
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name} must be a non-empty mesh axis name (got {value!r})")
+        if self.axis == self.data_axis:
+            raise ValueError(f"context_axis and data_axis must differ (both are {self.axis!r})")
+
+    def whole(self, *arrays: Array | None) -> tuple[Array | None, ...]:
+        """The integer ``[B, S]`` inputs (positions, segment ids; ``None`` passes) replicated
+        on the mesh: every shard reads them whole (they may arrive split along the sequence).
+        """
+        mesh = mesh_with_axis(self.axis, "context_parallel", self.mesh)
+        return tuple(None if a is None else _place(a, mesh, P()) for a in arrays)
 
     def plan(self, seq: int, halo: int, rate: int) -> _Plan:
         """Chunk sizes for ``seq`` rows on the axis' devices: ``2N`` chunks, each a multiple of
@@ -142,7 +157,9 @@ class ContextParallel(eqx.Module):
             single-device forward returns them, and the ``sums`` summed over the shards.
         """
         mesh = mesh_with_axis(self.axis, "context_parallel", self.mesh)
-        axis, s = self.axis, x.shape[1]
+        axis, (b, s) = self.axis, x.shape[:2]
+        data = self.data_axis
+        dp = data if data in mesh.axis_names and b % mesh.shape[data] == 0 else None
         plan = self.plan(s, halo, rate)
         n, c = plan.devices, plan.chunk
         pad = 2 * n * c - s
@@ -175,14 +192,14 @@ class ContextParallel(eqx.Module):
                 jnp.where(end >= 0, end - offset, -1),
                 *(jnp.take(a, slots, axis=1) for a in layout[1:]),
             )
-        sharded, whole = P(None, axis), P()
+        sharded, whole, batch = P(dp, axis), P(), P(dp)
         args = (params, x, ints, own, layout)
         specs = (
             jax.tree.map(lambda _: whole, params),
             sharded,
             (sharded,) * 3,
             None if own is None else EntryLayout(sharded, sharded, sharded),
-            None if layout is None else EntryLayout(whole, whole, whole),
+            None if layout is None else EntryLayout(batch, batch, batch),
         )
         args = jax.tree.map(lambda a, spec: _place(a, mesh, spec), args, specs)
 
@@ -200,16 +217,16 @@ class ContextParallel(eqx.Module):
             return out + tuple(jnp.reshape(a, (1,)) for a in shard_sums)
 
         out_specs = (sharded, sharded) if selects else (sharded,)
-        out_specs += (P(axis),) * sums
+        out_specs += (P((axis, dp) if dp else axis),) * sums
         # check_vma=False: the selection's loops start their carries from constants, which the
-        # varying-manual-axes check rejects; every output is mapped over the context axis, so
+        # varying-manual-axes check rejects; every output is mapped over the manual axes, so
         # the transpose's psum of the replicated parameters' cotangents is the exact gradient.
         out = jax.shard_map(
             local,
             mesh=mesh,
             in_specs=specs,
             out_specs=out_specs,
-            axis_names=frozenset({axis}),
+            axis_names=frozenset({axis, dp} - {None}),
             check_vma=False,
         )(*args)
         rows_out, summed = out[: len(out) - sums], tuple(jnp.sum(a) for a in out[len(out) - sums :])

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .auto import AutoPicks, AutoSelection
-from .config import V4AttentionConfig
 from .context import ContextParallel
 from .remat import tag_selection
 from .selection import AbstractSelection, SelectionProblem, Visibility
@@ -66,7 +65,7 @@ class Execution(eqx.Module):
         indexer_heads_axis: mesh axis to shard the indexer's per-head activations over
             (``None`` = off); its size must divide ``index_n_heads``.
         context: split the sequence over a mesh axis (``ContextParallel(axis)``; ``None`` =
-            off). V4 layers only; ``extend`` ignores it (decoding runs on one device).
+            off). V4 and V3.2 layers; ``extend`` ignores it (decoding runs on one device).
         indexer_loss: the default training stage of the indexer's KL loss: ``"off"``,
             ``"dense"`` (warm-up: all visible entries, attended densely too) or ``"sparse"``
             (the selected entries). A call can override it (``layer(x, indexer_loss=...)``).
@@ -137,8 +136,9 @@ class Execution(eqx.Module):
                 ``tensor_axis`` (batch over ``data_axis``).
             shard_indexer_acts: ``indexer_heads_axis=tensor_axis``.
             data_axis, tensor_axis: non-empty mesh axis names.
-            context_parallel: split the sequence over the mesh axis ``context_axis``
-                (``context=ContextParallel(context_axis)``; V4 layers).
+            context_parallel: split the sequence over the mesh axis ``context_axis`` and the
+                batch over ``data_axis`` (``context=ContextParallel(context_axis,
+                data_axis)``).
             head_parallel: reserved for head parallelism of the whole layer (not built yet:
                 ``True`` raises ``NotImplementedError``).
 
@@ -178,7 +178,7 @@ class Execution(eqx.Module):
             query_block=query_block,
             save_selection=indexer_save_selection,
             indexer_heads_axis=tensor_axis if shard_indexer_acts else None,
-            context=ContextParallel(context_axis) if context_parallel else None,
+            context=ContextParallel(context_axis, data_axis) if context_parallel else None,
             indexer_loss=indexer_loss,
         )
 
@@ -268,9 +268,4 @@ def checked_execution(execution: Execution | None, config) -> Execution:
     if not isinstance(execution, Execution):
         raise TypeError(f"execution must be a csa_eqx.Execution (got {type(execution).__name__})")
     execution.check(config.index_n_heads, config.num_heads, execution.indexer_loss)
-    if execution.context is not None and not isinstance(config, V4AttentionConfig):
-        raise ValueError(
-            "context_parallel is available for V4 layers (sliding, CSA, HCA) only, not for "
-            f"a {type(config).__name__}"
-        )
     return execution

@@ -54,6 +54,10 @@ def _explicit(mesh: MeshLike, axis: str) -> bool:
     return mesh.axis_types[mesh.axis_names.index(axis)] == AxisType.Explicit
 
 
+def _manual(mesh: MeshLike, axis: str) -> bool:
+    return mesh.axis_types[mesh.axis_names.index(axis)] == AxisType.Manual
+
+
 def _place(x: Array, mesh: MeshLike, spec: P) -> Array:
     """Reshard ``x`` to the Explicit-axis part of ``spec`` (``shard_map`` demands an exact match
     there; for Auto axes it inserts the resharding itself)."""
@@ -81,7 +85,8 @@ class ShardedSelection(AbstractSelection):
         inner: the single-device strategy each shard runs (default ``AutoSelection()``).
         tensor_axis: mesh axis the query rows are split over; the mesh must have it.
         data_axis: mesh axis the batch is split over, when the mesh has it and its size
-            divides the batch (otherwise the batch is replicated).
+            divides the batch (otherwise the batch is replicated; inside context
+            parallelism, which splits the batch over it already, it is left alone).
         mesh: the mesh (``None``: the one set with ``jax.set_mesh``).
 
     A single query row (decode) is not sharded. Rows that do not divide evenly are **padded**
@@ -110,7 +115,9 @@ class ShardedSelection(AbstractSelection):
         out_layout = P(*_row_spec(query_index), None)
         tp = mesh.shape[tensor_axis]
         data = self.data_axis
-        dp = data if data in mesh.axis_names and b % mesh.shape[data] == 0 else None
+        # a data axis already manual (the batch split by context parallelism) is not split again
+        free = data in mesh.axis_names and not _manual(mesh, data)
+        dp = data if free and b % mesh.shape[data] == 0 else None
         pad = -s % tp
         if pad:
             q, weights, query_segment = (_pad_rows(a, pad) for a in (q, weights, query_segment))

@@ -245,19 +245,27 @@ class V32Attention(AbstractIndexedAttention):
         """Returns: 1 (every token is an entry the indexer selects among)."""
         return 1
 
+    @property
+    def context_halo(self) -> int:
+        """Returns: 0: a chunk's rows need nothing of the rows before them but their keys,
+        which context parallelism all-gathers (``ShardRows.gather``)."""
+        return 0
+
     def forward_rows(
         self, x: Float[Array, "batch rows hidden"], rows: ShardRows, stage: str, want_loss=False
     ) -> tuple:
         """The forward over ``rows`` (see ``AbstractIndexedAttention.forward_rows``): sparse
         MLA over the tokens the indexer selects (docs/concepts.md, "DeepSeek-V3.2 DSA"); in
         the ``"dense"`` stage, the warm-up: plain causal MLA over every earlier token of the
-        segment."""
+        segment. Every row is its own entry: under context parallelism the rows' MLA latents
+        and indexer keys are all-gathered into the whole sequence's (``rows.gather``)."""
         positions, seg, query_index = rows[:3]
         qr, queries, keys = self.project_qkv(x, positions)
         visibility = Visibility(query_index, seg, rows.layout)
         # the indexer's keys, once: the selection ignores gradients and the loss must train
         # the indexer only, never x
         index_keys = self.indexer.keys(jax.lax.stop_gradient(x), positions)
+        keys, index_keys = rows.gather(keys), rows.gather(index_keys)
         problem = self.indexer_problem(x, qr, positions, index_keys, visibility)
         selection = self.execution.select(problem, self.config.index_topk)
         o = self._attend(queries, keys, visibility, selection, stage, want_loss)

@@ -9,7 +9,10 @@ Each process writes ``OUT.<PROCESS_ID>.npz``:
   batch-sharded inputs and replicated global weights: its output, selection and the
   gradients of ``sum(y · cotangent)`` with respect to ``x`` and two weight matrices. Each
   array holds only what this process's devices hold (``<name>_known`` marks it): the test
-  checks that the two processes together cover everything and agree with one process.
+  checks that the two processes together cover everything and agree with one process;
+- the same layer context-parallel on an ``(8,)`` ``("context",)`` mesh whose sequence spans
+  both processes (``x`` sharded along the sequence: each process holds half of every row),
+  as ``context_<name>``.
 """
 
 import sys
@@ -47,17 +50,18 @@ def packed_segments(b: int, s: int) -> np.ndarray:
     return seg
 
 
-def make_layer(sharded: bool):
-    """A tiny CSA layer (same weights whatever ``sharded``); ``sharded`` turns on the
-    row-sharded top-k. (``shard_indexer_acts`` fails with weights placed on an Explicit mesh,
-    as multi-process runs need: see ``test_shard_indexer_acts_with_mesh_placed_weights``.)"""
+def make_layer(sharded: bool, context: bool = False):
+    """A tiny CSA layer (same weights whatever the options); ``sharded`` turns on the
+    row-sharded top-k, ``context`` context parallelism. (``shard_indexer_acts`` fails with
+    weights placed on an Explicit mesh, as multi-process runs need: see
+    ``test_shard_indexer_acts_with_mesh_placed_weights``.)"""
     import jax
 
     from csa_eqx import Execution, V4Attention
     from csa_eqx.presets import tiny_v4
 
     config = tiny_v4("csa", sliding_window=8, index_topk=K)
-    execution = Execution.from_options(indexer_sharded_topk=sharded)
+    execution = Execution.from_options(indexer_sharded_topk=sharded, context_parallel=context)
     return V4Attention(config, key=jax.random.key(0), execution=execution)
 
 
@@ -133,16 +137,22 @@ def main(process_id: int, port: int, out: str) -> None:
             sel = jax.jit(lambda *a: sharded_selected(*a, k=K))(*args)
         results[f"sel_{name}"] = np.asarray(sel.addressable_data(0))
 
-    mesh = jax.make_mesh((2, 4), ("data", "tensor"))
-    x, seg, cotangent = (put(a, mesh, P("data")) for a in layer_inputs())
-    assert not x.is_fully_addressable  # each process holds its own batch row
-    layer = jax.tree.map(
-        lambda a: put(np.asarray(a), mesh) if isinstance(a, jax.Array) else a, make_layer(True)
-    )
-    with jax.set_mesh(mesh):
-        got = layer_results(layer, x, seg, cotangent)
-    for name in LAYER_OUTPUTS:
-        results[name], results[f"{name}_known"] = local_part(got[name])
+    runs = [  # (prefix, mesh, input spec, layer options)
+        ("", ((2, 4), ("data", "tensor")), P("data"), dict(sharded=True)),
+        ("context_", ((8,), ("context",)), P(None, "context"), dict(sharded=False, context=True)),
+    ]
+    for prefix, mesh_shape, spec, options in runs:
+        mesh = jax.make_mesh(*mesh_shape)
+        x, seg, cotangent = (put(a, mesh, spec) for a in layer_inputs())
+        assert not x.is_fully_addressable  # each process holds its own rows or tokens
+        layer = jax.tree.map(
+            lambda a, mesh=mesh: put(np.asarray(a), mesh) if isinstance(a, jax.Array) else a,
+            make_layer(**options),
+        )
+        with jax.set_mesh(mesh):
+            got = layer_results(layer, x, seg, cotangent)
+        for name in LAYER_OUTPUTS:
+            results[prefix + name], results[f"{prefix}{name}_known"] = local_part(got[name])
     np.savez(f"{out}.{process_id}.npz", **results)
     jax.distributed.shutdown()
 

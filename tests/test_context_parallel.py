@@ -1,6 +1,7 @@
-"""Context parallelism of the V4 layers on 8 simulated CPU devices: selections bitwise equal
-to the single-device layer, outputs and gradients (parameters and x) within 1e-5, packed
-documents crossing chunk boundaries, sequences that need padding, and the errors."""
+"""Context parallelism of the V4 layers and V3.2 on 8 simulated CPU devices: selections
+bitwise equal to the single-device layer, outputs and gradients (parameters and x) within
+1e-5, packed documents crossing chunk boundaries, sequences that need padding, and the
+errors."""
 
 import equinox as eqx
 import jax
@@ -13,19 +14,28 @@ from test_v4_behaviour import randomise, tiny
 from test_v4_parity import assert_close, untied_rows
 
 import csa_eqx as ce
-from csa_eqx.hf import load_v4_attention
+from csa_eqx.hf import load_v4_attention, load_v32_attention
 from csa_eqx.presets import tiny_v4, tiny_v32
-from csa_eqx.testing import hf_v4_config, random_hf_v4_layer, run_hf_v4, state_dict_numpy
+from csa_eqx.testing import (
+    hf_v4_config,
+    hf_v32_config,
+    random_hf_v4_layer,
+    random_hf_v32_layer,
+    run_hf_v4,
+    run_hf_v32,
+    state_dict_numpy,
+)
 
 CONTEXT8 = ((8,), ("context",))
 CONTEXT4_TENSOR2 = ((4, 2), ("context", "tensor"))
+DATA2_CONTEXT2_TENSOR2 = ((2, 2, 2), ("data", "context", "tensor"))
 
 
 def packed_segments(b, s):
-    """Documents of uneven lengths, several crossing chunk boundaries."""
+    """Row 0: packed documents of uneven lengths crossing chunk boundaries; row 1: one
+    document (unpacked)."""
     seg = np.zeros((b, s), np.int32)
     seg[0, 17:], seg[0, 30:] = 1, 2
-    seg[1, 6:] = 1
     return jnp.asarray(seg)
 
 
@@ -34,29 +44,39 @@ def relative_error(got, want):
     return float(jnp.max(jnp.abs(got - want))) / max(float(jnp.max(jnp.abs(want))), 1e-30)
 
 
+def random_layer(kind):
+    """A tiny layer with random values in every leaf: V4 ``"sliding"`` / ``"csa"`` / ``"hca"``
+    (hidden 32) or ``"v32"`` (hidden 64, k = 8)."""
+    if kind == "v32":
+        return randomise(ce.V32Attention(tiny_v32(), key=jax.random.key(0)))
+    return randomise(ce.V4Attention(tiny(kind), key=jax.random.key(0)))
+
+
 def check_against_single_device(kind, mesh_shape, s, options, shard_x):
     """The context-parallel layer vs the same parameters on one device: forward (output and
     selection) and the gradient of a scalar loss w.r.t. every parameter and x."""
-    layer = randomise(ce.V4Attention(tiny(kind), key=jax.random.key(0)))
+    layer = random_layer(kind)
     cp = layer.with_execution(ce.Execution.from_options(context_parallel=True, **options))
-    x = jax.random.normal(jax.random.key(1), (2, s, 32))
+    x = jax.random.normal(jax.random.key(1), (2, s, layer.config.hidden_size))
     seg = packed_segments(2, s)
 
-    def loss(layer, x):
+    def loss(layer, x, seg):
         return jnp.sum(jnp.sin(layer(x, segment_ids=seg)))
 
-    def forward(layer, x):
+    def forward(layer, x, seg):
         return layer(x, segment_ids=seg, return_aux=True)
 
-    want_y, want_aux = forward(layer, x)
-    want_grads = jax.grad(loss, argnums=(0, 1))(layer, x)
+    want_y, want_aux = forward(layer, x, seg)
+    want_grads = jax.grad(loss, argnums=(0, 1))(layer, x, seg)
     mesh = jax.make_mesh(*mesh_shape)
     with jax.set_mesh(mesh):
-        xs = jax.device_put(x, NamedSharding(mesh, P(None, "context"))) if shard_x else x
-        y, aux = jax.jit(forward)(cp, xs)
-        grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(cp, xs)
+        if shard_x:  # x and the segment ids split along the sequence (and the batch over data)
+            data = "data" if "data" in mesh.axis_names else None
+            x, seg = (jax.device_put(a, NamedSharding(mesh, P(data, "context"))) for a in (x, seg))
+        y, aux = jax.jit(forward)(cp, x, seg)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(cp, x, seg)
     assert relative_error(y, want_y) < 1e-5
-    if kind == "csa":
+    if kind in ("csa", "v32"):
         sel = np.asarray(want_aux["selection"])
         assert (sel == -1).any() and (sel >= 0).any()
         np.testing.assert_array_equal(np.asarray(aux["selection"]), sel)
@@ -89,32 +109,71 @@ def check_against_single_device(kind, mesh_shape, s, options, shard_x):
         ),
         ("hca", CONTEXT4_TENSOR2, 45, {}, False),
         ("sliding", CONTEXT8, 45, {}, False),
+        # V3.2: chunks of 3 tokens (45 rows padded to 48), every token an entry
+        ("v32", CONTEXT8, 45, {}, False),
+        (
+            "v32",
+            CONTEXT4_TENSOR2,
+            36,  # padded to 8 chunks of 5, with x sharded along the sequence
+            dict(
+                indexer_sharded_topk=True,
+                indexer_save_selection=True,
+                qk_head_chunk_size=2,
+                indexer_key_block=4,
+            ),
+            True,
+        ),
     ],
     ids=[
         "csa-context8-padded",
         "csa-context4xtensor2-sharded-x",
         "hca-context4xtensor2",
         "sliding",
+        "v32-context8-padded",
+        "v32-context4xtensor2-sharded-x",
     ],
 )
 def test_matches_single_device(kind, mesh_shape, s, options, shard_x):
     check_against_single_device(kind, mesh_shape, s, options, shard_x)
 
 
+@pytest.mark.parametrize("kind", ["sliding", "csa", "hca", "v32"])
+def test_data_axis_matches_single_device(kind):
+    """(data=2, context=2, tensor=2): the batch split over data (one row each), the sequence
+    over context (22 rows, padded), the top-k rows over tensor, x sharded over both."""
+    options = dict(indexer_sharded_topk=True) if kind in ("csa", "v32") else {}
+    check_against_single_device(kind, DATA2_CONTEXT2_TENSOR2, 22, options, True)
+    # the batch is split by the shard_map itself (manual over data), not left to the compiler
+    cp = random_layer(kind).with_execution(ce.Execution.from_options(context_parallel=True))
+    with jax.set_mesh(jax.make_mesh(*DATA2_CONTEXT2_TENSOR2)):
+        jaxpr = jax.make_jaxpr(cp)(jnp.zeros((2, 22, cp.config.hidden_size)))
+    (manual,) = [
+        e.params["newly_manual_axes"] for e in jaxpr.eqns if e.primitive.name == "shard_map"
+    ]
+    assert manual == {"data", "context"}
+
+
 @pytest.mark.parametrize(
-    "stage, mesh_shape, options",
+    "kind, stage, mesh_shape, options",
     [
-        ("sparse", CONTEXT8, {}),
-        ("dense", CONTEXT4_TENSOR2, dict(indexer_key_block=4, qk_head_chunk_size=2)),
+        ("csa", "sparse", CONTEXT8, {}),
+        ("csa", "dense", CONTEXT4_TENSOR2, dict(indexer_key_block=4, qk_head_chunk_size=2)),
+        ("v32", "sparse", CONTEXT4_TENSOR2, dict(indexer_sharded_topk=True)),
+        ("v32", "dense", CONTEXT8, dict(indexer_key_block=4, qk_head_chunk_size=2)),
     ],
-    ids=["sparse-context8", "dense-streaming-context4xtensor2"],
+    ids=[
+        "csa-sparse-context8",
+        "csa-dense-streaming-context4xtensor2",
+        "v32-sparse-context4xtensor2",
+        "v32-dense-streaming-context8",
+    ],
 )
-def test_indexer_loss_matches_single_device(stage, mesh_shape, options):
+def test_indexer_loss_matches_single_device(kind, stage, mesh_shape, options):
     """The KL loss (a mean over the queries with a candidate, summed over the shards) and the
     gradients of a loss that includes it."""
-    layer = randomise(ce.V4Attention(tiny("csa"), key=jax.random.key(0)))
+    layer = random_layer(kind)
     cp = layer.with_execution(ce.Execution.from_options(context_parallel=True, **options))
-    x = jax.random.normal(jax.random.key(1), (2, 45, 32))
+    x = jax.random.normal(jax.random.key(1), (2, 45, layer.config.hidden_size))
     seg = packed_segments(2, 45)
 
     def loss(layer, x):
@@ -152,6 +211,25 @@ def test_loader_option_matches_transformers():
         assert set(ours[ours >= 0].tolist()) == set(want_topk[b, t][want_topk[b, t] >= 0].tolist())
 
 
+def test_v32_loader_option_matches_transformers():
+    """``load_v32_attention(..., context_parallel=True)`` on a (context=8) mesh gives HF's
+    output and top-k tokens (S = 50: padded to 16 chunks of 4)."""
+    hf_cfg = hf_v32_config(tiny_v32())
+    hf = random_hf_v32_layer(hf_cfg)
+    layer = load_v32_attention(state_dict_numpy(hf), hf_cfg, 0, context_parallel=True)
+    x = np.random.default_rng(0).normal(size=(1, 50, hf_cfg.hidden_size)).astype(np.float32)
+    want, want_topk, scores = run_hf_v32(hf, hf_cfg, x)
+    with jax.set_mesh(jax.make_mesh(*CONTEXT8)):
+        got, aux = jax.jit(lambda layer, x: layer(x, return_aux=True))(layer, x)
+    k = hf_cfg.index_topk
+    rows = untied_rows(scores, k, 1, rel_gap=1e-5)  # HF's top-k is unambiguous
+    assert rows.mean() > 0.5
+    assert_close(np.asarray(got), want, rows)
+    for b, t in zip(*np.nonzero(rows), strict=True):
+        ours, theirs = np.asarray(aux["selection"][b, t]), want_topk[b, t]
+        assert set(ours[ours >= 0].tolist()) == set(theirs[theirs <= t].tolist())
+
+
 def test_zigzag_balances_causal_work():
     """Device i owns chunks i and 2N - 1 - i: the causal work (keys visible to its rows) is
     the same on every device."""
@@ -170,10 +248,10 @@ def test_errors_name_axis_and_sizes():
     no_axis = pytest.raises(ValueError, match=r"context_parallel needs a mesh axis named 'context'")
     with jax.set_mesh(jax.make_mesh((8,), ("tensor",))), no_axis:
         cp(x)
-    with pytest.raises(ValueError, match="V4 layers .* only, not for a V32AttentionConfig"):
-        ce.V32Attention(tiny_v32(), key=jax.random.key(0), execution=cp.execution)
     with pytest.raises(ValueError, match="context_axis must be a non-empty mesh axis name"):
         ce.Execution.from_options(context_parallel=True, context_axis="")
+    with pytest.raises(ValueError, match="context_axis and data_axis must differ"):
+        ce.Execution.from_options(context_parallel=True, context_axis="data")
     with pytest.raises(ValueError, match="indexer_heads_axis must be None with context"):
         ce.Execution.from_options(context_parallel=True, shard_indexer_acts=True)
     with pytest.raises(NotImplementedError, match="head_parallel"):

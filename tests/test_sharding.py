@@ -1,6 +1,7 @@
 """Row-sharded top-k (indexer_sharded_topk) and head-sharded indexer activations
 (shard_indexer_acts) on 8 CPU devices, plus the same selection across 2 processes."""
 
+import itertools
 import os
 import socket
 import subprocess
@@ -192,7 +193,8 @@ def test_two_processes_match_single_process(tmp_path):
 
     The sharded selection on global (8,) and (2, 4) meshes equals the unsharded one bitwise
     in both processes. The full CSA layer with batch-sharded inputs and replicated global
-    weights on the (2, 4) mesh (row-sharded top-k): the parts each process holds of
+    weights on the (2, 4) mesh (row-sharded top-k), and the same layer context-parallel on an
+    (8,) context mesh whose sequence spans both processes: the parts each process holds of
     the output, the selection and the gradients (input, two weights) equal one plain process's
     run, and the two processes together hold all of them.
     """
@@ -231,21 +233,21 @@ def test_two_processes_match_single_process(tmp_path):
 
     x, seg, cotangent = mp_worker.layer_inputs()
     want = mp_worker.layer_results(mp_worker.make_layer(sharded=False), x, seg, cotangent)
-    for name in mp_worker.LAYER_OUTPUTS:
-        ref = np.asarray(want[name])
-        assert (got[0][f"{name}_known"] | got[1][f"{name}_known"]).all(), name
+    for prefix, name in itertools.product(("", "context_"), mp_worker.LAYER_OUTPUTS):
+        ref, key = np.asarray(want[name]), prefix + name
+        assert (got[0][f"{key}_known"] | got[1][f"{key}_known"]).all(), key
         for part in got:
-            known = part[f"{name}_known"]
-            assert known.any(), name
+            known = part[f"{key}_known"]
+            assert known.any(), key
             if name == "selection":
-                np.testing.assert_array_equal(part[name][known], ref[known])
+                np.testing.assert_array_equal(part[key][known], ref[known])
             else:
                 np.testing.assert_allclose(
-                    part[name][known],
+                    part[key][known],
                     ref[known],
                     rtol=1e-5,
                     atol=1e-6 * np.abs(ref).max(),
-                    err_msg=name,
+                    err_msg=key,
                 )
 
 
