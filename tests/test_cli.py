@@ -107,6 +107,7 @@ def test_bad_arguments(argv, message, capsys):
     [
         (["--seq-len", "40", "--pairs", "16", "--keys", "16"], "seq_len=40"),
         (["--pairs", "8", "--keys", "4"], "n_keys"),
+        (["--pairs", "4", "--keys", "16"], "start_seq_len=32 is too short: seq_len=32 leaves"),
     ],
 )
 def test_train_reports_bad_config(argv, message, tmp_path, capsys):

@@ -56,7 +56,7 @@ class TrainConfig:
 
     name: str = "demo"
     seq_len: int = 512
-    start_seq_len: int = 64
+    start_seq_len: int = 32
     batch_size: int = 32
     n_pairs: int = 1
     n_keys: int = 1
@@ -64,7 +64,7 @@ class TrainConfig:
     dense_steps: int = 300
     warmup_steps: int = 20
     sparse_steps: int = 60
-    learning_rate: float = 1e-2
+    learning_rate: float = 3e-3
     lr_warmup_steps: int = 10  # per phase: linear warm-up, then cosine decay to 10% at its end
     grad_clip: float = 1.0  # global gradient-norm clip
     short_batch_scale: int = 4  # rows shorter than seq_len come in up to 4x larger batches
@@ -117,6 +117,13 @@ class TrainConfig:
         if self.controls and self.variant != "csa":
             raise ValueError(f"a {self.variant!r} control run has no controls of its own")
         self.model_config()  # the task and the model check their own fields
+        if self.dense_steps:
+            try:
+                self.task(self.curriculum()[0])
+            except ValueError as err:
+                raise ValueError(
+                    f"start_seq_len={self.start_seq_len} is too short: {err}"
+                ) from None
 
     @property
     def total_steps(self) -> int:
@@ -139,13 +146,18 @@ class TrainConfig:
             return "dense"
         return "warmup" if step < self.dense_steps + self.warmup_steps else "sparse"
 
+    def curriculum(self) -> list[int]:
+        """The row lengths of the dense phase: ``start_seq_len`` doubled up to ``seq_len``."""
+        lengths = [min(self.start_seq_len, self.seq_len)]
+        while lengths[-1] < self.seq_len:
+            lengths.append(min(2 * lengths[-1], self.seq_len))
+        return lengths
+
     def seq_len_at(self, step: int) -> int:
         """Curriculum: the dense phase starts at ``start_seq_len`` for half of its steps (a
         retrieval circuit is found far faster in short rows), then doubles the length in equal
         shares of the other half up to ``seq_len``; the later phases use ``seq_len``."""
-        lengths = [min(self.start_seq_len, self.seq_len)]
-        while lengths[-1] < self.seq_len:
-            lengths.append(min(2 * lengths[-1], self.seq_len))
+        lengths = self.curriculum()
         if step >= self.dense_steps:
             return self.seq_len
         half = self.dense_steps // 2
