@@ -2,6 +2,8 @@
 single-device layer, outputs and gradients (parameters and x) within 1e-5, the loader option
 against HF transformers, the per-device weight shards, and the errors."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -30,6 +32,23 @@ def random_layer(kind):
     return randomise(ce.V4Attention(tiny(kind, o_groups=4), key=jax.random.key(0)))
 
 
+def loss(layer, x):
+    return jnp.sum(jnp.sin(layer(x, segment_ids=packed_segments(2, 45))))
+
+
+def forward(layer, x):
+    return layer(x, segment_ids=packed_segments(2, 45), return_aux=True)
+
+
+@functools.cache
+def single_device(kind):
+    """The layer, its input, and its single-device output, aux and gradients (once per kind)."""
+    layer = random_layer(kind)
+    x = jax.random.normal(jax.random.key(1), (2, 45, layer.config.hidden_size))
+    y, aux = jax.jit(forward)(layer, x)
+    return layer, x, y, aux, jax.jit(jax.grad(loss, argnums=(0, 1)))(layer, x)
+
+
 @pytest.mark.parametrize(
     "kind, mesh_shape",
     [
@@ -52,19 +71,8 @@ def random_layer(kind):
 def test_matches_single_device(kind, mesh_shape):
     """Forward (output, selection) and the gradient of a scalar loss w.r.t. every parameter
     and x, packed documents in row 0; x sharded over data when the mesh has it."""
-    layer = random_layer(kind)
+    layer, x, want_y, want_aux, want_grads = single_device(kind)
     hp = layer.with_execution(ce.Execution.from_options(head_parallel=True))
-    x = jax.random.normal(jax.random.key(1), (2, 45, layer.config.hidden_size))
-    seg = packed_segments(2, 45)
-
-    def loss(layer, x):
-        return jnp.sum(jnp.sin(layer(x, segment_ids=seg)))
-
-    def forward(layer, x):
-        return layer(x, segment_ids=seg, return_aux=True)
-
-    want_y, want_aux = jax.jit(forward)(layer, x)
-    want_grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(layer, x)
     mesh = jax.make_mesh(*mesh_shape)
     with jax.set_mesh(mesh):
         if "data" in mesh.axis_names:
