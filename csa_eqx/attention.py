@@ -40,7 +40,7 @@ class AbstractIndexedAttention(eqx.Module):
         execution: how the layer runs (``csa_eqx.Execution``; ``None``: automatic).
 
     A layer implements ``forward_rows`` (its forward over ``ShardRows``), ``extend_rows``,
-    ``init_cache``, ``entry_rate`` and ``context_halo``.
+    ``init_cache``, ``entry_rate``, ``context_halo`` and ``head_specs``.
     """
 
     @jaxtyped(typechecker=beartype)
@@ -168,8 +168,9 @@ class AbstractIndexedAttention(eqx.Module):
             selects=self.indexer is not None,
         )
 
+    @abc.abstractmethod
     def head_specs(self, axis: str) -> tuple:
-        """How head parallelism splits the layer's arrays (only V4 layers implement it).
+        """How head parallelism splits the layer's arrays.
 
         Arguments: the mesh ``axis`` the heads are split over.
 
@@ -177,9 +178,6 @@ class AbstractIndexedAttention(eqx.Module):
         eqx.is_array)[0]``) to a ``PartitionSpec`` per array, and the head counts the axis size
         must divide (by config field name).
         """
-        raise NotImplementedError(
-            f"head_parallel is built for V4Attention only (not {type(self).__name__} yet)"
-        )
 
     @staticmethod
     def _has_candidates(rows: ShardRows, selection: Array, stage: str) -> Array:

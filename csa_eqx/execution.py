@@ -68,7 +68,7 @@ class Execution(eqx.Module):
         context: split the sequence over a mesh axis (``ContextParallel(axis)``; ``None`` =
             off). V4 and V3.2 layers; ``extend`` ignores it (decoding runs on one device).
         heads: split the attention heads over a mesh axis (``HeadParallel(axis)``; ``None`` =
-            off). V4 layers; not with ``context``, ``indexer_heads_axis``, a
+            off). V4 and V3.2 layers; not with ``context``, ``indexer_heads_axis``, a
             ``ShardedSelection`` or a default ``indexer_loss`` other than ``"off"``;
             ``extend`` ignores it.
         indexer_loss: the default training stage of the indexer's KL loss: ``"off"``,
@@ -172,7 +172,7 @@ class Execution(eqx.Module):
                 batch over ``data_axis`` (``context=ContextParallel(context_axis,
                 data_axis)``).
             head_parallel: split the attention heads over ``tensor_axis`` and the batch over
-                ``data_axis`` (``heads=HeadParallel(tensor_axis, data_axis)``; V4 layers).
+                ``data_axis`` (``heads=HeadParallel(tensor_axis, data_axis)``).
 
         Returns:
             An ``Execution``.

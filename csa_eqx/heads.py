@@ -3,13 +3,14 @@ parallelism").
 
 ``HeadParallel`` runs a layer's forward inside ``jax.shard_map`` over the tensor axis (and over
 the data axis when the mesh has one that divides the batch; the other mesh axes stay with the
-compiler). Each device holds the weights of ``num_heads / T`` query heads: its rows of the
+compiler). Each device holds the weights of ``num_heads / T`` query heads (V4: its rows of the
 query projection, its sinks, its groups of the grouped output projection and the matching
-input columns of the last output projection, so its output is a partial sum of the layer's;
-the partial outputs are summed over the axis (an all-reduce). Everything the heads share (the
-query latent, the shared key/value, the compressed entries, the indexer and its top-k) is
-computed on every device from replicated weights, so the selection is the single-device one
-bitwise.
+input columns of the last output projection; V3.2: its rows of the query and key/value
+up-projections and its input columns of the output projection), so its output is a partial
+sum of the layer's; the partial outputs are summed over the axis (an all-reduce). Everything
+the heads share (the query latent, V4's shared key/value or V3.2's MLA latent, the compressed
+entries, the indexer and its top-k) is computed on every device from replicated weights, so
+the selection is the single-device one bitwise.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from jaxtyping import Array, Float, Int
 
 from .sharding import MeshLike, _place, mesh_with_axis
 
-__all__ = ["HeadParallel"]
+__all__ = ["HeadParallel", "split_specs"]
 
 
 class HeadParallel(eqx.Module):
@@ -32,7 +33,7 @@ class HeadParallel(eqx.Module):
 
     Arguments:
         axis: the mesh axis the heads are split over; the mesh must have it and its size must
-            divide the layer's head counts (V4: ``num_heads`` and ``o_groups``).
+            divide the layer's head counts (``num_heads``; V4: ``o_groups`` too).
         data_axis: the mesh axis the batch is split over, when the mesh has it and its size
             divides the batch (otherwise the batch is replicated over it).
         mesh: the mesh (``None``: the one set with ``jax.set_mesh``).
@@ -107,3 +108,20 @@ class HeadParallel(eqx.Module):
         )(*args)
         y = jnp.sum(out[0], axis=0, dtype=jnp.float32).astype(x.dtype)
         return y, out[1] if selects else None
+
+
+def split_specs(split: dict[str, P]) -> Callable:
+    """Arguments: the per-head weights, by attribute name, with their ``PartitionSpec``.
+
+    Returns: a function from a layer's arrays (``eqx.partition(layer, eqx.is_array)[0]``) to a
+    ``PartitionSpec`` per array: ``split``'s for those weights, ``P()`` (replicated) for the
+    rest.
+    """
+
+    def specs(params):
+        whole = jax.tree.map(lambda _: P(), params)
+        return eqx.tree_at(
+            lambda p: [getattr(p, name) for name in split], whole, list(split.values())
+        )
+
+    return specs

@@ -31,6 +31,7 @@ from .decode import (
     shift_in,
 )
 from .execution import Execution, checked_execution
+from .heads import split_specs
 from .loss import AttentionTarget, attention_target
 from .ops import init_linear, linear, rms_norm
 from .rope import apply_rope_interleaved, rope_inv_freq
@@ -225,19 +226,14 @@ class V4Attention(AbstractIndexedAttention):
         ``o_a_proj``'s rows and ``o_b_proj``'s input columns are split (heads and groups are
         contiguous blocks, so each device's heads feed its groups); every other array is
         replicated. See ``AbstractIndexedAttention.head_specs``."""
-        split = {
-            "q_b_proj": P(axis, None),
-            "sinks": P(axis),
-            "o_a_proj": P(axis, None),
-            "o_b_proj": P(None, axis),
-        }
-
-        def specs(params):
-            whole = jax.tree.map(lambda _: P(), params)
-            return eqx.tree_at(
-                lambda p: [getattr(p, name) for name in split], whole, list(split.values())
-            )
-
+        specs = split_specs(
+            {
+                "q_b_proj": P(axis, None),
+                "sinks": P(axis),
+                "o_a_proj": P(axis, None),
+                "o_b_proj": P(None, axis),
+            }
+        )
         return specs, {"num_heads": self.config.num_heads, "o_groups": self.config.o_groups}
 
     def forward_rows(

@@ -1,6 +1,6 @@
-"""Head parallelism of the V4 layers on simulated CPU devices: selections bitwise equal to the
-single-device layer, outputs and gradients (parameters and x) within 1e-5, the loader option
-against HF transformers, the per-device weight shards, and the errors."""
+"""Head parallelism of the V4 layers and V3.2 on simulated CPU devices: selections bitwise
+equal to the single-device layer, outputs and gradients (parameters and x) within 1e-5, the
+loader option against HF transformers, the per-device weight shards, and the errors."""
 
 import functools
 
@@ -27,8 +27,10 @@ HEAD_SPLIT = {"q_b_proj": 0, "sinks": 0, "o_a_proj": 0, "o_b_proj": 1}  # name -
 
 
 def random_layer(kind):
-    """A tiny V4 layer (hidden 32, 4 heads x 16, 4 output groups) with random values in every
-    leaf."""
+    """A tiny layer with random values in every leaf: V4 ``"sliding"`` / ``"csa"`` / ``"hca"``
+    (hidden 32, 4 heads x 16, 4 output groups) or ``"v32"`` (hidden 64, 4 heads, k = 8)."""
+    if kind == "v32":
+        return randomise(ce.V32Attention(tiny_v32(), key=jax.random.key(0)))
     return randomise(ce.V4Attention(tiny(kind, o_groups=4), key=jax.random.key(0)))
 
 
@@ -58,6 +60,8 @@ def single_device(kind):
         ("hca", TENSOR4),
         ("hca", DATA2_TENSOR2),
         ("sliding", TENSOR2),
+        ("v32", TENSOR4),
+        ("v32", DATA2_TENSOR2),
     ],
     ids=[
         "csa-tensor2",
@@ -66,6 +70,8 @@ def single_device(kind):
         "hca-tensor4",
         "hca-data2xtensor2",
         "sliding-tensor2",
+        "v32-tensor4",
+        "v32-data2xtensor2",
     ],
 )
 def test_matches_single_device(kind, mesh_shape):
@@ -81,7 +87,7 @@ def test_matches_single_device(kind, mesh_shape):
         grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(hp, x)
         jaxpr = jax.make_jaxpr(forward)(hp, x)
     assert relative_error(y, want_y) < 1e-5
-    if kind == "csa":
+    if kind in ("csa", "v32"):
         sel = np.asarray(want_aux["selection"])
         assert (sel == -1).any() and (sel >= 0).any()
         np.testing.assert_array_equal(np.asarray(aux["selection"]), sel)
@@ -179,8 +185,8 @@ def test_errors_name_axis_and_sizes():
     ):
         with jax.set_mesh(jax.make_mesh(*mesh_shape)), pytest.raises(error, match=match):
             two_groups(x, **call)
-    v32_only = pytest.raises(NotImplementedError, match="head_parallel is built for V4Attention")
-    with jax.set_mesh(jax.make_mesh(*TENSOR2)), v32_only:
+    v32_heads = pytest.raises(ValueError, match="'tensor' has 8 devices.*divide num_heads=4")
+    with jax.set_mesh(jax.make_mesh((8,), ("tensor",))), v32_heads:
         v32(jnp.zeros((1, 8, v32.config.hidden_size)))
     for other, match in (
         (dict(context_parallel=True), "context parallelism"),
