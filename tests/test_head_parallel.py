@@ -16,9 +16,17 @@ from test_v4_behaviour import randomise, tiny
 from test_v4_parity import assert_close, untied_rows
 
 import csa_eqx as ce
-from csa_eqx.hf import load_v4_attention
+from csa_eqx.hf import load_v4_attention, load_v32_attention
 from csa_eqx.presets import tiny_v4, tiny_v32
-from csa_eqx.testing import hf_v4_config, random_hf_v4_layer, run_hf_v4, state_dict_numpy
+from csa_eqx.testing import (
+    hf_v4_config,
+    hf_v32_config,
+    random_hf_v4_layer,
+    random_hf_v32_layer,
+    run_hf_v4,
+    run_hf_v32,
+    state_dict_numpy,
+)
 
 TENSOR2 = ((2,), ("tensor",))
 TENSOR4 = ((4,), ("tensor",))
@@ -165,6 +173,24 @@ def test_loader_option_matches_transformers():
     for b, t in zip(*np.nonzero(rows), strict=True):
         ours = np.asarray(aux["selection"][b, t])
         assert set(ours[ours >= 0].tolist()) == set(want_topk[b, t][want_topk[b, t] >= 0].tolist())
+
+
+def test_v32_loader_option_matches_transformers():
+    """``load_v32_attention(..., head_parallel=True)`` under a (tensor=4) mesh gives HF's
+    output and top-k tokens."""
+    hf_cfg = hf_v32_config(tiny_v32())
+    hf = random_hf_v32_layer(hf_cfg)
+    layer = load_v32_attention(state_dict_numpy(hf), hf_cfg, 0, head_parallel=True)
+    x = np.random.default_rng(0).normal(size=(1, 30, hf_cfg.hidden_size)).astype(np.float32)
+    want, want_topk, scores = run_hf_v32(hf, hf_cfg, x)
+    with jax.set_mesh(jax.make_mesh(*TENSOR4)):
+        got, aux = jax.jit(lambda layer, x: layer(x, return_aux=True))(layer, x)
+    rows = untied_rows(scores, hf_cfg.index_topk, 1, rel_gap=1e-5)  # HF's top-k is unambiguous
+    assert rows.mean() > 0.5
+    assert_close(np.asarray(got), want, rows)
+    for b, t in zip(*np.nonzero(rows), strict=True):
+        ours, theirs = np.asarray(aux["selection"][b, t]), want_topk[b, t]
+        assert set(ours[ours >= 0].tolist()) == set(theirs[theirs <= t].tolist())
 
 
 def test_errors_name_axis_and_sizes():
