@@ -7,6 +7,7 @@ from .config import V4AttentionConfig, V32AttentionConfig, YaRNScaling
 from .context import ContextParallel
 from .execution import Execution, IndexerLossStage
 from .generate import generate
+from .heads import HeadParallel
 from .indexer import indexer_scores
 from .loss import AttentionTarget, indexer_kl_loss, projected_indexer_kl_loss
 from .remat import SELECTION_NAME, compose_selection_policy
@@ -48,6 +49,7 @@ __all__ = [
     "EntryLayout",
     "Execution",
     "ContextParallel",
+    "HeadParallel",
     "GatheredPicks",
     "GatheredWindow",
     "Indexer",

@@ -40,7 +40,7 @@ class AbstractIndexedAttention(eqx.Module):
         execution: how the layer runs (``csa_eqx.Execution``; ``None``: automatic).
 
     A layer implements ``forward_rows`` (its forward over ``ShardRows``), ``extend_rows``,
-    ``init_cache``, ``entry_rate`` and ``context_halo``.
+    ``init_cache``, ``entry_rate``, ``context_halo`` and ``head_specs``.
     """
 
     @jaxtyped(typechecker=beartype)
@@ -89,7 +89,15 @@ class AbstractIndexedAttention(eqx.Module):
         seg, query_index = token_rows(rows_like, segment_ids)
         positions = segment_positions(seg) if positions is None else positions
         want_loss = return_aux and selects and stage != "off"
-        if ex.context is None:
+        if ex.heads is not None:
+            if want_loss:
+                raise ValueError(
+                    f"indexer_loss={stage!r} is not composable with head_parallel yet (the KL "
+                    "target needs every head): use indexer_loss='off' with head parallelism"
+                )
+            y, selection = self._head_parallel_forward(x, positions, seg, query_index, stage)
+            loss = None
+        elif ex.context is None:
             rows = whole_rows(positions, seg, query_index, self.entry_rate)
             y, selection, (problem, target) = self.forward_rows(x, rows, stage, want_loss)
             loss = self._kl_loss(problem, target, selection, stage) if want_loss else None
@@ -135,6 +143,41 @@ class AbstractIndexedAttention(eqx.Module):
         )
         loss = sums[0] / jnp.maximum(sums[1], 1.0) if want_loss else None
         return y, selection, loss
+
+    def _head_parallel_forward(self, x, positions, seg, query_index, stage: str) -> tuple:
+        """``forward_rows`` run head-parallel (``execution.heads``) over whole rows.
+
+        Returns: ``(y, selection or None)``.
+        """
+        params, static = eqx.partition(self, eqx.is_array)
+        specs, heads = self.head_specs(self.execution.heads.axis)
+
+        def body(params, x, positions, seg, query_index):
+            layer = eqx.combine(params, static)
+            rows = whole_rows(positions, seg, query_index, layer.entry_rate)
+            y, selection, _ = layer.forward_rows(x, rows, stage, False)
+            return y, selection
+
+        return self.execution.heads.apply(
+            body,
+            params,
+            specs(params),
+            heads,
+            x,
+            (positions, seg, query_index),
+            selects=self.indexer is not None,
+        )
+
+    @abc.abstractmethod
+    def head_specs(self, axis: str) -> tuple:
+        """How head parallelism splits the layer's arrays.
+
+        Arguments: the mesh ``axis`` the heads are split over.
+
+        Returns: ``(specs, heads)``: a function from the layer's arrays (``eqx.partition(layer,
+        eqx.is_array)[0]``) to a ``PartitionSpec`` per array, and the head counts the axis size
+        must divide (by config field name).
+        """
 
     @staticmethod
     def _has_candidates(rows: ShardRows, selection: Array, stage: str) -> Array:

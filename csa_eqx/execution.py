@@ -19,6 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from .auto import AutoPicks, AutoSelection
 from .context import ContextParallel
+from .heads import HeadParallel
 from .remat import tag_selection
 from .selection import AbstractSelection, SelectionProblem, Visibility
 from .sharding import ShardedSelection, constrain_heads, tensor_axis_auto
@@ -66,6 +67,10 @@ class Execution(eqx.Module):
             (``None`` = off); its size must divide ``index_n_heads``.
         context: split the sequence over a mesh axis (``ContextParallel(axis)``; ``None`` =
             off). V4 and V3.2 layers; ``extend`` ignores it (decoding runs on one device).
+        heads: split the attention heads over a mesh axis (``HeadParallel(axis)``; ``None`` =
+            off). V4 and V3.2 layers; not with ``context``, ``indexer_heads_axis``, a
+            ``ShardedSelection`` or a default ``indexer_loss`` other than ``"off"``;
+            ``extend`` ignores it.
         indexer_loss: the default training stage of the indexer's KL loss: ``"off"``,
             ``"dense"`` (warm-up: all visible entries, attended densely too) or ``"sparse"``
             (the selected entries). A call can override it (``layer(x, indexer_loss=...)``).
@@ -79,6 +84,7 @@ class Execution(eqx.Module):
     save_selection: bool = False
     indexer_heads_axis: str | None = None
     context: ContextParallel | None = None
+    heads: HeadParallel | None = None
     indexer_loss: str = "off"
 
     def __check_init__(self):
@@ -106,6 +112,32 @@ class Execution(eqx.Module):
             "must be None with context parallelism (not composable yet)",
             axis,
         )
+        self._check_heads()
+
+    def _check_heads(self) -> None:
+        """``ValueError`` unless ``heads`` is ``None`` or a ``HeadParallel`` that the other
+        fields compose with."""
+        if self.heads is None:
+            return
+        _require(
+            isinstance(self.heads, HeadParallel),
+            "heads",
+            "must be None or a HeadParallel",
+            self.heads,
+        )
+        for ok, other, value in (
+            (self.context is None, "context parallelism (context_parallel)", self.context),
+            (self.indexer_heads_axis is None, "shard_indexer_acts", self.indexer_heads_axis),
+            (
+                not isinstance(self.selection, ShardedSelection),
+                "indexer_sharded_topk (ShardedSelection)",
+                self.selection,
+            ),
+            (self.indexer_loss == "off", "indexer_loss", self.indexer_loss),
+        ):
+            _require(
+                ok, "head_parallel", f"is not composable with {other} yet: turn one off", value
+            )
 
     @classmethod
     def from_options(
@@ -139,14 +171,12 @@ class Execution(eqx.Module):
             context_parallel: split the sequence over the mesh axis ``context_axis`` and the
                 batch over ``data_axis`` (``context=ContextParallel(context_axis,
                 data_axis)``).
-            head_parallel: reserved for head parallelism of the whole layer (not built yet:
-                ``True`` raises ``NotImplementedError``).
+            head_parallel: split the attention heads over ``tensor_axis`` and the batch over
+                ``data_axis`` (``heads=HeadParallel(tensor_axis, data_axis)``).
 
         Returns:
             An ``Execution``.
         """
-        if head_parallel:
-            raise NotImplementedError("head_parallel=True is not available yet")
         for name, axis in (("data_axis", data_axis), ("tensor_axis", tensor_axis)):
             _require(
                 isinstance(axis, str) and axis != "",
@@ -179,6 +209,7 @@ class Execution(eqx.Module):
             save_selection=indexer_save_selection,
             indexer_heads_axis=tensor_axis if shard_indexer_acts else None,
             context=ContextParallel(context_axis, data_axis) if context_parallel else None,
+            heads=HeadParallel(tensor_axis, data_axis) if head_parallel else None,
             indexer_loss=indexer_loss,
         )
 

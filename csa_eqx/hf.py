@@ -178,8 +178,8 @@ def load_v4_attention(
       of ``Execution.from_options`` (``qk_head_chunk_size=``, ``indexer_key_block=``,
       ``query_block=``, ``indexer_save_selection=``, ``indexer_sharded_topk=``,
       ``shard_indexer_acts=``, ``indexer_loss=``, ``data_axis=``, ``tensor_axis=``,
-      ``context_parallel=``, ``context_axis=``); any other
-      keyword overrides an architecture field of the config.
+      ``context_parallel=``, ``context_axis=``, ``head_parallel=``); any other keyword
+      overrides an architecture field of the config.
 
     **Returns:** the ``V4Attention``.
 

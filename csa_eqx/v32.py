@@ -15,6 +15,7 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from .attention import AbstractIndexedAttention
@@ -24,6 +25,7 @@ from .config import V32AttentionConfig, YaRNScaling
 from .context import ShardRows
 from .decode import ChunkRows, append_rows
 from .execution import Execution, checked_execution
+from .heads import split_specs
 from .loss import AttentionTarget
 from .ops import init_linear, linear, rms_norm, upcast
 from .rope import apply_rope_half_split, apply_rope_interleaved, rope_inv_freq, yarn_mscale
@@ -177,7 +179,8 @@ class V32Attention(AbstractIndexedAttention):
     def _kv_up(self) -> tuple[Array, Array]:
         """Per-head ``W_kb`` ``[H, d_nope, kv_lora]`` and ``W_vb`` ``[H, d_v, kv_lora]``."""
         c = self.config
-        w_kv = self.kv_b_proj.reshape(c.num_heads, -1, c.kv_lora_rank)
+        # heads from the weights, not the config: under head parallelism a device holds some
+        w_kv = self.kv_b_proj.reshape(-1, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         return w_kv[:, : c.qk_nope_head_dim], w_kv[:, c.qk_nope_head_dim :]
 
     def project_qkv(
@@ -198,7 +201,8 @@ class V32Attention(AbstractIndexedAttention):
         b, s, _ = x.shape
         inv_freq, rope_factor = _rotary(c)
         qr = rms_norm(linear(x, self.q_a_proj), self.q_a_layernorm, c.rms_norm_eps)
-        q = linear(qr, self.q_b_proj).reshape(b, s, c.num_heads, -1)
+        qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+        q = linear(qr, self.q_b_proj).reshape(b, s, -1, qk)
         q_nope, q_rope = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
         q_rope = apply_rope_interleaved(q_rope, positions[..., None], inv_freq) * rope_factor
 
@@ -239,6 +243,16 @@ class V32Attention(AbstractIndexedAttention):
         b, s = o.shape[:2]
         o = jnp.einsum("bshc,hvc->bshv", o, self._kv_up()[1].astype(o.dtype)).reshape(b, s, -1)
         return linear(o, self.o_proj)
+
+    def head_specs(self, axis: str) -> tuple:
+        """Head parallelism over ``axis``: the rows of ``q_b_proj`` and ``kv_b_proj`` (per-head
+        queries and up-projections) and ``o_proj``'s input columns are split; every other
+        array (the MLA latent, the indexer) is replicated. See
+        ``AbstractIndexedAttention.head_specs``."""
+        specs = split_specs(
+            {"q_b_proj": P(axis, None), "kv_b_proj": P(axis, None), "o_proj": P(None, axis)}
+        )
+        return specs, {"num_heads": self.config.num_heads}
 
     @property
     def entry_rate(self) -> int:

@@ -8,6 +8,7 @@ import dataclasses
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from . import checks
@@ -30,6 +31,7 @@ from .decode import (
     shift_in,
 )
 from .execution import Execution, checked_execution
+from .heads import split_specs
 from .loss import AttentionTarget, attention_target
 from .ops import init_linear, linear, rms_norm
 from .rope import apply_rope_interleaved, rope_inv_freq
@@ -178,7 +180,8 @@ class V4Attention(AbstractIndexedAttention):
         c = self.config
         b, s, _ = x.shape
         qr = rms_norm(linear(x, self.q_a_proj), self.q_a_norm, c.rms_norm_eps)
-        q = linear(qr, self.q_b_proj).reshape(b, s, c.num_heads, c.head_dim)
+        # heads from the weights, not the config: under head parallelism a device holds some
+        q = linear(qr, self.q_b_proj).reshape(b, s, -1, c.head_dim)
         q = apply_rope_interleaved(
             rms_norm(q, None, c.rms_norm_eps), positions[..., None], self.inv_freq
         )
@@ -198,8 +201,9 @@ class V4Attention(AbstractIndexedAttention):
         c = self.config
         b, s = o.shape[:2]
         o = apply_rope_interleaved(o, -positions[..., None], self.inv_freq)
-        o = o.reshape(b, s, c.o_groups, -1, c.head_dim).reshape(b, s, c.o_groups, -1)
-        w_a = self.o_a_proj.reshape(c.o_groups, c.o_lora_rank, -1).astype(o.dtype)
+        groups = self.o_a_proj.shape[0] // c.o_lora_rank  # this device's, under head parallelism
+        o = o.reshape(b, s, groups, -1, c.head_dim).reshape(b, s, groups, -1)
+        w_a = self.o_a_proj.reshape(groups, c.o_lora_rank, -1).astype(o.dtype)
         return linear(jnp.einsum("bsgi,goi->bsgo", o, w_a).reshape(b, s, -1), self.o_b_proj)
 
     @property
@@ -216,6 +220,21 @@ class V4Attention(AbstractIndexedAttention):
         m = c.compress_rate
         windows = 0 if not m else (2 * m - 1 if c.layer_type == "csa" else m - 1)
         return max(c.sliding_window - 1, windows)
+
+    def head_specs(self, axis: str) -> tuple:
+        """Head parallelism over ``axis``: the query projection's rows, the sinks, the grouped
+        ``o_a_proj``'s rows and ``o_b_proj``'s input columns are split (heads and groups are
+        contiguous blocks, so each device's heads feed its groups); every other array is
+        replicated. See ``AbstractIndexedAttention.head_specs``."""
+        specs = split_specs(
+            {
+                "q_b_proj": P(axis, None),
+                "sinks": P(axis),
+                "o_a_proj": P(axis, None),
+                "o_b_proj": P(None, axis),
+            }
+        )
+        return specs, {"num_heads": self.config.num_heads, "o_groups": self.config.o_groups}
 
     def forward_rows(
         self, x: Float[Array, "batch rows hidden"], rows: ShardRows, stage: str, want_loss=False

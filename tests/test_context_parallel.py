@@ -254,8 +254,6 @@ def test_errors_name_axis_and_sizes():
         ce.Execution.from_options(context_parallel=True, context_axis="data")
     with pytest.raises(ValueError, match="indexer_heads_axis must be None with context"):
         ce.Execution.from_options(context_parallel=True, shard_indexer_acts=True)
-    with pytest.raises(NotImplementedError, match="head_parallel"):
-        ce.Execution.from_options(head_parallel=True)
 
 
 def test_compiled_memory_splits_over_the_context_axis(capfd):

@@ -84,8 +84,9 @@ def test_reliability_table_names_existing_tests():
 
 
 def test_scaling_examples_run():
-    """docs/scaling.md's context-parallel examples run on the 8 simulated devices, and its V3.2
-    example (data x context x tensor) gives the single-device layer's selection and output."""
+    """docs/scaling.md's examples run on the 8 simulated devices, and its V3.2 example (data x
+    context x tensor) and head-parallel V4 example (data x tensor) give the single-device
+    layer's selection and output."""
     import csa_eqx as ce
 
     ns = run_python_blocks("scaling.md")
@@ -97,3 +98,7 @@ def test_scaling_examples_run():
         np.asarray(ns["aux32"]["selection"]), np.asarray(want_aux["selection"])
     )
     np.testing.assert_allclose(np.asarray(ns["y32"]), want_y, rtol=1e-5, atol=1e-5)
+    single = ns["hp_layer"].with_execution(ce.Execution())  # the head-parallel example
+    want_y, want_aux = single(ns["x_hp"], return_aux=True)
+    np.testing.assert_array_equal(ns["aux_hp"]["selection"], want_aux["selection"])
+    np.testing.assert_allclose(np.asarray(ns["y_hp"]), want_y, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,226 @@
+"""Head parallelism of the V4 layers and V3.2 on simulated CPU devices: selections bitwise
+equal to the single-device layer, outputs and gradients (parameters and x) within 1e-5, the
+loader option against HF transformers, the per-device weight shards, and the errors."""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_context_parallel import packed_segments, relative_error
+from test_v4_behaviour import randomise, tiny
+from test_v4_parity import assert_close, untied_rows
+
+import csa_eqx as ce
+from csa_eqx.hf import load_v4_attention, load_v32_attention
+from csa_eqx.presets import tiny_v4, tiny_v32
+from csa_eqx.testing import (
+    hf_v4_config,
+    hf_v32_config,
+    random_hf_v4_layer,
+    random_hf_v32_layer,
+    run_hf_v4,
+    run_hf_v32,
+    state_dict_numpy,
+)
+
+TENSOR2 = ((2,), ("tensor",))
+TENSOR4 = ((4,), ("tensor",))
+DATA2_TENSOR2 = ((2, 2), ("data", "tensor"))
+HEAD_SPLIT = {"q_b_proj": 0, "sinks": 0, "o_a_proj": 0, "o_b_proj": 1}  # name -> split dim
+
+
+def random_layer(kind):
+    """A tiny layer with random values in every leaf: V4 ``"sliding"`` / ``"csa"`` / ``"hca"``
+    (hidden 32, 4 heads x 16, 4 output groups) or ``"v32"`` (hidden 64, 4 heads, k = 8)."""
+    if kind == "v32":
+        return randomise(ce.V32Attention(tiny_v32(), key=jax.random.key(0)))
+    return randomise(ce.V4Attention(tiny(kind, o_groups=4), key=jax.random.key(0)))
+
+
+def loss(layer, x):
+    return jnp.sum(jnp.sin(layer(x, segment_ids=packed_segments(2, 45))))
+
+
+def forward(layer, x):
+    return layer(x, segment_ids=packed_segments(2, 45), return_aux=True)
+
+
+@functools.cache
+def single_device(kind):
+    """The layer, its input, and its single-device output, aux and gradients (once per kind)."""
+    layer = random_layer(kind)
+    x = jax.random.normal(jax.random.key(1), (2, 45, layer.config.hidden_size))
+    y, aux = jax.jit(forward)(layer, x)
+    return layer, x, y, aux, jax.jit(jax.grad(loss, argnums=(0, 1)))(layer, x)
+
+
+@pytest.mark.parametrize(
+    "kind, mesh_shape",
+    [
+        ("csa", TENSOR2),
+        ("csa", TENSOR4),
+        ("csa", DATA2_TENSOR2),
+        ("hca", TENSOR4),
+        ("hca", DATA2_TENSOR2),
+        ("sliding", TENSOR2),
+        ("v32", TENSOR4),
+        ("v32", DATA2_TENSOR2),
+    ],
+    ids=[
+        "csa-tensor2",
+        "csa-tensor4",
+        "csa-data2xtensor2",
+        "hca-tensor4",
+        "hca-data2xtensor2",
+        "sliding-tensor2",
+        "v32-tensor4",
+        "v32-data2xtensor2",
+    ],
+)
+def test_matches_single_device(kind, mesh_shape):
+    """Forward (output, selection) and the gradient of a scalar loss w.r.t. every parameter
+    and x, packed documents in row 0; x sharded over data when the mesh has it."""
+    layer, x, want_y, want_aux, want_grads = single_device(kind)
+    hp = layer.with_execution(ce.Execution.from_options(head_parallel=True))
+    mesh = jax.make_mesh(*mesh_shape)
+    with jax.set_mesh(mesh):
+        if "data" in mesh.axis_names:
+            x = jax.device_put(x, NamedSharding(mesh, P("data")))
+        y, aux = jax.jit(forward)(hp, x)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(hp, x)
+        jaxpr = jax.make_jaxpr(forward)(hp, x)
+    assert relative_error(y, want_y) < 1e-5
+    if kind in ("csa", "v32"):
+        sel = np.asarray(want_aux["selection"])
+        assert (sel == -1).any() and (sel >= 0).any()
+        np.testing.assert_array_equal(np.asarray(aux["selection"]), sel)
+    else:
+        assert aux["selection"] is None
+    leaves, want_leaves = jax.tree.leaves(grads), jax.tree.leaves(want_grads)
+    assert len(leaves) == len(want_leaves)
+    for got, want in zip(leaves, want_leaves, strict=True):
+        assert relative_error(got, want) < 1e-5
+    # one explicit shard_map, manual over the tensor axis (and data when it splits the batch)
+    (manual,) = [
+        e.params["newly_manual_axes"] for e in jaxpr.eqns if e.primitive.name == "shard_map"
+    ]
+    assert manual == set(mesh.axis_names)
+
+
+def test_weight_shards_are_one_over_the_axis():
+    """Compile-time shapes: inside the shard_map each device holds 1/T of the query
+    projection's rows, the sinks, the grouped o_a_proj's rows and o_b_proj's input columns,
+    and every other weight whole (T = 4, a V4-Flash-shaped CSA layer, traced abstractly)."""
+    cfg = tiny("csa").__class__(
+        hidden_size=256,
+        num_heads=16,
+        head_dim=64,
+        rope_dim=16,
+        q_lora_rank=128,
+        o_groups=8,
+        o_lora_rank=64,
+        sliding_window=16,
+        compress_rate=4,
+        index_n_heads=8,
+        index_head_dim=32,
+        index_topk=16,
+    )
+    execution = ce.Execution.from_options(head_parallel=True)
+    layer = jax.eval_shape(lambda: ce.V4Attention(cfg, key=jax.random.key(0), execution=execution))
+    params, static = eqx.partition(layer, lambda v: isinstance(v, jax.ShapeDtypeStruct))
+    x = jax.ShapeDtypeStruct((1, 64, cfg.hidden_size), jnp.float32)
+    with jax.set_mesh(jax.make_mesh(*TENSOR4)):
+        jaxpr = jax.make_jaxpr(lambda p, x: eqx.combine(p, static)(x))(params, x)
+    (shard_map,) = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
+    named = jax.tree_util.tree_flatten_with_path(params)[0]
+    # the shard_map's inputs end with the layer's arrays, x and three integer [B, S] rows
+    # (before them: constants the layer's code closes over)
+    inner = shard_map.params["jaxpr"].invars[-len(named) - 4 : -4]
+    split_bytes = whole_bytes = 0
+    for (path, leaf), var in zip(named, inner, strict=True):
+        name = path[0].name if len(path) == 1 else None
+        local = var.aval.shape
+        if name in HEAD_SPLIT:
+            d = HEAD_SPLIT[name]
+            want = leaf.shape[:d] + (leaf.shape[d] // 4,) + leaf.shape[d + 1 :]
+            split_bytes += leaf.size * 4
+        else:
+            want = leaf.shape
+        assert local == want, (path, local, want)
+        whole_bytes += leaf.size * 4
+    assert split_bytes > 0.5 * whole_bytes  # the split weights are most of the layer's
+
+
+def test_loader_option_matches_transformers():
+    """``load_v4_attention(..., head_parallel=True)`` under a (tensor=2) mesh gives HF's output
+    and top-k."""
+    hf_cfg = hf_v4_config(tiny_v4("csa"))
+    hf = random_hf_v4_layer(hf_cfg)
+    layer = load_v4_attention(state_dict_numpy(hf), hf_cfg, 0, head_parallel=True)
+    assert layer.execution.heads == ce.HeadParallel("tensor")
+    x = np.random.default_rng(0).normal(size=(1, 40, hf_cfg.hidden_size)).astype(np.float32)
+    want, want_topk, scores = run_hf_v4(hf, hf_cfg, x)
+    with jax.set_mesh(jax.make_mesh(*TENSOR2)):
+        got, aux = jax.jit(lambda layer, x: layer(x, return_aux=True))(layer, x)
+    rows = untied_rows(scores, hf_cfg.index_topk, 4, rel_gap=1e-5)  # HF's top-k is unambiguous
+    assert rows.sum() > 30
+    assert_close(np.asarray(got), want, rows)
+    for b, t in zip(*np.nonzero(rows), strict=True):
+        ours = np.asarray(aux["selection"][b, t])
+        assert set(ours[ours >= 0].tolist()) == set(want_topk[b, t][want_topk[b, t] >= 0].tolist())
+
+
+def test_v32_loader_option_matches_transformers():
+    """``load_v32_attention(..., head_parallel=True)`` under a (tensor=4) mesh gives HF's
+    output and top-k tokens."""
+    hf_cfg = hf_v32_config(tiny_v32())
+    hf = random_hf_v32_layer(hf_cfg)
+    layer = load_v32_attention(state_dict_numpy(hf), hf_cfg, 0, head_parallel=True)
+    x = np.random.default_rng(0).normal(size=(1, 30, hf_cfg.hidden_size)).astype(np.float32)
+    want, want_topk, scores = run_hf_v32(hf, hf_cfg, x)
+    with jax.set_mesh(jax.make_mesh(*TENSOR4)):
+        got, aux = jax.jit(lambda layer, x: layer(x, return_aux=True))(layer, x)
+    rows = untied_rows(scores, hf_cfg.index_topk, 1, rel_gap=1e-5)  # HF's top-k is unambiguous
+    assert rows.mean() > 0.5
+    assert_close(np.asarray(got), want, rows)
+    for b, t in zip(*np.nonzero(rows), strict=True):
+        ours, theirs = np.asarray(aux["selection"][b, t]), want_topk[b, t]
+        assert set(ours[ours >= 0].tolist()) == set(theirs[theirs <= t].tolist())
+
+
+def test_errors_name_axis_and_sizes():
+    hp = ce.Execution.from_options(head_parallel=True)
+    x = jnp.zeros((1, 16, 32))
+    two_groups = ce.V4Attention(tiny("csa"), key=jax.random.key(0), execution=hp)  # o_groups 2
+    v32 = ce.V32Attention(tiny_v32(), key=jax.random.key(0), execution=hp)
+    for mesh_shape, error, match, call in (
+        (((8,), ("context",)), ValueError, "head_parallel needs a mesh axis named 'tensor'", {}),
+        (TENSOR4, ValueError, "'tensor' has 4 devices.*divide o_groups=2", {}),
+        (((8,), ("tensor",)), ValueError, "'tensor' has 8 devices.*divide num_heads=4", {}),
+        (
+            TENSOR2,
+            ValueError,
+            "indexer_loss='sparse' is not composable with head_parallel",
+            dict(return_aux=True, indexer_loss="sparse"),
+        ),
+    ):
+        with jax.set_mesh(jax.make_mesh(*mesh_shape)), pytest.raises(error, match=match):
+            two_groups(x, **call)
+    v32_heads = pytest.raises(ValueError, match="'tensor' has 8 devices.*divide num_heads=4")
+    with jax.set_mesh(jax.make_mesh((8,), ("tensor",))), v32_heads:
+        v32(jnp.zeros((1, 8, v32.config.hidden_size)))
+    for other, match in (
+        (dict(context_parallel=True), "context parallelism"),
+        (dict(indexer_sharded_topk=True), "indexer_sharded_topk"),
+        (dict(shard_indexer_acts=True), "shard_indexer_acts"),
+        (dict(indexer_loss="dense"), "indexer_loss"),
+    ):
+        with pytest.raises(ValueError, match=f"head_parallel is not composable with {match}"):
+            ce.Execution.from_options(head_parallel=True, **other)
+    with pytest.raises(ValueError, match="tensor_axis and data_axis must differ"):
+        ce.Execution.from_options(head_parallel=True, tensor_axis="data")
