@@ -10,46 +10,27 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_v4_behaviour import randomise, tiny
-from test_v4_parity import assert_close, untied_rows
+from parallel_helpers import (
+    assert_loader_matches_hf,
+    assert_matches_single_device,
+    packed_segments,
+    random_layer,
+    relative_error,
+)
+from test_v4_behaviour import tiny
 
 import csa_eqx as ce
-from csa_eqx.hf import load_v4_attention, load_v32_attention
-from csa_eqx.presets import tiny_v4, tiny_v32
-from csa_eqx.testing import (
-    hf_v4_config,
-    hf_v32_config,
-    random_hf_v4_layer,
-    random_hf_v32_layer,
-    run_hf_v4,
-    run_hf_v32,
-    state_dict_numpy,
-)
 
 CONTEXT8 = ((8,), ("context",))
 CONTEXT4_TENSOR2 = ((4, 2), ("context", "tensor"))
 DATA2_CONTEXT2_TENSOR2 = ((2, 2, 2), ("data", "context", "tensor"))
-
-
-def packed_segments(b, s):
-    """Row 0: packed documents of uneven lengths crossing chunk boundaries; row 1: one
-    document (unpacked)."""
-    seg = np.zeros((b, s), np.int32)
-    seg[0, 17:], seg[0, 30:] = 1, 2
-    return jnp.asarray(seg)
-
-
-def relative_error(got, want):
-    """Largest deviation relative to the largest reference value (exact for all-zero ones)."""
-    return float(jnp.max(jnp.abs(got - want))) / max(float(jnp.max(jnp.abs(want))), 1e-30)
-
-
-def random_layer(kind):
-    """A tiny layer with random values in every leaf: V4 ``"sliding"`` / ``"csa"`` / ``"hca"``
-    (hidden 32) or ``"v32"`` (hidden 64, k = 8)."""
-    if kind == "v32":
-        return randomise(ce.V32Attention(tiny_v32(), key=jax.random.key(0)))
-    return randomise(ce.V4Attention(tiny(kind), key=jax.random.key(0)))
+# streaming top-k with head chunks, the row-sharded top-k over the tensor axis, saved selection
+SHARDED_STREAMING = dict(
+    indexer_sharded_topk=True,
+    indexer_save_selection=True,
+    qk_head_chunk_size=2,
+    indexer_key_block=4,
+)
 
 
 def check_against_single_device(kind, mesh_shape, s, options, shard_x):
@@ -75,17 +56,7 @@ def check_against_single_device(kind, mesh_shape, s, options, shard_x):
             x, seg = (jax.device_put(a, NamedSharding(mesh, P(data, "context"))) for a in (x, seg))
         y, aux = jax.jit(forward)(cp, x, seg)
         grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(cp, x, seg)
-    assert relative_error(y, want_y) < 1e-5
-    if kind in ("csa", "v32"):
-        sel = np.asarray(want_aux["selection"])
-        assert (sel == -1).any() and (sel >= 0).any()
-        np.testing.assert_array_equal(np.asarray(aux["selection"]), sel)
-    else:
-        assert aux["selection"] is None
-    leaves, want_leaves = jax.tree.leaves(grads), jax.tree.leaves(want_grads)
-    assert len(leaves) == len(want_leaves)
-    for got, want in zip(leaves, want_leaves, strict=True):
-        assert relative_error(got, want) < 1e-5
+    assert_matches_single_device(kind, (y, aux, grads), (want_y, want_aux, want_grads))
 
 
 @pytest.mark.parametrize(
@@ -99,12 +70,7 @@ def check_against_single_device(kind, mesh_shape, s, options, shard_x):
             "csa",
             CONTEXT4_TENSOR2,
             64,
-            dict(
-                indexer_sharded_topk=True,
-                indexer_save_selection=True,
-                qk_head_chunk_size=2,
-                indexer_key_block=4,
-            ),
+            SHARDED_STREAMING,
             True,
         ),
         ("hca", CONTEXT4_TENSOR2, 45, {}, False),
@@ -115,12 +81,7 @@ def check_against_single_device(kind, mesh_shape, s, options, shard_x):
             "v32",
             CONTEXT4_TENSOR2,
             36,  # padded to 8 chunks of 5, with x sharded along the sequence
-            dict(
-                indexer_sharded_topk=True,
-                indexer_save_selection=True,
-                qk_head_chunk_size=2,
-                indexer_key_block=4,
-            ),
+            SHARDED_STREAMING,
             True,
         ),
     ],
@@ -190,44 +151,22 @@ def test_indexer_loss_matches_single_device(kind, stage, mesh_shape, options):
         assert relative_error(got, want) < 1e-5
 
 
-def test_loader_option_matches_transformers():
-    """``load_v4_attention(..., context_parallel=True, context_axis=...)`` under a mesh with
-    that axis gives HF's output and top-k (S = 100: not a multiple of 2 x 4 x m)."""
-    hf_cfg = hf_v4_config(tiny_v4("csa"))
-    hf = random_hf_v4_layer(hf_cfg)
-    layer = load_v4_attention(
-        state_dict_numpy(hf), hf_cfg, 0, context_parallel=True, context_axis="seq"
+@pytest.mark.parametrize(
+    "family, options, mesh_shape, seq, min_rows",
+    [
+        # S = 100: not a multiple of 2 x 4 x m; the axis renamed
+        ("v4", dict(context_axis="seq"), ((4, 2), ("seq", "tensor")), 100, 90),
+        ("v32", {}, CONTEXT8, 50, 26),  # S = 50: padded to 16 chunks of 4
+    ],
+)
+def test_loader_option_matches_transformers(family, options, mesh_shape, seq, min_rows):
+    """``load_v4_attention`` / ``load_v32_attention(..., context_parallel=True)`` under a mesh
+    with the context axis give HF's output and top-k."""
+    mesh = jax.make_mesh(*mesh_shape)
+    layer = assert_loader_matches_hf(
+        family, dict(context_parallel=True, **options), mesh, seq, min_rows
     )
-    assert layer.execution.context == ce.ContextParallel("seq")
-    x = np.random.default_rng(0).normal(size=(1, 100, hf_cfg.hidden_size)).astype(np.float32)
-    want, want_topk, scores = run_hf_v4(hf, hf_cfg, x)
-    with jax.set_mesh(jax.make_mesh((4, 2), ("seq", "tensor"))):
-        got, aux = jax.jit(lambda layer, x: layer(x, return_aux=True))(layer, x)
-    rows = untied_rows(scores, hf_cfg.index_topk, 4, rel_gap=1e-5)  # HF's top-k is unambiguous
-    assert rows.sum() > 90
-    assert_close(np.asarray(got), want, rows)
-    for b, t in zip(*np.nonzero(rows), strict=True):
-        ours = np.asarray(aux["selection"][b, t])
-        assert set(ours[ours >= 0].tolist()) == set(want_topk[b, t][want_topk[b, t] >= 0].tolist())
-
-
-def test_v32_loader_option_matches_transformers():
-    """``load_v32_attention(..., context_parallel=True)`` on a (context=8) mesh gives HF's
-    output and top-k tokens (S = 50: padded to 16 chunks of 4)."""
-    hf_cfg = hf_v32_config(tiny_v32())
-    hf = random_hf_v32_layer(hf_cfg)
-    layer = load_v32_attention(state_dict_numpy(hf), hf_cfg, 0, context_parallel=True)
-    x = np.random.default_rng(0).normal(size=(1, 50, hf_cfg.hidden_size)).astype(np.float32)
-    want, want_topk, scores = run_hf_v32(hf, hf_cfg, x)
-    with jax.set_mesh(jax.make_mesh(*CONTEXT8)):
-        got, aux = jax.jit(lambda layer, x: layer(x, return_aux=True))(layer, x)
-    k = hf_cfg.index_topk
-    rows = untied_rows(scores, k, 1, rel_gap=1e-5)  # HF's top-k is unambiguous
-    assert rows.mean() > 0.5
-    assert_close(np.asarray(got), want, rows)
-    for b, t in zip(*np.nonzero(rows), strict=True):
-        ours, theirs = np.asarray(aux["selection"][b, t]), want_topk[b, t]
-        assert set(ours[ours >= 0].tolist()) == set(theirs[theirs <= t].tolist())
+    assert layer.execution.context == ce.ContextParallel(options.get("context_axis", "context"))
 
 
 def test_zigzag_balances_causal_work():
