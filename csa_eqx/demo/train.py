@@ -185,7 +185,8 @@ def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = N
 
     **Arguments:** ``cfg``: the run; ``out_dir``: its folder (``checkpoint.eqx`` there is
     resumed from); ``stream``: where the progress bar goes; ``stop_after``: end early after
-    that many steps in this call (used to test resume; no control runs then).
+    that many steps in this call (used to test resume; the controls run once the main run
+    has finished).
 
     **Returns:** the report (also written to ``out_dir/report.json``): the final
     ``retrieval_accuracy`` / ``indexer_recall``, ``targets_met``, ``wall_seconds``, the
@@ -193,11 +194,11 @@ def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = N
     (each control's final metrics and history). Raises ``RunError`` for an unusable checkpoint,
     an unwritable folder or a non-finite loss.
     """
-    report, model, mesh = _run(cfg, out_dir, stream, stop_after)
+    report = _run(cfg, out_dir, stream, stop_after)
     if report["finished"] and cfg.controls:
         for variant in cfg.controls:
             stream.write(f"control run: {variant}\n")
-            control, _, _ = _run(cfg.control(variant), out_dir / f"control-{variant}", stream)
+            control = _run(cfg.control(variant), out_dir / f"control-{variant}", stream)
             report["controls"][variant] = {
                 k: control.get(k)
                 for k in ("retrieval_accuracy", "indexer_recall", "wall_seconds", "history")
@@ -206,12 +207,11 @@ def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = N
             out_dir / "report.json", json.dumps(report, indent=2).encode(), cfg.total_steps
         )
         plot_controls(report, out_dir)
-        kill_point(cfg.total_steps, "controls")
     return report
 
 
-def _run(cfg: TrainConfig, out_dir: Path, stream, stop_after: int | None = None):
-    """One run (no controls): ``(report, final model, mesh)``."""
+def _run(cfg: TrainConfig, out_dir: Path, stream, stop_after: int | None = None) -> dict:
+    """One run (no controls): writes its files and plots, returns its report."""
     prepare_folder(out_dir)
     mesh = make_mesh(cfg.mesh)
     start_time = time.perf_counter()
@@ -283,7 +283,7 @@ def _run(cfg: TrainConfig, out_dir: Path, stream, stop_after: int | None = None)
         with jax.set_mesh(mesh):
             plot_run(history, model, cfg, out_dir, mesh)
         kill_point(step, "plots")
-    return report, model, mesh
+    return report
 
 
 def targets_met(metrics: dict) -> bool:
