@@ -1,5 +1,6 @@
 """Per-device compiled memory of one V4-Flash CSA layer's forward + backward (bf16, B = 1)
-under context parallelism (docs/scaling.md, "Memory per device").
+under context parallelism, alone and with head parallelism over a tensor axis (docs/scaling.md,
+"Memory per device").
 
 Compile only (``memory_analysis()``; nothing runs), on simulated CPU devices, so any sequence
 length and device count fits on a laptop. Each device count needs its own process (the
@@ -7,7 +8,7 @@ simulated device count is fixed at start-up), so the table is built from one sub
 cell:
 
     python -m benchmarks.context_memory                       # the docs table
-    python -m benchmarks.context_memory --cell 8 131072       # one cell
+    python -m benchmarks.context_memory --cell 4 2 131072     # one cell: context, tensor, S
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ import os
 import subprocess
 import sys
 
-DEVICES = (1, 8, 32, 64)
+# (context, tensor) mesh shapes: one device, then 8, 32 and 64 devices as a context axis alone
+# and as context x tensor with the heads split over tensor (head parallelism)
+MESHES = ((1, 1), (8, 1), (4, 2), (32, 1), (8, 4), (64, 1), (8, 8))
 SEQ_LENS = (131072, 524288, 1048576)
 
 
-def cell(devices: int, seq: int) -> str:
+def cell(context: int, tensor: int, seq: int) -> str:
     """One measurement: ``temp_GiB argument_GiB`` per device (run in a fresh process)."""
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={context * tensor}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import equinox as eqx
     import jax
@@ -34,9 +37,11 @@ def cell(devices: int, seq: int) -> str:
     import csa_eqx as ce
     from csa_eqx import presets
 
-    context = ce.ContextParallel() if devices > 1 else None
     cfg = presets.v4_flash("csa")
-    execution = ce.Execution(context=context)
+    execution = ce.Execution(
+        context=ce.ContextParallel() if context > 1 else None,
+        heads=ce.HeadParallel() if tensor > 1 else None,
+    )
     layer = jax.eval_shape(
         lambda: ce.V4Attention(cfg, key=jax.random.key(0), dtype=jnp.bfloat16, execution=execution)
     )
@@ -48,27 +53,30 @@ def cell(devices: int, seq: int) -> str:
 
         return jax.grad(loss, argnums=(0, 1))(p, x)
 
-    mesh = jax.make_mesh((devices,), ("context",))
-    sharding = NamedSharding(mesh, P(None, "context")) if context else None
+    mesh = jax.make_mesh((context, tensor), ("context", "tensor"))
+    sharding = NamedSharding(mesh, P(None, "context")) if context > 1 else None
     x = jax.ShapeDtypeStruct((1, seq, cfg.hidden_size), jnp.bfloat16, sharding=sharding)
     with jax.set_mesh(mesh):
         mem = jax.jit(fwd_bwd).lower(params, x).compile().memory_analysis()
     return f"{mem.temp_size_in_bytes / 2**30:.1f} {mem.argument_size_in_bytes / 2**30:.2f}"
 
 
+def _label(context: int, tensor: int) -> str:
+    if context * tensor == 1:
+        return "1 device"
+    return f"context = {context}" + (f" x tensor = {tensor}" if tensor > 1 else "")
+
+
 def table() -> str:
     """The markdown table: per-device temp (+ arguments) GiB per sequence length and mesh."""
-    head = "| S | " + " | ".join("1 device" if d == 1 else f"context = {d}" for d in DEVICES)
-    lines = [head + " |", "| --- |" + " --- |" * len(DEVICES)]
+    head = "| S | " + " | ".join(_label(*m) for m in MESHES)
+    lines = [head + " |", "| --- |" + " --- |" * len(MESHES)]
     for seq in SEQ_LENS:
         cells = []
-        for d in DEVICES:
-            out = subprocess.run(
-                [sys.executable, "-m", "benchmarks.context_memory", "--cell", str(d), str(seq)],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout.split()
+        for context, tensor in MESHES:
+            cmd = [sys.executable, "-m", "benchmarks.context_memory", "--cell"]
+            cmd += [str(context), str(tensor), str(seq)]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()
             cells.append(f"{out[-2]} (+{out[-1]})")
         lines.append(f"| {seq // 1024}k | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -76,7 +84,7 @@ def table() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cell", nargs=2, type=int, metavar=("DEVICES", "SEQ"))
+    parser.add_argument("--cell", nargs=3, type=int, metavar=("CONTEXT", "TENSOR", "SEQ"))
     args = parser.parse_args()
     print(cell(*args.cell) if args.cell else table())
 

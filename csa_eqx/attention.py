@@ -20,8 +20,10 @@ from .compressor import segment_positions, token_rows
 from .context import ShardRows, whole_rows
 from .decode import ChunkRows, chunk_rows
 from .execution import Execution, check_stage, checked_execution
+from .heads import HeadSplit, all_heads, first_device
 from .loss import AttentionTarget, projected_indexer_kl_loss
 from .selection import SelectionProblem, Visibility, entry_visibility
+from .sharding import mesh_with_axis
 
 __all__ = ["AbstractIndexedAttention"]
 
@@ -89,20 +91,14 @@ class AbstractIndexedAttention(eqx.Module):
         seg, query_index = token_rows(rows_like, segment_ids)
         positions = segment_positions(seg) if positions is None else positions
         want_loss = return_aux and selects and stage != "off"
-        if ex.heads is not None:
-            if want_loss:
-                raise ValueError(
-                    f"indexer_loss={stage!r} is not composable with head_parallel yet (the KL "
-                    "target needs every head): use indexer_loss='off' with head parallelism"
-                )
-            y, selection = self._head_parallel_forward(x, positions, seg, query_index, stage)
-            loss = None
-        elif ex.context is None:
+        if ex.context is None and ex.heads is None:
             rows = whole_rows(positions, seg, query_index, self.entry_rate)
             y, selection, (problem, target) = self.forward_rows(x, rows, stage, want_loss)
             loss = self._kl_loss(problem, target, selection, stage) if want_loss else None
         else:
-            y, selection, loss = self._context_forward(x, positions, seg, stage, want_loss)
+            y, selection, loss = self._parallel_forward(
+                x, positions, seg, query_index, stage, want_loss
+            )
         return (y, {"selection": selection, "indexer_loss": loss}) if return_aux else y
 
     def _kl_loss(self, problem: SelectionProblem, target: AttentionTarget, selection, stage):
@@ -113,60 +109,60 @@ class AbstractIndexedAttention(eqx.Module):
             problem, target, candidates, strategy=self.execution.selection
         )
 
-    def _context_forward(self, x, positions, seg, stage: str, want_loss: bool) -> tuple:
-        """``forward_rows`` run context-parallel (``execution.context``); the loss is the mean
-        over queries with a candidate, summed as ``(sum, count)`` per shard.
+    def _parallel_forward(self, x, positions, seg, query_index, stage: str, want_loss) -> tuple:
+        """``forward_rows`` run context-parallel (``execution.context``), head-parallel
+        (``execution.heads``) or both in one ``shard_map``. The loss (when the stage trains
+        the indexer and the layer has one) is the mean over queries with a candidate, summed
+        as ``(sum, count)`` per shard; under head parallelism every head device computes it
+        alike from the all-gathered heads' target, and one of them counts it.
 
-        Returns: ``(y, selection, loss or None)``.
+        Returns: ``(y, selection or None, loss or None)``.
         """
+        ex = self.execution
         params, static = eqx.partition(self, eqx.is_array)
+        heads_axis = None if ex.heads is None else ex.heads.axis
 
         def body(params, x, rows):
             layer = eqx.combine(params, static)
             y, selection, (problem, target) = layer.forward_rows(x, rows, stage, want_loss)
             if not want_loss:
                 return y, selection, ()
+            if heads_axis is not None:
+                target = all_heads(target, heads_axis)
             loss = layer._kl_loss(problem, target, selection, stage)
             count = jnp.sum(layer._has_candidates(rows, selection, stage), dtype=jnp.float32)
-            return y, selection, (loss * count, count)
+            sums = (loss * count, count)
+            return y, selection, sums if heads_axis is None else first_device(sums, heads_axis)
 
-        y, selection, sums = self.execution.context.apply(
-            body,
-            params,
-            x,
-            positions,
-            seg,
-            halo=self.context_halo,
-            rate=self.entry_rate,
-            selects=self.indexer is not None,
-            sums=2 if want_loss else 0,
-        )
+        common = dict(selects=self.indexer is not None, sums=2 if want_loss else 0)
+        if ex.context is not None:
+            split = None
+            if ex.heads is not None:
+                specs, counts = self.head_specs(heads_axis)
+                ex.heads.check(mesh_with_axis(heads_axis, "head_parallel", ex.heads.mesh), counts)
+                split = HeadSplit(heads_axis, specs(params))
+            y, selection, sums = ex.context.apply(
+                body,
+                params,
+                x,
+                positions,
+                seg,
+                halo=self.context_halo,
+                rate=self.entry_rate,
+                heads=split,
+                **common,
+            )
+        else:
+            specs, counts = self.head_specs(heads_axis)
+
+            def whole(params, x, positions, seg, query_index):
+                return body(params, x, whole_rows(positions, seg, query_index, self.entry_rate))
+
+            y, selection, sums = ex.heads.apply(
+                whole, params, specs(params), counts, x, (positions, seg, query_index), **common
+            )
         loss = sums[0] / jnp.maximum(sums[1], 1.0) if want_loss else None
         return y, selection, loss
-
-    def _head_parallel_forward(self, x, positions, seg, query_index, stage: str) -> tuple:
-        """``forward_rows`` run head-parallel (``execution.heads``) over whole rows.
-
-        Returns: ``(y, selection or None)``.
-        """
-        params, static = eqx.partition(self, eqx.is_array)
-        specs, heads = self.head_specs(self.execution.heads.axis)
-
-        def body(params, x, positions, seg, query_index):
-            layer = eqx.combine(params, static)
-            rows = whole_rows(positions, seg, query_index, layer.entry_rate)
-            y, selection, _ = layer.forward_rows(x, rows, stage, False)
-            return y, selection
-
-        return self.execution.heads.apply(
-            body,
-            params,
-            specs(params),
-            heads,
-            x,
-            (positions, seg, query_index),
-            selects=self.indexer is not None,
-        )
 
     @abc.abstractmethod
     def head_specs(self, axis: str) -> tuple:

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from .compressor import EntryLayout, entry_layout
+from .heads import HeadSplit, sum_partials
 from .sharding import MeshLike, _place, mesh_with_axis
 
 __all__ = ["ContextParallel", "ShardRows", "whole_rows"]
@@ -138,6 +139,7 @@ class ContextParallel(eqx.Module):
         rate: int,
         selects: bool,
         sums: int = 0,
+        heads: HeadSplit | None = None,
     ) -> tuple[Float[Array, "batch seq hidden"], Int[Array, "batch seq k"] | None, tuple]:
         """``body(params, x, rows)`` (a forward over ``ShardRows``, returning ``(y, selection
         or None, sums)`` with ``sums`` a tuple of per-shard float32 scalars over its own rows)
@@ -151,6 +153,9 @@ class ContextParallel(eqx.Module):
             rate: the compression rate (0: no compressor).
             selects: whether ``body`` returns a selection.
             sums: how many scalars ``body`` returns to be summed over the shards.
+            heads: head parallelism in the same ``shard_map`` (``None``: off): ``params``
+                split over ``heads.axis`` as ``heads.specs`` says, and ``body``'s ``y`` a
+                partial sum over this device's heads (summed over the axis here).
 
         Returns:
             ``(y, selection, sums)``: ``y`` and ``selection`` ``[B, S, ...]`` as a
@@ -195,7 +200,7 @@ class ContextParallel(eqx.Module):
         sharded, whole, batch = P(dp, axis), P(), P(dp)
         args = (params, x, ints, own, layout)
         specs = (
-            jax.tree.map(lambda _: whole, params),
+            jax.tree.map(lambda _: whole, params) if heads is None else heads.specs,
             sharded,
             (sharded,) * 3,
             None if own is None else EntryLayout(sharded, sharded, sharded),
@@ -211,13 +216,18 @@ class ContextParallel(eqx.Module):
                 layout = EntryLayout(*(jnp.repeat(a, 2, axis=0) for a in layout))
             rows = ShardRows(*ints, own, layout, lambda e: _gather_entries(e, plan, axis))
             y, selection, shard_sums = body(params, x, rows)
-            out = (_unzigzag(_own_rows(y, plan), plan, axis),)
+            y = _unzigzag(_own_rows(y, plan), plan, axis)
+            out = (y if heads is None else y[None],)
             if selects:
                 out += (_unzigzag(_own_rows(selection, plan), plan, axis),)
             return out + tuple(jnp.reshape(a, (1,)) for a in shard_sums)
 
-        out_specs = (sharded, sharded) if selects else (sharded,)
-        out_specs += (P((axis, dp) if dp else axis),) * sums
+        # partial outputs over the heads leave stacked over the head axis and are summed
+        # outside (see heads.py); so do the sums, which the body counts on one head device
+        tensor = () if heads is None else (heads.axis,)
+        y_spec = sharded if heads is None else P(heads.axis, dp, axis)
+        out_specs = (y_spec, sharded) if selects else (y_spec,)
+        out_specs += (P((*tensor, axis, dp) if dp else (*tensor, axis)),) * sums
         # check_vma=False: the selection's loops start their carries from constants, which the
         # varying-manual-axes check rejects; every output is mapped over the manual axes, so
         # the transpose's psum of the replicated parameters' cotangents is the exact gradient.
@@ -226,9 +236,11 @@ class ContextParallel(eqx.Module):
             mesh=mesh,
             in_specs=specs,
             out_specs=out_specs,
-            axis_names=frozenset({axis, dp} - {None}),
+            axis_names=frozenset({axis, dp, *tensor} - {None}),
             check_vma=False,
         )(*args)
+        if heads is not None:
+            out = (sum_partials(out[0], x.dtype), *out[1:])
         rows_out, summed = out[: len(out) - sums], tuple(jnp.sum(a) for a in out[len(out) - sums :])
         if pad:
             rows_out = tuple(_place(a, mesh, whole)[:, :s] for a in rows_out)

@@ -68,9 +68,9 @@ class Execution(eqx.Module):
         context: split the sequence over a mesh axis (``ContextParallel(axis)``; ``None`` =
             off). V4 and V3.2 layers; ``extend`` ignores it (decoding runs on one device).
         heads: split the attention heads over a mesh axis (``HeadParallel(axis)``; ``None`` =
-            off). V4 and V3.2 layers; not with ``context``, ``indexer_heads_axis``, a
-            ``ShardedSelection`` or a default ``indexer_loss`` other than ``"off"``;
-            ``extend`` ignores it.
+            off). V4 and V3.2 layers; composes with ``context`` (one ``shard_map`` over both
+            axes), a ``ShardedSelection`` over the same axis and the indexer loss; not with
+            ``indexer_heads_axis``; ``extend`` ignores it.
         indexer_loss: the default training stage of the indexer's KL loss: ``"off"``,
             ``"dense"`` (warm-up: all visible entries, attended densely too) or ``"sparse"``
             (the selected entries). A call can override it (``layer(x, indexer_loss=...)``).
@@ -125,19 +125,18 @@ class Execution(eqx.Module):
             "must be None or a HeadParallel",
             self.heads,
         )
-        for ok, other, value in (
-            (self.context is None, "context parallelism (context_parallel)", self.context),
-            (self.indexer_heads_axis is None, "shard_indexer_acts", self.indexer_heads_axis),
-            (
-                not isinstance(self.selection, ShardedSelection),
-                "indexer_sharded_topk (ShardedSelection)",
-                self.selection,
-            ),
-            (self.indexer_loss == "off", "indexer_loss", self.indexer_loss),
-        ):
-            _require(
-                ok, "head_parallel", f"is not composable with {other} yet: turn one off", value
-            )
+        _require(
+            self.context is None or self.context.axis != self.heads.axis,
+            "head_parallel",
+            f"needs a tensor_axis other than the context_axis {self.heads.axis!r}",
+            self.heads.axis,
+        )
+        _require(  # the indexer's heads would be split over the axis the attention heads use
+            self.indexer_heads_axis is None,
+            "head_parallel",
+            "is not composable with shard_indexer_acts yet: turn one off",
+            self.indexer_heads_axis,
+        )
 
     @classmethod
     def from_options(

@@ -16,6 +16,8 @@ the selection is the single-device one bitwise.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -23,9 +25,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from .loss import AttentionTarget
 from .sharding import MeshLike, _place, mesh_with_axis
 
-__all__ = ["HeadParallel", "split_specs"]
+__all__ = ["HeadParallel", "HeadSplit", "all_heads", "first_device", "split_specs", "sum_partials"]
 
 
 class HeadParallel(eqx.Module):
@@ -50,6 +53,17 @@ class HeadParallel(eqx.Module):
         if self.axis == self.data_axis:
             raise ValueError(f"tensor_axis and data_axis must differ (both are {self.axis!r})")
 
+    def check(self, mesh: MeshLike, heads: dict[str, int]) -> None:
+        """``ValueError`` unless the axis' size divides every head count of ``heads`` (by
+        config field name)."""
+        devices = mesh.shape[self.axis]
+        for name, count in heads.items():
+            if count % devices:
+                raise ValueError(
+                    f"head_parallel: mesh axis {self.axis!r} has {devices} devices, which does "
+                    f"not divide {name}={count}"
+                )
+
     def apply(
         self,
         body: Callable,
@@ -60,9 +74,11 @@ class HeadParallel(eqx.Module):
         ints: tuple[Int[Array, "batch seq"], ...],
         *,
         selects: bool,
-    ) -> tuple[Float[Array, "batch seq hidden"], Int[Array, "batch seq k"] | None]:
+        sums: int = 0,
+    ) -> tuple[Float[Array, "batch seq hidden"], Int[Array, "batch seq k"] | None, tuple]:
         """``body(params, x, *ints)`` (a forward over this device's heads, returning ``(y
-        partial sum, selection or None)``) run head-parallel.
+        partial sum, selection or None, sums)`` with ``sums`` a tuple of per-device float32
+        scalars) run head-parallel.
 
         Arguments:
             body: the layer's forward over the heads its ``params`` hold.
@@ -72,18 +88,15 @@ class HeadParallel(eqx.Module):
             heads: the head counts the axis size must divide, by config field name.
             x, ints: the layer's inputs ``[B, S, ...]`` (hidden states; integer rows).
             selects: whether ``body`` returns a selection.
+            sums: how many scalars ``body`` returns to be summed over the devices.
 
         Returns:
-            ``(y, selection)`` as the single-device forward returns them.
+            ``(y, selection, sums)`` as the single-device forward returns them, with the
+            ``sums`` summed over the devices.
         """
         mesh = mesh_with_axis(self.axis, "head_parallel", self.mesh)
-        axis, data, devices = self.axis, self.data_axis, mesh.shape[self.axis]
-        for name, count in heads.items():
-            if count % devices:
-                raise ValueError(
-                    f"head_parallel: mesh axis {axis!r} has {devices} devices, which does not "
-                    f"divide {name}={count}"
-                )
+        self.check(mesh, heads)
+        axis, data = self.axis, self.data_axis
         b = x.shape[0]
         dp = data if data in mesh.axis_names and b % mesh.shape[data] == 0 else None
         rows = P(dp)
@@ -91,23 +104,56 @@ class HeadParallel(eqx.Module):
         args = jax.tree.map(lambda a, s: _place(a, mesh, s), (params, x, ints), in_specs)
 
         def local(params, x, ints):
-            y, selection = body(params, x, *ints)
-            return (y[None],) + ((selection,) if selects else ())
+            y, selection, shard_sums = body(params, x, *ints)
+            out = (y[None],) + ((selection,) if selects else ())
+            return out + tuple(jnp.reshape(a, (1,)) for a in shard_sums)
 
         # check_vma=False: the selection's loops start their carries from constants, which the
         # varying-manual-axes check rejects. The partial outputs leave mapped over the axis and
         # are summed outside, so the transpose hands each device the output's cotangent once
         # and sums the replicated weights' cotangents (each device's share of the heads).
+        out_specs = (P(axis, dp),) + ((rows,) if selects else ())
+        out_specs += (P((axis, dp) if dp else axis),) * sums
         out = jax.shard_map(
             local,
             mesh=mesh,
             in_specs=in_specs,
-            out_specs=(P(axis, dp),) + ((rows,) if selects else ()),
+            out_specs=out_specs,
             axis_names=frozenset({axis, dp} - {None}),
             check_vma=False,
         )(*args)
-        y = jnp.sum(out[0], axis=0, dtype=jnp.float32).astype(x.dtype)
-        return y, out[1] if selects else None
+        y = sum_partials(out[0], x.dtype)
+        selection = out[1] if selects else None
+        return y, selection, tuple(jnp.sum(a) for a in out[len(out) - sums :])
+
+
+class HeadSplit(NamedTuple):
+    """Head parallelism inside another strategy's ``shard_map`` (context parallelism): the
+    mesh ``axis`` and a ``PartitionSpec`` per array of the layer's ``params``."""
+
+    axis: str
+    specs: object
+
+
+def sum_partials(partials: Float[Array, "devices batch *rest"], dtype) -> Array:
+    """The devices' partial outputs (stacked on axis 0) summed in float32, in ``dtype``."""
+    return jnp.sum(partials, axis=0, dtype=jnp.float32).astype(dtype)
+
+
+def all_heads(target: AttentionTarget, axis: str) -> AttentionTarget:
+    """Inside the ``shard_map``: the indexer loss' attention target over every head (the
+    devices' query heads and log normalisers all-gathered over ``axis``; no gradient flows
+    through a target)."""
+    gather = partial(jax.lax.all_gather, axis_name=axis, axis=2, tiled=True)
+    return target._replace(q=gather(target.q), log_normalizer=gather(target.log_normalizer))
+
+
+def first_device(values: tuple[Array, ...], axis: str) -> tuple[Array, ...]:
+    """Inside the ``shard_map``: ``values`` on the axis' first device, zeros on the others, so
+    a quantity every device computes alike counts once when the devices' values are summed
+    (and so does its gradient)."""
+    first = jax.lax.axis_index(axis) == 0
+    return tuple(jnp.where(first, v, jnp.zeros_like(v)) for v in values)
 
 
 def split_specs(split: dict[str, P]) -> Callable:

@@ -89,10 +89,13 @@ class ShardedSelection(AbstractSelection):
             parallelism, which splits the batch over it already, it is left alone).
         mesh: the mesh (``None``: the one set with ``jax.set_mesh``).
 
-    A single query row (decode) is not sharded. Rows that do not divide evenly are **padded**
-    to a multiple of the tensor size with rows that see no entry, and the padding is sliced
-    off. The gathered ``[B, S, k]`` result comes back in the ``[B, S]`` layout the query
-    indices came in, and equals the unsharded selection bitwise.
+    Inside a ``shard_map`` that is already manual over ``tensor_axis`` (head parallelism, where
+    every device of the axis holds every row), each device selects its slice of the rows and
+    the slices are all-gathered the same way. A single query row (decode) is not sharded.
+    Rows that do not divide evenly are **padded** to a multiple of the tensor size with rows
+    that see no entry, and the padding is sliced off. The gathered ``[B, S, k]`` result comes
+    back in the ``[B, S]`` layout the query indices came in, and equals the unsharded
+    selection bitwise.
     """
 
     inner: AbstractSelection = AutoSelection()
@@ -133,7 +136,6 @@ class ShardedSelection(AbstractSelection):
             EntryLayout(shared, shared, shared),
         )
         args = (q, weights, keys, query_index, query_segment, layout)
-        args = jax.tree.map(lambda a, spec: _place(a, mesh, spec), args, specs)
         rows = (s + pad) // tp
 
         def local(q, weights, keys, query_index, query_segment, layout):
@@ -149,9 +151,17 @@ class ShardedSelection(AbstractSelection):
             shard = SelectionProblem.from_queries(q, weights, keys, visibility, head_chunk)
             return jax.lax.all_gather(inner.select(shard, k), tensor_axis, axis=1, tiled=True)
 
+        if _manual(jax.sharding.get_abstract_mesh(), tensor_axis):
+            # inside a shard_map already manual over the axis (head parallelism), where every
+            # device holds all rows: run this device's rows directly
+            start = jax.lax.axis_index(tensor_axis) * rows
+            q, weights = (jax.lax.dynamic_slice_in_dim(a, start, rows, axis=1) for a in args[:2])
+            out = local(q, weights, *args[2:])
+            return out[:, :s] if pad else out
         # check_vma=False: the selection's loops (chunked heads, streaming) start their carries
         # from constants, which the varying-manual-axes check rejects; nothing here is
         # differentiated, and the all-gather makes the result replicated over ``tensor_axis``.
+        args = jax.tree.map(lambda a, spec: _place(a, mesh, spec), args, specs)
         out = jax.shard_map(
             local, mesh=mesh, in_specs=specs, out_specs=P(dp, None, None), check_vma=False
         )(*args)

@@ -31,6 +31,7 @@ SHARDED_STREAMING = dict(
     qk_head_chunk_size=2,
     indexer_key_block=4,
 )
+HEADS = dict(head_parallel=True)  # the attention heads split over the tensor axis too
 
 
 def check_against_single_device(kind, mesh_shape, s, options, shard_x):
@@ -64,67 +65,76 @@ def check_against_single_device(kind, mesh_shape, s, options, shard_x):
     [
         # 45 rows: padded to 16 chunks of 8 (halo 7 = the CSA windows' 2m - 1)
         ("csa", CONTEXT8, 45, {}, False),
-        # 64 rows split evenly; x arrives sharded along the sequence; streaming top-k with
-        # head chunks, the row-sharded top-k over the tensor axis and the saved selection
-        (
-            "csa",
-            CONTEXT4_TENSOR2,
-            64,
-            SHARDED_STREAMING,
-            True,
-        ),
-        ("hca", CONTEXT4_TENSOR2, 45, {}, False),
+        # 64 rows split evenly; x arrives sharded along the sequence; the heads split over
+        # the tensor axis; streaming top-k with head chunks, the row-sharded top-k over the
+        # same tensor axis and the saved selection
+        ("csa", CONTEXT4_TENSOR2, 64, SHARDED_STREAMING | HEADS, True),
+        ("hca", CONTEXT4_TENSOR2, 45, HEADS, False),
         ("sliding", CONTEXT8, 45, {}, False),
         # V3.2: chunks of 3 tokens (45 rows padded to 48), every token an entry
         ("v32", CONTEXT8, 45, {}, False),
-        (
-            "v32",
-            CONTEXT4_TENSOR2,
-            36,  # padded to 8 chunks of 5, with x sharded along the sequence
-            SHARDED_STREAMING,
-            True,
-        ),
+        # padded to 8 chunks of 5, with x sharded along the sequence
+        ("v32", CONTEXT4_TENSOR2, 36, SHARDED_STREAMING | HEADS, True),
     ],
     ids=[
         "csa-context8-padded",
-        "csa-context4xtensor2-sharded-x",
-        "hca-context4xtensor2",
+        "csa-context4xtensor2-heads-sharded-x",
+        "hca-context4xtensor2-heads",
         "sliding",
         "v32-context8-padded",
-        "v32-context4xtensor2-sharded-x",
+        "v32-context4xtensor2-heads-sharded-x",
     ],
 )
 def test_matches_single_device(kind, mesh_shape, s, options, shard_x):
     check_against_single_device(kind, mesh_shape, s, options, shard_x)
 
 
-@pytest.mark.parametrize("kind", ["sliding", "csa", "hca", "v32"])
-def test_data_axis_matches_single_device(kind):
+@pytest.mark.parametrize(
+    "kind, options",
+    [
+        ("sliding", {}),
+        ("csa", dict(indexer_sharded_topk=True, **HEADS)),
+        ("hca", {}),
+        ("v32", dict(indexer_sharded_topk=True, **HEADS)),
+    ],
+    ids=["sliding", "csa-heads", "hca", "v32-heads"],
+)
+def test_data_axis_matches_single_device(kind, options):
     """(data=2, context=2, tensor=2): the batch split over data (one row each), the sequence
-    over context (22 rows, padded), the top-k rows over tensor, x sharded over both."""
-    options = dict(indexer_sharded_topk=True) if kind in ("csa", "v32") else {}
+    over context (22 rows, padded), the top-k rows (and the heads, with head parallelism) over
+    tensor, x sharded over both."""
     check_against_single_device(kind, DATA2_CONTEXT2_TENSOR2, 22, options, True)
-    # the batch is split by the shard_map itself (manual over data), not left to the compiler
-    cp = random_layer(kind).with_execution(ce.Execution.from_options(context_parallel=True))
+    # the batch is split by the shard_map itself (manual over data), not left to the compiler;
+    # with head parallelism the same shard_map is manual over tensor too
+    execution = ce.Execution.from_options(context_parallel=True, **options)
+    cp = random_layer(kind).with_execution(execution)
     with jax.set_mesh(jax.make_mesh(*DATA2_CONTEXT2_TENSOR2)):
         jaxpr = jax.make_jaxpr(cp)(jnp.zeros((2, 22, cp.config.hidden_size)))
     (manual,) = [
         e.params["newly_manual_axes"] for e in jaxpr.eqns if e.primitive.name == "shard_map"
     ]
-    assert manual == {"data", "context"}
+    assert manual == (
+        {"data", "context", "tensor"} if options.get("head_parallel") else {"data", "context"}
+    )
 
 
 @pytest.mark.parametrize(
     "kind, stage, mesh_shape, options",
     [
         ("csa", "sparse", CONTEXT8, {}),
-        ("csa", "dense", CONTEXT4_TENSOR2, dict(indexer_key_block=4, qk_head_chunk_size=2)),
+        # the heads split over tensor: the target all-gathers them
+        (
+            "csa",
+            "dense",
+            CONTEXT4_TENSOR2,
+            dict(indexer_key_block=4, qk_head_chunk_size=2, **HEADS),
+        ),
         ("v32", "sparse", CONTEXT4_TENSOR2, dict(indexer_sharded_topk=True)),
         ("v32", "dense", CONTEXT8, dict(indexer_key_block=4, qk_head_chunk_size=2)),
     ],
     ids=[
         "csa-sparse-context8",
-        "csa-dense-streaming-context4xtensor2",
+        "csa-dense-streaming-context4xtensor2-heads",
         "v32-sparse-context4xtensor2",
         "v32-dense-streaming-context8",
     ],

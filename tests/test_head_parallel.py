@@ -1,12 +1,15 @@
 """Head parallelism of the V4 layers and V3.2 on simulated CPU devices: selections bitwise
-equal to the single-device layer, outputs and gradients (parameters and x) within 1e-5, the
-loader option against HF transformers, the per-device weight shards, and the errors."""
+equal to the single-device layer, outputs and gradients (parameters and x) within 1e-5 (also
+with the row-sharded top-k and the indexer loss), the loader option against HF transformers,
+the per-device weight shards, and the errors. Head parallelism together with context
+parallelism is tested in test_context_parallel.py."""
 
 import functools
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -15,6 +18,7 @@ from parallel_helpers import (
     assert_matches_single_device,
     packed_segments,
     random_layer,
+    relative_error,
 )
 from test_v4_behaviour import tiny
 
@@ -87,6 +91,35 @@ def test_matches_single_device(kind, mesh_shape):
     assert manual == set(mesh.axis_names)
 
 
+@pytest.mark.parametrize(
+    "kind, stage, mesh_shape",
+    [("csa", "sparse", TENSOR2), ("csa", "dense", DATA2_TENSOR2), ("v32", "sparse", TENSOR4)],
+)
+def test_indexer_loss_and_sharded_topk_match_single_device(kind, stage, mesh_shape):
+    """With the row-sharded top-k over the same tensor axis (each device selects its slice of
+    the rows inside the head-parallel shard_map) and the indexer's KL loss (its target over
+    every head, all-gathered): the selection bitwise, the loss and the gradients of a loss that
+    includes it within 1e-5."""
+    layer, x, *_ = single_device(kind)
+    options = dict(indexer_sharded_topk=True, qk_head_chunk_size=2)
+    hp = layer.with_execution(ce.Execution.from_options(head_parallel=True, **options))
+    seg = packed_segments(2, 45)
+
+    def loss(layer, x):
+        y, aux = layer(x, segment_ids=seg, return_aux=True, indexer_loss=stage)
+        return jnp.sum(jnp.sin(y)) + 3.0 * aux["indexer_loss"], aux
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    (_, want), want_grads = jax.jit(grad)(layer, x)
+    with jax.set_mesh(jax.make_mesh(*mesh_shape)):
+        (_, got), grads = jax.jit(grad)(hp, x)
+    assert float(want["indexer_loss"]) > 0
+    assert relative_error(got["indexer_loss"], want["indexer_loss"]) < 1e-5
+    np.testing.assert_array_equal(np.asarray(got["selection"]), np.asarray(want["selection"]))
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        assert relative_error(got, want) < 1e-5
+
+
 def test_weight_shards_are_one_over_the_axis():
     """Compile-time shapes: inside the shard_map each device holds 1/T of the query
     projection's rows, the sinks, the grouped o_a_proj's rows and o_b_proj's input columns,
@@ -151,25 +184,15 @@ def test_errors_name_axis_and_sizes():
         (((8,), ("context",)), ValueError, "head_parallel needs a mesh axis named 'tensor'", {}),
         (TENSOR4, ValueError, "'tensor' has 4 devices.*divide o_groups=2", {}),
         (((8,), ("tensor",)), ValueError, "'tensor' has 8 devices.*divide num_heads=4", {}),
-        (
-            TENSOR2,
-            ValueError,
-            "indexer_loss='sparse' is not composable with head_parallel",
-            dict(return_aux=True, indexer_loss="sparse"),
-        ),
     ):
         with jax.set_mesh(jax.make_mesh(*mesh_shape)), pytest.raises(error, match=match):
             two_groups(x, **call)
     v32_heads = pytest.raises(ValueError, match="'tensor' has 8 devices.*divide num_heads=4")
     with jax.set_mesh(jax.make_mesh((8,), ("tensor",))), v32_heads:
         v32(jnp.zeros((1, 8, v32.config.hidden_size)))
-    for other, match in (
-        (dict(context_parallel=True), "context parallelism"),
-        (dict(indexer_sharded_topk=True), "indexer_sharded_topk"),
-        (dict(shard_indexer_acts=True), "shard_indexer_acts"),
-        (dict(indexer_loss="dense"), "indexer_loss"),
-    ):
-        with pytest.raises(ValueError, match=f"head_parallel is not composable with {match}"):
-            ce.Execution.from_options(head_parallel=True, **other)
+    with pytest.raises(ValueError, match="head_parallel is not composable with shard_indexer"):
+        ce.Execution.from_options(head_parallel=True, shard_indexer_acts=True)
+    with pytest.raises(ValueError, match="head_parallel needs a tensor_axis other than the cont"):
+        ce.Execution.from_options(head_parallel=True, context_parallel=True, context_axis="tensor")
     with pytest.raises(ValueError, match="tensor_axis and data_axis must differ"):
         ce.Execution.from_options(head_parallel=True, tensor_axis="data")
