@@ -20,7 +20,7 @@ from .compressor import segment_positions, token_rows
 from .context import ShardRows, whole_rows
 from .decode import ChunkRows, chunk_rows
 from .execution import Execution, check_stage, checked_execution
-from .heads import HeadSplit, all_heads, first_device
+from .heads import HeadSplit, all_heads
 from .loss import AttentionTarget, projected_indexer_kl_loss
 from .selection import SelectionProblem, Visibility, entry_visibility
 from .sharding import mesh_with_axis
@@ -113,8 +113,9 @@ class AbstractIndexedAttention(eqx.Module):
         """``forward_rows`` run context-parallel (``execution.context``), head-parallel
         (``execution.heads``) or both in one ``shard_map``. The loss (when the stage trains
         the indexer and the layer has one) is the mean over queries with a candidate, summed
-        as ``(sum, count)`` per shard; under head parallelism every head device computes it
-        alike from the all-gathered heads' target, and one of them counts it.
+        as ``(sum, count)`` per shard; under head parallelism every device of the axis computes it
+        alike from the all-gathered heads' target (``T`` equal sums over ``T`` equal counts: the
+        same mean, and the same gradient).
 
         Returns: ``(y, selection or None, loss or None)``.
         """
@@ -131,8 +132,7 @@ class AbstractIndexedAttention(eqx.Module):
                 target = all_heads(target, heads_axis)
             loss = layer._kl_loss(problem, target, selection, stage)
             count = jnp.sum(layer._has_candidates(rows, selection, stage), dtype=jnp.float32)
-            sums = (loss * count, count)
-            return y, selection, sums if heads_axis is None else first_device(sums, heads_axis)
+            return y, selection, (loss * count, count)
 
         common = dict(selects=self.indexer is not None, sums=2 if want_loss else 0)
         if ex.context is not None:

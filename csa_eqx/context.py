@@ -223,7 +223,7 @@ class ContextParallel(eqx.Module):
             return out + tuple(jnp.reshape(a, (1,)) for a in shard_sums)
 
         # partial outputs over the heads leave stacked over the head axis and are summed
-        # outside (see heads.py); so do the sums, which the body counts on one head device
+        # outside (see heads.py); the sums leave mapped over every manual axis and are summed
         tensor = () if heads is None else (heads.axis,)
         y_spec = sharded if heads is None else P(heads.axis, dp, axis)
         out_specs = (y_spec, sharded) if selects else (y_spec,)

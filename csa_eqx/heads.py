@@ -28,7 +28,7 @@ from jaxtyping import Array, Float, Int
 from .loss import AttentionTarget
 from .sharding import MeshLike, _place, mesh_with_axis
 
-__all__ = ["HeadParallel", "HeadSplit", "all_heads", "first_device", "split_specs", "sum_partials"]
+__all__ = ["HeadParallel", "HeadSplit", "all_heads", "split_specs", "sum_partials"]
 
 
 class HeadParallel(eqx.Module):
@@ -146,14 +146,6 @@ def all_heads(target: AttentionTarget, axis: str) -> AttentionTarget:
     through a target)."""
     gather = partial(jax.lax.all_gather, axis_name=axis, axis=2, tiled=True)
     return target._replace(q=gather(target.q), log_normalizer=gather(target.log_normalizer))
-
-
-def first_device(values: tuple[Array, ...], axis: str) -> tuple[Array, ...]:
-    """Inside the ``shard_map``: ``values`` on the axis' first device, zeros on the others, so
-    a quantity every device computes alike counts once when the devices' values are summed
-    (and so does its gradient)."""
-    first = jax.lax.axis_index(axis) == 0
-    return tuple(jnp.where(first, v, jnp.zeros_like(v)) for v in values)
 
 
 def split_specs(split: dict[str, P]) -> Callable:
