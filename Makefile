@@ -17,8 +17,8 @@ venv: $(STAMP)
 # suite crashed inside XLA's CPU compiler (segfault) late in a run on the 2-core machine.
 test: $(STAMP)
 	$(BIN)/ruff check csa_eqx tests benchmarks
-	$(BIN)/python -m pytest -q tests/test_[a-l]*.py
-	$(BIN)/python -m pytest -q tests/test_[m-z]*.py
+	$(BIN)/python -m pytest -q --durations=15 tests/test_[a-l]*.py
+	$(BIN)/python -m pytest -q --durations=15 tests/test_[m-z]*.py
 
 demo: $(STAMP)
 	$(BIN)/csa-eqx train --name demo

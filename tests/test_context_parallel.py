@@ -48,8 +48,8 @@ def check_against_single_device(kind, mesh_shape, s, options, shard_x):
     def forward(layer, x, seg):
         return layer(x, segment_ids=seg, return_aux=True)
 
-    want_y, want_aux = forward(layer, x, seg)
-    want_grads = jax.grad(loss, argnums=(0, 1))(layer, x, seg)
+    want_y, want_aux = jax.jit(forward)(layer, x, seg)
+    want_grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(layer, x, seg)
     mesh = jax.make_mesh(*mesh_shape)
     with jax.set_mesh(mesh):
         if shard_x:  # x and the segment ids split along the sequence (and the batch over data)
@@ -70,7 +70,9 @@ def check_against_single_device(kind, mesh_shape, s, options, shard_x):
         # same tensor axis and the saved selection
         ("csa", CONTEXT4_TENSOR2, 64, SHARDED_STREAMING | HEADS, True),
         ("hca", CONTEXT4_TENSOR2, 45, HEADS, False),
+        ("hca", CONTEXT8, 45, {}, False),
         ("sliding", CONTEXT8, 45, {}, False),
+        ("sliding", CONTEXT4_TENSOR2, 45, HEADS, False),
         # V3.2: chunks of 3 tokens (45 rows padded to 48), every token an entry
         ("v32", CONTEXT8, 45, {}, False),
         # padded to 8 chunks of 5, with x sharded along the sequence
@@ -80,7 +82,9 @@ def check_against_single_device(kind, mesh_shape, s, options, shard_x):
         "csa-context8-padded",
         "csa-context4xtensor2-heads-sharded-x",
         "hca-context4xtensor2-heads",
-        "sliding",
+        "hca-context8-padded",
+        "sliding-context8-padded",
+        "sliding-context4xtensor2-heads",
         "v32-context8-padded",
         "v32-context4xtensor2-heads-sharded-x",
     ],
@@ -152,7 +156,7 @@ def test_indexer_loss_matches_single_device(kind, stage, mesh_shape, options):
         return jnp.sum(jnp.sin(y)) + 3.0 * aux["indexer_loss"], aux["indexer_loss"]
 
     grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
-    (_, want), want_grads = grad(layer, x)
+    (_, want), want_grads = jax.jit(grad)(layer, x)
     with jax.set_mesh(jax.make_mesh(*mesh_shape)):
         (_, got), grads = jax.jit(grad)(cp, x)
     assert float(want) > 0
@@ -164,14 +168,20 @@ def test_indexer_loss_matches_single_device(kind, stage, mesh_shape, options):
 @pytest.mark.parametrize(
     "family, options, mesh_shape, seq, min_rows",
     [
-        # S = 100: not a multiple of 2 x 4 x m; the axis renamed
-        ("v4", dict(context_axis="seq"), ((4, 2), ("seq", "tensor")), 100, 90),
+        # S = 100: not a multiple of 2 x 4 x m; the axis renamed; the heads split over tensor
+        (
+            "v4",
+            dict(context_axis="seq", head_parallel=True),
+            ((4, 2), ("seq", "tensor")),
+            100,
+            90,
+        ),
         ("v32", {}, CONTEXT8, 50, 26),  # S = 50: padded to 16 chunks of 4
     ],
 )
 def test_loader_option_matches_transformers(family, options, mesh_shape, seq, min_rows):
-    """``load_v4_attention`` / ``load_v32_attention(..., context_parallel=True)`` under a mesh
-    with the context axis give HF's output and top-k."""
+    """``load_v4_attention`` / ``load_v32_attention(..., context_parallel=True)`` (V4 with
+    ``head_parallel=True`` too) under a mesh with the context axis give HF's output and top-k."""
     mesh = jax.make_mesh(*mesh_shape)
     layer = assert_loader_matches_hf(
         family, dict(context_parallel=True, **options), mesh, seq, min_rows
