@@ -53,7 +53,12 @@ def cell(context: int, tensor: int, seq: int) -> str:
 
         return jax.grad(loss, argnums=(0, 1))(p, x)
 
-    mesh = jax.make_mesh((context, tensor), ("context", "tensor"))
+    # no size-1 tensor axis: XLA's CPU compiler aborts on this program with one (jax 0.10.2,
+    # "Invalid binary instruction opcode copy")
+    shape, names = (
+        ((context, tensor), ("context", "tensor")) if tensor > 1 else ((context,), ("context",))
+    )
+    mesh = jax.make_mesh(shape, names)
     sharding = NamedSharding(mesh, P(None, "context")) if context > 1 else None
     x = jax.ShapeDtypeStruct((1, seq, cfg.hidden_size), jnp.bfloat16, sharding=sharding)
     with jax.set_mesh(mesh):
