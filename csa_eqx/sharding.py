@@ -55,7 +55,10 @@ def _explicit(mesh: MeshLike, axis: str) -> bool:
 
 
 def _manual(mesh: MeshLike, axis: str) -> bool:
-    return mesh.axis_types[mesh.axis_names.index(axis)] == AxisType.Manual
+    """Whether ``axis`` is Manual in ``mesh`` (False where the mesh lacks it, e.g. the empty
+    ambient mesh when the caller passes ``mesh=`` instead of ``jax.set_mesh``)."""
+    names = mesh.axis_names
+    return axis in names and mesh.axis_types[names.index(axis)] == AxisType.Manual
 
 
 def _place(x: Array, mesh: MeshLike, spec: P) -> Array:
