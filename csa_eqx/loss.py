@@ -32,7 +32,7 @@ from .blocks import block_starts, key_block_ranges, take
 from .compressor import EntryLayout
 from .indexer import indexer_scores, sum_head_chunks
 from .selection import AbstractSelection, SelectionProblem, entry_visibility
-from .sparse import gather_keys, sparse_query_block
+from .sparse import gather_keys, picked_mask, sparse_query_block
 from .streaming import StreamingSelection, streaming_block_sizes
 
 __all__ = [
@@ -52,10 +52,7 @@ def selection_mask(selection: Int[Array, "batch seq k"], n: int) -> Bool[Array, 
 
     Returns: bool ``[B, S, n]``, true on each query's selected candidates.
     """
-    b, s, _ = selection.shape
-    idx = jnp.where(selection >= 0, selection, n)
-    rows, cols = jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None]
-    return jnp.zeros((b, s, n), bool).at[rows, cols, idx].set(True, mode="drop")
+    return picked_mask(selection, n)
 
 
 def _head_mass(q, lse, keys, candidates, scale, spec):
