@@ -28,8 +28,37 @@ _NATIVE_KEYS = {
     "window_size": "sliding_window",
     "norm_eps": "rms_norm_eps",
 }
-_HF_TO_NATIVE = {hf: native for native, hf in _NATIVE_KEYS.items()}
 DEFAULT_BLOCK = (128, 128)  # DeepSeek's FP8 tile (``quantization_config.weight_block_size``)
+
+# Every field of DeepSeek's ``ModelArgs`` (``inference/model.py``) with its default, per family.
+# DeepSeek's ``generate.py`` builds ``ModelArgs(**config)``: a key the config omits takes the
+# default, any other key is refused. The keys of the rest of the model (MoE, vocabulary,
+# hyper-connections) and the storage / inference-numerics keys (``dtype``, ``scale_fmt``, ...)
+# do not change the exact attention layer; they are checked as keys and not read further.
+_V32_MODEL_ARGS = {  # DeepSeek-V3.2-Exp
+    "max_batch_size": 8, "max_seq_len": 4096 * 4, "dtype": "bf16", "scale_fmt": None,
+    "vocab_size": 102400, "dim": 2048, "inter_dim": 10944, "moe_inter_dim": 1408,
+    "n_layers": 27, "n_dense_layers": 1, "n_heads": 16, "n_routed_experts": 64,
+    "n_shared_experts": 2, "n_activated_experts": 6, "n_expert_groups": 1,
+    "n_limited_groups": 1, "score_func": "softmax", "route_scale": 1.0, "q_lora_rank": 0,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "original_seq_len": 4096, "rope_theta": 10000.0, "rope_factor": 40, "beta_fast": 32,
+    "beta_slow": 1, "mscale": 1.0, "index_n_heads": 64, "index_head_dim": 128,
+    "index_topk": 2048,
+}  # fmt: skip
+_V4_MODEL_ARGS = {  # DeepSeek-V4-Flash and V4-Pro
+    "max_batch_size": 4, "max_seq_len": 4096, "dtype": "fp8", "scale_fmt": "ue8m0",
+    "expert_dtype": None, "scale_dtype": "fp8", "vocab_size": 129280, "dim": 4096,
+    "moe_inter_dim": 4096, "n_layers": 7, "n_hash_layers": 0, "n_mtp_layers": 1,
+    "n_heads": 64, "n_routed_experts": 8, "n_shared_experts": 1, "n_activated_experts": 2,
+    "score_func": "sqrtsoftplus", "route_scale": 1.0, "swiglu_limit": 0.0,
+    "q_lora_rank": 1024, "head_dim": 512, "rope_head_dim": 64, "norm_eps": 1e-6,
+    "o_groups": 8, "o_lora_rank": 1024, "window_size": 128,
+    "compress_ratios": [0, 0, 4, 128, 4, 128, 4, 0], "compress_rope_theta": 40000.0,
+    "original_seq_len": 0, "rope_theta": 10000.0, "rope_factor": 40, "beta_fast": 32,
+    "beta_slow": 1, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+    "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+}  # fmt: skip
 
 
 def as_dict(config: Any) -> dict:
@@ -41,32 +70,73 @@ def as_dict(config: Any) -> dict:
     raise TypeError(f"config must be a transformers config or a dict, got {type(config).__name__}")
 
 
-def _from_native(d: dict, source: str) -> dict:
-    """HF-keyed view of a config; DeepSeek's inference keys (``dim``, ``n_heads``, …) are
-    renamed and its YaRN keys (``original_seq_len``, ``rope_factor``, …) become
-    ``rope_scaling``. An HF config (it has ``hidden_size``) is returned unchanged."""
-    if "hidden_size" in d or "dim" not in d:
-        return d
-    out = {_NATIVE_KEYS.get(k, k): v for k, v in d.items()}
-    if int(d.get("original_seq_len") or 0) > 0:
-        out["rope_scaling"] = {
-            "type": "yarn",
-            "factor": _need(d, "rope_factor", f"{source} (YaRN: original_seq_len > 0)"),
-            "original_max_position_embeddings": d["original_seq_len"],
-            "beta_fast": d.get("beta_fast", 32),
-            "beta_slow": d.get("beta_slow", 1),
-            # V3.2's softmax factor (0.1·mscale·ln(factor) + 1)², no factor on cos / sin
-            "mscale": d.get("mscale"),
-            "mscale_all_dim": d.get("mscale"),
-        }
+def _is_native(d: dict) -> bool:
+    """DeepSeek's inference keys (``dim``, ``n_heads``, ...) rather than HF's (``hidden_size``)."""
+    return "dim" in d and "hidden_size" not in d
+
+
+def _model_args(d: dict, defaults: dict, family: str, source: str) -> dict:
+    """``d`` completed with DeepSeek's ``ModelArgs`` defaults; an unknown key is an error."""
+    unknown = sorted(set(d) - set(defaults))
+    if unknown:
+        raise ValueError(
+            f"{source}: {unknown} are not keys of DeepSeek's {family} inference config "
+            f"(its ModelArgs refuses them too); known keys: {sorted(defaults)}"
+        )
+    return {**defaults, **d}
+
+
+def _native_yarn(args: dict, mscale: float | None) -> dict:
+    """The HF ``rope_scaling`` entry that DeepSeek's ``precompute_freqs_cis`` amounts to."""
+    return {
+        "type": "yarn",
+        "factor": args["rope_factor"],
+        "original_max_position_embeddings": args["original_seq_len"],
+        "beta_fast": args["beta_fast"],
+        "beta_slow": args["beta_slow"],
+        # V3.2: softmax factor (0.1·mscale·ln(factor) + 1)², nothing on cos / sin (equal mscales)
+        "mscale": mscale,
+        "mscale_all_dim": mscale,
+    }
+
+
+def _hf_view(args: dict, rope_scaling: dict | None) -> dict:
+    out = {_NATIVE_KEYS.get(k, k): v for k, v in args.items()}
+    if rope_scaling is not None:
+        out["rope_scaling"] = rope_scaling
     return out
+
+
+def _from_native_v4(d: dict, source: str) -> dict:
+    """HF-keyed view of a V4 config. DeepSeek's inference keys are completed with V4's
+    ``ModelArgs`` defaults (``compress_rope_theta`` 40000, ``original_seq_len`` 0, ...); YaRN
+    is on when ``original_seq_len > 0`` (on the compressed layers, as in DeepSeek's code). An
+    HF config is returned unchanged."""
+    if not _is_native(d):
+        return d
+    args = _model_args(d, _V4_MODEL_ARGS, "V4", source)
+    on = _int(args, "original_seq_len", source) > 0
+    return _hf_view(args, _native_yarn(args, None) if on else None)
+
+
+def _from_native_v32(d: dict, source: str) -> dict:
+    """HF-keyed view of a V3.2 config. DeepSeek's inference keys are completed with V3.2's
+    ``ModelArgs`` defaults (``max_seq_len`` 16384, ``original_seq_len`` 4096, ``rope_factor``
+    40, ``mscale`` 1, ...); YaRN is on when ``max_seq_len > original_seq_len``, and then the
+    softmax scale carries ``mscale``. An HF config is returned unchanged."""
+    if not _is_native(d):
+        return d
+    args = _model_args(d, _V32_MODEL_ARGS, "V3.2", source)
+    on = _int(args, "max_seq_len", source) > _int(args, "original_seq_len", source)
+    mscale = _float(args, "mscale", source)
+    if on and mscale <= 0:  # HF's YaRN reads a zero mscale as "unset": not the same model
+        raise ValueError(f"{source}: 'mscale' must be > 0 when YaRN is on (got {mscale!r})")
+    return _hf_view(args, _native_yarn(args, mscale) if on else None)
 
 
 def _need(d: Mapping, key: str, source: str) -> Any:
     if d.get(key) is None:
-        native = _HF_TO_NATIVE.get(key)
-        alias = f" (DeepSeek's inference key: {native!r})" if native else ""
-        raise ValueError(f"{source} lacks the key {key!r}{alias}, needed to build the layer")
+        raise ValueError(f"{source} lacks the key {key!r}, needed to build the layer")
     return d[key]
 
 
@@ -159,7 +229,7 @@ def _v4_layer_rate(d: dict, layer_idx: int, source: str) -> int:
 def v4_layer_config(d: dict, layer_idx: int, source: str, options: dict) -> V4AttentionConfig:
     """Layer ``layer_idx``'s config from a config dict (HF or inference keys); ``source``
     names the config in errors, ``options`` set or override fields."""
-    d = _from_native(d, source)
+    d = _from_native_v4(d, source)
     head_dim = _int(d, "head_dim", source)
     if d.get("qk_rope_head_dim") is not None:
         rope_dim = _int(d, "qk_rope_head_dim", source)
@@ -195,19 +265,21 @@ def v4_config_from_hf(config: Any, layer_idx: int, **options) -> V4AttentionConf
     **Arguments:**
 
     - ``config``: a transformers ``DeepseekV4Config`` or its dict, or a dict with DeepSeek's
-      inference keys (``dim``, ``n_heads``, ``head_dim``, ``rope_head_dim``, ``window_size``,
-      ``compress_ratios``, ``original_seq_len`` / ``rope_factor`` for YaRN, …).
+      inference keys (``dim``, ``n_heads``, ``window_size``, ``compress_ratios``, …), read as
+      DeepSeek's V4 ``ModelArgs`` reads them: omitted keys take its defaults
+      (``compress_rope_theta`` 40000; YaRN only when ``original_seq_len > 0``), unknown keys
+      are refused (docs/hf.md, "DeepSeek's inference config").
     - ``layer_idx``: which layer (its kind comes from ``layer_types`` or ``compress_ratios``).
     - ``options``: architecture fields to override (execution options go to the loaders).
 
-    **Returns:** the validated layer config. **Raises:** ``ValueError`` naming a missing key,
-    an out-of-range ``layer_idx`` or an unknown layer kind.
+    **Returns:** the validated layer config. **Raises:** ``ValueError`` naming a missing or
+    unknown key, an out-of-range ``layer_idx`` or an unknown layer kind.
     """
     return v4_layer_config(as_dict(config), layer_idx, "config", options)
 
 
 def _v32_config(d: dict, source: str, options: dict) -> V32AttentionConfig:
-    d = _from_native(d, source)
+    d = _from_native_v32(d, source)
     if d.get("attention_bias"):
         raise ValueError(f"{source}: attention_bias=True is not supported (V3.2 has none)")
     rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
@@ -236,8 +308,10 @@ def v32_config_from_hf(config: Any, **options) -> V32AttentionConfig:
     **Arguments:**
 
     - ``config``: a transformers ``DeepseekV32Config`` or its dict, or a dict with DeepSeek's
-      inference keys (``dim``, ``n_heads``, ``kv_lora_rank``, ``original_seq_len``,
-      ``rope_factor``, ``mscale``, …).
+      inference keys (``dim``, ``n_heads``, ``kv_lora_rank``, …), read as DeepSeek's V3.2
+      ``ModelArgs`` reads them: omitted keys take its defaults (YaRN on when ``max_seq_len``
+      (16384) exceeds ``original_seq_len`` (4096), factor 40, ``mscale`` 1), unknown keys are
+      refused (docs/hf.md, "DeepSeek's inference config").
     - ``options``: architecture fields to override.
 
     HF's ``DeepseekV32Attention`` normalises with eps 1e-6 whatever ``rms_norm_eps`` says (as
@@ -249,7 +323,7 @@ def v32_config_from_hf(config: Any, **options) -> V32AttentionConfig:
 def v32_layer_config(d: dict, layer_idx: int, source: str, options: dict) -> V32AttentionConfig:
     """The layer config, after checking ``layer_idx`` against ``num_hidden_layers`` / ``n_layers``
     (when the config gives it)."""
-    n_layers = _from_native(d, source).get("num_hidden_layers")
+    n_layers = _from_native_v32(d, source).get("num_hidden_layers")
     if n_layers is not None:
         _check_layer_idx(layer_idx, int(n_layers), source)
     return _v32_config(d, source, options)

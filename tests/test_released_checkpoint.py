@@ -404,7 +404,7 @@ def test_layer_idx_out_of_range(v4_release, layer_idx):
 
 def test_missing_config_key_is_named(v4_release, tmp_path):
     folder, _, _ = v4_release
-    config = {k: v for k, v in V4_INFERENCE_CONFIG.items() if k != "head_dim"}
+    config = {k: v for k, v in V4_HUB_CONFIG.items() if k != "head_dim"}
     bad = _variant(folder, tmp_path, config)
     with pytest.raises(ValueError, match=r"config.json lacks the key 'head_dim'"):
         load_v4_attention_from_safetensors(bad, 0)
@@ -531,11 +531,22 @@ def test_index_that_disagrees_with_the_shards(v4_release, tmp_path):
         load_v4_attention_from_safetensors(bad, 1)
 
 
-def test_inference_config_key_names_its_alias(v4_release, tmp_path):
+def test_inference_config_takes_deepseeks_defaults_and_refuses_unknown_keys(v4_release, tmp_path):
+    """As DeepSeek's ``ModelArgs(**config)``: an omitted key takes its default, an unknown key
+    is refused (here named, with the known keys)."""
     folder, _, _ = v4_release
     config = {k: v for k, v in V4_INFERENCE_CONFIG.items() if k != "window_size"}
-    with pytest.raises(ValueError, match=r"lacks the key 'sliding_window' .*'window_size'"):
-        load_v4_attention_from_safetensors(_variant(folder, tmp_path, config), 0)
+    layer = load_v4_attention_from_safetensors(_variant(folder, tmp_path, config), 0)
+    assert layer.config.sliding_window == 128  # ModelArgs.window_size
+    (tmp_path / "typo").mkdir()
+    (tmp_path / "v32").mkdir()
+    config = dict(V4_INFERENCE_CONFIG, windw_size=8)
+    with pytest.raises(ValueError, match=r"\['windw_size'\] are not keys of DeepSeek's V4"):
+        load_v4_attention_from_safetensors(_variant(folder, tmp_path / "typo", config), 0)
+    with pytest.raises(ValueError, match=r"'kv_lora_rank'.* are not keys of DeepSeek's V4"):
+        load_v4_attention_from_safetensors(
+            _variant(folder, tmp_path / "v32", V32_INFERENCE_CONFIG), 0
+        )
 
 
 def test_extra_tensor_of_the_layer_is_named(v4_release, tmp_path):
