@@ -185,3 +185,62 @@ def test_packed_documents_match_hf_alone(kind):
             rows = untied_rows(scores, 3, 4, rel_gap=1e-5)
         assert_close(got[:, start : start + n], want, rows)
         start += n
+
+
+@pytest.mark.parametrize("beta", [(32.0, 1.0), (16.0, 2.0)])
+def test_yarn_frequencies_match_hf_at_released_sizes(beta):
+    """YaRN's inverse frequencies at V4-Flash's sizes (rope 64, theta 160000, factor 16 of
+    65536) against transformers' own: at the tiny test sizes the band does not depend on
+    ``beta_fast`` / ``beta_slow``, here it does."""
+    import torch
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+
+    from csa_eqx.config import YaRNScaling
+    from csa_eqx.presets import v4_flash
+    from csa_eqx.rope import rope_inv_freq
+
+    yarn = YaRNScaling(16.0, 65536, beta_fast=beta[0], beta_slow=beta[1])
+    cfg = dataclasses.replace(v4_flash("csa"), rope_scaling=yarn)
+    with torch.device("meta"):  # the config only; no weights are built
+        hf_cfg = hf_v4_config(cfg)
+    rotary = DeepseekV4RotaryEmbedding(hf_cfg)
+    want = rotary.compress_inv_freq.numpy()
+    got = rope_inv_freq(cfg.rope_dim, cfg.compress_rope_theta, cfg.rope_scaling)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    plain = rope_inv_freq(cfg.rope_dim, cfg.compress_rope_theta)
+    ramp = got / plain  # 1 where extrapolated, 1/16 where interpolated, a ramp between
+    assert (ramp > 0.99).sum() > 0 and (ramp < 1 / 15.9).sum() > 0
+    assert ((ramp > 1 / 15.9) & (ramp < 0.99)).sum() >= 2  # the band that beta moves
+
+
+def test_yarn_with_fewer_picks_than_entries_matches_hf():
+    """YaRN on and k = 4 of up to 10 visible entries: the indexer queries' YaRN rotation
+    decides the picks (the other YaRN case has k above the visible entries)."""
+    run_case("csa", 1, 40, 12, 4, 8, True, paths=[{}])
+
+
+def test_indexer_scores_match_hf():
+    """The V4 indexer's float32 scores equal HF's on every visible entry (no tie caveat: a
+    positive rescale of the head weights would change no selection, but it changes these)."""
+    import jax.numpy as jnp
+    import torch
+
+    from csa_eqx import indexer_scores
+    from csa_eqx.compressor import entry_layout
+
+    arch = dataclasses.replace(tiny_v4("csa", index_topk=4), rope_scaling=TINY_YARN)
+    cfg = hf_v4_config(arch)
+    hf_layer = random_hf_v4_layer(cfg, seed=5)
+    b, s = 2, 40
+    x = np.random.default_rng(5).normal(size=(b, s, cfg.hidden_size)).astype(np.float32)
+    _, _, want = run_hf_v4(hf_layer, cfg, x)
+    layer = load_v4_attention(state_dict_numpy(hf_layer), cfg, 0)
+    pos = jnp.broadcast_to(jnp.arange(s), (b, s))
+    qr = jnp.asarray(hf_layer.q_a_norm(hf_layer.q_a_proj(torch.tensor(x))).detach().numpy())
+    xj, ix = jnp.asarray(x), layer.indexer
+    keys = ix.compressor(xj, pos, entry_layout(jnp.zeros((b, s), jnp.int32), 4))
+    got = np.asarray(indexer_scores(ix.queries(qr, pos), ix.head_weights(xj), keys))
+    t = got.shape[-1]
+    visible = np.broadcast_to(np.arange(t)[None] < ((np.arange(s) + 1) // 4)[:, None], got.shape)
+    err = np.abs(got[visible] - want[visible]).max() / np.abs(want[visible]).max()
+    assert err <= 1e-5, err

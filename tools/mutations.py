@@ -47,6 +47,7 @@ INDEPENDENT = {
     "tests/test_loss.py::test_layer_loss_matches_hf_probabilities": "HF attention probabilities",
     "tests/test_loss_v32.py::test_loss_matches_hf_probabilities": "HF attention probabilities",
     "tests/test_memory_guard.py": "jaxpr walk (array sizes)",
+    "tests/test_deepseek_reference.py": "DeepSeek's inference code (fixtures)",
 }
 
 
@@ -134,6 +135,43 @@ MUTATIONS = [
         "        if batch * seq * entries * max(heads, 1) > tile_elements():\n",
         "        if False:\n",
         ("tests/test_memory_guard.py::test_fwd_bwd_never_forms_bst",),
+    ),
+    Mutation(
+        "native_v32_yarn_by_key",
+        "a native V3.2 config gets YaRN only when it names original_seq_len (the old rule)",
+        "csa_eqx/_hf_config.py",
+        '    on = _int(args, "max_seq_len", source) > _int(args, "original_seq_len", source)\n',
+        '    on = "original_seq_len" in d\n',
+        ("tests/test_deepseek_reference.py",),
+    ),
+    Mutation(
+        "v4_indexer_queries_unscaled",
+        "V4 indexer queries rotated without YaRN",
+        "csa_eqx/v4.py",
+        "        inv_freq = rope_inv_freq(c.rope_dim, c.compress_rope_theta, c.rope_scaling)\n"
+        "        return apply_rope_interleaved(q, positions[..., None], inv_freq)",
+        "        inv_freq = rope_inv_freq(c.rope_dim, c.compress_rope_theta)\n"
+        "        return apply_rope_interleaved(q, positions[..., None], inv_freq)",
+        (
+            "tests/test_v4_parity.py::test_yarn_with_fewer_picks_than_entries_matches_hf",
+            "tests/test_deepseek_reference.py",
+        ),
+    ),
+    Mutation(
+        "yarn_beta_ignored",
+        "YaRN's band computed with the default beta_fast / beta_slow",
+        "csa_eqx/rope.py",
+        "low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)",
+        "low, high = correction_dim(32.0), correction_dim(1.0)",
+        ("tests/test_v4_parity.py::test_yarn_frequencies_match_hf_at_released_sizes",),
+    ),
+    Mutation(
+        "v4_head_weights_rescaled",
+        "V4 indexer head weights without the H^-1/2 factor (selections unchanged)",
+        "csa_eqx/v4.py",
+        "        return linear(x, self.weights_proj).astype(jnp.float32) * c.index_n_heads**-0.5",
+        "        return linear(x, self.weights_proj).astype(jnp.float32)",
+        ("tests/test_v4_parity.py::test_indexer_scores_match_hf",),
     ),
 ]
 
