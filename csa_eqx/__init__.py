@@ -5,11 +5,13 @@ from .cache import CompressorState, V4Cache, V32Cache
 from .compressor import Compressor, EntryLayout, entry_layout, pool_windows, segment_positions
 from .config import V4AttentionConfig, V32AttentionConfig, YaRNScaling
 from .context import ContextParallel
+from .deepseek_numerics import DeepSeekInference
 from .execution import Execution, IndexerLossStage
 from .generate import generate
 from .heads import HeadParallel
 from .indexer import indexer_scores
 from .loss import AttentionTarget, indexer_kl_loss, projected_indexer_kl_loss
+from .numerics import AbstractNumerics, ExactNumerics
 from .remat import SELECTION_NAME, compose_selection_policy
 from .selection import (
     AbstractSelection,
@@ -35,6 +37,7 @@ from .v4 import Indexer, V4Attention
 from .v32 import V32Attention, V32Indexer
 
 __all__ = [
+    "AbstractNumerics",
     "AbstractPicks",
     "AbstractSelection",
     "AbstractWindow",
@@ -46,7 +49,9 @@ __all__ = [
     "CompressorState",
     "DenseKeys",
     "DenseSelection",
+    "DeepSeekInference",
     "EntryLayout",
+    "ExactNumerics",
     "Execution",
     "ContextParallel",
     "HeadParallel",

@@ -134,6 +134,23 @@ def _from_native_v32(d: dict, source: str) -> dict:
     return _hf_view(args, _native_yarn(args, mscale) if on else None)
 
 
+def v4_scale_fmt(d: dict, source: str) -> str | None:
+    """The activation scale format of DeepSeek's V4 inference for this config: DeepSeek's
+    rule (``"ue8m0"`` when ``scale_dtype`` is ``"fp8"``, its default, else ``scale_fmt``) for
+    its own keys, ``quantization_config.scale_fmt`` for an HF config."""
+    if not _is_native(d):
+        return (d.get("quantization_config") or {}).get("scale_fmt")
+    args = _model_args(d, _V4_MODEL_ARGS, "V4", source)
+    return "ue8m0" if args["scale_dtype"] == "fp8" else args["scale_fmt"]
+
+
+def v32_scale_fmt(d: dict, source: str) -> str | None:
+    """As ``v4_scale_fmt`` for V3.2 (DeepSeek's ``scale_fmt``, default ``None``)."""
+    if not _is_native(d):
+        return (d.get("quantization_config") or {}).get("scale_fmt")
+    return _model_args(d, _V32_MODEL_ARGS, "V3.2", source)["scale_fmt"]
+
+
 def _need(d: Mapping, key: str, source: str) -> Any:
     if d.get(key) is None:
         raise ValueError(f"{source} lacks the key {key!r}, needed to build the layer")

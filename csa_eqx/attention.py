@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import abc
 import copy
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -22,6 +23,7 @@ from .decode import ChunkRows, chunk_rows
 from .execution import Execution, check_stage, checked_execution
 from .heads import HeadSplit, all_heads
 from .loss import AttentionTarget, projected_indexer_kl_loss
+from .numerics import DeepSeekFormats
 from .selection import SelectionProblem, Visibility, entry_visibility
 from .sharding import mesh_with_axis
 
@@ -42,8 +44,11 @@ class AbstractIndexedAttention(eqx.Module):
         execution: how the layer runs (``csa_eqx.Execution``; ``None``: automatic).
 
     A layer implements ``forward_rows`` (its forward over ``ShardRows``), ``extend_rows``,
-    ``init_cache``, ``entry_rate``, ``context_halo`` and ``head_specs``.
+    ``init_cache``, ``entry_rate``, ``context_halo`` and ``head_specs``, and says in the class
+    variable ``formats`` what DeepSeek's inference quantises in its family.
     """
+
+    formats: ClassVar[DeepSeekFormats]
 
     @jaxtyped(typechecker=beartype)
     def __call__(
@@ -84,6 +89,7 @@ class AbstractIndexedAttention(eqx.Module):
         if x.size == 0:
             topk = c.index_topk if selects else None
             return checks.empty_outputs(x, topk, selects and stage != "off", return_aux)
+        dtype, x = x.dtype, ex.numerics.layer_input(x)
         rows_like = x
         if ex.context is not None:  # integer rows of their own, whole (x may be split along S)
             rows_like = jnp.zeros(x.shape[:2], jnp.float32)
@@ -99,6 +105,7 @@ class AbstractIndexedAttention(eqx.Module):
             y, selection, loss = self._parallel_forward(
                 x, positions, seg, query_index, stage, want_loss
             )
+        y = y.astype(dtype)
         return (y, {"selection": selection, "indexer_loss": loss}) if return_aux else y
 
     def _kl_loss(self, problem: SelectionProblem, target: AttentionTarget, selection, stage):
@@ -226,20 +233,24 @@ class AbstractIndexedAttention(eqx.Module):
         Arguments:
             x, qr, positions: per-token hidden states, query latents and RoPE positions
                 (``[B, S, ...]``); ``x`` and ``qr`` are detached.
-            keys: the indexer keys of the entries (V4: compressed entries, V3.2: tokens).
+            keys: the indexer keys of the entries (V4: compressed entries, V3.2: tokens), as
+                the numerics round them (``execution.numerics.indexer``); the queries are
+                rounded here.
             visibility: which entries each query may see.
 
         Returns:
             A ``SelectionProblem`` projecting the rows block by block to the indexer's queries
             and head weights (head-sharded when ``execution.indexer_heads_axis`` is set).
         """
-        ix, ex = self.indexer, self.execution
+        ix, ex, formats = self.indexer, self.execution, self.formats
 
         def project(x, qr, positions):  # a fresh closure: hashable, and row by row
-            return ex.on_heads(ix.queries(qr, positions)), ex.on_heads(ix.head_weights(x))
+            q = ex.numerics.indexer(ix.queries(qr, positions), formats)
+            return ex.on_heads(q), ex.on_heads(ix.head_weights(x))
 
         rows = (*jax.lax.stop_gradient((x, qr)), positions)
-        return SelectionProblem(project, rows, keys, visibility, ex.qk_head_chunk_size)
+        score_dtype = ex.numerics.score_dtype(formats)
+        return SelectionProblem(project, rows, keys, visibility, ex.qk_head_chunk_size, score_dtype)
 
     def extend(
         self,
@@ -281,7 +292,9 @@ class AbstractIndexedAttention(eqx.Module):
             y, aux = checks.empty_outputs(x, topk, None, True)
             return (y, cache, aux) if return_aux else (y, cache)
         rows = chunk_rows(cache, x.shape[1], lengths, segment_ids)
+        dtype, x = x.dtype, self.execution.numerics.layer_input(x)
         y, cache, selection = self.extend_rows(x, cache, rows, stage)
+        y = y.astype(dtype)
         return (y, cache, {"selection": selection}) if return_aux else (y, cache)
 
     @abc.abstractmethod
@@ -303,7 +316,9 @@ class AbstractIndexedAttention(eqx.Module):
         """
         new = copy.copy(self)
         # a static field, so not a leaf ``eqx.tree_at`` could replace
-        object.__setattr__(new, "execution", checked_execution(execution, self.config))
+        object.__setattr__(
+            new, "execution", checked_execution(execution, self.config, self.formats)
+        )
         return new
 
     def stage(self, indexer_loss: str | None) -> str:

@@ -207,26 +207,30 @@ class Compressor(eqx.Module):
         x: Float[Array, "batch seq hidden"],
         positions: Int[Array, "batch seq"],
         layout: EntryLayout,
+        dtype=None,
     ) -> Float[Array, "batch slots dim"]:
-        """Arguments: ``x [B, S, hidden]``, int32 RoPE ``positions [B, S]`` and the slots'
-        ``EntryLayout``.
+        """Arguments: ``x [B, S, hidden]``, int32 RoPE ``positions [B, S]``, the slots'
+        ``EntryLayout`` and the ``dtype`` the pooled windows are cast to before their norm
+        (``None``: ``x``'s).
 
-        Returns: the entries ``[B, T, dim]`` in ``x``'s dtype; empty slots (``end = -1``) are
+        Returns: the entries ``[B, T, dim]`` in that dtype; empty slots (``end = -1``) are
         never visible, whatever they hold.
         """
         kv, gate = self.project(x)
-        return self.finish(
-            pool_windows(kv, gate, self.position_bias, layout, self.overlap), positions, layout
-        )
+        pooled = pool_windows(kv, gate, self.position_bias, layout, self.overlap)
+        return self.finish(pooled, positions, layout, dtype)
 
-    def finish(self, pooled: Array, positions: Int[Array, "batch seq"], layout: EntryLayout):
+    def finish(
+        self, pooled: Array, positions: Int[Array, "batch seq"], layout: EntryLayout, dtype=None
+    ):
         """RMSNorm, then RoPE at the position of each window's first token.
 
-        Arguments: ``pooled [B, T, dim]`` windows, the tokens' ``positions [B, S]`` and the
-        ``EntryLayout``.
+        Arguments: ``pooled [B, T, dim]`` windows, the tokens' ``positions [B, S]``, the
+        ``EntryLayout`` and the ``dtype`` to cast the windows to first (``None``: as pooled).
 
         Returns: the entries ``[B, T, dim]``.
         """
+        pooled = pooled if dtype is None else pooled.astype(dtype)
         first = jnp.clip(layout.end - self.compress_rate + 1, 0, positions.shape[1] - 1)
         entry_pos = jnp.take_along_axis(positions, first, axis=1)
         inv_freq = rope_inv_freq(self.rope_dim, self.rope_theta, self.rope_scaling)

@@ -30,6 +30,8 @@ exactly what the full forward over the whole stream returns for those tokens (do
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -156,8 +158,12 @@ def compress_chunk(
     layout: EntryLayout,
     start: Array,
     count: Array,
+    dtype=None,
+    finish: Callable[[Array], Array] = lambda entries: entries,
 ) -> CompressorState:
-    """Pool the windows closing in this chunk, append them, and shift the chunk into the ring."""
+    """Pool the windows closing in this chunk, append them, and shift the chunk into the ring.
+    ``dtype`` and ``finish`` are the layer numerics' (``Compressor.finish``'s cast before the
+    norm, then the entries' rounding), applied once, as entries are written."""
     kv, gate = compressor.project(x)
     ring = state.kv.shape[1]
     both_kv = jnp.concatenate([state.kv, kv.astype(state.kv.dtype)], axis=1)
@@ -166,7 +172,7 @@ def compress_chunk(
     ring_pos = cache_position[:, None] - ring + jnp.arange(ring, dtype=jnp.int32)
     positions = jnp.concatenate([ring_pos, rows.position], axis=1)
     pooled = pool_windows(both_kv, both_gate, compressor.position_bias, layout, compressor.overlap)
-    entries = compressor.finish(pooled, positions, layout)
+    entries = finish(compressor.finish(pooled, positions, layout, dtype))
     return CompressorState(
         kv=shift_in(state.kv, kv, rows.lengths),
         gate=shift_in(state.gate, gate, rows.lengths),

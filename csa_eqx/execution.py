@@ -19,7 +19,9 @@ from jaxtyping import Array, Float, Int
 
 from .auto import AutoPicks, AutoSelection
 from .context import ContextParallel
+from .deepseek_numerics import DeepSeekInference
 from .heads import HeadParallel
+from .numerics import AbstractNumerics, DeepSeekFormats, ExactNumerics
 from .remat import tag_selection
 from .selection import AbstractSelection, SelectionProblem, Visibility
 from .sharding import ShardedSelection, constrain_heads, tensor_axis_auto
@@ -74,6 +76,9 @@ class Execution(eqx.Module):
         indexer_loss: the default training stage of the indexer's KL loss: ``"off"``,
             ``"dense"`` (warm-up: all visible entries, attended densely too) or ``"sparse"``
             (the selected entries). A call can override it (``layer(x, indexer_loss=...)``).
+        numerics: how the layer rounds: ``ExactNumerics()`` (the default, float32 reference)
+            or ``DeepSeekInference(...)`` (DeepSeek's inference code: bf16 activations, the
+            indexer's Hadamard + FP8 / FP4, V4's KV round trip; docs/numerics.md).
     """
 
     selection: AbstractSelection = AutoSelection()
@@ -86,6 +91,7 @@ class Execution(eqx.Module):
     context: ContextParallel | None = None
     heads: HeadParallel | None = None
     indexer_loss: str = "off"
+    numerics: AbstractNumerics = ExactNumerics()
 
     def __check_init__(self):
         for name in ("qk_head_chunk_size", "query_block"):
@@ -93,6 +99,12 @@ class Execution(eqx.Module):
             ok = isinstance(v, int) and not isinstance(v, bool) and v >= 0
             _require(ok, name, "must be a non-negative int", v)
         check_stage(self.indexer_loss)
+        _require(
+            isinstance(self.numerics, AbstractNumerics),
+            "numerics",
+            "must be a csa_eqx numerics (ExactNumerics() or DeepSeekInference(...))",
+            self.numerics,
+        )
         axis = self.indexer_heads_axis
         _require(
             axis is None or (isinstance(axis, str) and axis != ""),
@@ -154,6 +166,7 @@ class Execution(eqx.Module):
         context_parallel: bool = False,
         context_axis: str = "context",
         head_parallel: bool = False,
+        numerics: str | AbstractNumerics = "exact",
     ) -> Execution:
         """The execution the loaders' keyword options describe (the flags of earlier
         versions' layer configs).
@@ -172,6 +185,9 @@ class Execution(eqx.Module):
                 data_axis)``).
             head_parallel: split the attention heads over ``tensor_axis`` and the batch over
                 ``data_axis`` (``heads=HeadParallel(tensor_axis, data_axis)``).
+            numerics: ``"exact"`` (``ExactNumerics()``), ``"deepseek"``
+                (``DeepSeekInference()``; the loaders take its ``scale_fmt`` from the
+                checkpoint's config) or a numerics object.
 
         Returns:
             An ``Execution``.
@@ -210,6 +226,7 @@ class Execution(eqx.Module):
             context=ContextParallel(context_axis, data_axis) if context_parallel else None,
             heads=HeadParallel(tensor_axis, data_axis) if head_parallel else None,
             indexer_loss=indexer_loss,
+            numerics=_numerics(numerics),
         )
 
     def check(self, index_heads: int, heads: int, stage: str) -> None:
@@ -289,8 +306,20 @@ class Execution(eqx.Module):
         return tag_selection(selection, self.save_selection)
 
 
-def checked_execution(execution: Execution | None, config) -> Execution:
-    """Arguments: an ``Execution`` (``None``: ``Execution()``) and a layer ``config``.
+def _numerics(numerics: str | AbstractNumerics) -> AbstractNumerics:
+    """The numerics a loader keyword names (``"exact"``, ``"deepseek"``) or the object."""
+    named = {"exact": ExactNumerics, "deepseek": DeepSeekInference}
+    if isinstance(numerics, str):
+        _require(
+            numerics in named, "numerics", "must be 'exact', 'deepseek' or an object", numerics
+        )
+        return named[numerics]()
+    return numerics
+
+
+def checked_execution(execution: Execution | None, config, formats: DeepSeekFormats) -> Execution:
+    """Arguments: an ``Execution`` (``None``: ``Execution()``), a layer ``config`` and what
+    DeepSeek's inference quantises in the layer's family (``formats``).
 
     Returns: the ``Execution``, checked against ``config`` (``TypeError`` / ``ValueError``).
     """
@@ -298,4 +327,5 @@ def checked_execution(execution: Execution | None, config) -> Execution:
     if not isinstance(execution, Execution):
         raise TypeError(f"execution must be a csa_eqx.Execution (got {type(execution).__name__})")
     execution.check(config.index_n_heads, config.num_heads, execution.indexer_loss)
+    execution.numerics.check(formats, config)
     return execution

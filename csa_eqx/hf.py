@@ -25,10 +25,13 @@ from ._hf_config import (
     block_size,
     v4_config_from_hf,
     v4_layer_config,
+    v4_scale_fmt,
     v32_config_from_hf,
     v32_layer_config,
+    v32_scale_fmt,
 )
 from .config import V4AttentionConfig
+from .deepseek_numerics import DeepSeekInference
 from .execution import Execution
 from .safetensors_io import SafetensorsError, read_safetensors
 from .v4 import V4Attention
@@ -104,12 +107,14 @@ def _check_v4_kind(cfg: V4AttentionConfig, present: set[str], where: str, layer_
 _EXECUTION_OPTIONS = frozenset(inspect.signature(Execution.from_options).parameters)
 
 
-def _split_options(options: dict) -> tuple[dict, Execution]:
+def _split_options(options: dict, scale_fmt=None) -> tuple[dict, Execution]:
     """Loader keyword ``options`` -> (architecture overrides, ``Execution``): ``execution=``
     an ``Execution``, or the keywords of ``Execution.from_options``; anything else overrides a
-    config field."""
+    config field. ``numerics="deepseek"`` takes the checkpoint's ``scale_fmt``."""
     overrides = {k: v for k, v in options.items() if k not in _EXECUTION_OPTIONS | {"execution"}}
     flags = {k: v for k, v in options.items() if k in _EXECUTION_OPTIONS}
+    if flags.get("numerics") == "deepseek":
+        flags["numerics"] = DeepSeekInference(scale_fmt=scale_fmt)
     execution = options.get("execution")
     if execution is not None and flags:
         raise ValueError(
@@ -126,13 +131,14 @@ class _Family(NamedTuple):
     parameter_names: Callable  # layer config -> {module path: HF parameter name}
     native_name: Callable  # DeepSeek-native tensor name -> HF name
     check: Callable  # (layer config, tensor names, where, layer_idx) -> None, or raises
+    scale_fmt: Callable  # (config dict, source) -> DeepSeek's activation scale format
 
 
 def _load(family: _Family, tensors, d, layer_idx, *, source, where, shown, dtype, options):
     """Build ``family``'s layer ``layer_idx`` from the config dict ``d`` (``source`` says
     whose keys) and copy ``tensors`` (HF names) into it; errors name ``where`` and ``shown``
     tensor names."""
-    overrides, execution = _split_options(options)
+    overrides, execution = _split_options(options, family.scale_fmt(d, source))
     cfg = family.layer_config(d, layer_idx, source, overrides)
     family.check(cfg, set(tensors), where, layer_idx)
     layer = family.layer(cfg, key=jax.random.key(0), dtype=dtype, execution=execution)
@@ -243,7 +249,9 @@ def native_v4_name(name: str) -> str:
     return rename(name, _NATIVE_V4_RENAMES)
 
 
-_V4 = _Family(V4Attention, v4_layer_config, v4_parameter_names, native_v4_name, _check_v4_kind)
+_V4 = _Family(
+    V4Attention, v4_layer_config, v4_parameter_names, native_v4_name, _check_v4_kind, v4_scale_fmt
+)
 
 
 def load_v4_attention_from_safetensors(
@@ -324,6 +332,7 @@ _V32 = _Family(
     lambda cfg: v32_parameter_names(),  # the same tensors for every layer
     native_v32_name,
     _any_v32_layer,
+    v32_scale_fmt,
 )
 
 

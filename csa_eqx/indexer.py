@@ -16,10 +16,15 @@ from jaxtyping import Array, Float
 __all__ = ["indexer_scores", "sum_head_chunks"]
 
 
-def _score_heads(q: Array, w: Array, k: Array) -> Array:
+def _score_heads(q: Array, w: Array, k: Array, score_dtype=None) -> Array:
     acc = jnp.promote_types(q.dtype, jnp.float32)
     logits = jnp.einsum("bshd,btd->bsht", q, k, preferred_element_type=acc)
-    return jnp.einsum("bsht,bsh->bst", jax.nn.relu(logits), w.astype(acc))
+    if score_dtype is None:
+        return jnp.einsum("bsht,bsh->bst", jax.nn.relu(logits), w.astype(acc))
+    # as a bf16 einsum does: each head's logit and weighted logit rounded, the sum in float32
+    rounded = jax.nn.relu(logits.astype(score_dtype).astype(acc))
+    terms = (rounded * w.astype(score_dtype).astype(acc)[:, :, :, None]).astype(score_dtype)
+    return jnp.sum(terms.astype(acc), axis=2)
 
 
 def sum_head_chunks(fn: Callable[..., Array], head_chunk: int, shape, *per_head: Array) -> Array:
@@ -47,6 +52,7 @@ def indexer_scores(
     keys: Float[Array, "batch entries dim"],
     *,
     head_chunk: int = 0,
+    score_dtype=None,
 ) -> Float[Array, "batch seq entries"]:
     """Float32 indexer scores of every query against every key, no masking
     (docs/concepts.md, "The lightning indexer").
@@ -57,6 +63,9 @@ def indexer_scores(
             ``d^-1/2`` factor is applied here.
         keys: ``[B, T, d]``, one per entry (shared by all heads).
         head_chunk: heads scored at once in a rematerialised scan (0 = all); must divide ``H``.
+        score_dtype: ``None`` (float32 throughout), or a dtype such as ``"bfloat16"``: each
+            head's logit, its weight ``w·d^-1/2`` and their product are rounded to it, the head
+            sum is taken in float32 and rounded to it (DeepSeek-V4's bf16 scorer).
 
     Returns:
         float32 ``[B, S, T]``: ``d^-1/2 Σ_h w[t,h] ReLU(q[t,h] · k[s])``.
@@ -65,7 +74,15 @@ def indexer_scores(
     if head_chunk and h % head_chunk:
         raise ValueError(f"head_chunk={head_chunk} must divide the {h} indexer heads")
     w = weights.astype(jnp.float32) * d**-0.5
+
+    def score(q, w):
+        return _score_heads(q, w, keys, score_dtype)
+
     if not head_chunk:
-        return _score_heads(q, w, keys)
-    shape = (q.shape[0], q.shape[1], keys.shape[1])
-    return sum_head_chunks(lambda q, w: _score_heads(q, w, keys), head_chunk, shape, q, w)
+        scores = score(q, w)
+    else:
+        shape = (q.shape[0], q.shape[1], keys.shape[1])
+        scores = sum_head_chunks(score, head_chunk, shape, q, w)
+    if score_dtype is None:
+        return scores
+    return scores.astype(score_dtype).astype(jnp.float32)

@@ -198,6 +198,8 @@ class SelectionProblem(NamedTuple):
         keys: the entries' indexer keys ``[B, T, d]``.
         visibility: query indices / segments and the entries' layout.
         head_chunk: indexer heads scored at once (0 = all; must divide ``H``).
+        score_dtype: the dtype scores are rounded to (``None``: float32; see
+            ``csa_eqx.indexer_scores``), as the layer's numerics say.
     """
 
     project: Callable[..., tuple[Array, Array]]
@@ -205,6 +207,7 @@ class SelectionProblem(NamedTuple):
     keys: Float[Array, "batch entries dim"]
     visibility: Visibility
     head_chunk: int = 0
+    score_dtype: str | None = None
 
     @classmethod
     def from_queries(
@@ -269,7 +272,12 @@ class DenseSelection(AbstractSelection):
     """
 
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
-        scores = indexer_scores(*problem.queries(), problem.keys, head_chunk=problem.head_chunk)
+        scores = indexer_scores(
+            *problem.queries(),
+            problem.keys,
+            head_chunk=problem.head_chunk,
+            score_dtype=problem.score_dtype,
+        )
         return select_topk(scores, problem.visibility.mask(), k)
 
     def tiling(self, batch: int, seq: int, entries: int, heads: int) -> AbstractSelection:

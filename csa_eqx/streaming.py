@@ -153,7 +153,7 @@ def _stream_topk(
 ) -> Int[Array, "batch seq {k}"]:
     project, rows, keys = problem.project, problem.rows, problem.keys
     query_index, query_segment, layout = problem.visibility
-    head_chunk = problem.head_chunk
+    head_chunk, rounding = problem.head_chunk, problem.score_dtype
     if k <= 0:
         raise ValueError(f"k must be positive (got {k})")
     b, s, h, _ = jax.eval_shape(project, *rows)[0].shape
@@ -181,7 +181,9 @@ def _stream_topk(
             first = g * tiles_per_group
 
             def tile(j, buffer):
-                scores = indexer_scores(qx, wx, take(keys, j * kb, kb), head_chunk=head_chunk)
+                scores = indexer_scores(
+                    qx, wx, take(keys, j * kb, kb), head_chunk=head_chunk, score_dtype=rounding
+                )
                 return jax.lax.dynamic_update_slice_in_dim(buffer, scores, (j - first) * kb, 2)
 
             tiles = (jnp.maximum(lo[i], first), jnp.minimum(hi[i], first + tiles_per_group))

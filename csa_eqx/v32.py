@@ -11,6 +11,7 @@ result back to per-head values. This equals expanding keys and values per head.
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -27,6 +28,7 @@ from .decode import ChunkRows, append_rows
 from .execution import Execution, checked_execution
 from .heads import split_specs
 from .loss import AttentionTarget
+from .numerics import V32_FORMATS, DeepSeekFormats
 from .ops import init_linear, linear, rms_norm, upcast
 from .rope import apply_rope_half_split, apply_rope_interleaved, rope_inv_freq, yarn_mscale
 from .selection import Visibility
@@ -120,8 +122,8 @@ class V32Indexer(eqx.Module):
 
     def head_weights(self, x: Float[Array, "batch seq hidden"]) -> Float[Array, "batch seq heads"]:
         """As ``csa_eqx.Indexer.head_weights``."""
-        c = self.config
-        return linear(x, self.weights_proj).astype(jnp.float32) * c.index_n_heads**-0.5
+        c = self.config  # the factor in x's dtype, as DeepSeek's bf16 inference rounds it
+        return (linear(x, self.weights_proj) * c.index_n_heads**-0.5).astype(jnp.float32)
 
 
 class V32Attention(AbstractIndexedAttention):
@@ -144,6 +146,7 @@ class V32Attention(AbstractIndexedAttention):
     indexer: V32Indexer
     config: V32AttentionConfig = eqx.field(static=True)
     execution: Execution = eqx.field(static=True)
+    formats: ClassVar[DeepSeekFormats] = V32_FORMATS
 
     def __init__(
         self, config: V32AttentionConfig, *, key: Array, dtype=jnp.float32, execution=None
@@ -152,7 +155,7 @@ class V32Attention(AbstractIndexedAttention):
         ``key``, parameter ``dtype`` (norms stay float32) and ``execution`` (``None``:
         automatic), as ``AbstractIndexedAttention`` says."""
         c = config
-        execution = checked_execution(execution, c)
+        execution = checked_execution(execution, c, V32_FORMATS)
         ks = jax.random.split(key, 6)
         qk = c.qk_nope_head_dim + c.qk_rope_head_dim
         self.q_a_proj = init_linear(ks[0], c.q_lora_rank, c.hidden_size, dtype)
@@ -278,7 +281,9 @@ class V32Attention(AbstractIndexedAttention):
         visibility = Visibility(query_index, seg, rows.layout)
         # the indexer's keys, once: the selection ignores gradients and the loss must train
         # the indexer only, never x
-        index_keys = self.indexer.keys(jax.lax.stop_gradient(x), positions)
+        index_keys = self.execution.numerics.indexer(
+            self.indexer.keys(jax.lax.stop_gradient(x), positions), self.formats
+        )
         keys, index_keys = rows.gather(keys), rows.gather(index_keys)
         problem = self.indexer_problem(x, qr, positions, index_keys, visibility)
         selection = self.execution.select(problem, self.config.index_topk)
@@ -320,9 +325,8 @@ class V32Attention(AbstractIndexedAttention):
         qr, queries, keys = self.project_qkv(x, rows.position)
         ix = self.indexer
         latent = append_rows(cache.latent, keys, cache.length, rows.lengths)
-        index_keys = append_rows(
-            cache.index_keys, ix.keys(x, rows.position), cache.length, rows.lengths
-        )
+        new_keys = self.execution.numerics.indexer(ix.keys(x, rows.position), self.formats)
+        index_keys = append_rows(cache.index_keys, new_keys, cache.length, rows.lengths)
         token_segment = append_rows(cache.token_segment, rows.segment, cache.length, rows.lengths)
         slots = jnp.arange(latent.shape[1], dtype=jnp.int32)
         written = slots < rows.new_length[:, None]

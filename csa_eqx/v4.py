@@ -4,6 +4,7 @@ attention block")."""
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -33,6 +34,7 @@ from .decode import (
 from .execution import Execution, checked_execution
 from .heads import split_specs
 from .loss import AttentionTarget, attention_target
+from .numerics import V4_FORMATS, DeepSeekFormats
 from .ops import init_linear, linear, rms_norm
 from .rope import apply_rope_interleaved, rope_inv_freq
 from .selection import Visibility
@@ -119,13 +121,14 @@ class V4Attention(AbstractIndexedAttention):
     indexer: Indexer | None
     config: V4AttentionConfig = eqx.field(static=True)
     execution: Execution = eqx.field(static=True)
+    formats: ClassVar[DeepSeekFormats] = V4_FORMATS
 
     def __init__(self, config: V4AttentionConfig, *, key: Array, dtype=jnp.float32, execution=None):
         """A randomly initialised layer (``csa_eqx.hf`` loads weights): ``config``, PRNG
         ``key``, parameter ``dtype`` (norms and sinks stay float32) and ``execution`` (``None``:
         automatic), as ``AbstractIndexedAttention`` says."""
         c = config
-        execution = checked_execution(execution, c)
+        execution = checked_execution(execution, c, V4_FORMATS)
         ks = jax.random.split(key, 7)
         self.q_a_proj = init_linear(ks[0], c.q_lora_rank, c.hidden_size, dtype)
         self.q_a_norm = jnp.ones((c.q_lora_rank,), jnp.float32)
@@ -175,7 +178,8 @@ class V4Attention(AbstractIndexedAttention):
         """Arguments: ``x [B, S, hidden]`` and int32 RoPE ``positions [B, S]``.
 
         Returns: the query latent ``qr [B, S, q_lora_rank]``, roped per-head queries
-        ``[B, S, H, head_dim]`` and the roped shared key/value ``[B, S, head_dim]``.
+        ``[B, S, H, head_dim]`` and the roped shared key/value ``[B, S, head_dim]`` (as the
+        numerics round it).
         """
         c = self.config
         b, s, _ = x.shape
@@ -186,7 +190,8 @@ class V4Attention(AbstractIndexedAttention):
             rms_norm(q, None, c.rms_norm_eps), positions[..., None], self.inv_freq
         )
         kv = rms_norm(linear(x, self.kv_proj), self.kv_norm, c.rms_norm_eps)
-        return qr, q, apply_rope_interleaved(kv, positions, self.inv_freq)
+        kv = apply_rope_interleaved(kv, positions, self.inv_freq)
+        return qr, q, self.execution.numerics.kv(kv, c.rope_dim, self.formats)
 
     def project_out(
         self, o: Float[Array, "batch seq heads dim"], positions: Int[Array, "batch seq"]
@@ -252,11 +257,11 @@ class V4Attention(AbstractIndexedAttention):
         keys, dense, selection, problem, entries = kv, None, None, None, None
         if self.compressor is not None:
             visibility = Visibility(query_index, seg, rows.layout)
-            entries = rows.gather(self.compressor(x, positions, rows.own)).astype(kv.dtype)
+            entries = rows.gather(self.entries(x, positions, rows.own)).astype(kv.dtype)
             if self.indexer is not None:
                 # the indexer's keys, once: the selection ignores gradients and the loss must
                 # train the indexer's compressor only, never x
-                own_keys = self.indexer.compressor(jax.lax.stop_gradient(x), positions, rows.own)
+                own_keys = self.index_keys(jax.lax.stop_gradient(x), positions, rows.own)
                 problem = self.indexer_problem(x, qr, positions, rows.gather(own_keys), visibility)
                 selection = ex.select(problem, c.index_topk)
             dense, picked = ex.entry_parts(entries, visibility, selection, stage)
@@ -282,6 +287,19 @@ class V4Attention(AbstractIndexedAttention):
             o, lse = o
             target = AttentionTarget(q, entries, lse, c.head_dim**-0.5)
         return self.project_out(o, positions), selection, (problem, target)
+
+    def entries(self, x: Array, positions: Array, layout: EntryLayout) -> Array:
+        """The compressed entries ``[B, T, head_dim]`` of ``x`` (``Compressor.__call__``'s
+        arguments), with the numerics' compressor precision and KV rounding."""
+        nx = self.execution.numerics
+        pooled = self.compressor(nx.compressor_input(x), positions, layout, nx.entry_dtype(x))
+        return nx.kv(pooled, self.config.rope_dim, self.formats)
+
+    def index_keys(self, x: Array, positions: Array, layout: EntryLayout) -> Array:
+        """The indexer's keys ``[B, T, index_head_dim]`` of ``x``, as the numerics round them."""
+        nx = self.execution.numerics
+        keys = self.indexer.compressor(nx.compressor_input(x), positions, layout, nx.entry_dtype(x))
+        return nx.indexer(keys, self.formats)
 
     def entry_attention(
         self,
@@ -309,7 +327,7 @@ class V4Attention(AbstractIndexedAttention):
         qr, q, kv = self.project_qkv(x, positions)
         layout = entry_layout(seg, c.compress_rate)
         visibility = Visibility(query_index, seg, layout)
-        entries = self.compressor(x, positions, layout).astype(kv.dtype)
+        entries = self.entries(x, positions, layout).astype(kv.dtype)
         _, lse = sparse_attention(
             q,
             kv,
@@ -324,8 +342,9 @@ class V4Attention(AbstractIndexedAttention):
         )
         target = AttentionTarget(q, entries, lse, c.head_dim**-0.5)
         mass = attention_target(target, visibility.mask(), head_chunk=ex.qk_head_chunk_size)
-        index_keys = self.indexer.compressor(x, positions, layout)
-        problem = self.indexer_problem(x, qr, positions, index_keys, visibility)
+        problem = self.indexer_problem(
+            x, qr, positions, self.index_keys(x, positions, layout), visibility
+        )
         return mass, ex.select(problem, c.index_topk)
 
     def init_cache(self, batch_size: int, max_length: int, dtype=jnp.float32) -> V4Cache:
@@ -385,8 +404,15 @@ class V4Attention(AbstractIndexedAttention):
             m = c.compress_rate
             closing, count = closing_layout(rows, cache.compressor.kv.shape[1], m)
             start = cache.entry_count
-            args = (x, rows, cache.position, closing, start, count)
-            new["compressor"] = compress_chunk(self.compressor, cache.compressor, *args)
+            nx = ex.numerics
+            args = (nx.compressor_input(x), rows, cache.position, closing, start, count)
+            args += (nx.entry_dtype(x),)
+            new["compressor"] = compress_chunk(
+                self.compressor,
+                cache.compressor,
+                *args,
+                lambda e: nx.kv(e, c.rope_dim, self.formats),
+            )
             end = closing.end - cache.compressor.kv.shape[1] + cache.length[:, None]
             new["entry_end"] = append_rows(
                 cache.entry_end, jnp.where(closing.end >= 0, end, -1), start, count
@@ -397,7 +423,12 @@ class V4Attention(AbstractIndexedAttention):
             visibility = Visibility(rows.index, rows.segment, layout)
             entries = new["compressor"].entries.astype(q.dtype)
             if self.indexer is not None:
-                new["indexer"] = compress_chunk(self.indexer.compressor, cache.indexer, *args)
+                new["indexer"] = compress_chunk(
+                    self.indexer.compressor,
+                    cache.indexer,
+                    *args,
+                    lambda e: nx.indexer(e, self.formats),
+                )
                 problem = self.indexer_problem(
                     x, qr, rows.position, new["indexer"].entries, visibility
                 )

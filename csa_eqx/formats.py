@@ -1,0 +1,118 @@
+"""The low-precision formats of DeepSeek's inference kernels, as pure functions.
+
+Each round trip quantises blocks of the last axis and dequantises them again, with the
+arithmetic of DeepSeek's TileLang kernels (``inference/kernel.py``: ``act_quant``,
+``fp4_act_quant``): per block, ``amax = max(max|x|, floor)``; the scale is ``amax / max``
+(``amax`` times the float32 reciprocal of the format's largest value) or, for power-of-two
+("ue8m0") scales, ``2^ceil(log2(amax / max))`` from the float32 bits; values are divided by the
+scale, clamped to ``±max``, cast to the format with round-to-nearest-even (the clamp is the
+saturation), cast back to float32 and multiplied by the scale. Results are float32; callers
+cast to their activation dtype. ``hadamard`` is the orthonormal Walsh-Hadamard rotation
+DeepSeek applies before quantising the indexer (``rotate_activation``).
+
+The round trips pass gradients straight through (the forward value is ``q(x)`` exactly, the
+backward pass sees the identity), as quantisation-aware training does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+__all__ = [
+    "FP8_E4M3_MAX",
+    "FP4_E2M1_MAX",
+    "pow2_scale",
+    "fp8_e4m3_round_trip",
+    "fp4_e2m1_round_trip",
+    "hadamard",
+]
+
+FP8_E4M3_MAX = 448.0
+FP4_E2M1_MAX = 6.0
+
+
+def pow2_scale(v: Float[Array, "..."]) -> Float[Array, "..."]:
+    """``2^ceil(log2(v))`` of positive normal float32 ``v``, exactly as DeepSeek's
+    ``fast_round_scale`` computes it from the bits (exponent, plus one unless the mantissa is
+    zero)."""
+    bits = jax.lax.bitcast_convert_type(v.astype(jnp.float32), jnp.int32)
+    exponent = (bits >> 23) & 0xFF
+    up = ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
+    return jax.lax.bitcast_convert_type((exponent + up) << 23, jnp.float32)
+
+
+def _round_trip(x, block, fmt, fmt_max, amax_floor, pow2, inner=None):
+    """Blockwise quantise-dequantise of the last axis of ``x`` (float32 result)."""
+    *lead, n = x.shape
+    if n % block:
+        raise ValueError(f"the last axis ({n}) must be a multiple of the block ({block})")
+    xb = x.astype(jnp.float32).reshape(*lead, n // block, block)
+    amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), amax_floor)
+    scaled = amax * np.float32(1.0 / fmt_max)
+    scale = pow2_scale(scaled) if pow2 else scaled
+    q = jnp.clip(xb / scale, -fmt_max, fmt_max).astype(inner or fmt).astype(jnp.float32)
+    return (q * scale).reshape(x.shape)
+
+
+def _straight_through(fn):
+    @functools.wraps(fn)
+    def wrapped(x, *args, **kwargs):
+        x32 = x.astype(jnp.float32)
+        # x - x is exactly 0: the value is q(x) bit for bit, the gradient the identity
+        return jax.lax.stop_gradient(fn(x32, *args, **kwargs)) + (x32 - jax.lax.stop_gradient(x32))
+
+    return wrapped
+
+
+@_straight_through
+def fp8_e4m3_round_trip(
+    x: Float[Array, "... n"], block: int, pow2: bool, *, cast_to=None
+) -> Float[Array, "... n"]:
+    """FP8 E4M3 blocks of ``block`` values (``act_quant``; ``amax`` floored at 1e-4).
+
+    Arguments:
+        x: values ``[..., n]`` (``n`` a multiple of ``block``).
+        block: values per scale.
+        pow2: power-of-two scales (DeepSeek's ``scale_fmt="ue8m0"``), else ``amax / 448``.
+        cast_to: the dtype the scaled values are cast through (default FP8 E4M3; DeepSeek-
+            V4-Flash's kernel file casts its KV round trip through bfloat16 instead).
+
+    Returns: float32 ``[..., n]``, the dequantised values.
+    """
+    return _round_trip(x, block, jnp.float8_e4m3fn, FP8_E4M3_MAX, 1e-4, pow2, cast_to)
+
+
+@_straight_through
+def fp4_e2m1_round_trip(x: Float[Array, "... n"], block: int) -> Float[Array, "... n"]:
+    """FP4 E2M1 blocks of ``block`` values with power-of-two (E8M0) scales
+    (``fp4_act_quant``; ``amax`` floored at ``6·2^-126``).
+
+    Arguments: ``x [..., n]`` (``n`` a multiple of ``block``) and ``block``.
+
+    Returns: float32 ``[..., n]``, the dequantised values.
+    """
+    return _round_trip(x, block, jnp.float4_e2m1fn, FP4_E2M1_MAX, 6.0 * 2.0**-126, True)
+
+
+@functools.cache
+def _hadamard_matrix(n: int) -> np.ndarray:
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h * np.float32(n**-0.5)
+
+
+def hadamard(x: Float[Array, "... n"]) -> Float[Array, "... n"]:
+    """The orthonormal Walsh-Hadamard rotation of the last axis (``n`` a power of two),
+    computed in float32 and returned in ``x``'s dtype (``fast_hadamard_transform`` with
+    scale ``n^-1/2``)."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"the Hadamard rotation needs a power-of-two last axis (got {n})")
+    h = jnp.asarray(_hadamard_matrix(n))
+    return jnp.einsum("...i,ji->...j", x.astype(jnp.float32), h).astype(x.dtype)
