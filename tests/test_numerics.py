@@ -3,87 +3,39 @@
 
 The ``q_*`` fixtures in ``tests/fixtures/deepseek/`` hold DeepSeek's inference code run in
 bf16 with plain-torch ports of its kernels (``README.md`` there): V3.2 with FP8 indexer
-scoring, V4 CSA with the FP4 indexer, V4 CSA and HCA with V4-Pro's FP8 KV round trip. The
-numerics must reproduce DeepSeek's selections (mean overlap >= 0.99) and, on rows whose
-selection is equal, its output within 1e-2 of its largest value; the exact path must not.
+scoring, V4 CSA with the FP4 indexer, V4 CSA and HCA with V4-Pro's FP8 KV round trip
+(``benchmarks.numerics_agreement`` loads them). The numerics must reproduce DeepSeek's
+selections (mean overlap >= 0.99) and, on rows whose selection is equal, its output within
+1e-2 of its largest value; the exact path must not.
 """
-
-import json
-import tempfile
-from pathlib import Path
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from parallel_helpers import packed_segments, relative_error
-from safetensors.torch import save_file
 from test_v4_behaviour import randomise, tiny
 
 import csa_eqx as ce
-from csa_eqx.hf import load_v4_attention_from_safetensors, load_v32_attention_from_safetensors
+from benchmarks.numerics_agreement import QUANTISED, agreement, load
 from csa_eqx.presets import tiny_v32
-
-FIXTURES = Path(__file__).parent / "fixtures" / "deepseek"
-QUANTISED = {  # fixture: (layer index, DeepSeek-V4-Pro's FP8 KV round trip)
-    "q_v32": (0, False),
-    "q_v4_csa_flash": (1, False),
-    "q_v4_csa_pro": (1, True),
-    "q_v4_hca_pro": (2, True),
-}
-
-
-def _bf16(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(a).view(torch.bfloat16)
-
-
-def _load(name: str, **options):
-    """DeepSeek's bf16 weights as a native checkpoint folder, loaded with ``options``."""
-    with np.load(FIXTURES / f"{name}.npz") as f:
-        fx = {k: f[k] for k in f.files}
-    lid = QUANTISED[name][0]
-    folder = Path(tempfile.mkdtemp())
-    tensors = {f"layers.{lid}.attn.{k[2:]}": _bf16(v) for k, v in fx.items() if k[:2] == "w:"}
-    save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(str(fx["config_json"]))
-    v32 = json.loads(str(fx["numerics_json"]))["family"] == "v32"
-    load = load_v32_attention_from_safetensors if v32 else load_v4_attention_from_safetensors
-    return load(folder, lid, **options), fx
-
-
-def agreement(name: str, numerics) -> tuple[float, float]:
-    """(mean selection overlap, largest output error on equal-selection rows / max|out|)
-    of the layer with ``numerics`` against DeepSeek's quantised fixture ``name``."""
-    layer, fx = _load(name, numerics=numerics)
-    x = _bf16(fx["x_bf16"]).float().numpy()
-    want = _bf16(fx["out_bf16"]).float().numpy()[0]
-    y, aux = jax.jit(lambda m, x: m(x, return_aux=True))(layer, x)
-    y, ref = np.asarray(y, np.float32)[0], fx["selection"][0]
-    equal, overlap = np.ones(len(want), bool), 1.0
-    if ref.shape[-1]:
-        ours = np.asarray(aux["selection"])[0]
-        sets = [(set(a[a >= 0]), set(b[b >= 0])) for a, b in zip(ours, ref, strict=True)]
-        overlap = float(np.mean([len(a & b) / len(b) if b else float(a == b) for a, b in sets]))
-        equal = np.array([a == b for a, b in sets])
-    return overlap, float(np.abs(y[equal] - want[equal]).max() / np.abs(want).max())
 
 
 @pytest.mark.parametrize("name", list(QUANTISED))
 def test_matches_deepseeks_quantised_inference(name):
-    kv_fp8 = QUANTISED[name][1]
-    overlap, err = agreement(name, ce.DeepSeekInference(kv_fp8=kv_fp8))
+    kv_fp8 = QUANTISED[name][2]
+    overlap, _, err = agreement(name, ce.DeepSeekInference(kv_fp8=kv_fp8))
     assert overlap >= 0.99 and err <= 1e-2, (overlap, err)
     # the exact path does not: fewer equal picks (indexer) or a larger error (FP8 KV)
-    exact_overlap, exact_err = agreement(name, "exact")
+    exact_overlap, _, exact_err = agreement(name, "exact")
     assert exact_overlap < 0.98 or exact_err > 2e-2, (exact_overlap, exact_err)
 
 
 def test_loader_keyword_reads_the_scale_format():
-    layer, _ = _load("q_v32", numerics="deepseek")  # the config says scale_fmt "ue8m0"
+    layer, _ = load("q_v32", numerics="deepseek")  # the config says scale_fmt "ue8m0"
     assert layer.execution.numerics == ce.DeepSeekInference(scale_fmt="ue8m0")
-    layer, _ = _load("q_v4_hca_pro", numerics="deepseek")  # V4: scale_dtype "fp8" by default
+    layer, _ = load("q_v4_hca_pro", numerics="deepseek")  # V4: scale_dtype "fp8" by default
     assert layer.execution.numerics == ce.DeepSeekInference(scale_fmt="ue8m0", kv_fp8=False)
 
 
