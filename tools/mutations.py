@@ -48,6 +48,10 @@ INDEPENDENT = {
     "tests/test_loss_v32.py::test_loss_matches_hf_probabilities": "HF attention probabilities",
     "tests/test_memory_guard.py": "jaxpr walk (array sizes)",
     "tests/test_deepseek_reference.py": "DeepSeek's inference code (fixtures)",
+    "tests/test_numerics.py::test_matches_deepseeks_quantised_inference": (
+        "DeepSeek's quantised inference code (fixtures)"
+    ),
+    "tests/test_formats.py": "numpy reference of the formats",
 }
 
 
@@ -172,6 +176,30 @@ MUTATIONS = [
         "        return linear(x, self.weights_proj).astype(jnp.float32) * c.index_n_heads**-0.5",
         "        return linear(x, self.weights_proj).astype(jnp.float32)",
         ("tests/test_v4_parity.py::test_indexer_scores_match_hf",),
+    ),
+    Mutation(
+        "numerics_no_hadamard",
+        "DeepSeekInference quantises the indexer without the Hadamard rotation",
+        "csa_eqx/deepseek_numerics.py",
+        "        rotated = hadamard(v)\n",
+        "        rotated = v.astype(jnp.float32)\n",
+        ("tests/test_numerics.py::test_matches_deepseeks_quantised_inference",),
+    ),
+    Mutation(
+        "numerics_kv_not_rounded",
+        "DeepSeekInference leaves V4's KV unrounded (V4-Pro's FP8 round trip dropped)",
+        "csa_eqx/deepseek_numerics.py",
+        "        return jnp.concatenate([nope.astype(kv.dtype), rope], axis=-1)",
+        "        return kv",
+        ("tests/test_numerics.py::test_matches_deepseeks_quantised_inference",),
+    ),
+    Mutation(
+        "fp4_round_half_up",
+        "FP4 round trip floors the scale's exponent (scale below amax / 6: values saturate)",
+        "csa_eqx/formats.py",
+        "    up = ((bits & 0x7FFFFF) != 0).astype(jnp.int32)",
+        "    up = jnp.zeros_like(exponent)",
+        ("tests/test_formats.py",),
     ),
 ]
 
