@@ -1,6 +1,6 @@
 """How a layer runs, apart from what it computes: ``Execution`` holds the selection strategy,
 the attention's picks strategy, tile and head-chunk sizes, head sharding of the indexer's
-activations, remat tagging and the default training stage of the indexer loss.
+activations, remat tagging, the default training stage of the indexer loss and the numerics.
 
 The layer configs (``V4AttentionConfig``, ``V32AttentionConfig``) mirror the checkpoint only;
 ``V4Attention(config, key=..., execution=Execution(...))`` decides how it runs. The default is
@@ -48,7 +48,8 @@ def check_stage(stage: object) -> None:
 
 class Execution(eqx.Module):
     """How an attention layer runs (never what it computes: outputs agree across settings,
-    selections bitwise).
+    selections bitwise), and how it rounds (``numerics``: the one field that changes the
+    numbers, on purpose).
 
     Arguments:
         selection: the indexer top-k strategy (``AutoSelection()``, ``DenseSelection()``,
