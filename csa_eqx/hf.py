@@ -184,7 +184,9 @@ def load_v4_attention(
       of ``Execution.from_options`` (``qk_head_chunk_size=``, ``indexer_key_block=``,
       ``query_block=``, ``indexer_save_selection=``, ``indexer_sharded_topk=``,
       ``shard_indexer_acts=``, ``indexer_loss=``, ``data_axis=``, ``tensor_axis=``,
-      ``context_parallel=``, ``context_axis=``, ``head_parallel=``); any other keyword
+      ``context_parallel=``, ``context_axis=``, ``head_parallel=``, ``numerics=``:
+      ``"deepseek"`` for DeepSeek's inference numerics with the config's scale format,
+      docs/numerics.md); any other keyword
       overrides an architecture field of the config.
 
     **Returns:** the ``V4Attention``.
