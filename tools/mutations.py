@@ -194,8 +194,8 @@ MUTATIONS = [
         ("tests/test_numerics.py::test_matches_deepseeks_quantised_inference",),
     ),
     Mutation(
-        "fp4_round_half_up",
-        "FP4 round trip floors the scale's exponent (scale below amax / 6: values saturate)",
+        "pow2_scale_floored",
+        "power-of-two scales floor the exponent (scale below amax / max: values saturate)",
         "csa_eqx/formats.py",
         "    up = ((bits & 0x7FFFFF) != 0).astype(jnp.int32)",
         "    up = jnp.zeros_like(exponent)",
