@@ -217,16 +217,17 @@ class SelectionProblem(NamedTuple):
         keys: Float[Array, "batch entries dim"],
         visibility: Visibility,
         head_chunk: int = 0,
+        score_dtype: str | None = None,
     ) -> SelectionProblem:
         """A problem whose queries and head weights are already projected.
 
         Arguments:
             q: float ``[B, S, H, d]`` indexer queries; weights: float ``[B, S, H]``.
-            keys, visibility, head_chunk: as for the class.
+            keys, visibility, head_chunk, score_dtype: as for the class.
 
         Returns: the ``SelectionProblem`` (its ``project`` is the identity).
         """
-        return cls(_identity, (q, weights), keys, visibility, head_chunk)
+        return cls(_identity, (q, weights), keys, visibility, head_chunk, score_dtype)
 
     def sizes(self) -> tuple[int, int, int, int]:
         """Returns: ``(batch, seq, entries, heads scored at once)`` (no computation)."""

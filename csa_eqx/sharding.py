@@ -114,7 +114,7 @@ class ShardedSelection(AbstractSelection):
         tensor_axis, inner = self.tensor_axis, self.inner
         q, weights = problem.queries()  # projected here: each shard gets its rows' queries
         query_index, query_segment, layout = problem.visibility
-        keys, head_chunk = problem.keys, problem.head_chunk
+        keys, head_chunk, score_dtype = problem.keys, problem.head_chunk, problem.score_dtype
         b, s = query_index.shape
         if s == 1:
             return inner.select(SelectionProblem.from_queries(q, weights, *problem[2:]), k)
@@ -151,7 +151,9 @@ class ShardedSelection(AbstractSelection):
                 for a in (query_index, query_segment)
             )
             visibility = Visibility(query_index, query_segment, layout)
-            shard = SelectionProblem.from_queries(q, weights, keys, visibility, head_chunk)
+            shard = SelectionProblem.from_queries(
+                q, weights, keys, visibility, head_chunk, score_dtype
+            )
             return jax.lax.all_gather(inner.select(shard, k), tensor_axis, axis=1, tiled=True)
 
         if _manual(jax.sharding.get_abstract_mesh(), tensor_axis):

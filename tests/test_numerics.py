@@ -144,3 +144,34 @@ def test_sizes_the_formats_cannot_take_are_named():
         ce.Execution.from_options(numerics="fp8")
     with pytest.raises(ValueError, match=r"scale_fmt must be None or 'ue8m0'"):
         ce.DeepSeekInference(scale_fmt="e4m3")
+
+
+@pytest.mark.parametrize(
+    "score_dtype, want", [("bfloat16", [17, 18, 19, 20]), (None, [28, 29, 30, 31])]
+)
+def test_every_selection_strategy_rounds_scores_alike(score_dtype, want):
+    """Scores ``1 + t·2^-12`` (t < 32) differ in float32 but round to two bf16 values (1 for
+    t <= 16, 1 + 2^-7 above): rounded, the top 4 are the lowest indices of the upper tie;
+    unrounded, the four largest. Dense, streaming and the row-sharded top-k all round (a
+    strategy that rebuilt the problem without ``score_dtype`` would pick the largest)."""
+    b, s, t, d = 1, 8, 32, 16
+    keys = np.zeros((b, t, d), np.float32)
+    keys[0, :, 0] = (1 + np.arange(t) * 2.0**-12) * d**0.5  # the d^-1/2 factor cancels
+    q = np.zeros((b, s, 1, d), np.float32)
+    q[..., 0] = 1.0
+    slots = jnp.arange(t, dtype=jnp.int32)[None]
+    layout = ce.EntryLayout(slots, jnp.zeros_like(slots), jnp.ones(slots.shape, bool))
+    rows = jnp.full((b, s), t, jnp.int32)  # every query sees every entry
+    visibility = ce.Visibility(rows, jnp.zeros_like(rows), layout)
+    problem = ce.SelectionProblem.from_queries(
+        jnp.asarray(q), jnp.ones((b, s, 1)), jnp.asarray(keys), visibility, 0, score_dtype
+    )
+    strategies = [
+        ce.DenseSelection(),
+        ce.StreamingSelection(key_block=8, query_block=4),
+        ce.ShardedSelection(ce.DenseSelection()),
+    ]
+    with jax.set_mesh(jax.make_mesh((4, 2), ("data", "tensor"))):
+        for strategy in strategies:
+            got = np.asarray(eqx.filter_jit(lambda p, st=strategy: st.select(p, 4))(problem))
+            np.testing.assert_array_equal(got, np.broadcast_to(want, (b, s, 4)), str(strategy))
