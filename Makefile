@@ -1,24 +1,42 @@
 PY ?= python3.11
+# the second interpreter of the test matrix (docs/testing.md): pyenv's 3.12, else one on PATH
+PY312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+JAX312 ?= 0.12.0.1
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+VENV312 := .venv312
+STAMP312 := $(VENV312)/.installed
+REPORTS := build/test
 
 .PHONY: test demo lint venv clean
 
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[demo,test]'
+	$(BIN)/pip install -q -e '.[demo,test,hf]'
 	touch $(STAMP)
+
+# Python 3.12 with the newest JAX in the supported range, without torch (pip's torch on 3.12
+# is a multi-GB CUDA build): runs the torch-free tests
+$(STAMP312): pyproject.toml
+	test -x $(VENV312)/bin/python || $(PY312) -m venv $(VENV312)
+	$(VENV312)/bin/pip install -q --upgrade pip
+	$(VENV312)/bin/pip install -q 'jax==$(JAX312)' 'jaxlib==$(JAX312)' -e '.[demo,test]'
+	touch $(STAMP312)
 
 venv: $(STAMP)
 
-# The suite runs in two processes: one process holding every compiled program of the whole
-# suite crashed inside XLA's CPU compiler (segfault) late in a run on the 2-core machine.
-test: $(STAMP)
+# Two pytest workers per interpreter (compiling is mostly single-threaded), whole modules per
+# worker; each worker drops a module's compiled programs when it ends (tests/conftest.py): one
+# process holding every compiled program of the suite crashed inside XLA's CPU compiler.
+PYTEST := -q -n 2 --dist loadfile
+test: $(STAMP) $(STAMP312)
 	$(BIN)/ruff check csa_eqx tests benchmarks
-	$(BIN)/python -m pytest -q --durations=15 tests/test_[a-l]*.py
-	$(BIN)/python -m pytest -q --durations=15 tests/test_[m-z]*.py
+	rm -rf $(REPORTS) && mkdir -p $(REPORTS)
+	$(BIN)/python -m pytest $(PYTEST) --junitxml=$(REPORTS)/py311.xml
+	$(VENV312)/bin/python -m pytest $(PYTEST) --torch-free --junitxml=$(REPORTS)/py312.xml
+	$(BIN)/python tools/test_timing.py $(REPORTS)/py311.xml $(REPORTS)/py312.xml
 
 demo: $(STAMP)
 	$(BIN)/csa-eqx train --name demo
@@ -28,4 +46,4 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check csa_eqx tests benchmarks
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV312) $(REPORTS)

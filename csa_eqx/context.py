@@ -32,6 +32,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from ._compat import stacked_all_gather
 from .compressor import EntryLayout, entry_layout
 from .heads import HeadSplit, sum_partials
 from .sharding import MeshLike, _place, mesh_with_axis
@@ -317,7 +318,7 @@ def _gather_entries(entries: Array, plan: _Plan, axis: str) -> Array:
     repeated per chunk: ``[2B, T, d]``."""
     b2, per = entries.shape[:2]
     e = entries.reshape(b2 // 2, 2, per, *entries.shape[2:])
-    g = jax.lax.all_gather(e, axis)  # [N, B, 2, per, d]: device i holds chunks i, 2N-1-i
+    g = stacked_all_gather(e, axis)  # [N, B, 2, per, d]: device i holds chunks i, 2N-1-i
     early, late = g[:, :, 0], g[::-1, :, 1]  # chunks 0..N-1 and N..2N-1
     every = jnp.concatenate([early, late], axis=0)  # [2N, B, per, d]
     every = jnp.moveaxis(every, 0, 1).reshape(b2 // 2, 2 * plan.devices * per, -1)

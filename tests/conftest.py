@@ -1,4 +1,5 @@
-"""Test set-up: 8 simulated CPU devices and float32 reference numerics."""
+"""Test set-up: 8 simulated CPU devices and float32 reference numerics; ``--torch-free`` selects
+the tests that need neither torch nor transformers (the ``hf`` extra)."""
 
 import os
 
@@ -13,6 +14,58 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 
 import pytest  # noqa: E402
+
+# Modules that import torch / transformers (mostly through csa_eqx.testing) when they load:
+# every test in them carries the ``torch`` marker. A test elsewhere that needs torch says so
+# with ``@pytest.mark.torch``. A module missing here fails to import in a ``--torch-free`` run
+# on an interpreter without torch, so the list cannot silently shrink the torch-free set.
+TORCH_MODULES = frozenset(
+    {
+        "test_chunking.py",
+        "test_decode_hf.py",
+        "test_hf_loading.py",
+        "test_loss.py",
+        "test_loss_v32.py",
+        "test_released_checkpoint.py",
+        "test_v32.py",
+        "test_v4_parity.py",
+    }
+)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--torch-free",
+        action="store_true",
+        help="run only the tests that need no torch: leave out the modules of TORCH_MODULES "
+        "(not collected) and deselect the tests marked `torch`; the summary lists both",
+    )
+
+
+def pytest_ignore_collect(collection_path, config):
+    if config.getoption("torch_free") and collection_path.name in TORCH_MODULES:
+        return True
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in TORCH_MODULES:
+            item.add_marker(pytest.mark.torch)
+    if config.getoption("torch_free"):
+        needs_torch = [item for item in items if item.get_closest_marker("torch")]
+        if needs_torch:
+            config.hook.pytest_deselected(items=needs_torch)
+            items[:] = [item for item in items if not item.get_closest_marker("torch")]
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if config.getoption("torch_free"):
+        terminalreporter.write_line(
+            f"--torch-free: {len(TORCH_MODULES)} modules not collected (they import torch): "
+            + ", ".join(sorted(TORCH_MODULES))
+            + "; the tests marked `torch` elsewhere are deselected"
+        )
 
 
 @pytest.fixture(autouse=True, scope="module")

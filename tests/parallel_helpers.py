@@ -5,11 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from test_v4_behaviour import randomise, tiny
-from test_v4_parity import assert_close, untied_rows
 
 import csa_eqx as ce
 from csa_eqx import hf as ce_hf
-from csa_eqx import testing
 from csa_eqx.presets import tiny_v4, tiny_v32
 
 
@@ -54,7 +52,12 @@ def assert_matches_single_device(kind, got, want):
 def assert_loader_matches_hf(family, options, mesh, seq, min_rows):
     """``load_{family}_attention(..., **options)`` (``family`` ``"v4"``: a tiny CSA layer, or
     ``"v32"``) run under ``mesh`` gives HF's output and top-k on the rows whose top-k is
-    unambiguous (at least ``min_rows`` of them). Returns the loaded layer."""
+    unambiguous (at least ``min_rows`` of them). Returns the loaded layer. The only helper
+    here that needs torch: it imports the HF side itself, so the rest runs without torch."""
+    from test_v4_parity import assert_close, untied_rows
+
+    from csa_eqx import testing
+
     v4 = family == "v4"
     hf_cfg = testing.hf_v4_config(tiny_v4("csa")) if v4 else testing.hf_v32_config(tiny_v32())
     hf = (testing.random_hf_v4_layer if v4 else testing.random_hf_v32_layer)(hf_cfg)

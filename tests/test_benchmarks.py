@@ -6,6 +6,8 @@ is that each benchmark ran and its section, table and PNG plot were written.
 
 import struct
 
+import pytest
+
 from benchmarks import run_all
 
 SECTIONS = (
@@ -32,6 +34,7 @@ def png_size(path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
+@pytest.mark.torch
 def test_quick_run_writes_tables_and_plots(tmp_path):
     assert run_all.main(tmp_path, quick=True) == 0
     page = (tmp_path / "benchmarks.md").read_text()
@@ -68,6 +71,7 @@ def run_gpu_table(monkeypatch, *args) -> tuple[str, dict]:
     return (out / "gpu_table.md").read_text(), json.loads((out / "gpu_table.json").read_text())
 
 
+@pytest.mark.torch
 def test_gpu_table_quick_run(tmp_path, monkeypatch):
     """``benchmarks.gpu_table`` (run on a lent GPU machine, never in CI) runs end to end here
     in its quick CPU mode at one S and dtype, HF included: every section written, every run

@@ -165,6 +165,7 @@ def test_indexer_loss_matches_single_device(kind, stage, mesh_shape, options):
         assert relative_error(got, want) < 1e-5
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize(
     "family, options, mesh_shape, seq, min_rows",
     [

@@ -249,6 +249,7 @@ def test_generate_matches_full_forward_argmax():
     assert ((sampled >= 0) & (sampled < 50)).all()
 
 
+@pytest.mark.torch
 def test_matches_hf_cached_path():
     """A V4 CSA layer: prefill then single steps through HF's DynamicCache (DeepseekV4CSACache)
     == our prefill + extend steps, outputs and selections (on rows whose top-k is untied)."""

@@ -164,6 +164,7 @@ def test_weight_shards_are_one_over_the_axis():
     assert split_bytes > 0.5 * whole_bytes  # the split weights are most of the layer's
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize(
     "family, mesh_shape, seq, min_rows", [("v4", TENSOR2, 40, 31), ("v32", TENSOR4, 30, 16)]
 )
