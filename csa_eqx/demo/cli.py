@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .config import CONTROLS, TARGETS, TrainConfig, check_learning_rate, check_run_name
+from .config import CONTROLS, LOSS_WINDOW, TARGETS, TrainConfig, check_learning_rate, check_run_name
 
 
 def _simulated_devices(n: int) -> None:
@@ -89,6 +89,7 @@ TRAIN_FLAGS = [  # flag, TrainConfig field, parser, help
     ("--warmup-steps", "warmup_steps", _non_negative, "indexer-only warm-up steps"),
     ("--sparse-steps", "sparse_steps", _non_negative, "sparse (top-k) steps"),
     ("--lr", "learning_rate", _learning_rate, "AdamW peak learning rate"),
+    ("--sparse-lr-scale", "sparse_lr_scale", _learning_rate, "sparse phase's peak, times --lr"),
     ("--lr-warmup", "lr_warmup_steps", _non_negative, "warm-up steps of each phase's schedule"),
     ("--clip", "grad_clip", float, "global gradient-norm clip"),
     ("--short-batch-scale", "short_batch_scale", _positive, "batch growth for short rows"),
@@ -193,6 +194,13 @@ def summary(report: dict, folder: Path) -> str:
         f"indexer_recall={value(report.get('indexer_recall'))} "
         f"wall_seconds={report['wall_seconds']:.0f} -> {folder}"
     ]
+    loss = report.get("lm_loss")  # a report assembled by hand may lack it
+    if loss and loss["dense_end"] is not None:
+        lines.append(
+            f"answer loss (mean of the last {LOSS_WINDOW} steps): end of the dense phase "
+            f"{loss['dense_end']:.2e}, end of the run {loss['final']:.2e} "
+            f"({loss['final'] / loss['dense_end']:.2f}x)"
+        )
     for name, control in report["controls"].items():
         lines.append(f"control {name}: retrieval_accuracy={value(control['retrieval_accuracy'])}")
     wanted = ", ".join(f"{k} >= {v}" for k, v in TARGETS.items())

@@ -14,6 +14,7 @@ from .tasks import RetrievalTask
 
 __all__ = [
     "CONTROLS",
+    "LOSS_WINDOW",
     "PHASES",
     "TARGETS",
     "TrainConfig",
@@ -28,6 +29,7 @@ PHASES = ("dense", "warmup", "sparse")
 VARIANTS = ("csa", "sliding", "dense")
 CONTROLS = VARIANTS[1:]
 TARGETS = {"retrieval_accuracy": 0.9, "indexer_recall": 0.9}  # what `make demo` must reach
+LOSS_WINDOW = 5  # steps averaged for the answer loss at the end of a phase (one batch is noisy)
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
@@ -61,10 +63,13 @@ class TrainConfig:
     n_pairs: int = 1
     n_keys: int = 1
     n_values: int = 16
-    dense_steps: int = 300
-    warmup_steps: int = 20
-    sparse_steps: int = 60
+    dense_steps: int = 100
+    warmup_steps: int = 10
+    sparse_steps: int = 20
     learning_rate: float = 3e-3
+    # the sparse phase's peak rate, as a fraction of learning_rate: the rate the dense phase
+    # ends with (restarting at learning_rate made the near-zero loss jump ~1000x)
+    sparse_lr_scale: float = 0.1
     lr_warmup_steps: int = 10  # per phase: linear warm-up, then cosine decay to 10% at its end
     grad_clip: float = 1.0  # global gradient-norm clip
     short_batch_scale: int = 4  # rows shorter than seq_len come in up to 4x larger batches
@@ -104,10 +109,11 @@ class TrainConfig:
         for f in ("dense_steps", "warmup_steps", "sparse_steps", "lr_warmup_steps"):
             if getattr(self, f) < 0:
                 raise ValueError(f"{f} must be >= 0 (got {getattr(self, f)})")
-        try:
-            check_learning_rate(self.learning_rate)
-        except ValueError as err:
-            raise ValueError(f"learning_rate: {err}") from None
+        for f in ("learning_rate", "sparse_lr_scale"):
+            try:
+                check_learning_rate(getattr(self, f))
+            except ValueError as err:
+                raise ValueError(f"{f}: {err}") from None
         if self.variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS} (got {self.variant!r})")
         if not set(self.controls) <= set(CONTROLS) or len(set(self.controls)) < len(self.controls):
@@ -177,6 +183,11 @@ class TrainConfig:
         return {"dense": self.dense_steps, "warmup": self.warmup_steps}.get(
             phase, self.sparse_steps
         )
+
+    def peak_learning_rate(self, phase: str) -> float:
+        """The peak of ``phase``'s schedule: ``learning_rate``, times ``sparse_lr_scale`` in
+        the sparse phase."""
+        return self.learning_rate * (self.sparse_lr_scale if phase == "sparse" else 1.0)
 
     def task(self, seq_len: int | None = None) -> RetrievalTask:
         """The retrieval task at ``seq_len`` (default: the full length). Every stored pair is
