@@ -37,11 +37,15 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def _learning_rate(text: str) -> float:
+def _learning_rate(text: str, what: str = "learning rate") -> float:
     try:
-        return check_learning_rate(float(text))
+        return check_learning_rate(float(text), what)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _scale(text: str) -> float:
+    return _learning_rate(text, "scale")
 
 
 def _run_name(text: str) -> str:
@@ -89,7 +93,7 @@ TRAIN_FLAGS = [  # flag, TrainConfig field, parser, help
     ("--warmup-steps", "warmup_steps", _non_negative, "indexer-only warm-up steps"),
     ("--sparse-steps", "sparse_steps", _non_negative, "sparse (top-k) steps"),
     ("--lr", "learning_rate", _learning_rate, "AdamW peak learning rate"),
-    ("--sparse-lr-scale", "sparse_lr_scale", _learning_rate, "sparse phase's peak, times --lr"),
+    ("--sparse-lr-scale", "sparse_lr_scale", _scale, "sparse phase's peak, times --lr"),
     ("--lr-warmup", "lr_warmup_steps", _non_negative, "warm-up steps of each phase's schedule"),
     ("--clip", "grad_clip", float, "global gradient-norm clip"),
     ("--short-batch-scale", "short_batch_scale", _positive, "batch growth for short rows"),

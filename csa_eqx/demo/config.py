@@ -45,10 +45,11 @@ def check_run_name(name: str) -> str:
     return name
 
 
-def check_learning_rate(value: float) -> float:
-    """``value`` if it is a finite positive number; otherwise a ``ValueError``."""
+def check_learning_rate(value: float, what: str = "learning rate") -> float:
+    """``value`` if it is a finite positive number; otherwise a ``ValueError`` naming
+    ``what`` it is."""
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"learning rate must be a finite positive number (got {value})")
+        raise ValueError(f"{what} must be a finite positive number (got {value})")
     return value
 
 
@@ -109,9 +110,9 @@ class TrainConfig:
         for f in ("dense_steps", "warmup_steps", "sparse_steps", "lr_warmup_steps"):
             if getattr(self, f) < 0:
                 raise ValueError(f"{f} must be >= 0 (got {getattr(self, f)})")
-        for f in ("learning_rate", "sparse_lr_scale"):
+        for f, what in (("learning_rate", "learning rate"), ("sparse_lr_scale", "scale")):
             try:
-                check_learning_rate(getattr(self, f))
+                check_learning_rate(getattr(self, f), what)
             except ValueError as err:
                 raise ValueError(f"{f}: {err}") from None
         if self.variant not in VARIANTS:
