@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from csa_eqx.demo.config import TARGETS
+from csa_eqx.demo.config import LOSS_WINDOW, TARGETS
 
 from .harness import machine_info, machine_markdown, table
 
@@ -40,6 +40,10 @@ def _metric(value: float | None) -> str:
     return "–" if value is None else f"{value:.3f}"
 
 
+def _loss(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1e}"
+
+
 def _spread(values: list[float]) -> str:
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
     return f"mean {statistics.mean(values):.3f} ± {sd:.3f} (min {min(values):.3f})"
@@ -57,13 +61,18 @@ def markdown(reports: dict[int, dict], command: str, info: dict) -> str:
                 _metric(r["indexer_recall"]),
                 _metric(controls.get("sliding", {}).get("retrieval_accuracy")),
                 _metric(controls.get("dense", {}).get("retrieval_accuracy")),
+                _loss(r["lm_loss"]["dense_end"]),
+                _loss(r["lm_loss"]["final"]),
                 f"{r['wall_seconds']:.0f}",
                 "yes" if r["targets_met"] else "**no**",
             ]
         )
-    header = ["seed", "accuracy", "recall", "sliding-only", "dense", "train wall (s)", "met"]
+    header = ["seed", "accuracy", "recall", "sliding-only", "dense"]
+    header += ["loss, end of dense", "loss, end of run", "train wall (s)", "met"]
     met = sum(r["targets_met"] for r in reports.values())
     walls = [r["wall_seconds"] for r in reports.values()]
+    losses = [r["lm_loss"] for r in reports.values() if r["lm_loss"]["dense_end"] is not None]
+    worst = max((loss["final"] / loss["dense_end"] for loss in losses), default=None)
     targets = ", ".join(f"{k} >= {v}" for k, v in TARGETS.items())
     return "\n".join(
         [
@@ -81,6 +90,10 @@ def markdown(reports: dict[int, dict], command: str, info: dict) -> str:
             f"- targets ({targets}) met by **{met} of {len(reports)}** seeds",
             f"- retrieval accuracy: {_spread([r['retrieval_accuracy'] for r in reports.values()])}",
             f"- indexer recall: {_spread([r['indexer_recall'] for r in reports.values()])}",
+            f"- answer loss at the end of the run / at the end of the dense phase (each the "
+            f"mean of {LOSS_WINDOW} steps): at most **{worst:.2f}x** (target <= 2x)"
+            if worst is not None
+            else "- answer loss: no run had a dense phase",
             f"- training wall time: mean {statistics.mean(walls):.0f} s, max {max(walls):.0f} s "
             "(one run per process: start-up, compiles, training, evaluations and plots; the "
             "control columns, when present, are separate runs and are not counted)",

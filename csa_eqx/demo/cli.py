@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .config import CONTROLS, TARGETS, TrainConfig, check_learning_rate, check_run_name
+from .config import CONTROLS, LOSS_WINDOW, TARGETS, TrainConfig, check_learning_rate, check_run_name
 
 
 def _simulated_devices(n: int) -> None:
@@ -37,11 +37,15 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def _learning_rate(text: str) -> float:
+def _learning_rate(text: str, what: str = "learning rate") -> float:
     try:
-        return check_learning_rate(float(text))
+        return check_learning_rate(float(text), what)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _scale(text: str) -> float:
+    return _learning_rate(text, "scale")
 
 
 def _run_name(text: str) -> str:
@@ -89,6 +93,7 @@ TRAIN_FLAGS = [  # flag, TrainConfig field, parser, help
     ("--warmup-steps", "warmup_steps", _non_negative, "indexer-only warm-up steps"),
     ("--sparse-steps", "sparse_steps", _non_negative, "sparse (top-k) steps"),
     ("--lr", "learning_rate", _learning_rate, "AdamW peak learning rate"),
+    ("--sparse-lr-scale", "sparse_lr_scale", _scale, "sparse phase's peak, times --lr"),
     ("--lr-warmup", "lr_warmup_steps", _non_negative, "warm-up steps of each phase's schedule"),
     ("--clip", "grad_clip", float, "global gradient-norm clip"),
     ("--short-batch-scale", "short_batch_scale", _positive, "batch growth for short rows"),
@@ -193,6 +198,13 @@ def summary(report: dict, folder: Path) -> str:
         f"indexer_recall={value(report.get('indexer_recall'))} "
         f"wall_seconds={report['wall_seconds']:.0f} -> {folder}"
     ]
+    loss = report.get("lm_loss")  # a report assembled by hand may lack it
+    if loss and loss["dense_end"] is not None:
+        lines.append(
+            f"answer loss (mean of the last {LOSS_WINDOW} steps): end of the dense phase "
+            f"{loss['dense_end']:.2e}, end of the run {loss['final']:.2e} "
+            f"({loss['final'] / loss['dense_end']:.2f}x)"
+        )
     for name, control in report["controls"].items():
         lines.append(f"control {name}: retrieval_accuracy={value(control['retrieval_accuracy'])}")
     wanted = ", ".join(f"{k} >= {v}" for k, v in TARGETS.items())

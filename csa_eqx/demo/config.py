@@ -14,6 +14,7 @@ from .tasks import RetrievalTask
 
 __all__ = [
     "CONTROLS",
+    "LOSS_WINDOW",
     "PHASES",
     "TARGETS",
     "TrainConfig",
@@ -28,6 +29,7 @@ PHASES = ("dense", "warmup", "sparse")
 VARIANTS = ("csa", "sliding", "dense")
 CONTROLS = VARIANTS[1:]
 TARGETS = {"retrieval_accuracy": 0.9, "indexer_recall": 0.9}  # what `make demo` must reach
+LOSS_WINDOW = 5  # steps averaged for the answer loss at the end of a phase (one batch is noisy)
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
@@ -43,10 +45,11 @@ def check_run_name(name: str) -> str:
     return name
 
 
-def check_learning_rate(value: float) -> float:
-    """``value`` if it is a finite positive number; otherwise a ``ValueError``."""
+def check_learning_rate(value: float, what: str = "learning rate") -> float:
+    """``value`` if it is a finite positive number; otherwise a ``ValueError`` naming
+    ``what`` it is."""
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"learning rate must be a finite positive number (got {value})")
+        raise ValueError(f"{what} must be a finite positive number (got {value})")
     return value
 
 
@@ -61,10 +64,13 @@ class TrainConfig:
     n_pairs: int = 1
     n_keys: int = 1
     n_values: int = 16
-    dense_steps: int = 300
-    warmup_steps: int = 20
-    sparse_steps: int = 60
+    dense_steps: int = 100
+    warmup_steps: int = 10
+    sparse_steps: int = 20
     learning_rate: float = 3e-3
+    # the sparse phase's peak rate, as a fraction of learning_rate: the rate the dense phase
+    # ends with (restarting at learning_rate made the near-zero loss jump ~1000x)
+    sparse_lr_scale: float = 0.1
     lr_warmup_steps: int = 10  # per phase: linear warm-up, then cosine decay to 10% at its end
     grad_clip: float = 1.0  # global gradient-norm clip
     short_batch_scale: int = 4  # rows shorter than seq_len come in up to 4x larger batches
@@ -104,10 +110,11 @@ class TrainConfig:
         for f in ("dense_steps", "warmup_steps", "sparse_steps", "lr_warmup_steps"):
             if getattr(self, f) < 0:
                 raise ValueError(f"{f} must be >= 0 (got {getattr(self, f)})")
-        try:
-            check_learning_rate(self.learning_rate)
-        except ValueError as err:
-            raise ValueError(f"learning_rate: {err}") from None
+        for f, what in (("learning_rate", "learning rate"), ("sparse_lr_scale", "scale")):
+            try:
+                check_learning_rate(getattr(self, f), what)
+            except ValueError as err:
+                raise ValueError(f"{f}: {err}") from None
         if self.variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS} (got {self.variant!r})")
         if not set(self.controls) <= set(CONTROLS) or len(set(self.controls)) < len(self.controls):
@@ -177,6 +184,11 @@ class TrainConfig:
         return {"dense": self.dense_steps, "warmup": self.warmup_steps}.get(
             phase, self.sparse_steps
         )
+
+    def peak_learning_rate(self, phase: str) -> float:
+        """The peak of ``phase``'s schedule: ``learning_rate``, times ``sparse_lr_scale`` in
+        the sparse phase."""
+        return self.learning_rate * (self.sparse_lr_scale if phase == "sparse" else 1.0)
 
     def task(self, seq_len: int | None = None) -> RetrievalTask:
         """The retrieval task at ``seq_len`` (default: the full length). Every stored pair is

@@ -39,7 +39,7 @@ from .checkpoint import (
     unusable,
     write_atomic,
 )
-from .config import PHASES, TARGETS, TrainConfig
+from .config import LOSS_WINDOW, PHASES, TARGETS, TrainConfig
 from .mesh import make_mesh, shard_batch
 from .models import DecoderLM
 from .models.probe import indexer_recall
@@ -63,15 +63,13 @@ def _labels(model: DecoderLM, phase: str):
 
 def _optimizer(model: DecoderLM, cfg: TrainConfig, phase: str):
     """AdamW on ``phase``'s trainable leaves, with a fresh schedule per phase (each phase starts
-    a new optimizer state): linear warm-up, cosine decay to 10%, global-norm clipping."""
+    a new optimizer state): linear warm-up from 10% of the phase's peak
+    (``cfg.peak_learning_rate``), cosine decay to 10%, global-norm clipping."""
     steps = cfg.phase_steps(phase)
     warmup = min(cfg.lr_warmup_steps, steps // 2)
+    peak = cfg.peak_learning_rate(phase)
     schedule = optax.warmup_cosine_decay_schedule(
-        0.1 * cfg.learning_rate,
-        cfg.learning_rate,
-        warmup,
-        max(steps, warmup + 1),
-        0.1 * cfg.learning_rate,
+        0.1 * peak, peak, warmup, max(steps, warmup + 1), 0.1 * peak
     )
     adam = optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip), optax.adamw(schedule, weight_decay=0.0)
@@ -125,6 +123,17 @@ class Progress:
 
 
 EVAL_KEYS = ("retrieval_accuracy", "indexer_recall")  # what ``evaluate`` returns
+
+
+def lm_loss(history: list[dict]) -> dict:
+    """The mean answer loss ``ce`` of the last ``LOSS_WINDOW`` steps of the dense phase
+    (``dense_end``) and of the run (``final``); ``None`` where there are no such steps."""
+
+    def mean(records):
+        return float(np.mean([h["ce"] for h in records[-LOSS_WINDOW:]])) if records else None
+
+    dense = [h for h in history if h["phase"] == "dense"]
+    return {"dense_end": mean(dense), "final": mean(history)}
 
 
 @eqx.filter_jit
@@ -200,7 +209,8 @@ def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = N
     has finished).
 
     **Returns:** the report (also written to ``out_dir/report.json``): the final
-    ``retrieval_accuracy`` / ``indexer_recall``, ``targets_met``, ``wall_seconds``, the
+    ``retrieval_accuracy`` / ``indexer_recall``, ``targets_met``, ``lm_loss`` (the answer loss
+    at the end of the dense phase and of the run, see ``lm_loss``), ``wall_seconds``, the
     ``history`` (one record per step; evaluations every ``eval_every`` steps) and ``controls``
     (each control's final metrics and history). Raises ``RunError`` for an unusable checkpoint,
     an unwritable folder or a non-finite loss.
@@ -211,8 +221,7 @@ def train(cfg: TrainConfig, out_dir: Path, stream, *, stop_after: int | None = N
             stream.write(f"control run: {variant}\n")
             control = _run(cfg.control(variant), out_dir / f"control-{variant}", stream)
             report["controls"][variant] = {
-                k: control.get(k)
-                for k in ("retrieval_accuracy", "indexer_recall", "wall_seconds", "history")
+                k: control.get(k) for k in (*EVAL_KEYS, "lm_loss", "wall_seconds", "history")
             }
         write_atomic(
             out_dir / "report.json", json.dumps(report, indent=2).encode(), cfg.total_steps
@@ -283,6 +292,7 @@ def _run(cfg: TrainConfig, out_dir: Path, stream, stop_after: int | None = None)
         "step": step,
         **final,
         "targets_met": bool(final) and targets_met(final),
+        "lm_loss": lm_loss(history),
         "wall_seconds": time.perf_counter() - start_time,
         "devices": jax.local_device_count(),
         "mesh": dict(mesh.shape),
