@@ -23,6 +23,7 @@ TORCH_MODULES = frozenset(
     {
         "test_chunking.py",
         "test_decode_hf.py",
+        "test_deepseek_reference.py",
         "test_hf_loading.py",
         "test_loss.py",
         "test_loss_v32.py",
