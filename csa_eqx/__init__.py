@@ -1,5 +1,6 @@
 """csa_eqx: DeepSeek sparse attention (V4 CSA / HCA / sliding, V3.2 DSA) in JAX + Equinox."""
 
+from ._placement import AbstractPlacement, SingleDevice
 from .auto import AutoPicks, AutoSelection
 from .cache import CompressorState, V4Cache, V32Cache
 from .compressor import Compressor, EntryLayout, entry_layout, pool_windows, segment_positions
@@ -39,6 +40,7 @@ from .v32 import V32Attention, V32Indexer
 __all__ = [
     "AbstractNumerics",
     "AbstractPicks",
+    "AbstractPlacement",
     "AbstractSelection",
     "AbstractWindow",
     "AttentionTarget",
@@ -63,6 +65,7 @@ __all__ = [
     "SELECTION_NAME",
     "SelectionProblem",
     "ShardedSelection",
+    "SingleDevice",
     "StreamingSelection",
     "V4Attention",
     "V4AttentionConfig",

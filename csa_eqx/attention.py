@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import abc
 import copy
+from functools import partial
 from typing import ClassVar
 
 import equinox as eqx
@@ -16,16 +17,14 @@ from beartype import beartype
 from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped
 
 from . import checks
+from ._rows import Rows, whole_rows
 from .cache import AbstractCache
 from .compressor import segment_positions, token_rows
-from .context import ShardRows, whole_rows
 from .decode import ChunkRows, chunk_rows
 from .execution import Execution, check_stage, checked_execution
-from .heads import HeadSplit, all_heads
 from .loss import AttentionTarget, projected_indexer_kl_loss
 from .numerics import DeepSeekFormats
 from .selection import SelectionProblem, Visibility, entry_visibility
-from .sharding import mesh_with_axis
 
 __all__ = ["AbstractIndexedAttention"]
 
@@ -43,7 +42,7 @@ class AbstractIndexedAttention(eqx.Module):
         dtype: parameter dtype (norm weights and sinks stay float32).
         execution: how the layer runs (``csa_eqx.Execution``; ``None``: automatic).
 
-    A layer implements ``forward_rows`` (its forward over ``ShardRows``), ``extend_rows``,
+    A layer implements ``forward_rows`` (its forward over ``Rows``), ``extend_rows``,
     ``init_cache``, ``entry_rate``, ``context_halo`` and ``head_specs``, and says in the class
     variable ``formats`` what DeepSeek's inference quantises in its family.
     """
@@ -90,21 +89,14 @@ class AbstractIndexedAttention(eqx.Module):
             topk = c.index_topk if selects else None
             return checks.empty_outputs(x, topk, selects and stage != "off", return_aux)
         dtype, x = x.dtype, ex.numerics.layer_input(x)
-        rows_like = x
-        if ex.context is not None:  # integer rows of their own, whole (x may be split along S)
-            rows_like = jnp.zeros(x.shape[:2], jnp.float32)
-            positions, segment_ids = ex.context.whole(positions, segment_ids)
-        seg, query_index = token_rows(rows_like, segment_ids)
+        placement = ex.placement
+        like, positions, segment_ids = placement.rows_inputs(x, positions, segment_ids)
+        seg, query_index = token_rows(like, segment_ids)
         positions = segment_positions(seg) if positions is None else positions
+        rows = whole_rows(positions, seg, query_index, self.entry_rate)
         want_loss = return_aux and selects and stage != "off"
-        if ex.context is None and ex.heads is None:
-            rows = whole_rows(positions, seg, query_index, self.entry_rate)
-            y, selection, (problem, target) = self.forward_rows(x, rows, stage, want_loss)
-            loss = self._kl_loss(problem, target, selection, stage) if want_loss else None
-        else:
-            y, selection, loss = self._parallel_forward(
-                x, positions, seg, query_index, stage, want_loss
-            )
+        y, selection, sums = placement.run(partial(_body, stage, want_loss), self, x, rows)
+        loss = sums[0] / jnp.maximum(sums[1], 1.0) if want_loss else None
         y = y.astype(dtype)
         return (y, {"selection": selection, "indexer_loss": loss}) if return_aux else y
 
@@ -115,61 +107,6 @@ class AbstractIndexedAttention(eqx.Module):
         return projected_indexer_kl_loss(
             problem, target, candidates, strategy=self.execution.selection
         )
-
-    def _parallel_forward(self, x, positions, seg, query_index, stage: str, want_loss) -> tuple:
-        """``forward_rows`` run context-parallel (``execution.context``), head-parallel
-        (``execution.heads``) or both in one ``shard_map``. The loss (when the stage trains
-        the indexer and the layer has one) is the mean over queries with a candidate, summed
-        as ``(sum, count)`` per shard; under head parallelism every device of the axis computes it
-        alike from the all-gathered heads' target (``T`` equal sums over ``T`` equal counts: the
-        same mean, and the same gradient).
-
-        Returns: ``(y, selection or None, loss or None)``.
-        """
-        ex = self.execution
-        params, static = eqx.partition(self, eqx.is_array)
-        heads_axis = None if ex.heads is None else ex.heads.axis
-
-        def body(params, x, rows):
-            layer = eqx.combine(params, static)
-            y, selection, (problem, target) = layer.forward_rows(x, rows, stage, want_loss)
-            if not want_loss:
-                return y, selection, ()
-            if heads_axis is not None:
-                target = all_heads(target, heads_axis)
-            loss = layer._kl_loss(problem, target, selection, stage)
-            count = jnp.sum(layer._has_candidates(rows, selection, stage), dtype=jnp.float32)
-            return y, selection, (loss * count, count)
-
-        common = dict(selects=self.indexer is not None, sums=2 if want_loss else 0)
-        if ex.context is not None:
-            split = None
-            if ex.heads is not None:
-                specs, counts = self.head_specs(heads_axis)
-                ex.heads.check(mesh_with_axis(heads_axis, "head_parallel", ex.heads.mesh), counts)
-                split = HeadSplit(heads_axis, specs(params))
-            y, selection, sums = ex.context.apply(
-                body,
-                params,
-                x,
-                positions,
-                seg,
-                halo=self.context_halo,
-                rate=self.entry_rate,
-                heads=split,
-                **common,
-            )
-        else:
-            specs, counts = self.head_specs(heads_axis)
-
-            def whole(params, x, positions, seg, query_index):
-                return body(params, x, whole_rows(positions, seg, query_index, self.entry_rate))
-
-            y, selection, sums = ex.heads.apply(
-                whole, params, specs(params), counts, x, (positions, seg, query_index), **common
-            )
-        loss = sums[0] / jnp.maximum(sums[1], 1.0) if want_loss else None
-        return y, selection, loss
 
     @abc.abstractmethod
     def head_specs(self, axis: str) -> tuple:
@@ -183,13 +120,20 @@ class AbstractIndexedAttention(eqx.Module):
         """
 
     @staticmethod
-    def _has_candidates(rows: ShardRows, selection: Array, stage: str) -> Array:
+    def _has_candidates(rows: Rows, selection: Array, stage: str) -> Array:
         """Which queries of ``rows`` have a candidate in the indexer loss (``[B', L]``): a pick
-        (sparse stage), else a visible entry (the dense ``[B', L, T]`` visibility)."""
+        (sparse stage), else a visible entry, found 256 queries at a time (never the dense
+        ``[B', L, T]`` visibility)."""
         if stage != "dense":
             return jnp.any(selection >= 0, axis=-1)
-        visible = entry_visibility(rows.query_index, rows.segment, rows.layout)
-        return jnp.any(visible, axis=-1)
+
+        def visible(query):  # one query row of every batch row: [B'] each
+            index, segment = query
+            seen = entry_visibility(index[:, None], segment[:, None], rows.layout)
+            return jnp.any(seen[:, 0], axis=-1)
+
+        rows_first = (rows.query_index.T, rows.segment.T)
+        return jax.lax.map(visible, rows_first, batch_size=256).T
 
     @property
     @abc.abstractmethod
@@ -205,12 +149,12 @@ class AbstractIndexedAttention(eqx.Module):
 
     @abc.abstractmethod
     def forward_rows(
-        self, x: Float[Array, "batch rows hidden"], rows: ShardRows, stage: str, want_loss: bool
+        self, x: Float[Array, "batch rows hidden"], rows: Rows, stage: str, want_loss: bool
     ) -> tuple:
         """The forward over ``rows`` (all of a sequence, or one device's chunks with their
         halos under context parallelism), after ``__call__``'s checks.
 
-        Arguments: hidden states ``x [B', L, hidden]``, their ``ShardRows``, the checked
+        Arguments: hidden states ``x [B', L, hidden]``, their ``Rows``, the checked
         training ``stage`` and whether the indexer loss' inputs are wanted.
 
         Returns:
@@ -333,3 +277,21 @@ class AbstractIndexedAttention(eqx.Module):
         if indexer_loss is not None:
             self.execution.check(self.config.index_n_heads, self.config.num_heads, stage)
         return stage
+
+
+def _body(stage: str, want_loss: bool, layer: AbstractIndexedAttention, x: Array, rows: Rows):
+    """What every placement runs (``AbstractPlacement.run``): the layer's forward over
+    ``rows`` and, when the stage trains the indexer, its loss as ``(mean x count, count)``
+    over the queries with a candidate, so that the shards' shares sum to the mean. With the
+    heads split over devices, each device computes the loss alike from every head's target
+    (``rows.all_heads``): ``T`` equal sums over ``T`` equal counts, the same mean and gradient.
+    """
+    y, selection, (problem, target) = layer.forward_rows(x, rows, stage, want_loss)
+    if not want_loss:
+        return y, selection, ()
+    target = target._replace(
+        q=rows.all_heads(target.q, 2), log_normalizer=rows.all_heads(target.log_normalizer, 2)
+    )
+    loss = layer._kl_loss(problem, target, selection, stage)
+    count = jnp.sum(layer._has_candidates(rows, selection, stage), dtype=jnp.float32)
+    return y, selection, (loss * count, count)

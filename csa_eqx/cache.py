@@ -13,6 +13,8 @@ be ``>= 0``; ``-1`` marks empty slots.
 
 from __future__ import annotations
 
+import abc
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -63,6 +65,11 @@ class AbstractCache(eqx.Module):
     segment: Int[Array, " batch"]
     max_length: int = eqx.field(static=True)
 
+    @abc.abstractmethod
+    def held_segments(self) -> Int[Array, "batch keys"]:
+        """Returns: the segment ids of every key and entry the cache holds (``-1`` = empty),
+        for the check that a chunk does not reopen a finished segment."""
+
 
 class V4Cache(AbstractCache):
     """State of one V4 layer (sliding: window only; HCA: plus one compressor; CSA: plus the
@@ -90,6 +97,9 @@ class V4Cache(AbstractCache):
     compressor: CompressorState | None
     indexer: CompressorState | None
 
+    def held_segments(self) -> Int[Array, "batch keys"]:
+        return jnp.concatenate([self.window_segment, self.entry_segment], axis=1)
+
 
 class V32Cache(AbstractCache):
     """State of one V3.2 layer: the MLA latent ``[c_kv ; k_rope]`` and the indexer key of every
@@ -106,6 +116,9 @@ class V32Cache(AbstractCache):
     latent: Float[Array, "batch max_length latent"]
     index_keys: Float[Array, "batch max_length index_dim"]
     token_segment: Int[Array, "batch max_length"]
+
+    def held_segments(self) -> Int[Array, "batch keys"]:
+        return self.token_segment
 
 
 def empty_rows(batch: int) -> tuple[Array, Array, Array]:

@@ -19,8 +19,6 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike, Bool, Int
 
-from .cache import V4Cache, V32Cache
-
 __all__ = ["layer_inputs", "chunk_inputs", "empty_outputs"]
 
 
@@ -95,13 +93,6 @@ def layer_inputs(
     return x, positions, segment_ids
 
 
-def _cached_segments(cache: V4Cache | V32Cache) -> Int[Array, "batch keys"]:
-    """Segment ids of the keys and entries a cache holds (``-1`` = empty)."""
-    if isinstance(cache, V32Cache):
-        return cache.token_segment
-    return jnp.concatenate([cache.window_segment, cache.entry_segment], axis=1)
-
-
 def chunk_inputs(
     layer, x: ArrayLike, cache, lengths: ArrayLike | None, segment_ids: ArrayLike | None
 ) -> tuple[Array, Array | None, Array | None]:
@@ -143,7 +134,7 @@ def chunk_inputs(
         first = jnp.where(cache.length > 0, cache.segment, ids[:, 0])[:, None]
         previous = jnp.concatenate([first, ids[:, :-1]], axis=1)
         new = jnp.where(valid & (ids != previous), ids, -2)  # -2: matches nothing cached
-        seen = jnp.any(new[:, :, None] == _cached_segments(cache)[:, None, :], axis=(1, 2))
+        seen = jnp.any(new[:, :, None] == cache.held_segments()[:, None, :], axis=(1, 2))
         reused = _reused_ids(jnp.concatenate([first, ids], axis=1)) | seen
         segment_ids = _require(seg, reused, _CONTIGUOUS + " across chunks", given)
     return x, lengths, segment_ids

@@ -22,7 +22,6 @@ padded rows come after every real row, so no real query sees them, and they are 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import equinox as eqx
@@ -30,51 +29,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from ._compat import stacked_all_gather
+from ._mesh import MeshLike, batch_axis, mesh_with_axis, place, run_sharded
+from ._placement import AbstractPlacement, Body, SingleDevice
+from ._rows import Rows
 from .compressor import EntryLayout, entry_layout
-from .heads import HeadSplit, sum_partials
-from .sharding import MeshLike, _place, mesh_with_axis
 
-__all__ = ["ContextParallel", "ShardRows", "whole_rows"]
+__all__ = ["ContextParallel"]
 
 _NO_SEGMENT = int(np.iinfo(np.int32).min)  # halo rows before the sequence: seen by no one
-
-
-class ShardRows(NamedTuple):
-    """The integer side of the rows a forward runs on (all ``[B', L]``; one device: the whole
-    batch and sequence; context parallel: one batch row per chunk, halo first).
-
-    Arguments:
-        positions, segment, query_index: RoPE positions, segment ids and stream row indices.
-        own: the entry slots these rows compress, window ends as row indices of these rows
-            (``None`` without a compressor).
-        layout: every entry slot of the sequence (window ends as stream rows), for visibility.
-        gather: the entries of ``own`` -> those of every slot of ``layout``.
-    """
-
-    positions: Int[Array, "batch rows"]
-    segment: Int[Array, "batch rows"]
-    query_index: Int[Array, "batch rows"]
-    own: EntryLayout | None
-    layout: EntryLayout | None
-    gather: Callable[[Array], Array]
-
-
-def _same(entries: Array) -> Array:
-    return entries
-
-
-def whole_rows(
-    positions: Int[Array, "batch seq"],
-    segment: Int[Array, "batch seq"],
-    query_index: Int[Array, "batch seq"],
-    rate: int,
-) -> ShardRows:
-    """The rows of a single-device forward: each row compresses all of its windows."""
-    layout = entry_layout(segment, rate) if rate else None
-    return ShardRows(positions, segment, query_index, layout, layout, _same)
 
 
 class _Plan(NamedTuple):
@@ -89,7 +54,7 @@ class _Plan(NamedTuple):
         return (first + np.arange(self.halo + self.chunk)).reshape(-1)
 
 
-class ContextParallel(eqx.Module):
+class ContextParallel(AbstractPlacement):
     """Run a layer's forward with its sequence split over the mesh axis ``axis`` (zigzag
     chunks, halo by ``ppermute``, entries by all-gather; see the module docstring).
 
@@ -98,79 +63,62 @@ class ContextParallel(eqx.Module):
         data_axis: the mesh axis the batch is split over, when the mesh has it and its size
             divides the batch (otherwise the batch is replicated over it).
         mesh: the mesh (``None``: the one set with ``jax.set_mesh``).
+        inner: the placement each shard runs its chunks with (``SingleDevice()``, or
+            ``HeadParallel(...)`` over another axis: context around heads).
     """
 
     axis: str = "context"
     data_axis: str = "data"
     mesh: MeshLike | None = None
+    inner: AbstractPlacement = SingleDevice()
 
     def __check_init__(self):
-        for name, value in (("context_axis", self.axis), ("data_axis", self.data_axis)):
+        for name, value in (("ContextParallel.axis", self.axis), ("data_axis", self.data_axis)):
             if not isinstance(value, str) or not value:
                 raise ValueError(f"{name} must be a non-empty mesh axis name (got {value!r})")
         if self.axis == self.data_axis:
-            raise ValueError(f"context_axis and data_axis must differ (both are {self.axis!r})")
+            raise ValueError(
+                f"ContextParallel.axis and data_axis must differ (both are {self.axis!r})"
+            )
 
-    def whole(self, *arrays: Array | None) -> tuple[Array | None, ...]:
-        """The integer ``[B, S]`` inputs (positions, segment ids; ``None`` passes) replicated
-        on the mesh: every shard reads them whole (they may arrive split along the sequence).
-        """
-        mesh = mesh_with_axis(self.axis, "context_parallel", self.mesh)
-        return tuple(None if a is None else _place(a, mesh, P()) for a in arrays)
+    def around(self, inner: AbstractPlacement) -> ContextParallel:
+        """Returns: this placement with ``inner`` run inside its ``shard_map``."""
+        return ContextParallel(self.axis, self.data_axis, self.mesh, inner)
+
+    def rows_inputs(self, x, positions, segment_ids):
+        """The rows are built whole: integer rows of their own (``x`` may be split along the
+        sequence), ``positions`` and ``segment_ids`` replicated on the mesh (every shard reads
+        them whole). See ``AbstractPlacement.rows_inputs``."""
+        mesh = mesh_with_axis(self.axis, "Execution.context", self.mesh)
+        whole = tuple(None if a is None else place(a, mesh, P()) for a in (positions, segment_ids))
+        return jnp.zeros(x.shape[:2], jnp.float32), *whole
 
     def plan(self, seq: int, halo: int, rate: int) -> _Plan:
         """Chunk sizes for ``seq`` rows on the axis' devices: ``2N`` chunks, each a multiple of
         ``rate`` rows and at least ``halo`` rows (the sequence is padded up to that)."""
-        mesh = mesh_with_axis(self.axis, "context_parallel", self.mesh)
+        mesh = mesh_with_axis(self.axis, "Execution.context", self.mesh)
         n, m = mesh.shape[self.axis], max(rate, 1)
         chunk = max(-(-seq // (2 * n)), halo, 1)
         chunk = -(-chunk // m) * m
         chunks = np.stack([np.arange(n), 2 * n - 1 - np.arange(n)], axis=1)
         return _Plan(n, chunk, halo, chunks)
 
-    def apply(
-        self,
-        body: Callable,
-        params,
-        x: Float[Array, "batch seq hidden"],
-        positions: Int[Array, "batch seq"],
-        segment: Int[Array, "batch seq"],
-        *,
-        halo: int,
-        rate: int,
-        selects: bool,
-        sums: int = 0,
-        heads: HeadSplit | None = None,
-    ) -> tuple[Float[Array, "batch seq hidden"], Int[Array, "batch seq k"] | None, tuple]:
-        """``body(params, x, rows)`` (a forward over ``ShardRows``, returning ``(y, selection
-        or None, sums)`` with ``sums`` a tuple of per-shard float32 scalars over its own rows)
-        run context-parallel over the whole sequence.
-
-        Arguments:
-            body: the layer's per-row forward.
-            params: its arrays (replicated over the context axis).
-            x, positions, segment: the layer's inputs ``[B, S, ...]``.
-            halo: rows before a chunk its queries or windows need.
-            rate: the compression rate (0: no compressor).
-            selects: whether ``body`` returns a selection.
-            sums: how many scalars ``body`` returns to be summed over the shards.
-            heads: head parallelism in the same ``shard_map`` (``None``: off): ``params``
-                split over ``heads.axis`` as ``heads.specs`` says, and ``body``'s ``y`` a
-                partial sum over this device's heads (summed over the axis here).
-
-        Returns:
-            ``(y, selection, sums)``: ``y`` and ``selection`` ``[B, S, ...]`` as a
-            single-device forward returns them, and the ``sums`` summed over the shards.
-        """
-        mesh = mesh_with_axis(self.axis, "context_parallel", self.mesh)
+    def run(self, body: Body, layer: eqx.Module, x: Float[Array, "batch seq hidden"], rows: Rows):
+        """The body over this device's zigzag chunks, each with its halo (``layer.context_halo``
+        rows) and the entries its rows close (``layer.entry_rate`` rows per entry), gathered
+        into every slot's by ``rows.gather``; each chunk's shard runs ``inner``. See
+        ``AbstractPlacement.run``: ``y`` and ``selection`` come back ``[B, S, ...]`` as one
+        device returns them, the ``sums`` over each shard's own rows summed."""
+        mesh = mesh_with_axis(self.axis, "Execution.context", self.mesh)
         axis, (b, s) = self.axis, x.shape[:2]
-        data = self.data_axis
-        dp = data if data in mesh.axis_names and b % mesh.shape[data] == 0 else None
+        halo, rate = layer.context_halo, layer.entry_rate
+        positions, segment = rows.positions, rows.segment
+        dp = batch_axis(mesh, self.data_axis, b)
         plan = self.plan(s, halo, rate)
         n, c = plan.devices, plan.chunk
         pad = 2 * n * c - s
         if pad:  # padded whole, then split again (Explicit axes cannot pad a sharded axis)
-            x = jnp.pad(_place(x, mesh, P()), ((0, 0), (0, pad), (0, 0)))
+            x = jnp.pad(place(x, mesh, P()), ((0, 0), (0, pad), (0, 0)))
         segment = jnp.pad(segment, ((0, 0), (0, pad)), mode="edge")
         positions = jnp.pad(positions, ((0, 0), (0, pad)))
         index = jnp.broadcast_to(jnp.arange(2 * n * c, dtype=jnp.int32), segment.shape)
@@ -198,16 +146,15 @@ class ContextParallel(eqx.Module):
                 jnp.where(end >= 0, end - offset, -1),
                 *(jnp.take(a, slots, axis=1) for a in layout[1:]),
             )
-        sharded, whole, batch = P(dp, axis), P(), P(dp)
-        args = (params, x, ints, own, layout)
+        params, static = eqx.partition(layer, eqx.is_array)
+        sharded, batch = P(dp, axis), P(dp)
         specs = (
-            jax.tree.map(lambda _: whole, params) if heads is None else heads.specs,
+            jax.tree.map(lambda _: P(), params),
             sharded,
             (sharded,) * 3,
             None if own is None else EntryLayout(sharded, sharded, sharded),
             None if layout is None else EntryLayout(batch, batch, batch),
         )
-        args = jax.tree.map(lambda a, spec: _place(a, mesh, spec), args, specs)
 
         def local(params, x, ints, own, layout):
             x = _with_halo(_zigzag(x, plan, axis), plan, axis)
@@ -215,37 +162,21 @@ class ContextParallel(eqx.Module):
             if own is not None:
                 own = EntryLayout(*(_chunk_rows(a, 2) for a in own))
                 layout = EntryLayout(*(jnp.repeat(a, 2, axis=0) for a in layout))
-            rows = ShardRows(*ints, own, layout, lambda e: _gather_entries(e, plan, axis))
-            y, selection, shard_sums = body(params, x, rows)
+            rows = Rows(*ints, own, layout, lambda e: _gather_entries(e, plan, axis))
+            y, selection, sums = self.inner.run(body, eqx.combine(params, static), x, rows)
             y = _unzigzag(_own_rows(y, plan), plan, axis)
-            out = (y if heads is None else y[None],)
-            if selects:
-                out += (_unzigzag(_own_rows(selection, plan), plan, axis),)
-            return out + tuple(jnp.reshape(a, (1,)) for a in shard_sums)
+            if selection is not None:
+                selection = _unzigzag(_own_rows(selection, plan), plan, axis)
+            return y, selection, tuple(jnp.reshape(a, (1,)) for a in sums)
 
-        # partial outputs over the heads leave stacked over the head axis and are summed
-        # outside (see heads.py); the sums leave mapped over every manual axis and are summed
-        tensor = () if heads is None else (heads.axis,)
-        y_spec = sharded if heads is None else P(heads.axis, dp, axis)
-        out_specs = (y_spec, sharded) if selects else (y_spec,)
-        out_specs += (P((*tensor, axis, dp) if dp else (*tensor, axis)),) * sums
-        # check_vma=False: the selection's loops start their carries from constants, which the
-        # varying-manual-axes check rejects; every output is mapped over the manual axes, so
-        # the transpose's psum of the replicated parameters' cotangents is the exact gradient.
-        out = jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=specs,
-            out_specs=out_specs,
-            axis_names=frozenset({axis, dp, *tensor} - {None}),
-            check_vma=False,
-        )(*args)
-        if heads is not None:
-            out = (sum_partials(out[0], x.dtype), *out[1:])
-        rows_out, summed = out[: len(out) - sums], tuple(jnp.sum(a) for a in out[len(out) - sums :])
+        # the sums leave mapped over every manual axis and are summed outside
+        out_specs = (sharded, sharded, P((axis, dp) if dp else axis))
+        args = (params, x, ints, own, layout)
+        y, selection, sums = run_sharded(local, mesh, specs, out_specs, {axis, dp}, *args)
         if pad:
-            rows_out = tuple(_place(a, mesh, whole)[:, :s] for a in rows_out)
-        return rows_out[0], rows_out[1] if selects else None, summed
+            y = place(y, mesh, P())[:, :s]
+            selection = None if selection is None else place(selection, mesh, P())[:, :s]
+        return y, selection, tuple(jnp.sum(a) for a in sums)
 
 
 def _chunk_rows(a: Array, chunks: int) -> Array:

@@ -17,6 +17,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from ._placement import AbstractPlacement, SingleDevice
 from .auto import AutoPicks, AutoSelection
 from .context import ContextParallel
 from .deepseek_numerics import DeepSeekInference
@@ -140,16 +141,29 @@ class Execution(eqx.Module):
         )
         _require(
             self.context is None or self.context.axis != self.heads.axis,
-            "head_parallel",
-            f"needs a tensor_axis other than the context_axis {self.heads.axis!r}",
+            "heads",
+            f"needs a HeadParallel.axis other than the ContextParallel.axis {self.heads.axis!r}",
             self.heads.axis,
         )
         _require(  # the indexer's heads would be split over the axis the attention heads use
             self.indexer_heads_axis is None,
-            "head_parallel",
-            "is not composable with shard_indexer_acts yet: turn one off",
+            "heads",
+            "is not composable with indexer_heads_axis yet: set one of them to None",
             self.indexer_heads_axis,
         )
+        _require(  # composing both ways at once would say two different things
+            self.context is None or isinstance(self.context.inner, SingleDevice),
+            "heads",
+            "must be None when context already wraps an inner placement",
+            self.context,
+        )
+
+    @property
+    def placement(self) -> AbstractPlacement:
+        """Returns: where the forward runs: ``heads`` (else ``SingleDevice()``), wrapped in
+        ``context`` when that is set (context around heads)."""
+        inner = SingleDevice() if self.heads is None else self.heads
+        return inner if self.context is None else self.context.around(inner)
 
     @classmethod
     def from_options(
@@ -193,7 +207,8 @@ class Execution(eqx.Module):
         Returns:
             An ``Execution``.
         """
-        for name, axis in (("data_axis", data_axis), ("tensor_axis", tensor_axis)):
+        axes = (("data_axis", data_axis), ("tensor_axis", tensor_axis))
+        for name, axis in (*axes, ("context_axis", context_axis)):
             _require(
                 isinstance(axis, str) and axis != "",
                 name,

@@ -102,6 +102,26 @@ def _order_keys(values: Array) -> Array:
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
 
 
+def _compact(count: Int[Array, "*rows n"], k: int, unroll: bool) -> Int[Array, "*rows {k}"]:
+    """The positions of the picks in increasing order, ``-1`` past the last: pick ``j`` is the
+    first position where the running pick ``count`` reaches ``j + 1``, found by a binary search
+    per pick (``[*rows, k]`` gathers). A scatter of every position to its slot would need
+    ``[*rows, n]`` index tuples, 12 bytes per element, the largest buffers of a selection."""
+    n = count.shape[-1]
+    target = jnp.arange(1, k + 1, dtype=jnp.int32)
+    lo = jnp.zeros((*count.shape[:-1], k), jnp.int32)
+
+    def halve(_, bounds):  # invariant: the answer is in [lo, hi]; hi = n means none
+        lo, hi = bounds
+        mid = (lo + hi) // 2
+        short = jnp.take_along_axis(count, jnp.minimum(mid, n - 1), axis=-1) < target
+        return jnp.where(short, mid + 1, lo), jnp.where(short, hi, mid)
+
+    steps = max(n, 1).bit_length()
+    pos = jax.lax.fori_loop(0, steps, halve, (lo, jnp.full_like(lo, n)), unroll=unroll)[0]
+    return jnp.where(pos < n, pos, -1)
+
+
 def exact_topk(
     values: Float[Array, "*rows n"], valid: Bool[Array, "*rows n"], k: int
 ) -> tuple[Float[Array, "*rows {k}"], Int[Array, "*rows {k}"]]:
@@ -110,7 +130,8 @@ def exact_topk(
     the rest.
 
     A radix select, not a sort: 32 halving steps find each row's k-th largest value (as an
-    order-preserving ``uint32`` key) by counting, then the picks are compacted in place. On
+    order-preserving ``uint32`` key) by counting, then the picks are compacted by a binary
+    search per pick over their running count. On
     CPU this is ~4x faster than ``lax.top_k`` at indexer sizes (k = 512 of 1024), and the
     cost does not grow with ``k`` (docs/concepts.md, "Top-k selection").
 
@@ -135,9 +156,7 @@ def exact_topk(
     above, tied = key > kth[..., None], key == kth[..., None]
     room = want - jnp.sum(above, axis=-1, dtype=jnp.int32)
     pick = valid & (above | (tied & (jnp.cumsum(tied, -1, dtype=jnp.int32) <= room[..., None])))
-    slot = jnp.where(pick, jnp.cumsum(pick, -1, dtype=jnp.int32) - 1, k)  # k: dropped
-    positions = jnp.broadcast_to(jnp.arange(values.shape[-1], dtype=jnp.int32), values.shape)
-    pos = scatter_rows(slot, positions, k, -1)
+    pos = _compact(jnp.cumsum(pick, -1, dtype=jnp.int32), k, unroll)
     picked = jnp.take_along_axis(values.astype(jnp.float32), jnp.maximum(pos, 0), axis=-1)
     return jnp.where(pos >= 0, picked, -jnp.inf), pos
 

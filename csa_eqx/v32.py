@@ -19,11 +19,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from ._rows import Rows
 from .attention import AbstractIndexedAttention
 from .cache import V32Cache, check_cache_size, empty_rows
 from .compressor import EntryLayout
 from .config import V32AttentionConfig, YaRNScaling
-from .context import ShardRows
 from .decode import ChunkRows, append_rows
 from .execution import Execution, checked_execution
 from .heads import split_specs
@@ -265,11 +265,11 @@ class V32Attention(AbstractIndexedAttention):
     @property
     def context_halo(self) -> int:
         """Returns: 0: a chunk's rows need nothing of the rows before them but their keys,
-        which context parallelism all-gathers (``ShardRows.gather``)."""
+        which context parallelism all-gathers (``Rows.gather``)."""
         return 0
 
     def forward_rows(
-        self, x: Float[Array, "batch rows hidden"], rows: ShardRows, stage: str, want_loss=False
+        self, x: Float[Array, "batch rows hidden"], rows: Rows, stage: str, want_loss=False
     ) -> tuple:
         """The forward over ``rows`` (see ``AbstractIndexedAttention.forward_rows``): sparse
         MLA over the tokens the indexer selects (docs/concepts.md, "DeepSeek-V3.2 DSA"); in

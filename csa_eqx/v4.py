@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from . import checks
+from ._rows import Rows
 from .attention import AbstractIndexedAttention
 from .cache import V4Cache, check_cache_size, compressor_state, empty_rows
 from .compressor import (
@@ -23,7 +24,6 @@ from .compressor import (
     token_rows,
 )
 from .config import V4AttentionConfig
-from .context import ShardRows
 from .decode import (
     ChunkRows,
     append_rows,
@@ -242,7 +242,7 @@ class V4Attention(AbstractIndexedAttention):
         return specs, {"num_heads": self.config.num_heads, "o_groups": self.config.o_groups}
 
     def forward_rows(
-        self, x: Float[Array, "batch rows hidden"], rows: ShardRows, stage: str, want_loss=False
+        self, x: Float[Array, "batch rows hidden"], rows: Rows, stage: str, want_loss=False
     ) -> tuple:
         """The forward over ``rows`` (see ``AbstractIndexedAttention.forward_rows``): the
         sliding window plus this layer's compressed entries (docs/concepts.md, "The

@@ -146,9 +146,11 @@ def test_weight_shards_are_one_over_the_axis():
         jaxpr = jax.make_jaxpr(lambda p, x: eqx.combine(p, static)(x))(params, x)
     (shard_map,) = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
     named = jax.tree_util.tree_flatten_with_path(params)[0]
-    # the shard_map's inputs end with the layer's arrays, x and three integer [B, S] rows
-    # (before them: constants the layer's code closes over)
-    inner = shard_map.params["jaxpr"].invars[-len(named) - 4 : -4]
+    # the shard_map's inputs end with the layer's arrays, x and the rows' integer arrays:
+    # positions, segments, query indices and two entry layouts of three arrays each (before
+    # them: constants the layer's code closes over)
+    rows = 3 + 2 * 3
+    inner = shard_map.params["jaxpr"].invars[-len(named) - 1 - rows : -1 - rows]
     split_bytes = whole_bytes = 0
     for (path, leaf), var in zip(named, inner, strict=True):
         name = path[0].name if len(path) == 1 else None
@@ -182,7 +184,7 @@ def test_errors_name_axis_and_sizes():
     two_groups = ce.V4Attention(tiny("csa"), key=jax.random.key(0), execution=hp)  # o_groups 2
     v32 = ce.V32Attention(tiny_v32(), key=jax.random.key(0), execution=hp)
     for mesh_shape, error, match, call in (
-        (((8,), ("context",)), ValueError, "head_parallel needs a mesh axis named 'tensor'", {}),
+        (((8,), ("context",)), ValueError, "Execution.heads needs a mesh axis named 'tensor'", {}),
         (TENSOR4, ValueError, "'tensor' has 4 devices.*divide o_groups=2", {}),
         (((8,), ("tensor",)), ValueError, "'tensor' has 8 devices.*divide num_heads=4", {}),
     ):
@@ -191,9 +193,9 @@ def test_errors_name_axis_and_sizes():
     v32_heads = pytest.raises(ValueError, match="'tensor' has 8 devices.*divide num_heads=4")
     with jax.set_mesh(jax.make_mesh((8,), ("tensor",))), v32_heads:
         v32(jnp.zeros((1, 8, v32.config.hidden_size)))
-    with pytest.raises(ValueError, match="head_parallel is not composable with shard_indexer"):
+    with pytest.raises(ValueError, match="heads is not composable with indexer_heads_axis"):
         ce.Execution.from_options(head_parallel=True, shard_indexer_acts=True)
-    with pytest.raises(ValueError, match="head_parallel needs a tensor_axis other than the cont"):
+    with pytest.raises(ValueError, match="heads needs a HeadParallel.axis other than the Cont"):
         ce.Execution.from_options(head_parallel=True, context_parallel=True, context_axis="tensor")
-    with pytest.raises(ValueError, match="tensor_axis and data_axis must differ"):
+    with pytest.raises(ValueError, match="HeadParallel.axis and data_axis must differ"):
         ce.Execution.from_options(head_parallel=True, tensor_axis="data")
