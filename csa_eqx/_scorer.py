@@ -18,9 +18,10 @@ __all__ = ["AbstractScorer"]
 
 class AbstractScorer(eqx.Module):
     """How the indexer's scores are computed. Every scorer gives the scores of
-    ``csa_eqx.indexer_scores`` (float32, ``head_chunk`` and ``score_dtype`` as there), so
-    selections are bitwise equal across scorers whose scores are; it must be differentiable
-    in ``q``, ``weights`` and ``keys`` (the indexer loss trains through it).
+    ``csa_eqx.indexer_scores`` (float32, ``head_chunk`` and ``score_dtype`` as there; up to
+    float32 rounding of the contraction order), so selections are bitwise equal across
+    scorers wherever their scores are (ties to the lower index); it must be differentiable in
+    ``q``, ``weights`` and ``keys`` (the indexer loss trains through it).
     """
 
     @abc.abstractmethod

@@ -18,8 +18,11 @@ class BlockedScorer(AbstractScorer):
     """Scores over key blocks: a ``lax.map`` over blocks of ``key_block`` keys, each block's
     ReLU, head weights and head sum fused into one ``[B, S, key_block]`` tile, so the
     per-head logits are at most ``[B, S, heads at once, key_block]`` (the reference forms
-    ``[B, S, heads at once, T]``). Every score is computed as the reference computes it, so
-    the scores (and every selection) are bitwise equal to ``XlaScorer``'s.
+    ``[B, S, heads at once, T]``). Each block is scored by the reference formula, so the scores
+    equal ``XlaScorer``'s up to the contraction order XLA picks for each dot shape (a few
+    float32 ulp; exact where products and sums are exact, e.g. small-integer inputs), the
+    same property ``StreamingSelection``'s tiles have: selections are bitwise equal wherever
+    the scores are (tests/test_scorer.py).
 
     Arguments:
         key_block: keys per block (> 0); the last block is padded with zero keys, whose
