@@ -1,7 +1,14 @@
 """csa_eqx: DeepSeek sparse attention (V4 CSA / HCA / sliding, V3.2 DSA) in JAX + Equinox."""
 
+from ._loss_dense import DenseIndexerLoss
+from ._loss_streaming import StreamingIndexerLoss
 from ._placement import AbstractPlacement, SingleDevice
-from .auto import AutoPicks, AutoSelection
+from ._projected_loss import projected_indexer_kl_loss
+from ._scorer import AbstractScorer
+from ._scorer_blocked import BlockedScorer
+from ._scorer_xla import XlaScorer
+from ._selection_sharded import ShardedSelection
+from .auto import AutoIndexerLoss, AutoPicks, AutoSelection
 from .cache import CompressorState, V4Cache, V32Cache
 from .compressor import Compressor, EntryLayout, entry_layout, pool_windows, segment_positions
 from .config import V4AttentionConfig, V32AttentionConfig, YaRNScaling
@@ -11,18 +18,18 @@ from .execution import Execution, IndexerLossStage
 from .generate import generate
 from .heads import HeadParallel
 from .indexer import indexer_scores
-from .loss import AttentionTarget, indexer_kl_loss, projected_indexer_kl_loss
+from .loss import AbstractIndexerLoss, AttentionTarget, indexer_kl_loss
 from .numerics import AbstractNumerics, ExactNumerics
 from .remat import SELECTION_NAME, compose_selection_policy
 from .selection import (
     AbstractSelection,
     DenseSelection,
     SelectionProblem,
+    TileSizes,
     Visibility,
     entry_visibility,
     select_topk,
 )
-from .sharding import ShardedSelection
 from .sparse import (
     AbstractPicks,
     AbstractWindow,
@@ -38,17 +45,22 @@ from .v4 import Indexer, V4Attention
 from .v32 import V32Attention, V32Indexer
 
 __all__ = [
+    "AbstractIndexerLoss",
     "AbstractNumerics",
     "AbstractPicks",
     "AbstractPlacement",
+    "AbstractScorer",
     "AbstractSelection",
     "AbstractWindow",
     "AttentionTarget",
+    "AutoIndexerLoss",
     "AutoPicks",
     "AutoSelection",
     "BandWindow",
+    "BlockedScorer",
     "Compressor",
     "CompressorState",
+    "DenseIndexerLoss",
     "DenseKeys",
     "DenseSelection",
     "DeepSeekInference",
@@ -66,7 +78,9 @@ __all__ = [
     "SelectionProblem",
     "ShardedSelection",
     "SingleDevice",
+    "StreamingIndexerLoss",
     "StreamingSelection",
+    "TileSizes",
     "V4Attention",
     "V4AttentionConfig",
     "V4Cache",
@@ -75,6 +89,7 @@ __all__ = [
     "V32Cache",
     "V32Indexer",
     "Visibility",
+    "XlaScorer",
     "YaRNScaling",
     "compose_selection_policy",
     "entry_layout",

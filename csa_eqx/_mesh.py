@@ -19,6 +19,7 @@ __all__ = [
     "is_explicit",
     "is_manual",
     "place",
+    "row_spec",
     "batch_axis",
     "run_sharded",
 ]
@@ -61,6 +62,13 @@ def place(x: Array, mesh: MeshLike, spec: P) -> Array:
         return x
     explicit = P(*(a if a is not None and is_explicit(mesh, a) else None for a in spec))
     return jax.reshard(x, NamedSharding(mesh, explicit) if isinstance(mesh, Mesh) else explicit)
+
+
+def row_spec(x: Array) -> P:
+    """Returns: the ``[B, S]`` part of ``x``'s sharding as typed (Explicit axes only; Auto
+    axes are untyped)."""
+    spec = tuple(jax.typeof(x).sharding.spec)
+    return P(*(spec + (None,) * (2 - len(spec)))[:2])
 
 
 def batch_axis(mesh: MeshLike, data_axis: str, batch: int) -> str | None:

@@ -22,7 +22,7 @@ from .cache import AbstractCache
 from .compressor import segment_positions, token_rows
 from .decode import ChunkRows, chunk_rows
 from .execution import Execution, check_stage, checked_execution
-from .loss import AttentionTarget, projected_indexer_kl_loss
+from .loss import AttentionTarget
 from .numerics import DeepSeekFormats
 from .selection import SelectionProblem, Visibility, entry_visibility
 
@@ -104,9 +104,7 @@ class AbstractIndexedAttention(eqx.Module):
         """The indexer's KL distillation (docs/concepts.md, "Training the indexer") over every
         visible entry (``"dense"`` stage) or over the selection."""
         candidates = None if stage == "dense" else selection
-        return projected_indexer_kl_loss(
-            problem, target, candidates, strategy=self.execution.selection
-        )
+        return self.execution.kl_loss(problem, target, candidates)
 
     @abc.abstractmethod
     def head_specs(self, axis: str) -> tuple:
@@ -184,7 +182,8 @@ class AbstractIndexedAttention(eqx.Module):
 
         Returns:
             A ``SelectionProblem`` projecting the rows block by block to the indexer's queries
-            and head weights (head-sharded when ``execution.indexer_heads_axis`` is set).
+            and head weights (head-sharded when ``execution.indexer_heads_axis`` is set),
+            scored by ``execution.scorer`` (``Execution.problem``).
         """
         ix, ex, formats = self.indexer, self.execution, self.formats
 
@@ -193,8 +192,7 @@ class AbstractIndexedAttention(eqx.Module):
             return ex.on_heads(q), ex.on_heads(ix.head_weights(x))
 
         rows = (*jax.lax.stop_gradient((x, qr)), positions)
-        score_dtype = ex.numerics.score_dtype(formats)
-        return SelectionProblem(project, rows, keys, visibility, ex.qk_head_chunk_size, score_dtype)
+        return ex.problem(project, rows, keys, visibility, ex.numerics.score_dtype(formats))
 
     def extend(
         self,

@@ -1,27 +1,77 @@
-"""The automatic execution choices: every size heuristic of the library lives here.
+"""The automatic execution choices: every backend and size heuristic of the library lives
+here.
 
-``AutoSelection`` picks the dense or the streaming top-k from the sizes of a selection
-problem; ``AutoPicks`` picks a masked matmul or a gather for the attention over each query's
-picked entries (docs/memory.md, "Streaming top-k" and "Masked picks"). Force a path by
-passing a concrete strategy instead (``DenseSelection()``, ``StreamingSelection(...)``,
-``MaskedPicks()``, ``GatheredPicks()``).
+``backend_tiles`` sizes the selection's and the indexer loss' tiles for the backend (and says
+whether the radix select unrolls); ``AutoSelection`` picks the dense or the streaming top-k,
+``AutoIndexerLoss`` the dense or the streaming KL loss, both by one rule (``streams``), and
+``AutoPicks`` a masked matmul or a gather for the attention over each query's picked entries
+(docs/memory.md, "Streaming top-k" and "Masked picks"). Force a path by passing a concrete
+strategy instead (``DenseSelection()``, ``StreamingSelection(...)``, ``DenseIndexerLoss()``,
+``StreamingIndexerLoss(...)``, ``MaskedPicks()``, ``GatheredPicks()``) and tile sizes by
+``Execution(tiles=TileSizes(...))``.
 """
 
 from __future__ import annotations
 
-from jaxtyping import Array, Int
+import jax
+from jaxtyping import Array, Float, Int
 
-from .selection import AbstractSelection, DenseSelection, SelectionProblem
+from ._loss_dense import DenseIndexerLoss
+from ._loss_streaming import StreamingIndexerLoss
+from .loss import AbstractIndexerLoss, AttentionTarget
+from .selection import AbstractSelection, DenseSelection, SelectionProblem, TileSizes
 from .sparse import AbstractPicks, GatheredPicks, MaskedPicks
-from .streaming import StreamingSelection, tile_elements
+from .streaming import StreamingSelection
 
-__all__ = ["AutoSelection", "AutoPicks"]
+__all__ = [
+    "AutoSelection",
+    "AutoIndexerLoss",
+    "AutoPicks",
+    "backend_tiles",
+    "tile_elements",
+    "streams",
+    "CPU_TILES",
+    "ACCELERATOR_TILES",
+]
+
+# CPU: tiles that stay in cache (64 MiB float32 at most), the radix select a loop (unrolling
+# only slows compiles, ~1.5 s per layer). Accelerators: every loop iteration costs launches and
+# a predicate round trip, so tiles are 4x larger, loops 4-16x shorter and the radix select's
+# 32 steps unrolled (measured on an H200: 128-entry tiles made the selection ~1.3x slower than
+# 512).
+CPU_TILES = TileSizes(elements=1 << 24, key_block=128, max_query_block=256, unroll=False)
+ACCELERATOR_TILES = TileSizes(elements=1 << 26, key_block=512, max_query_block=1024, unroll=True)
+
+
+def backend_tiles() -> TileSizes:
+    """Returns: the tile sizes for the backend the computation is traced for
+    (``CPU_TILES`` on CPU, ``ACCELERATOR_TILES`` elsewhere); ``Execution(tiles=None)``
+    uses these."""
+    return CPU_TILES if jax.default_backend() == "cpu" else ACCELERATOR_TILES
+
+
+def tile_elements() -> int:
+    """Returns: the elements of one automatic tile (and of one row buffer) for the current
+    backend: 2^24 on CPU, 2^26 on accelerators."""
+    return backend_tiles().elements
+
+
+def streams(batch: int, seq: int, entries: int, heads: int, tiles: TileSizes) -> bool:
+    """The one size rule of the automatic selection and indexer loss.
+
+    Arguments: the problem's ``batch``, ``seq``, ``entries``, ``heads`` at once and the
+    backend's ``tiles``.
+
+    Returns: whether the largest dense score tensor ``[B, S, heads, T]`` passes one tile
+    (``tiles.elements``), so the computation should stream.
+    """
+    return batch * seq * entries * max(heads, 1) > tiles.elements
 
 
 class AutoSelection(AbstractSelection):
     """Dense while the largest score tensor ``[B, S, heads at once, T]`` fits one automatic
-    tile (``csa_eqx.streaming.tile_elements``: 2^24 elements on CPU, 2^26 on accelerators),
-    streaming beyond.
+    tile (``SelectionProblem.tiles.elements``: 2^24 elements on CPU, 2^26 on accelerators),
+    streaming beyond (``streams``).
 
     Arguments:
         query_block: queries per block when it streams (0 = automatic).
@@ -29,13 +79,53 @@ class AutoSelection(AbstractSelection):
 
     query_block: int = 0
 
-    def tiling(self, batch: int, seq: int, entries: int, heads: int) -> AbstractSelection:
-        if batch * seq * entries * max(heads, 1) > tile_elements():
+    def choose(
+        self, batch: int, seq: int, entries: int, heads: int, tiles: TileSizes = CPU_TILES
+    ) -> AbstractSelection:
+        """Arguments: the problem's sizes (``SelectionProblem.sizes``) and its ``tiles``.
+
+        Returns: ``StreamingSelection(query_block=query_block)`` when ``streams``, else
+        ``DenseSelection()``.
+        """
+        if streams(batch, seq, entries, heads, tiles):
             return StreamingSelection(query_block=self.query_block)
         return DenseSelection()
 
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
-        return self.tiling(*problem.sizes()).select(problem, k)
+        return self.choose(*problem.sizes(), problem.tiles).select(problem, k)
+
+
+class AutoIndexerLoss(AbstractIndexerLoss):
+    """The dense KL loss while its largest tensor ``[B, S, heads at once, T]`` fits one tile,
+    streaming beyond: the rule of ``AutoSelection`` (``streams``), with the heads at once
+    counting the attention's heads too (``AbstractIndexerLoss.sizes``).
+
+    Arguments:
+        query_block: queries per block when it streams (0 = automatic).
+    """
+
+    query_block: int = 0
+
+    def choose(
+        self, batch: int, seq: int, entries: int, heads: int, tiles: TileSizes = CPU_TILES
+    ) -> AbstractIndexerLoss:
+        """Arguments: the loss' sizes (``AbstractIndexerLoss.sizes``) and the ``tiles``.
+
+        Returns: ``StreamingIndexerLoss(query_block=query_block)`` when ``streams``, else
+        ``DenseIndexerLoss()``.
+        """
+        if streams(batch, seq, entries, heads, tiles):
+            return StreamingIndexerLoss(query_block=self.query_block)
+        return DenseIndexerLoss()
+
+    def loss(
+        self,
+        problem: SelectionProblem,
+        target: AttentionTarget,
+        selection: Int[Array, "batch seq k"] | None = None,
+    ) -> Float[Array, ""]:
+        method = self.choose(*self.sizes(problem, target), problem.tiles)
+        return method.loss(problem, target, selection)
 
 
 class AutoPicks(AbstractPicks):

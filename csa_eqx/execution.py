@@ -11,21 +11,27 @@ automatic for the backend (``AutoSelection``, ``AutoPicks``). The loaders' keywo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from ._loss_streaming import StreamingIndexerLoss
 from ._placement import AbstractPlacement, SingleDevice
-from .auto import AutoPicks, AutoSelection
+from ._scorer import AbstractScorer
+from ._scorer_xla import XlaScorer
+from ._selection_sharded import ShardedSelection
+from .auto import AutoIndexerLoss, AutoPicks, AutoSelection, backend_tiles
 from .context import ContextParallel
 from .deepseek_numerics import DeepSeekInference
 from .heads import HeadParallel
+from .loss import AbstractIndexerLoss, AttentionTarget
 from .numerics import AbstractNumerics, DeepSeekFormats, ExactNumerics
 from .remat import tag_selection
-from .selection import AbstractSelection, SelectionProblem, Visibility
-from .sharding import ShardedSelection, constrain_heads, tensor_axis_auto
+from .selection import AbstractSelection, SelectionProblem, TileSizes, Visibility
+from .sharding import constrain_heads, tensor_axis_auto
 from .sparse import AbstractPicks, AbstractWindow, BandWindow, DenseKeys
 from .streaming import StreamingSelection
 
@@ -81,6 +87,14 @@ class Execution(eqx.Module):
         numerics: how the layer rounds: ``ExactNumerics()`` (the default, float32 reference)
             or ``DeepSeekInference(...)`` (DeepSeek's inference code: bf16 activations, the
             indexer's Hadamard + FP8 / FP4, V4's KV round trip; docs/numerics.md).
+        indexer_kl: how the indexer's KL loss is computed when a stage trains it
+            (``AutoIndexerLoss()``, ``DenseIndexerLoss()``,
+            ``StreamingIndexerLoss(key_block, query_block)``).
+        scorer: the indexer's scoring kernel, used by every selection strategy and the loss
+            (``XlaScorer()``, the reference; ``BlockedScorer(key_block)``; any
+            ``AbstractScorer``).
+        tiles: the tile sizes of the selection and the loss (``TileSizes``; ``None`` =
+            ``csa_eqx.auto.backend_tiles()``, chosen for the backend when traced).
     """
 
     selection: AbstractSelection = AutoSelection()
@@ -94,6 +108,9 @@ class Execution(eqx.Module):
     heads: HeadParallel | None = None
     indexer_loss: str = "off"
     numerics: AbstractNumerics = ExactNumerics()
+    indexer_kl: AbstractIndexerLoss = AutoIndexerLoss()
+    scorer: AbstractScorer = XlaScorer()
+    tiles: TileSizes | None = None
 
     def __check_init__(self):
         for name in ("qk_head_chunk_size", "query_block"):
@@ -106,6 +123,20 @@ class Execution(eqx.Module):
             "numerics",
             "must be a csa_eqx numerics (ExactNumerics() or DeepSeekInference(...))",
             self.numerics,
+        )
+        for name, base, what in (
+            ("indexer_kl", AbstractIndexerLoss, "AutoIndexerLoss(), DenseIndexerLoss(), ..."),
+            ("scorer", AbstractScorer, "XlaScorer(), BlockedScorer(...), ..."),
+        ):
+            value = getattr(self, name)
+            _require(
+                isinstance(value, base), name, f"must be a csa_eqx {base.__name__} ({what})", value
+            )
+        _require(
+            self.tiles is None or isinstance(self.tiles, TileSizes),
+            "tiles",
+            "must be None or a csa_eqx.TileSizes",
+            self.tiles,
         )
         axis = self.indexer_heads_axis
         _require(
@@ -188,8 +219,9 @@ class Execution(eqx.Module):
 
         Arguments:
             qk_head_chunk_size, query_block, indexer_loss: as the fields of the same name.
-            indexer_key_block: > 0 forces ``StreamingSelection`` with this key tile (and
-                ``query_block``); 0 = ``AutoSelection``.
+            indexer_key_block: > 0 forces ``StreamingSelection`` and
+                ``StreamingIndexerLoss`` with this key tile (and ``query_block``); 0 =
+                ``AutoSelection`` and ``AutoIndexerLoss``.
             indexer_save_selection: ``save_selection``.
             indexer_sharded_topk: wrap the selection in ``ShardedSelection`` over
                 ``tensor_axis`` (batch over ``data_axis``).
@@ -229,8 +261,10 @@ class Execution(eqx.Module):
         )
         if indexer_key_block:
             selection = StreamingSelection(key_block=indexer_key_block, query_block=query_block)
+            indexer_kl = StreamingIndexerLoss(key_block=indexer_key_block, query_block=query_block)
         else:
             selection = AutoSelection(query_block=query_block)
+            indexer_kl = AutoIndexerLoss(query_block=query_block)
         if indexer_sharded_topk:
             selection = ShardedSelection(selection, tensor_axis=tensor_axis, data_axis=data_axis)
         return cls(
@@ -243,6 +277,7 @@ class Execution(eqx.Module):
             heads=HeadParallel(tensor_axis, data_axis) if head_parallel else None,
             indexer_loss=indexer_loss,
             numerics=_numerics(numerics),
+            indexer_kl=indexer_kl,
         )
 
     def check(self, index_heads: int, heads: int, stage: str) -> None:
@@ -300,6 +335,44 @@ class Execution(eqx.Module):
             dense = DenseKeys(keys, visibility.layout, *visibility[:2], values)
             return dense, jnp.zeros((*visibility.query_index.shape, 0), jnp.int32)
         return self.picks.parts(keys, visibility, selection, values)
+
+    def problem(
+        self,
+        project: Callable[..., tuple[Array, Array]],
+        rows: tuple[Array, ...],
+        keys: Float[Array, "batch entries dim"],
+        visibility: Visibility,
+        score_dtype: str | None = None,
+    ) -> SelectionProblem:
+        """The ``SelectionProblem`` this execution runs: ``qk_head_chunk_size``, ``scorer``
+        and ``tiles`` (``None``: resolved for the backend now, at trace time) filled in.
+
+        Arguments: the problem's ``project``, ``rows``, ``keys``, ``visibility`` and
+        ``score_dtype`` (as the numerics say), as for ``SelectionProblem``.
+
+        Returns: the ``SelectionProblem``.
+        """
+        tiles = backend_tiles() if self.tiles is None else self.tiles
+        chunk = self.qk_head_chunk_size
+        return SelectionProblem(
+            project, rows, keys, visibility, chunk, score_dtype, self.scorer, tiles
+        )
+
+    def kl_loss(
+        self,
+        problem: SelectionProblem,
+        target: AttentionTarget,
+        selection: Int[Array, "batch seq k"] | None = None,
+    ) -> Float[Array, ""]:
+        """The indexer's KL loss by ``indexer_kl`` (``AbstractIndexerLoss.loss``).
+
+        Arguments: the indexer's ``problem`` (from ``problem``), the main attention's
+        ``target`` and the ``selection`` (``None``: the dense warm-up over every visible
+        entry).
+
+        Returns: a float32 scalar.
+        """
+        return self.indexer_kl.loss(problem, target, selection)
 
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
         """Run ``selection`` on ``problem`` (under ``indexer_heads_axis`` Auto when the

@@ -4,7 +4,9 @@ strategy interface (docs/concepts.md, "The lightning indexer" and "Exact top-k")
 A selection strategy (``AbstractSelection``) answers one question, "which ``k`` entries does
 each query read?", for a ``SelectionProblem``; ``DenseSelection`` scores every entry at once.
 The streaming, sharded and automatic strategies live in ``csa_eqx.streaming``,
-``csa_eqx.sharding`` and ``csa_eqx.auto``.
+``csa_eqx.ShardedSelection`` and ``csa_eqx.auto``. Strategies score through the problem's
+``scorer`` (the kernel seam, ``AbstractScorer``) and size their tiles by its ``tiles``
+(``TileSizes``, resolved for the backend by ``csa_eqx.auto.backend_tiles``).
 
 Ties go to the lower index everywhere. ReLU-based scores produce both ``-0.0`` and ``+0.0``,
 which must tie, so scores are canonicalised (all zeros made ``+0.0``) before they are ranked.
@@ -25,8 +27,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
+from ._scorer import AbstractScorer
+from ._scorer_xla import XlaScorer
 from .compressor import EntryLayout
-from .indexer import indexer_scores
 
 __all__ = [
     "entry_visibility",
@@ -35,6 +38,7 @@ __all__ = [
     "canonical_scores",
     "scatter_rows",
     "Visibility",
+    "TileSizes",
     "SelectionProblem",
     "AbstractSelection",
     "DenseSelection",
@@ -123,7 +127,7 @@ def _compact(count: Int[Array, "*rows n"], k: int, unroll: bool) -> Int[Array, "
 
 
 def exact_topk(
-    values: Float[Array, "*rows n"], valid: Bool[Array, "*rows n"], k: int
+    values: Float[Array, "*rows n"], valid: Bool[Array, "*rows n"], k: int, *, unroll: bool = False
 ) -> tuple[Float[Array, "*rows {k}"], Int[Array, "*rows {k}"]]:
     """The ``k`` largest valid values of each row and their positions, in increasing position
     order (the set a full sort would pick, ties to the lower position); ``(-inf, -1)`` fill
@@ -135,7 +139,10 @@ def exact_topk(
     CPU this is ~4x faster than ``lax.top_k`` at indexer sizes (k = 512 of 1024), and the
     cost does not grow with ``k`` (docs/concepts.md, "Top-k selection").
 
-    Arguments: float ``values [*rows, n]``, bool ``valid [*rows, n]`` and ``k > 0``.
+    Arguments: float ``values [*rows, n]``, bool ``valid [*rows, n]``, ``k > 0`` and
+    ``unroll``: unroll the 32 steps (faster on accelerators, where each loop iteration costs a
+    predicate round trip; on CPU unrolling only slows compiles, ~1.5 s per layer). The
+    strategies take it from ``TileSizes.unroll``, chosen for the backend in ``csa_eqx.auto``.
 
     Returns: ``(top values, positions)``, float32 and int32 ``[*rows, k]``.
     """
@@ -149,9 +156,6 @@ def exact_topk(
         return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid - 1)
 
     lo = jnp.zeros(key.shape[:-1], jnp.uint32)
-    # 32 short steps: unrolled on accelerators, where each loop iteration costs a predicate
-    # round trip; a loop on CPU, where unrolling only slows compiles (~1.5 s per layer)
-    unroll = jax.default_backend() != "cpu"
     kth, _ = jax.lax.fori_loop(0, 32, halve, (lo, jnp.full_like(lo, 0xFFFFFFFF)), unroll=unroll)
     above, tied = key > kth[..., None], key == kth[..., None]
     room = want - jnp.sum(above, axis=-1, dtype=jnp.int32)
@@ -165,6 +169,8 @@ def select_topk(
     scores: Float[Array, "batch seq entries"],
     visible: Bool[Array, "batch seq entries"],
     k: int,
+    *,
+    unroll: bool = False,
 ) -> Int[Array, "batch seq {k}"]:
     """Indices of the ``k`` best visible entries per query, in increasing index order
     (docs/concepts.md, "Top-k selection").
@@ -175,6 +181,7 @@ def select_topk(
         scores: float ``[B, S, T]`` (``-0.0`` ties ``+0.0``).
         visible: bool ``[B, S, T]``; invisible entries are never picked.
         k: picks per query (> 0).
+        unroll: unroll the radix select's steps (``exact_topk``; same result).
 
     Returns:
         int32 ``[B, S, k]``: picks beyond the visible count are ``-1`` (at the end); when ``k``
@@ -182,7 +189,7 @@ def select_topk(
     """
     if k <= 0:
         raise ValueError(f"k must be positive (got {k})")
-    return exact_topk(scores, visible, k)[1]
+    return exact_topk(scores, visible, k, unroll=unroll)[1]
 
 
 class Visibility(NamedTuple):
@@ -205,6 +212,29 @@ class Visibility(NamedTuple):
         return entry_visibility(self.query_index, self.query_segment, self.layout)
 
 
+class TileSizes(NamedTuple):
+    """The backend-dependent sizes of the selection and the indexer loss (tiles, buffers,
+    unrolling). ``csa_eqx.auto.backend_tiles()`` chooses them for the backend (what the layers
+    use, through ``Execution.tiles``); the defaults are the CPU sizes.
+
+    Arguments:
+        elements: elements of the largest per-tile tensor ``[B, Qb, heads at once, Kb]`` (and
+            of one top-k row buffer); also the size up to which the automatic choices stay
+            dense (default 2^24: 64 MiB of float32, cache-sized on CPU).
+        key_block: automatic entries per key tile (default 128).
+        max_query_block: largest automatic query block (default 256).
+        unroll: unroll the radix select's 32 steps (``exact_topk``; default ``False``).
+    """
+
+    elements: int = 1 << 24
+    key_block: int = 128
+    max_query_block: int = 256
+    unroll: bool = False
+
+
+_REFERENCE, _CPU_TILES = XlaScorer(), TileSizes()
+
+
 class SelectionProblem(NamedTuple):
     """Everything a selection strategy needs: "what may each query read, and how good is it".
 
@@ -219,6 +249,10 @@ class SelectionProblem(NamedTuple):
         head_chunk: indexer heads scored at once (0 = all; must divide ``H``).
         score_dtype: the dtype scores are rounded to (``None``: float32; see
             ``csa_eqx.indexer_scores``), as the layer's numerics say.
+        scorer: the scoring kernel (``AbstractScorer``; default ``XlaScorer()``, the
+            reference), as ``Execution.scorer`` says.
+        tiles: the backend's tile sizes (``TileSizes``; default the CPU sizes), as
+            ``Execution.tiles`` resolves them.
     """
 
     project: Callable[..., tuple[Array, Array]]
@@ -227,6 +261,8 @@ class SelectionProblem(NamedTuple):
     visibility: Visibility
     head_chunk: int = 0
     score_dtype: str | None = None
+    scorer: AbstractScorer = XlaScorer()
+    tiles: TileSizes = TileSizes()
 
     @classmethod
     def from_queries(
@@ -237,16 +273,29 @@ class SelectionProblem(NamedTuple):
         visibility: Visibility,
         head_chunk: int = 0,
         score_dtype: str | None = None,
+        scorer: AbstractScorer = _REFERENCE,
+        tiles: TileSizes = _CPU_TILES,
     ) -> SelectionProblem:
         """A problem whose queries and head weights are already projected.
 
         Arguments:
             q: float ``[B, S, H, d]`` indexer queries; weights: float ``[B, S, H]``.
-            keys, visibility, head_chunk, score_dtype: as for the class.
+            keys, visibility, head_chunk, score_dtype, scorer, tiles: as for the class.
 
         Returns: the ``SelectionProblem`` (its ``project`` is the identity).
         """
-        return cls(_identity, (q, weights), keys, visibility, head_chunk, score_dtype)
+        return cls(
+            _identity, (q, weights), keys, visibility, head_chunk, score_dtype, scorer, tiles
+        )
+
+    def with_queries(
+        self, q: Float[Array, "batch seq heads dim"], weights: Float[Array, "batch seq heads"]
+    ) -> SelectionProblem:
+        """Arguments: projected queries ``[B, S, H, d]`` and weights ``[B, S, H]``.
+
+        Returns: this problem over them (its ``project`` the identity), all else kept.
+        """
+        return self._replace(project=_identity, rows=(q, weights))
 
     def sizes(self) -> tuple[int, int, int, int]:
         """Returns: ``(batch, seq, entries, heads scored at once)`` (no computation)."""
@@ -257,6 +306,22 @@ class SelectionProblem(NamedTuple):
         """Returns: the whole float ``[B, S, H, d]`` queries and ``[B, S, H]`` weights."""
         return self.project(*self.rows)
 
+    def scores(
+        self,
+        q: Float[Array, "batch seq heads dim"],
+        weights: Float[Array, "batch seq heads"],
+        keys: Float[Array, "batch entries dim"],
+    ) -> Float[Array, "batch seq entries"]:
+        """Arguments: queries ``[B, S, H, d]``, weights ``[B, S, H]`` (any block of the
+        problem's rows) and keys ``[B, T', d]`` (any block of its entries).
+
+        Returns: their float32 scores ``[B, S, T']`` by the problem's ``scorer``, with its
+        ``head_chunk`` and ``score_dtype``.
+        """
+        return self.scorer.scores(
+            q, weights, keys, head_chunk=self.head_chunk, score_dtype=self.score_dtype
+        )
+
 
 def _identity(q: Array, w: Array) -> tuple[Array, Array]:
     return q, w
@@ -265,22 +330,14 @@ def _identity(q: Array, w: Array) -> tuple[Array, Array]:
 class AbstractSelection(eqx.Module):
     """How the indexer's top-k is computed. Every strategy returns the same selection bitwise:
     the ``k`` best visible entries per query (ties to the lower index), in increasing index
-    order, ``-1`` past the visible count."""
+    order, ``-1`` past the visible count. A strategy scores through ``problem.scores`` (the
+    problem's scorer) and sizes its tiles by ``problem.tiles``."""
 
     @abc.abstractmethod
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
         """Arguments: the ``problem`` and ``k > 0`` picks per query.
 
         Returns: int32 ``[B, S, k]`` entry indices, ``-1`` = none.
-        """
-
-    @abc.abstractmethod
-    def tiling(self, batch: int, seq: int, entries: int, heads: int) -> AbstractSelection:
-        """The single-device strategy this one runs per shard; the KL loss tiles the same way.
-
-        Arguments: the problem's ``batch``, ``seq``, ``entries`` and ``heads`` scored at once.
-
-        Returns: a ``DenseSelection`` or ``StreamingSelection``.
         """
 
 
@@ -292,13 +349,5 @@ class DenseSelection(AbstractSelection):
     """
 
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
-        scores = indexer_scores(
-            *problem.queries(),
-            problem.keys,
-            head_chunk=problem.head_chunk,
-            score_dtype=problem.score_dtype,
-        )
-        return select_topk(scores, problem.visibility.mask(), k)
-
-    def tiling(self, batch: int, seq: int, entries: int, heads: int) -> AbstractSelection:
-        return self
+        scores = problem.scores(*problem.queries(), problem.keys)
+        return select_topk(scores, problem.visibility.mask(), k, unroll=problem.tiles.unroll)

@@ -2,11 +2,13 @@
 
 Queries are processed in blocks. For each query block a loop visits only the key tiles that
 can hold a visible entry (a dynamic trip count, so fully invisible tiles cost nothing under
-``jit``) and scores each ``[B, Qb, Kb]`` tile with :func:`csa_eqx.indexer_scores` (head-chunked
-when asked) into a row buffer of ``topk_block`` entries; each buffer gets one top-k, merged
-into the running top-k of each query. The buffer holds all entries unless ``[B, Qb, T]`` would
-pass ~64 MiB, so at usual sizes there is one top-k per query row and no merge at all. Neither
-``[B, H, S, T]`` nor ``[B, S, T]`` is ever formed: memory is linear in the sequence length.
+``jit``) and scores each ``[B, Qb, Kb]`` tile with the problem's scorer
+(``SelectionProblem.scores``, head-chunked when asked) into a row buffer of ``topk_block``
+entries; each buffer gets one top-k, merged into the running top-k of each query. The buffer
+holds all entries unless ``[B, Qb, T]`` would pass the tile budget (``TileSizes.elements``:
+64 MiB of float32 on CPU), so at usual sizes there is one top-k per query row and no merge
+at all. Neither ``[B, H, S, T]`` nor ``[B, S, T]`` is ever formed: memory is linear in the
+sequence length.
 The indexer queries are projected one query block at a time (``SelectionProblem.project``), so
 the ``[B, S, H, d]`` queries (the largest remaining tensor at V4 sizes) never exist either.
 
@@ -18,62 +20,44 @@ its inputs are ``stop_gradient``-ed and the loops never need differentiating.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from .blocks import block_starts, key_block_ranges, padded_keys, take
 from .compressor import EntryLayout
-from .indexer import indexer_scores
-from .selection import AbstractSelection, SelectionProblem, entry_visibility, exact_topk
+from .selection import AbstractSelection, SelectionProblem, TileSizes, entry_visibility, exact_topk
 
 __all__ = [
     "StreamingSelection",
     "streaming_block_sizes",
     "topk_block_size",
-    "tile_elements",
 ]
 
 
-class _Tiles(NamedTuple):
-    elements: int  # largest per-tile tensor [B, Qb, heads at once, Kb], and row buffer
-    key_block: int
-    max_query_block: int
-
-
-# CPU: tiles that stay in cache (64 MiB float32 at most). Accelerators: every loop iteration
-# costs launches and a predicate round trip, so tiles are 4x larger and loops 4-16x shorter
-# (measured on an H200: 128-entry tiles made the selection ~1.3x slower than 512).
-_CPU_TILES = _Tiles(1 << 24, 128, 256)
-_ACCELERATOR_TILES = _Tiles(1 << 26, 512, 1024)
-
-
-def _tiles() -> _Tiles:
-    """Automatic tile sizes for the backend the computation is traced for."""
-    return _CPU_TILES if jax.default_backend() == "cpu" else _ACCELERATOR_TILES
-
-
-def tile_elements() -> int:
-    """Returns: the elements of one automatic tile (and of one row buffer) for the current
-    backend: 2^24 on CPU, 2^26 on accelerators."""
-    return _tiles().elements
+_CPU_TILES = TileSizes()
 
 
 def streaming_block_sizes(
-    batch: int, seq: int, entries: int, heads_at_once: int, key_block: int = 0, query_block: int = 0
+    batch: int,
+    seq: int,
+    entries: int,
+    heads_at_once: int,
+    key_block: int = 0,
+    query_block: int = 0,
+    tiles: TileSizes = _CPU_TILES,
 ) -> tuple[int, int]:
-    """Arguments: the problem's sizes and the requested ``key_block`` / ``query_block``
-    (0 = automatic).
+    """Arguments: the problem's sizes, the requested ``key_block`` / ``query_block``
+    (0 = automatic) and the backend's ``tiles`` (``TileSizes``; default the CPU sizes,
+    ``csa_eqx.auto.backend_tiles()`` for the current backend).
 
     Returns: ``(query_block, key_block)``, clipped to the sequence and the entries.
 
-    Automatic: key tiles of 128 entries on CPU (512 on accelerators) and the largest power-of-two
-    query block (up to 256 rows on CPU, 1024 on accelerators) whose ``[B, Qb, heads, Kb]``
-    tile stays within 2^24 elements (2^26 on accelerators).
+    Automatic: key tiles of ``tiles.key_block`` entries (128 on CPU, 512 on accelerators) and
+    the largest power-of-two query block (at least 16, at most ``tiles.max_query_block``: 256
+    on CPU, 1024 on accelerators) whose ``[B, Qb, heads, Kb]`` tile stays within
+    ``tiles.elements`` (2^24 on CPU, 2^26 on accelerators).
     """
-    tiles = _tiles()
     kb = max(1, min(key_block or tiles.key_block, entries))
     qb = query_block
     if not qb:
@@ -83,44 +67,53 @@ def streaming_block_sizes(
 
 
 def topk_block_size(
-    batch: int, query_block: int, entries: int, key_block: int, topk_block: int = 0
+    batch: int,
+    query_block: int,
+    entries: int,
+    key_block: int,
+    topk_block: int = 0,
+    tiles: TileSizes = _CPU_TILES,
 ) -> int:
     """Entries per top-k pass, a multiple of ``key_block``: ``topk_block`` rounded up, or
-    (0 = automatic) all entries when one ``[B, Qb, T]`` score buffer fits one tile's budget
+    (0 = automatic) all entries when one ``[B, Qb, T]`` score buffer fits ``tiles.elements``
     (see ``streaming_block_sizes``), else as many key tiles as do.
 
-    Arguments: the sizes, the tiles (``streaming_block_sizes``) and the requested
-    ``topk_block`` (0 = automatic).
+    Arguments: the sizes, the tiles (``streaming_block_sizes``), the requested
+    ``topk_block`` (0 = automatic) and the backend's ``tiles``.
 
     Returns: entries per top-k pass (int, >= ``key_block``).
     """
-    tiles = -(-entries // key_block)
+    n_tiles = -(-entries // key_block)
     per_pass = (
         -(-topk_block // key_block)
         if topk_block
-        else _tiles().elements // (batch * query_block * key_block)
+        else tiles.elements // (batch * query_block * key_block)
     )
-    return max(1, min(per_pass, tiles)) * key_block
+    return max(1, min(per_pass, n_tiles)) * key_block
 
 
-def _top_of(scores: Array, visible: Array, offset: Array, k: int) -> tuple[Array, Array]:
+def _top_of(scores: Array, visible: Array, offset: Array, k: int, unroll: bool):
     """``(values, slots)`` of the ``k`` best visible scores of a row buffer whose first entry
     is slot ``offset``, as ``exact_topk`` (``(-inf, -1)`` fill)."""
-    val, pos = exact_topk(scores, visible, k)
+    val, pos = exact_topk(scores, visible, k, unroll=unroll)
     return val, jnp.where(pos >= 0, pos + offset, -1)
 
 
-def _merge(running: tuple[Array, Array], new: tuple[Array, Array], k: int):
+def _merge(running: tuple[Array, Array], new: tuple[Array, Array], k: int, unroll: bool):
     """Top-k of two candidate lists; the running list holds the lower slots and comes first,
     so ties keep it and the slots stay in increasing order."""
     idx = jnp.concatenate([running[1], new[1]], axis=-1)
-    val, pos = exact_topk(jnp.concatenate([running[0], new[0]], axis=-1), idx >= 0, k)
+    values = jnp.concatenate([running[0], new[0]], axis=-1)
+    val, pos = exact_topk(values, idx >= 0, k, unroll=unroll)
     return val, jnp.where(pos >= 0, jnp.take_along_axis(idx, jnp.maximum(pos, 0), -1), -1)
 
 
 class StreamingSelection(AbstractSelection):
     """Exact indexer top-k without a score matrix: tiles of ``query_block x key_block``
     scored into row buffers of ``topk_block`` entries, merged into a running top-k.
+
+    Tiles are scored by the problem's scorer (``SelectionProblem.scores``); automatic sizes
+    come from its ``tiles``.
 
     Arguments:
         key_block: entries per tile (0 = automatic, see ``streaming_block_sizes``).
@@ -141,9 +134,6 @@ class StreamingSelection(AbstractSelection):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"StreamingSelection.{name} must be an int >= 0 (got {value!r})")
 
-    def tiling(self, batch: int, seq: int, entries: int, heads: int) -> AbstractSelection:
-        return self
-
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
         return _stream_topk(problem, k, self.key_block, self.query_block, self.topk_block)
 
@@ -153,15 +143,15 @@ def _stream_topk(
 ) -> Int[Array, "batch seq {k}"]:
     project, rows, keys = problem.project, problem.rows, problem.keys
     query_index, query_segment, layout = problem.visibility
-    head_chunk, rounding = problem.head_chunk, problem.score_dtype
+    sizes, unroll = problem.tiles, problem.tiles.unroll
     if k <= 0:
         raise ValueError(f"k must be positive (got {k})")
     b, s, h, _ = jax.eval_shape(project, *rows)[0].shape
     t = keys.shape[1]
     if t == 0 or s == 0:
         return jnp.full((b, s, k), -1, jnp.int32)
-    qb, kb = streaming_block_sizes(b, s, t, head_chunk or h, key_block, query_block)
-    group = topk_block_size(b, qb, t, kb, topk_block)
+    qb, kb = streaming_block_sizes(b, s, t, problem.head_chunk or h, key_block, query_block, sizes)
+    group = topk_block_size(b, qb, t, kb, topk_block, sizes)
     # Integer output: nothing here is differentiated (closed-over parameters included).
     block = [jax.ShapeDtypeStruct((r.shape[0], qb, *r.shape[2:]), r.dtype) for r in rows]
     project, consts = jax.closure_convert(project, *block)
@@ -181,9 +171,7 @@ def _stream_topk(
             first = g * tiles_per_group
 
             def tile(j, buffer):
-                scores = indexer_scores(
-                    qx, wx, take(keys, j * kb, kb), head_chunk=head_chunk, score_dtype=rounding
-                )
+                scores = problem.scores(qx, wx, take(keys, j * kb, kb))
                 return jax.lax.dynamic_update_slice_in_dim(buffer, scores, (j - first) * kb, 2)
 
             tiles = (jnp.maximum(lo[i], first), jnp.minimum(hi[i], first + tiles_per_group))
@@ -193,13 +181,13 @@ def _stream_topk(
             visible = entry_visibility(
                 qi, qs, EntryLayout(end, take(layout.segment, c0, group), end >= 0)
             )
-            return _top_of(buffer, visible, c0, k)
+            return _top_of(buffer, visible, c0, k, unroll)
 
         # Groups before lo hold nothing visible; the first needed one starts the running list.
         g_lo, g_hi = lo[i] // tiles_per_group, -(-hi[i] // tiles_per_group)
         running = group_top(jnp.minimum(g_lo, last_group))
         running = jax.lax.fori_loop(
-            g_lo + 1, g_hi, lambda g, r: _merge(r, group_top(g), k), running
+            g_lo + 1, g_hi, lambda g, r: _merge(r, group_top(g), k, unroll), running
         )
         return jax.lax.dynamic_update_slice_in_dim(out, running[1], r0, axis=1)
 

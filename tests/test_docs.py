@@ -28,7 +28,7 @@ def test_mkdocs_build_strict(tmp_path):
     assert 'id="csa_eqx.V4Attention.__call__"' in layers
     assert "segment_ids" in layers
     sharding = (site / "api" / "sharding" / "index.html").read_text()
-    assert 'id="csa_eqx.sharding.ShardedSelection"' in sharding
+    assert 'id="csa_eqx.ShardedSelection"' in sharding
     execution = (site / "api" / "execution" / "index.html").read_text()
     assert 'id="csa_eqx.AutoSelection"' in execution
     for page in ("concepts", "memory", "multihost", "hf", "benchmarks"):

@@ -14,9 +14,9 @@ import pytest
 from jaxpr_helpers import primitives, walk_avals
 
 import csa_eqx as ce
-from csa_eqx import V4Attention, entry_layout
+from csa_eqx import V4Attention, entry_layout, projected_indexer_kl_loss
 from csa_eqx.indexer import indexer_scores
-from csa_eqx.loss import indexer_kl_loss, projected_indexer_kl_loss, selection_mask
+from csa_eqx.loss import indexer_kl_loss, selection_mask
 from csa_eqx.presets import tiny_v4
 from csa_eqx.selection import entry_visibility, select_topk
 
@@ -71,12 +71,12 @@ def streaming_loss(params, fx, selection=None, head_chunk=0, key_block=0, query_
         project_with(params), (fx["x"],), params["keys"], visibility, head_chunk
     )
     target = ce.AttentionTarget(fx["q"], fx["entries"], fx["lse"], 0.3)
-    strategy = (
-        ce.StreamingSelection(key_block=key_block, query_block=query_block)
+    method = (
+        ce.StreamingIndexerLoss(key_block=key_block, query_block=query_block)
         if key_block
-        else ce.AutoSelection(query_block=query_block)
+        else ce.AutoIndexerLoss(query_block=query_block)
     )
-    return projected_indexer_kl_loss(problem, target, selection, strategy=strategy)
+    return projected_indexer_kl_loss(problem, target, selection, method=method)
 
 
 def some_selection(params, fx, k, seed):

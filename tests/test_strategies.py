@@ -12,6 +12,7 @@ import pytest
 from test_v4_behaviour import randomise, tiny
 
 import csa_eqx as ce
+from csa_eqx.auto import ACCELERATOR_TILES
 
 SELECTIONS = {
     "dense": ce.DenseSelection(),
@@ -99,10 +100,16 @@ def test_attention_reads_agree():
 
 def test_auto_strategies_choose_by_size():
     """The automatic choices, and the one place their thresholds live."""
-    auto = ce.AutoSelection()
-    assert isinstance(auto.tiling(1, 64, 16, 4), ce.DenseSelection)
-    assert isinstance(auto.tiling(1, 16384, 4096, 64), ce.StreamingSelection)
-    assert isinstance(ce.ShardedSelection().tiling(1, 16384, 4096, 64), ce.StreamingSelection)
+    auto, loss = ce.AutoSelection(), ce.AutoIndexerLoss()
+    assert isinstance(auto.choose(1, 64, 16, 4), ce.DenseSelection)
+    assert isinstance(auto.choose(1, 16384, 4096, 64), ce.StreamingSelection)
+    assert isinstance(loss.choose(1, 64, 16, 4), ce.DenseIndexerLoss)
+    assert isinstance(loss.choose(1, 16384, 4096, 64), ce.StreamingIndexerLoss)
+    # one rule, by the tile budget the problem carries (CPU: 2^24; accelerators: 2^26)
+    assert isinstance(auto.choose(1, 1024, 1024, 16), ce.DenseSelection)  # 2^24
+    assert isinstance(auto.choose(1, 1024, 1024, 32), ce.StreamingSelection)
+    assert isinstance(auto.choose(1, 1024, 1024, 32, ACCELERATOR_TILES), ce.DenseSelection)
+    assert isinstance(loss.choose(1, 1024, 1024, 32, ACCELERATOR_TILES), ce.DenseIndexerLoss)
     assert isinstance(ce.AutoPicks().choose(2048, 512), ce.MaskedPicks)
     assert isinstance(ce.AutoPicks().choose(2049, 512), ce.GatheredPicks)
 

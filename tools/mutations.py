@@ -134,10 +134,10 @@ MUTATIONS = [
     ),
     Mutation(
         "selection_never_streams",
-        "the automatic choice never streams the indexer top-k (dense [B, S, T] scores)",
+        "the automatic choices never stream the indexer top-k or loss (dense [B, S, T] scores)",
         "csa_eqx/auto.py",
-        "        if batch * seq * entries * max(heads, 1) > tile_elements():\n",
-        "        if False:\n",
+        "    return batch * seq * entries * max(heads, 1) > tiles.elements\n",
+        "    return False\n",
         ("tests/test_memory_guard.py::test_fwd_bwd_never_forms_bst",),
     ),
     Mutation(

@@ -7,8 +7,8 @@ import dataclasses
 import math
 import re
 
+from .._selection_sharded import ShardedSelection
 from ..execution import Execution
-from ..sharding import ShardedSelection
 from .models import LMConfig
 from .tasks import RetrievalTask
 

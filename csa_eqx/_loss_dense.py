@@ -1,0 +1,36 @@
+"""``DenseIndexerLoss``: the indexer KL loss over the whole ``[B, S, T]`` scores."""
+
+from __future__ import annotations
+
+import jax
+from jaxtyping import Array, Float, Int
+
+from .loss import AbstractIndexerLoss, AttentionTarget, indexer_kl_loss, selection_mask
+from .selection import SelectionProblem
+
+__all__ = ["DenseIndexerLoss"]
+
+
+class DenseIndexerLoss(AbstractIndexerLoss):
+    """Score every query against every entry (the problem's scorer, float32 ``[B, S, T]``),
+    then ``indexer_kl_loss`` over the visible (warm-up) or selected candidates. Fastest while
+    those tensors are small; see ``csa_eqx.auto.AutoIndexerLoss``.
+
+    Arguments: none.
+    """
+
+    def loss(
+        self,
+        problem: SelectionProblem,
+        target: AttentionTarget,
+        selection: Int[Array, "batch seq k"] | None = None,
+    ) -> Float[Array, ""]:
+        rows = jax.lax.stop_gradient(problem.rows)
+        keys, head_chunk = problem.keys, problem.head_chunk
+        candidates = (
+            problem.visibility.mask()
+            if selection is None
+            else selection_mask(selection, keys.shape[1])
+        )
+        scores = problem.scorer.scores(*problem.project(*rows), keys, head_chunk=head_chunk)
+        return indexer_kl_loss(*target[:3], scores, candidates, target.scale, head_chunk=head_chunk)

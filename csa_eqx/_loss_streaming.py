@@ -1,0 +1,296 @@
+"""``StreamingIndexerLoss``: the indexer KL loss without ``[B, S, T]`` tensors.
+
+The dense warm-up stage streams key blocks per query block with an online log-sum-exp,
+skipping key blocks invisible to a whole query block; its backward (``∂/∂I = (q − p)/n``,
+a ``custom_vjp``) is blockwise too. The sparse stage gathers only each query block's selected
+keys (a ``lax.scan`` with a rematerialised body). Memory is linear in ``S``; the queries are
+projected one query block at a time (``SelectionProblem.project``).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from .blocks import block_starts, key_block_ranges, take
+from .compressor import EntryLayout
+from .loss import AbstractIndexerLoss, AttentionTarget, row_kl, target_mass
+from .selection import SelectionProblem, entry_visibility
+from .sparse import gather_keys, sparse_query_block
+from .streaming import streaming_block_sizes
+
+__all__ = ["StreamingIndexerLoss"]
+
+
+class _Online(NamedTuple):
+    """Running per-query sums over the candidates seen so far (all float32 ``[B, Qb]``):
+    score peak ``m``, ``Σ exp(I − m)``, ``Σ mass``, ``Σ mass·log mass``, ``Σ mass·(I − m)``."""
+
+    peak: Array
+    z: Array
+    mass: Array
+    mass_log_mass: Array
+    mass_score: Array
+
+
+def _online_init(shape) -> _Online:
+    zeros = jnp.zeros(shape, jnp.float32)
+    return _Online(jnp.full(shape, -jnp.inf), zeros, zeros, zeros, zeros)
+
+
+def _shift(peak: Array) -> Array:
+    return jnp.where(jnp.isfinite(peak), peak, 0.0)
+
+
+def _online_update(st: _Online, scores: Array, mass: Array, visible: Array) -> _Online:
+    """Fold one key block in (flash-attention style rescaling when the peak grows)."""
+    peak = jnp.maximum(st.peak, jnp.max(jnp.where(visible, scores, -jnp.inf), axis=-1))
+    new, old = _shift(peak), _shift(st.peak)
+    rel = jnp.where(visible, scores - new[..., None], 0.0)
+    z = st.z * jnp.exp(old - new) + jnp.sum(jnp.where(visible, jnp.exp(rel), 0.0), axis=-1)
+    mlm = jnp.sum(jnp.where(mass > 0, mass * jnp.log(jnp.where(mass > 0, mass, 1.0)), 0.0), -1)
+    return _Online(
+        peak,
+        z,
+        st.mass + jnp.sum(mass, axis=-1),
+        st.mass_log_mass + mlm,
+        st.mass_score - st.mass * (new - old) + jnp.sum(mass * rel, axis=-1),
+    )
+
+
+def _online_kl(st: _Online) -> tuple[Array, Array, Array]:
+    """Per query ``KL = A/M − log M − B/M + log z``, whether it has a candidate, and
+    ``lse(I)`` over its candidates (0 without)."""
+    has, live = st.z > 0, st.mass > 0
+    log_z = jnp.log(jnp.where(has, st.z, 1.0))
+    m = jnp.where(live, st.mass, 1.0)
+    kl = (st.mass_log_mass - st.mass_score) / m - jnp.log(m) + log_z
+    return jnp.where(live & has, kl, 0.0), has, _shift(st.peak) + log_z
+
+
+class _Fixed(NamedTuple):
+    """The non-differentiated inputs of the streaming dense stage."""
+
+    rows: tuple[Array, ...]
+    q: Array
+    entries: Array
+    lse: Array
+    query_index: Array
+    query_segment: Array
+    layout: EntryLayout
+
+
+def _dense_tiles(static, index_keys, fx: _Fixed, init, query_block_body):
+    """Drive the block loops: for each query block ``i`` (rows ``r0..r0+qb``, of which
+    ``fresh`` are new: the last block is pulled back), ``query_block_body`` gets a per key
+    block ``tile(j) -> (scores_fn, mass, visible)`` over the visible key-block range."""
+    scale, head_chunk, qb, kb, _ = static
+    s, t = fx.query_index.shape[1], index_keys.shape[1]
+    lo, hi = key_block_ranges(fx.query_index, fx.query_segment, fx.layout, qb, kb)
+    q_starts, k_starts = block_starts(s, qb), block_starts(t, kb)
+
+    def body(i, carry):
+        r0 = q_starts[i]
+        fresh = r0 + jnp.arange(qb) >= i * qb
+        qi, qs = take(fx.query_index, r0, qb), take(fx.query_segment, r0, qb)
+        qm, lm = take(fx.q, r0, qb), take(fx.lse, r0, qb)
+        rows = tuple(take(r, r0, qb) for r in fx.rows)
+
+        def tile(j):
+            c0 = k_starts[j]
+            end = take(fx.layout.end, c0, kb)
+            layout = EntryLayout(end, take(fx.layout.segment, c0, kb), end >= 0)
+            # a pulled-back last key block re-reads entries already counted: hide them
+            visible = entry_visibility(qi, qs, layout) & (c0 + jnp.arange(kb) >= j * kb)
+            mass = target_mass(qm, take(fx.entries, c0, kb), lm, visible, scale, head_chunk)
+            return c0, mass, visible
+
+        return query_block_body(carry, r0, fresh, rows, tile, lo[i], hi[i])
+
+    return jax.lax.fori_loop(0, q_starts.shape[0], body, init)
+
+
+def _f32_zeros(x: Array) -> Array:
+    return jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32))
+
+
+def _block_scores(static):
+    """The tile scorer of ``static = (scale, head_chunk, qb, kb, scorer)``: float32 scores."""
+    head_chunk, scorer = static[1], static[4]
+    return lambda q, w, k: scorer.scores(q, w, k, head_chunk=head_chunk)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _streaming_dense_kl(project, static, consts, index_keys, fx: _Fixed) -> Array:
+    return _streaming_dense_fwd(project, static, consts, index_keys, fx)[0]
+
+
+def _streaming_dense_fwd(project, static, consts, index_keys, fx: _Fixed):
+    kb, b = static[3], fx.query_index.shape[0]
+    score = _block_scores(static)
+
+    def query_block_body(stats, r0, fresh, rows, tile, lo, hi):
+        qx, wx = project(*rows, *consts)
+
+        def key_block_body(j, st):
+            c0, mass, visible = tile(j)
+            return _online_update(st, score(qx, wx, take(index_keys, c0, kb)), mass, visible)
+
+        st = jax.lax.fori_loop(lo, hi, key_block_body, _online_init((b, fresh.shape[0])))
+        kl, has, lse_i = _online_kl(st)
+        # rows of a pulled-back last block are recomputed alike: overwriting them is harmless
+        new = (kl, has, lse_i, st.mass)
+        return tuple(
+            jax.lax.dynamic_update_slice_in_dim(a, n, r0, axis=1)
+            for a, n in zip(stats, new, strict=True)
+        )
+
+    s = fx.query_index.shape[1]
+    zeros = jnp.zeros((b, s), jnp.float32)
+    init = (zeros, jnp.zeros((b, s), bool), zeros, zeros)
+    kl, has, lse_i, total = _dense_tiles(static, index_keys, fx, init, query_block_body)
+    count = jnp.maximum(jnp.sum(has), 1).astype(jnp.float32)
+    return jnp.sum(kl) / count, (consts, index_keys, fx, lse_i, total, count)
+
+
+def _streaming_dense_bwd(project, static, res, g):
+    """``∂loss/∂I[t, j] = (q_j − p_j) / n`` per visible tile, pulled back through the tile's
+    scores and the query block's projection; nothing larger than a tile is formed."""
+    consts, index_keys, fx, lse_i, total, count = res
+    kb = static[3]
+    coef = g / count
+    score = _block_scores(static)
+
+    def query_block_body(carry, r0, fresh, rows, tile, lo, hi):
+        d_consts, d_keys = carry
+        (qx, wx), pull = jax.vjp(lambda *c: project(*rows, *c), *consts)
+        lse_b, tot_b = take(lse_i, r0, fresh.shape[0]), take(total, r0, fresh.shape[0])
+        live = (fresh & (tot_b > 0))[..., None]
+
+        def key_block_body(j, acc):
+            d_qx, d_wx, d_keys = acc
+            c0, mass, visible = tile(j)
+            scores, tile_pull = jax.vjp(score, qx, wx, take(index_keys, c0, kb))
+            q_prob = jnp.exp(jnp.where(visible, scores - lse_b[..., None], -jnp.inf))
+            p = mass / jnp.where(tot_b > 0, tot_b, 1.0)[..., None]
+            d_scores = jnp.where(visible & live, q_prob - p, 0.0) * coef
+            dq, dw, dk = tile_pull(d_scores.astype(scores.dtype))
+            d_keys = jax.lax.dynamic_update_slice_in_dim(
+                d_keys, take(d_keys, c0, kb) + dk, c0, axis=1
+            )
+            return d_qx + dq, d_wx + dw, d_keys
+
+        acc = (_f32_zeros(qx), _f32_zeros(wx), d_keys)
+        d_qx, d_wx, d_keys = jax.lax.fori_loop(lo, hi, key_block_body, acc)
+        d_c = pull((d_qx.astype(qx.dtype), d_wx.astype(wx.dtype)))
+        return jax.tree.map(jnp.add, d_consts, d_c), d_keys
+
+    # float32 accumulators across blocks, cast back to the primal dtypes at the end
+    init = (jax.tree.map(_f32_zeros, consts), _f32_zeros(index_keys))
+    d_consts, d_keys = _dense_tiles(static, index_keys, fx, init, query_block_body)
+    cast = lambda d, x: d.astype(x.dtype)  # noqa: E731
+    return jax.tree.map(cast, d_consts, consts), cast(d_keys, index_keys), None
+
+
+_streaming_dense_kl.defvjp(_streaming_dense_fwd, _streaming_dense_bwd)
+
+
+def _streaming_sparse_kl(
+    project, rows, index_keys, q, entries, lse, selection, scale, head_chunk, qb, scorer
+):
+    """Sparse stage by query blocks: gather each block's selected indexer keys and entries,
+    score and weigh only those (``lax.scan`` with a rematerialised body)."""
+    s = selection.shape[1]
+    starts = block_starts(s, qb)
+
+    def body(carry, i):
+        r0 = starts[i]
+        qx, wx = project(*(take(r, r0, qb) for r in rows))
+        sel = take(selection, r0, qb)
+        candidates = (sel >= 0) & (r0 + jnp.arange(qb) >= i * qb)[:, None]
+        gathered = gather_keys(index_keys, sel)
+        scores = scorer.gathered_scores(qx, wx, gathered, head_chunk=head_chunk)
+        mass = target_mass(
+            take(q, r0, qb),
+            gather_keys(entries, sel),
+            take(lse, r0, qb),
+            candidates,
+            scale,
+            head_chunk,
+            "bshd,bskd->bshk",
+        )
+        kl, has = row_kl(mass, scores, candidates)
+        return (carry[0] + jnp.sum(kl), carry[1] + jnp.sum(has)), None
+
+    init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+    (kl, count), _ = jax.lax.scan(jax.checkpoint(body), init, jnp.arange(starts.shape[0]))
+    return kl / jnp.maximum(count, 1)
+
+
+class StreamingIndexerLoss(AbstractIndexerLoss):
+    """The indexer KL loss by query blocks, never forming ``[B, S, T]`` (module docstring):
+    the warm-up over ``query_block x key_block`` tiles with an online log-sum-exp and a
+    blockwise backward, the sparse stage over each query block's gathered picks. Tiles are
+    scored by the problem's scorer; automatic sizes come from its ``tiles``.
+
+    Arguments:
+        key_block: entries per key tile of the warm-up (0 = automatic, see
+            ``csa_eqx.streaming.streaming_block_sizes``).
+        query_block: queries per block (0 = automatic; the sparse stage's automatic block is
+            ``csa_eqx.sparse.sparse_query_block``).
+    """
+
+    key_block: int = eqx.field(default=0, static=True)
+    query_block: int = eqx.field(default=0, static=True)
+
+    def __check_init__(self):
+        for name in ("key_block", "query_block"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"StreamingIndexerLoss.{name} must be an int >= 0 (got {value!r})")
+
+    def loss(
+        self,
+        problem: SelectionProblem,
+        target: AttentionTarget,
+        selection: Int[Array, "batch seq k"] | None = None,
+    ) -> Float[Array, ""]:
+        b, s, t, heads = self.sizes(problem, target)
+        project, head_chunk, index_keys = problem.project, problem.head_chunk, problem.keys
+        query_index, query_segment, layout = problem.visibility
+        rows = jax.lax.stop_gradient(problem.rows)
+        q, entries, lse = jax.lax.stop_gradient(
+            (target.q, target.keys, target.log_normalizer.astype(jnp.float32))
+        )
+        if t == 0 or s == 0:
+            return jnp.zeros((), jnp.float32)
+        if selection is not None:
+            k = selection.shape[-1]
+            width = index_keys.shape[-1] + entries.shape[-1]
+            qb = self.query_block or sparse_query_block(b, heads, width, k)
+            return _streaming_sparse_kl(
+                project,
+                rows,
+                index_keys,
+                q,
+                entries,
+                lse,
+                selection,
+                target.scale,
+                head_chunk,
+                max(1, min(qb, s)),
+                problem.scorer,
+            )
+        qb, kb = streaming_block_sizes(
+            b, s, t, heads, self.key_block, self.query_block, problem.tiles
+        )
+        block = [jax.ShapeDtypeStruct((r.shape[0], qb, *r.shape[2:]), r.dtype) for r in rows]
+        project, consts = jax.closure_convert(project, *block)
+        fixed = _Fixed(rows, q, entries, lse, query_index, query_segment, layout)
+        static = (target.scale, head_chunk, qb, kb, problem.scorer)
+        return _streaming_dense_kl(project, static, tuple(consts), index_keys, fixed)

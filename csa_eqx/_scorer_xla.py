@@ -1,0 +1,29 @@
+"""``XlaScorer``: the reference indexer scorer (``csa_eqx.indexer_scores``, plain XLA)."""
+
+from __future__ import annotations
+
+from jaxtyping import Array, Float
+
+from ._scorer import AbstractScorer
+from .indexer import indexer_scores
+
+__all__ = ["XlaScorer"]
+
+
+class XlaScorer(AbstractScorer):
+    """The reference scorer: ``csa_eqx.indexer_scores`` over all keys at once (per-head
+    logits ``[B, S, heads at once, T]``, then the weighted head sum).
+
+    Arguments: none.
+    """
+
+    def scores(
+        self,
+        q: Float[Array, "batch seq heads dim"],
+        weights: Float[Array, "batch seq heads"],
+        keys: Float[Array, "batch entries dim"],
+        *,
+        head_chunk: int = 0,
+        score_dtype: str | None = None,
+    ) -> Float[Array, "batch seq entries"]:
+        return indexer_scores(q, weights, keys, head_chunk=head_chunk, score_dtype=score_dtype)
