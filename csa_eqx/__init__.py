@@ -1,5 +1,10 @@
 """csa_eqx: DeepSeek sparse attention (V4 CSA / HCA / sliding, V3.2 DSA) in JAX + Equinox."""
 
+from ._attention_kernel import AbstractAttentionKernel
+from ._attention_xla import XlaAttention
+from ._picks import AbstractPicks, GatheredPicks, MaskedPicks
+from ._reads import BandRows, DenseKeys, GatheredRows, Reads
+from ._window import AbstractWindow, BandWindow, GatheredWindow
 from .auto import AutoPicks, AutoSelection
 from .cache import CompressorState, V4Cache, V32Cache
 from .compressor import Compressor, EntryLayout, entry_layout, pool_windows, segment_positions
@@ -22,21 +27,13 @@ from .selection import (
     select_topk,
 )
 from .sharding import ShardedSelection
-from .sparse import (
-    AbstractPicks,
-    AbstractWindow,
-    BandWindow,
-    DenseKeys,
-    GatheredPicks,
-    GatheredWindow,
-    MaskedPicks,
-    sparse_attention,
-)
+from .sparse import sparse_attention
 from .streaming import StreamingSelection
 from .v4 import Indexer, V4Attention
 from .v32 import V32Attention, V32Indexer
 
 __all__ = [
+    "AbstractAttentionKernel",
     "AbstractNumerics",
     "AbstractPicks",
     "AbstractSelection",
@@ -44,6 +41,7 @@ __all__ = [
     "AttentionTarget",
     "AutoPicks",
     "AutoSelection",
+    "BandRows",
     "BandWindow",
     "Compressor",
     "CompressorState",
@@ -56,10 +54,12 @@ __all__ = [
     "ContextParallel",
     "HeadParallel",
     "GatheredPicks",
+    "GatheredRows",
     "GatheredWindow",
     "Indexer",
     "IndexerLossStage",
     "MaskedPicks",
+    "Reads",
     "SELECTION_NAME",
     "SelectionProblem",
     "ShardedSelection",
@@ -72,6 +72,7 @@ __all__ = [
     "V32Cache",
     "V32Indexer",
     "Visibility",
+    "XlaAttention",
     "YaRNScaling",
     "compose_selection_policy",
     "entry_layout",
