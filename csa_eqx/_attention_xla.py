@@ -34,17 +34,24 @@ class XlaAttention(AbstractAttentionKernel):
         # non-finite rows: zeroed for the matmuls, flagged to poison exactly the queries seeing them
         q_bad = ~jnp.all(jnp.isfinite(q), axis=(2, 3))
         q = _zero_rows(q, q_bad)
-        gathered = []
-        for g in reads.gathered:
-            bad = _nonfinite_rows(g.keys, g.values)
-            gathered.append((_zero_rows(g.keys, bad), _zero_rows(g.values, bad), bad))
-        rows = {"q": q, "q_bad": q_bad, "indices": tuple(g.indices for g in reads.gathered)}
+        # the band's and the gathered sets' key rows: one zeroed table (one gather per block)
         band = reads.band
+        sources = [] if band is None else [(band.keys, band.values)]
+        sources += [(g.keys, g.values) for g in reads.gathered]
+        tables, slots = _key_tables(sources)
+        gathered, indices = {}, {}  # per table: its arrays and the concatenated indices
+        gathered_slots = slots[len(sources) - len(reads.gathered) :]
+        for g, (table, offset) in zip(reads.gathered, gathered_slots, strict=True):
+            idx = g.indices if not offset else jnp.where(g.indices >= 0, g.indices + offset, -1)
+            gathered[table] = tables[table]
+            indices[table] = indices.get(table, ()) + (idx,)
+        indices = [jnp.concatenate(i, axis=-1) if len(i) > 1 else i[0] for i in indices.values()]
+        gathered = list(gathered.values())
+        rows = {"q": q, "q_bad": q_bad, "indices": tuple(indices)}
         if band is not None:  # rows (and segments) padded so that every block's slab is in range
             window = band.window
             before = 0 if band.history is None else window - 1  # rows before the queries' own
-            bad = _nonfinite_rows(band.keys, band.values)
-            keys, values = _zero_rows(band.keys, bad), _zero_rows(band.values, bad)
+            keys, values, bad = tables[slots[0][0]]  # the band's rows come first in its table
             pad = [(0, 0), (window - 1 - before, n * qb - s)]
             key_segment = band.segment
             if before:
@@ -101,6 +108,42 @@ class XlaAttention(AbstractAttentionKernel):
         blocked = jax.tree.map(blocks, rows)
         out = jax.lax.map(jax.checkpoint(lambda x: body(*x)), (starts, blocked))
         return jax.tree.map(unblocks, out)
+
+
+def _key_tables(sources: list) -> tuple[list, list]:
+    """Zeroed key tables for the ``(keys, values)`` of the band and the gathered read sets:
+    one table when there are several sources of one key (and value) width and dtype
+    (their rows concatenated in order, as one key array of the old single-``kv`` API), else
+    one per distinct source (the same array read twice shares one).
+
+    Returns: the tables ``(keys, values | None, bad rows)`` and, per source, ``(table, row
+    offset)``.
+    """
+    unique, which = [], []
+    for keys, values in sources:
+        same = [i for i, (k, v) in enumerate(unique) if k is keys and v is values]
+        which.append(same[0] if same else len(unique))
+        if not same:
+            unique.append((keys, values))
+
+    def kind(keys, values):
+        value = None if values is None else (values.shape[-1], values.dtype)
+        return keys.shape[-1], keys.dtype, value
+
+    if len(unique) > 1 and len({kind(*u) for u in unique}) == 1:  # one table
+        offsets = [0]
+        for keys, _ in unique[:-1]:
+            offsets.append(offsets[-1] + keys.shape[1])
+        keys = jnp.concatenate([k for k, _ in unique], axis=1)
+        values = None if unique[0][1] is None else jnp.concatenate([v for _, v in unique], 1)
+        unique, slots = [(keys, values)], [(0, offsets[i]) for i in which]
+    else:
+        slots = [(i, 0) for i in which]
+    tables = []
+    for keys, values in unique:
+        bad = _nonfinite_rows(keys, values)
+        tables.append((_zero_rows(keys, bad), _zero_rows(values, bad), bad))
+    return tables, slots
 
 
 def _band_part(band, start: Array, query_segment: Array, seq: int):
