@@ -1,13 +1,18 @@
 """csa_eqx: DeepSeek sparse attention (V4 CSA / HCA / sliding, V3.2 DSA) in JAX + Equinox."""
 
+from ._attention_kernel import AbstractAttentionKernel
+from ._attention_xla import XlaAttention
 from ._loss_dense import DenseIndexerLoss
 from ._loss_streaming import StreamingIndexerLoss
+from ._picks import AbstractPicks, GatheredPicks, MaskedPicks
 from ._placement import AbstractPlacement, SingleDevice
 from ._projected_loss import projected_indexer_kl_loss
+from ._reads import BandRows, DenseKeys, GatheredRows, Reads
 from ._scorer import AbstractScorer
 from ._scorer_blocked import BlockedScorer
 from ._scorer_xla import XlaScorer
 from ._selection_sharded import ShardedSelection
+from ._window import AbstractWindow, BandWindow, GatheredWindow
 from .auto import AutoIndexerLoss, AutoPicks, AutoSelection
 from .cache import CompressorState, V4Cache, V32Cache
 from .compressor import Compressor, EntryLayout, entry_layout, pool_windows, segment_positions
@@ -30,22 +35,14 @@ from .selection import (
     entry_visibility,
     select_topk,
 )
-from .sparse import (
-    AbstractPicks,
-    AbstractWindow,
-    BandWindow,
-    DenseKeys,
-    GatheredPicks,
-    GatheredWindow,
-    MaskedPicks,
-    sparse_attention,
-)
+from .sparse import sparse_attention
 from .streaming import StreamingSelection
 from .v4 import Indexer, V4Attention
 from .v32 import V32Attention, V32Indexer
 
 __all__ = [
     "AbstractIndexerLoss",
+    "AbstractAttentionKernel",
     "AbstractNumerics",
     "AbstractPicks",
     "AbstractPlacement",
@@ -56,6 +53,7 @@ __all__ = [
     "AutoIndexerLoss",
     "AutoPicks",
     "AutoSelection",
+    "BandRows",
     "BandWindow",
     "BlockedScorer",
     "Compressor",
@@ -70,10 +68,12 @@ __all__ = [
     "ContextParallel",
     "HeadParallel",
     "GatheredPicks",
+    "GatheredRows",
     "GatheredWindow",
     "Indexer",
     "IndexerLossStage",
     "MaskedPicks",
+    "Reads",
     "SELECTION_NAME",
     "SelectionProblem",
     "ShardedSelection",
@@ -89,6 +89,7 @@ __all__ = [
     "V32Cache",
     "V32Indexer",
     "Visibility",
+    "XlaAttention",
     "XlaScorer",
     "YaRNScaling",
     "compose_selection_policy",

@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from ._reads import gather_keys, sparse_query_block
 from .blocks import block_starts, key_block_ranges, take
 from .compressor import EntryLayout
 from .loss import AbstractIndexerLoss, AttentionTarget, row_kl, target_mass
 from .selection import SelectionProblem, entry_visibility
-from .sparse import gather_keys, sparse_query_block
 from .streaming import streaming_block_sizes
 
 __all__ = ["StreamingIndexerLoss"]
@@ -242,7 +242,7 @@ class StreamingIndexerLoss(AbstractIndexerLoss):
         key_block: entries per key tile of the warm-up (0 = automatic, see
             ``csa_eqx.streaming.streaming_block_sizes``).
         query_block: queries per block (0 = automatic; the sparse stage's automatic block is
-            ``csa_eqx.sparse.sparse_query_block``).
+            ``csa_eqx._reads.sparse_query_block``).
     """
 
     key_block: int = eqx.field(default=0, static=True)

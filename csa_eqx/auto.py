@@ -8,7 +8,8 @@ whether the radix select unrolls); ``AutoSelection`` picks the dense or the stre
 (docs/memory.md, "Streaming top-k" and "Masked picks"). Force a path by passing a concrete
 strategy instead (``DenseSelection()``, ``StreamingSelection(...)``, ``DenseIndexerLoss()``,
 ``StreamingIndexerLoss(...)``, ``MaskedPicks()``, ``GatheredPicks()``) and tile sizes by
-``Execution(tiles=TileSizes(...))``.
+``Execution(tiles=TileSizes(...))``. ``attention_query_block`` sizes the attention kernel's
+query blocks (``Execution(query_block=...)`` forces one).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from jaxtyping import Array, Float, Int
 
 from ._loss_dense import DenseIndexerLoss
 from ._loss_streaming import StreamingIndexerLoss
+from ._picks import AbstractPicks, GatheredPicks, MaskedPicks
+from ._reads import Reads, power_of_two_block, sparse_query_block
 from .loss import AbstractIndexerLoss, AttentionTarget
 from .selection import AbstractSelection, DenseSelection, SelectionProblem, TileSizes
-from .sparse import AbstractPicks, GatheredPicks, MaskedPicks
 from .streaming import StreamingSelection
 
 __all__ = [
@@ -32,6 +34,8 @@ __all__ = [
     "streams",
     "CPU_TILES",
     "ACCELERATOR_TILES",
+    "attention_query_block",
+    "sparse_query_block",
 ]
 
 # CPU: tiles that stay in cache (64 MiB float32 at most), the radix select a loop (unrolling
@@ -146,5 +150,27 @@ class AutoPicks(AbstractPicks):
         """
         return MaskedPicks() if entries <= self.ratio * picks else GatheredPicks()
 
-    def parts(self, keys, visibility, picks, values=None):
-        return self.choose(keys.shape[1], picks.shape[-1]).parts(keys, visibility, picks, values)
+    def reads(self, keys, visibility, picks, values=None):
+        return self.choose(keys.shape[1], picks.shape[-1]).reads(keys, visibility, picks, values)
+
+
+def attention_query_block(batch: int, heads: int, reads: Reads) -> int:
+    """The attention kernel's automatic query block for ``reads``: as ``sparse_query_block``
+    for the gathered rows (summed over the read sets) and the dense entries, and with a band
+    at most the power of two above ``window - 1`` (each block reads a slab of
+    ``block + window - 1`` rows: keep the block near the window).
+
+    Arguments: the queries' ``batch`` and ``heads`` and the ``csa_eqx.Reads`` they attend.
+
+    Returns: the query block, a power of two >= 1.
+    """
+    per_row = 0
+    for g in reads.gathered:  # gathered keys (+ values) and logits per pick
+        width = g.keys.shape[-1] + (0 if g.values is None else g.values.shape[-1])
+        per_row += g.indices.shape[-1] * (width + heads)
+    if reads.dense is not None:  # logits and mask per entry
+        per_row += reads.dense.keys.shape[1] * (heads + 1)
+    block = power_of_two_block(batch, per_row)
+    if reads.band is not None:
+        block = min(block, 1 << max(reads.band.window - 1, 1).bit_length())
+    return block

@@ -1,6 +1,7 @@
 """How a layer runs, apart from what it computes: ``Execution`` holds the selection strategy,
-the attention's picks strategy, tile and head-chunk sizes, head sharding of the indexer's
-activations, remat tagging, the default training stage of the indexer loss and the numerics.
+the attention's picks and window strategies and its kernel, tile and head-chunk sizes, head
+sharding of the indexer's activations, remat tagging, the default training stage of the
+indexer loss and the numerics.
 
 The layer configs (``V4AttentionConfig``, ``V32AttentionConfig``) mirror the checkpoint only;
 ``V4Attention(config, key=..., execution=Execution(...))`` decides how it runs. The default is
@@ -15,15 +16,19 @@ from collections.abc import Callable
 from typing import Literal
 
 import equinox as eqx
-import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from ._attention_kernel import AbstractAttentionKernel
+from ._attention_xla import XlaAttention
 from ._loss_streaming import StreamingIndexerLoss
+from ._picks import AbstractPicks
 from ._placement import AbstractPlacement, SingleDevice
+from ._reads import DenseKeys, Reads
 from ._scorer import AbstractScorer
 from ._scorer_xla import XlaScorer
 from ._selection_sharded import ShardedSelection
-from .auto import AutoIndexerLoss, AutoPicks, AutoSelection, backend_tiles
+from ._window import AbstractWindow, BandWindow
+from .auto import AutoIndexerLoss, AutoPicks, AutoSelection, attention_query_block, backend_tiles
 from .context import ContextParallel
 from .deepseek_numerics import DeepSeekInference
 from .heads import HeadParallel
@@ -32,7 +37,6 @@ from .numerics import AbstractNumerics, DeepSeekFormats, ExactNumerics
 from .remat import tag_selection
 from .selection import AbstractSelection, SelectionProblem, TileSizes, Visibility
 from .sharding import constrain_heads, tensor_axis_auto
-from .sparse import AbstractPicks, AbstractWindow, BandWindow, DenseKeys
 from .streaming import StreamingSelection
 
 __all__ = ["Execution", "IndexerLossStage", "INDEXER_LOSS_STAGES", "checked_execution"]
@@ -67,10 +71,14 @@ class Execution(eqx.Module):
         window: how V4 reads the sliding window (``BandWindow()``: a banded matmul,
             ``GatheredWindow()``: gathered token rows), in the forward and in ``extend``
             (there over the cached ring's rows, then the chunk's).
+        attention: the attention kernel that computes the softmax over what each query reads
+            (``XlaAttention()``, the reference; any ``AbstractAttentionKernel``), in the
+            forward, the dense warm-up and ``extend``.
         qk_head_chunk_size: indexer heads (and, for the KL target, attention heads) scored
             at once (0 = all); must divide ``index_n_heads`` (and ``num_heads`` when the
             indexer loss is on).
-        query_block: queries per block of the sparse attention (0 = automatic).
+        query_block: queries per block of the sparse attention (0 = automatic:
+            ``csa_eqx.auto.attention_query_block``).
         save_selection: name the selection ``csa_eqx.SELECTION_NAME`` so that remat policies
             (``csa_eqx.remat.compose_selection_policy``) can save it.
         indexer_heads_axis: mesh axis to shard the indexer's per-head activations over
@@ -100,6 +108,7 @@ class Execution(eqx.Module):
     selection: AbstractSelection = AutoSelection()
     picks: AbstractPicks = AutoPicks()
     window: AbstractWindow = BandWindow()
+    attention: AbstractAttentionKernel = XlaAttention()
     qk_head_chunk_size: int = 0
     query_block: int = 0
     save_selection: bool = False
@@ -137,6 +146,12 @@ class Execution(eqx.Module):
             "tiles",
             "must be None or a csa_eqx.TileSizes",
             self.tiles,
+        )
+        _require(
+            isinstance(self.attention, AbstractAttentionKernel),
+            "attention",
+            "must be a csa_eqx attention kernel (XlaAttention() or an AbstractAttentionKernel)",
+            self.attention,
         )
         axis = self.indexer_heads_axis
         _require(
@@ -312,14 +327,14 @@ class Execution(eqx.Module):
             return x
         return constrain_heads(x, self.indexer_heads_axis)
 
-    def entry_parts(
+    def entry_reads(
         self,
         keys: Float[Array, "batch entries dim"],
         visibility: Visibility,
         selection: Int[Array, "batch seq k"] | None,
         stage: str,
         values: Float[Array, "batch entries vdim"] | None = None,
-    ) -> tuple[DenseKeys | None, Int[Array, "batch seq n"]]:
+    ) -> Reads:
         """How each query reads the entries (V4: compressed entries, V3.2: tokens): every
         visible one by one matmul without a ``selection`` (HCA) or in the ``"dense"`` warm-up,
         else its picks as ``picks`` says. Forward and ``extend`` both read them this way.
@@ -328,13 +343,36 @@ class Execution(eqx.Module):
         int32 ``selection [B, S, k]`` (``-1`` = none; ``None`` = every visible entry) and the
         training ``stage``.
 
-        Returns: ``(dense, indices)`` for ``sparse_attention``: entries attended by matmul (or
-        ``None``) and per-query entry indices to gather (``[B, S, 0]`` when none).
+        Returns: the entries' ``Reads`` (dense entries, masked dense entries or gathered rows).
         """
         if selection is None or stage == "dense":
-            dense = DenseKeys(keys, visibility.layout, *visibility[:2], values)
-            return dense, jnp.zeros((*visibility.query_index.shape, 0), jnp.int32)
-        return self.picks.parts(keys, visibility, selection, values)
+            return Reads(dense=DenseKeys(keys, visibility.layout, *visibility[:2], values))
+        return self.picks.reads(keys, visibility, selection, values)
+
+    def attend(
+        self,
+        q: Float[Array, "batch seq heads dim"],
+        reads: Reads,
+        sinks: Float[Array, " heads"] | None,
+        scale: float,
+        return_lse: bool = False,
+    ) -> (
+        Float[Array, "batch seq heads vdim"]
+        | tuple[Float[Array, "batch seq heads vdim"], Float[Array, "batch seq heads"]]
+    ):
+        """Run the ``attention`` kernel over ``reads`` with ``query_block`` queries per block
+        (automatic: ``csa_eqx.auto.attention_query_block``).
+
+        Arguments: the queries ``q [B, S, H, d]``, what they read, the per-head ``sinks``
+        (or ``None``), the softmax ``scale`` and whether to return the log-normalisers.
+
+        Returns: as ``AbstractAttentionKernel.attend``.
+        """
+        b, _, h, _ = q.shape
+        block = self.query_block or attention_query_block(b, h, reads)
+        return self.attention.attend(
+            q, reads, sinks, scale, return_lse=return_lse, query_block=block
+        )
 
     def problem(
         self,

@@ -32,7 +32,6 @@ from .numerics import V32_FORMATS, DeepSeekFormats
 from .ops import init_linear, linear, rms_norm, upcast
 from .rope import apply_rope_half_split, apply_rope_interleaved, rope_inv_freq, yarn_mscale
 from .selection import Visibility
-from .sparse import sparse_attention
 
 __all__ = ["V32Attention", "V32Indexer"]
 
@@ -220,19 +219,10 @@ class V32Attention(AbstractIndexedAttention):
     def _attend(self, queries, keys, visibility, selection, stage, return_lse=False):
         """MLA over the tokens the stage reads (forward and ``extend``): every visible one in
         the dense warm-up, else the picks as ``execution.picks`` says."""
+        ex = self.execution
         values = keys[..., : self.config.kv_lora_rank]
-        dense, indices = self.execution.entry_parts(keys, visibility, selection, stage, values)
-        return sparse_attention(
-            queries,
-            keys,
-            indices,
-            None,
-            self.softmax_scale,
-            values=values,
-            return_lse=return_lse,
-            query_block=self.execution.query_block,
-            dense=dense,
-        )
+        reads = ex.entry_reads(keys, visibility, selection, stage, values)
+        return ex.attend(queries, reads, None, self.softmax_scale, return_lse=return_lse)
 
     def project_out(
         self, o: Float[Array, "batch seq heads kv_lora"]

@@ -38,7 +38,6 @@ from .numerics import V4_FORMATS, DeepSeekFormats
 from .ops import init_linear, linear, rms_norm
 from .rope import apply_rope_interleaved, rope_inv_freq
 from .selection import Visibility
-from .sparse import DenseKeys, sparse_attention
 
 __all__ = ["V4Attention", "Indexer"]
 
@@ -253,8 +252,8 @@ class V4Attention(AbstractIndexedAttention):
 
         # the window: token rows 0..L-1 of the keys, gathered or as a band
         local = token_rows(x, None)[1]
-        indices, band = ex.window.parts(local, seg, c.sliding_window)
-        keys, dense, selection, problem, entries = kv, None, None, None, None
+        reads = ex.window.reads(kv, local, seg, c.sliding_window)
+        selection, problem, entries = None, None, None
         if self.compressor is not None:
             visibility = Visibility(query_index, seg, rows.layout)
             entries = rows.gather(self.entries(x, positions, rows.own)).astype(kv.dtype)
@@ -264,24 +263,9 @@ class V4Attention(AbstractIndexedAttention):
                 own_keys = self.index_keys(jax.lax.stop_gradient(x), positions, rows.own)
                 problem = self.indexer_problem(x, qr, positions, rows.gather(own_keys), visibility)
                 selection = ex.select(problem, c.index_topk)
-            dense, picked = ex.entry_parts(entries, visibility, selection, stage)
-            if picked.shape[-1]:  # picks gathered from the entries, stored after the L rows
-                picked = jnp.where(picked >= 0, picked + x.shape[1], -1)
-                indices = jnp.concatenate([indices, picked], axis=-1)
-                keys = jnp.concatenate([kv, entries], axis=1)
+            reads = reads.join(ex.entry_reads(entries, visibility, selection, stage))
 
-        o = sparse_attention(
-            q,
-            keys,
-            indices,
-            self.sinks,
-            c.head_dim**-0.5,
-            return_lse=want_loss,
-            query_block=ex.query_block,
-            dense=dense,
-            window=band,
-            segment=seg,
-        )
+        o = ex.attend(q, reads, self.sinks, c.head_dim**-0.5, return_lse=want_loss)
         target = None
         if want_loss:
             o, lse = o
@@ -328,18 +312,10 @@ class V4Attention(AbstractIndexedAttention):
         layout = entry_layout(seg, c.compress_rate)
         visibility = Visibility(query_index, seg, layout)
         entries = self.entries(x, positions, layout).astype(kv.dtype)
-        _, lse = sparse_attention(
-            q,
-            kv,
-            jnp.zeros((*query_index.shape, 0), jnp.int32),
-            self.sinks,
-            c.head_dim**-0.5,
-            return_lse=True,
-            query_block=ex.query_block,
-            dense=DenseKeys(entries, layout, query_index, seg),
-            window=c.sliding_window,
-            segment=seg,
-        )
+        # the window and every visible entry (the dense stage's reads), as the forward reads
+        reads = ex.window.reads(kv, query_index, seg, c.sliding_window)
+        reads = reads.join(ex.entry_reads(entries, visibility, None, "dense"))
+        _, lse = ex.attend(q, reads, self.sinks, c.head_dim**-0.5, return_lse=True)
         target = AttentionTarget(q, entries, lse, c.head_dim**-0.5)
         mass = attention_target(target, visibility.mask(), head_chunk=ex.qk_head_chunk_size)
         problem = self.indexer_problem(
@@ -386,13 +362,14 @@ class V4Attention(AbstractIndexedAttention):
         c, ex = self.config, self.execution
         b, seq = rows.segment.shape
         qr, q, kv = self.project_qkv(x, rows.position)
-        ring = cache.window_kv.shape[1]
         # the window over [ring ; chunk] rows, read as the forward reads it (the band)
         local = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq))
-        history = cache.window_segment
-        indices, band = ex.window.parts(local, rows.segment, c.sliding_window, history)
         keys = jnp.concatenate([cache.window_kv, kv.astype(cache.window_kv.dtype)], axis=1)
-        selection, dense = None, None
+        history = cache.window_segment
+        reads = ex.window.reads(
+            keys.astype(q.dtype), local, rows.segment, c.sliding_window, history
+        )
+        selection = None
         new = dict(
             length=rows.new_length,
             position=rows.new_position,
@@ -433,23 +410,9 @@ class V4Attention(AbstractIndexedAttention):
                     x, qr, rows.position, new["indexer"].entries, visibility
                 )
                 selection = ex.select(problem, c.index_topk)  # the forward's strategy
-            dense, picked = ex.entry_parts(entries, visibility, selection, stage)  # as forward
-            if picked.shape[-1]:  # gathered from the entries, stored after ring and chunk
-                picked = jnp.where(picked >= 0, picked + ring + seq, -1)
-                indices = jnp.concatenate([indices, picked], axis=-1)
-                keys = jnp.concatenate([keys, entries.astype(keys.dtype)], axis=1)
+            # as the forward reads them
+            reads = reads.join(ex.entry_reads(entries, visibility, selection, stage))
 
-        o = sparse_attention(
-            q,
-            keys.astype(q.dtype),
-            indices,
-            self.sinks,
-            c.head_dim**-0.5,
-            query_block=ex.query_block,
-            dense=dense,
-            window=band,
-            segment=rows.segment,
-            window_history=history,
-        )
+        o = ex.attend(q, reads, self.sinks, c.head_dim**-0.5)
         y = self.project_out(o, rows.position)
         return y, dataclasses.replace(cache, **new), selection

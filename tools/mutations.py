@@ -77,7 +77,7 @@ MUTATIONS = [
     Mutation(
         "sink_dropped",
         "attention sink left out of the softmax denominator",
-        "csa_eqx/sparse.py",
+        "csa_eqx/_attention_xla.py",
         "        denom = denom + jnp.exp(sink - peak)\n",
         "        denom = denom\n",
         ("tests/test_v4_parity.py::test_matches_hf", "tests/test_decode_hf.py"),
@@ -85,7 +85,7 @@ MUTATIONS = [
     Mutation(
         "window_off_by_one",
         "banded sliding window one token too wide",
-        "csa_eqx/sparse.py",
+        "csa_eqx/_attention_xla.py",
         "mask = (token >= -before) & (lag >= 0) & (lag < window)",
         "mask = (token >= -before) & (lag >= 0) & (lag <= window)",
         ("tests/test_v4_parity.py::test_matches_hf",),
@@ -93,7 +93,7 @@ MUTATIONS = [
     Mutation(
         "decode_window_short",
         "decode reads one window key fewer (the oldest cached ring row)",
-        "csa_eqx/sparse.py",
+        "csa_eqx/_attention_xla.py",
         "mask = (token >= -before)",
         "mask = (token >= 1 - before)",
         ("tests/test_decode_hf.py",),
