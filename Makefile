@@ -30,7 +30,8 @@ venv: $(STAMP)
 # Two pytest workers per interpreter (compiling is mostly single-threaded), whole modules per
 # worker; each worker drops a module's compiled programs when it ends (tests/conftest.py): one
 # process holding every compiled program of the suite crashed inside XLA's CPU compiler.
-PYTEST := -q -n 2 --dist loadfile
+# Modules go out slowest first (tests/module_seconds.json, see tests/conftest.py), not by count.
+PYTEST := -q -n 2 --dist loadfile --no-loadscope-reorder
 # JAX's persistent compilation cache, one per interpreter (JAX versions do not share entries),
 # emptied at the start of every `make test` / `make demo` so that no run reuses another's
 # programs: it serves a program compiled again within the run (each module's programs are
