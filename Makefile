@@ -30,20 +30,31 @@ venv: $(STAMP)
 # Two pytest workers per interpreter (compiling is mostly single-threaded), whole modules per
 # worker; each worker drops a module's compiled programs when it ends (tests/conftest.py): one
 # process holding every compiled program of the suite crashed inside XLA's CPU compiler.
-PYTEST := -q -n 2 --dist loadfile
+# Modules go out slowest first (tests/module_seconds.json, see tests/conftest.py), not by count.
+PYTEST := -q -n 2 --dist loadfile --no-loadscope-reorder
+# JAX's persistent compilation cache, one per interpreter (JAX versions do not share entries),
+# emptied at the start of every `make test` / `make demo` so that no run reuses another's
+# programs: it serves a program compiled again within the run (each module's programs are
+# dropped when it ends; the other worker; the end-to-end tests' subprocesses; the demo's
+# dense control compiles the main run's dense and warm-up programs). Every program is kept.
+CACHE := $(abspath build/jax-cache)
+CACHE_ENV = JAX_COMPILATION_CACHE_DIR=$(CACHE)/$(1) JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+	JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1
 test: $(STAMP) $(STAMP312)
 	$(BIN)/ruff check csa_eqx tests benchmarks
-	rm -rf $(REPORTS) && mkdir -p $(REPORTS)
-	$(BIN)/python -m pytest $(PYTEST) --junitxml=$(REPORTS)/py311.xml
-	$(VENV312)/bin/python -m pytest $(PYTEST) --torch-free --junitxml=$(REPORTS)/py312.xml
+	rm -rf $(REPORTS) $(CACHE)/py311 $(CACHE)/py312 && mkdir -p $(REPORTS)
+	$(call CACHE_ENV,py311) $(BIN)/python -m pytest $(PYTEST) --junitxml=$(REPORTS)/py311.xml
+	$(call CACHE_ENV,py312) $(VENV312)/bin/python -m pytest $(PYTEST) --torch-free \
+		--junitxml=$(REPORTS)/py312.xml
 	$(BIN)/python tools/test_timing.py $(REPORTS)/py311.xml $(REPORTS)/py312.xml
 
 demo: $(STAMP)
-	$(BIN)/csa-eqx train --name demo
+	rm -rf $(CACHE)/demo
+	$(call CACHE_ENV,demo) $(BIN)/csa-eqx train --name demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check csa_eqx tests benchmarks
 	$(BIN)/ruff format --check csa_eqx tests benchmarks
 
 clean:
-	rm -rf $(VENV) $(VENV312) $(REPORTS)
+	rm -rf $(VENV) $(VENV312) $(REPORTS) $(CACHE)

@@ -110,8 +110,8 @@ class Profile:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    jax.config.update("jax_num_cpu_devices", 4)  # as `csa-eqx train --devices 4` (the default)
     args = build_parser().parse_args(["train", *argv])
+    jax.config.update("jax_num_cpu_devices", args.devices)  # as `csa-eqx train --devices N`
     cfg = train_config(args)
     profile = Profile()
     profile.install()

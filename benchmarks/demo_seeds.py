@@ -3,37 +3,90 @@
 ``python -m benchmarks.demo_seeds [--seeds 0,1,2,3,4] [--controls] [--out docs/demo_seeds.md]``
 runs one ``csa-eqx train`` process per seed, one after the other (each run alone on the machine,
 so its wall time is the one a user sees), and writes the success rate, each seed's metrics and
-their spread to ``--out``. A finished run found in ``--runs`` is reused, so an interrupted sweep
-resumes. Not part of ``make test``: it takes about ``5 x`` one run's time.
+their spread to ``--out``. A finished run found in ``--runs`` is reused when its report's
+configuration is the one this command would train (so an interrupted sweep resumes); a report of
+another configuration (e.g. older defaults) is deleted and its seed run again. Each seed's run has
+its own empty compilation cache. Not part of ``make test``: it takes about ``5 x`` one run's
+time.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+from csa_eqx.demo.cli import build_parser, train_config
 from csa_eqx.demo.config import LOSS_WINDOW, TARGETS
 
 from .harness import machine_info, machine_markdown, table
 
 
+def seed_flags(seed: int, runs: Path, controls: bool, extra: list[str]) -> list[str]:
+    """The ``csa-eqx train`` flags of one seed's run."""
+    flags = [f"--runs={runs}", f"--name=seed{seed}", f"--seed={seed}", *extra]
+    return flags + ([] if controls else ["--controls=none"])
+
+
+def expected_config(flags: list[str]) -> dict:
+    """The ``config`` that a run with ``flags`` writes into its report (as JSON reads it back),
+    without ``controls``: whether the controls ran is checked from the report's results."""
+    config = dataclasses.asdict(train_config(build_parser().parse_args(["train", *flags])))
+    config = json.loads(json.dumps(config))
+    del config["controls"]
+    return config
+
+
+def reusable(report: dict, flags: list[str], controls: bool) -> str | None:
+    """Why the finished ``report`` found in a seed's folder cannot stand for a run with
+    ``flags`` (``None`` when it can): unfinished, without the asked-for controls, or written
+    by another configuration (other defaults or flags, e.g. an older recipe)."""
+    if not report.get("finished"):
+        return "unfinished"
+    if controls and not report.get("controls"):
+        return "without controls"
+    saved = {k: v for k, v in report.get("config", {}).items() if k != "controls"}
+    expected = expected_config(flags)
+    changed = sorted(k for k in set(saved) | set(expected) if saved.get(k) != expected.get(k))
+    return f"another configuration (differs in {changed})" if changed else None
+
+
 def run_seed(seed: int, runs: Path, controls: bool, extra: list[str]) -> dict:
-    """The report of ``csa-eqx train --seed SEED`` (run now, or reused when finished)."""
+    """The report of ``csa-eqx train --seed SEED``: run now in a fresh folder, or reused when a
+    finished run of the same configuration is there (a stale one is deleted and run again).
+    Each run gets its own empty compilation cache (``folder/jax-cache``; the main run and its
+    controls share it, as in ``make demo``), so its wall time is a fresh clone's."""
     folder = runs / f"seed{seed}"
     report_file = folder / "report.json"
+    flags = seed_flags(seed, runs, controls, extra)
     if report_file.exists():
         report = json.loads(report_file.read_text())
-        if report["finished"] and (report["controls"] or not controls):
+        why = reusable(report, flags, controls)
+        if why is None:
             return report
-    cmd = [sys.executable, "-m", "csa_eqx.demo.cli", "train", f"--runs={runs}"]
-    cmd += [f"--name=seed{seed}", f"--seed={seed}", *extra]
-    cmd += [] if controls else ["--controls=none"]
-    subprocess.run(cmd, check=True)
+        print(f"seed {seed}: not reusing {report_file} ({why}); running it again", flush=True)
+    if folder.exists():
+        shutil.rmtree(folder)
+    cmd = [sys.executable, "-m", "csa_eqx.demo.cli", "train", *flags]
+    env = {**os.environ, **compilation_cache_env(folder / "jax-cache")}
+    subprocess.run(cmd, check=True, env=env)
     return json.loads(report_file.read_text())
+
+
+def compilation_cache_env(path: Path) -> dict:
+    """The environment that points JAX's persistent compilation cache at ``path`` and keeps
+    every program there (``make demo`` sets the same for ``build/demo-cache``)."""
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(path),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+    }
 
 
 def _metric(value: float | None) -> str:

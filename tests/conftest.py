@@ -1,7 +1,9 @@
 """Test set-up: 8 simulated CPU devices and float32 reference numerics; ``--torch-free`` selects
 the tests that need neither torch nor transformers (the ``hf`` extra)."""
 
+import json
 import os
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (
@@ -49,7 +51,22 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+# Each module's share of a run (seconds of test time on the 2-core machine, from the last
+# measured `make test`; `python tools/test_timing.py build/test/py311.xml --write-weights
+# tests/module_seconds.json` refreshes it). `make test` hands whole modules to its two workers
+# in this order, slowest first (xdist's `--no-loadscope-reorder` keeps the collection order),
+# so that no long module starts last and runs alone while the other worker idles. A module
+# missing from the file comes after the listed ones, in collection order.
+MODULE_SECONDS = Path(__file__).with_name("module_seconds.json")
+
+
+def _module_order(items) -> None:
+    seconds = json.loads(MODULE_SECONDS.read_text()) if MODULE_SECONDS.exists() else {}
+    items.sort(key=lambda item: -seconds.get(item.path.name, 0.0))  # stable within a module
+
+
 def pytest_collection_modifyitems(config, items):
+    _module_order(items)
     for item in items:
         if item.path.name in TORCH_MODULES:
             item.add_marker(pytest.mark.torch)

@@ -21,3 +21,10 @@ def test_sweep_writes_the_success_rate_and_reuses_finished_runs(tmp_path):
     stamp = (runs / "seed3" / "report.json").stat().st_mtime_ns
     demo_seeds.main(["--seeds", "3", "--runs", str(runs), "--out", str(out), *flags])
     assert (runs / "seed3" / "report.json").stat().st_mtime_ns == stamp  # reused, not rerun
+    flags = demo_seeds.seed_flags(3, runs, False, flags)
+    assert demo_seeds.reusable(report, flags, controls=False) is None
+    assert demo_seeds.reusable(report, flags, controls=True) == "without controls"
+    older = {**report, "config": {**report["config"], "dense_steps": 300, "sparse_lr_scale": 1}}
+    why = demo_seeds.reusable(older, flags, controls=False)  # e.g. a run of the old defaults
+    assert why == "another configuration (differs in ['dense_steps', 'sparse_lr_scale'])"
+    assert demo_seeds.reusable({**report, "finished": False}, flags, False) == "unfinished"

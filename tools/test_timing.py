@@ -9,6 +9,7 @@ tear-down. With two workers a run's wall time is about half the sum of its tests
 """
 
 import argparse
+import json
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -27,12 +28,36 @@ def read_run(path: Path) -> tuple[dict, list[tuple[float, str]]]:
     return totals, tests
 
 
+def module_seconds(tests: list[tuple[float, str]]) -> dict[str, float]:
+    """Summed test seconds per test module file (``test_x.py``)."""
+    out: dict[str, float] = {}
+    for seconds, name in tests:
+        parts = name.split("::")[0].split(".")
+        module = next((p for p in parts if p.startswith("test_")), parts[-1]) + ".py"
+        out[module] = out.get(module, 0.0) + seconds
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("reports", nargs="+", type=Path)
     parser.add_argument("--slowest", type=int, default=8)
+    parser.add_argument("--modules", type=int, default=6, help="slowest modules shown per run")
+    parser.add_argument(
+        "--write-weights",
+        type=Path,
+        help="write each module's test seconds (JSON) for tests/conftest.py's module order: "
+        "from the first report that has the module",
+    )
     args = parser.parse_args(argv)
     runs = [(path, *read_run(path)) for path in args.reports]
+    if args.write_weights:
+        weights: dict[str, float] = {}
+        for _, _, tests in runs:
+            for module, seconds in module_seconds(tests).items():
+                weights.setdefault(module, round(seconds, 1))
+        ordered = dict(sorted(weights.items(), key=lambda kv: -kv[1]))
+        args.write_weights.write_text(json.dumps(ordered, indent=1) + "\n")
     print("\n== test timing ==")
     for path, totals, tests in runs:
         busy = sum(t for t, _ in tests)
@@ -46,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"slowest in {path.stem}:")
         for seconds, name in sorted(tests, reverse=True)[: args.slowest]:
             print(f"  {seconds:6.1f} s  {name}")
+        modules = sorted(module_seconds(tests).items(), key=lambda kv: -kv[1])
+        shown = ", ".join(f"{m} {s:.0f} s" for m, s in modules[: args.modules])
+        print(f"  slowest modules (a module runs on one worker): {shown}")
     return 0
 
 
