@@ -156,10 +156,9 @@ def picked_mask(
     return scatter_rows(slot, jnp.ones(picks.shape, bool), entries, False)
 
 
-_BLOCK_ELEMENTS = 1 << 24
-
-
-def sparse_query_block(batch: int, heads: int, dim: int, k: int, entries: int = 0) -> int:
+def sparse_query_block(
+    batch: int, heads: int, dim: int, k: int, entries: int = 0, elements: int = 1 << 24
+) -> int:
     """The automatic query block of an attention over gathered picks (and dense entries; the
     sizing rule of ``csa_eqx.auto.attention_query_block``, here so that the streaming indexer
     loss sizes its blocks alike without importing the choosers): keeps the gathered
@@ -168,15 +167,15 @@ def sparse_query_block(batch: int, heads: int, dim: int, k: int, entries: int = 
     float32.
 
     Arguments: the sizes (``dim``: gathered key plus value channels per pick; ``entries``:
-    those attended by matmul, 0 = none).
+    those attended by matmul, 0 = none) and the block's budget of ``elements``.
 
     Returns: the query block, a power of two >= 1.
     """
-    return power_of_two_block(batch, k * (dim + heads) + entries * (heads + 1))
+    return power_of_two_block(batch, k * (dim + heads) + entries * (heads + 1), elements)
 
 
-def power_of_two_block(batch: int, per_row: int) -> int:
+def power_of_two_block(batch: int, per_row: int, elements: int = 1 << 24) -> int:
     """The largest power of two of query rows whose ``batch * per_row`` elements per row stay
-    within ``_BLOCK_ELEMENTS`` (at least 1)."""
-    rows = max(_BLOCK_ELEMENTS // max(batch * per_row, 1), 1)
+    within ``elements`` (at least 1)."""
+    rows = max(elements // max(batch * per_row, 1), 1)
     return 1 << (rows.bit_length() - 1)

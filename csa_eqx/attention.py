@@ -208,8 +208,8 @@ class AbstractIndexedAttention(eqx.Module):
         whole stream (prefill, chunked prefill or a decode step; docs/concepts.md, "Decoding:
         prefill and decode with a cache"). The indexer runs the forward's selection strategy
         and the chunk reads what the forward reads: the entries through
-        ``Execution.entry_parts`` and V4's sliding window through ``Execution.window`` over
-        ``[ring ; chunk]`` rows (``window_history=`` of ``sparse_attention``).
+        ``Execution.entry_reads`` and V4's sliding window through ``Execution.window`` over
+        ``[ring ; chunk]`` rows (``BandRows(history=...)``).
 
         Arguments:
             x: the chunk's hidden states ``[B, T, hidden]``.

@@ -31,6 +31,7 @@ __all__ = [
     "AutoPicks",
     "backend_tiles",
     "tile_elements",
+    "shared_tiles",
     "streams",
     "CPU_TILES",
     "ACCELERATOR_TILES",
@@ -52,6 +53,28 @@ def backend_tiles() -> TileSizes:
     (``CPU_TILES`` on CPU, ``ACCELERATOR_TILES`` elsewhere); ``Execution(tiles=None)``
     uses these."""
     return CPU_TILES if jax.default_backend() == "cpu" else ACCELERATOR_TILES
+
+
+def shared_tiles(tiles: TileSizes, devices: int) -> TileSizes:
+    """The tiles of one of ``devices`` that share a sequence (context parallelism), so that each
+    device's working buffers shrink with its share of the rows as its activations do: the
+    attention's query-block budget divided by ``devices`` (at least 2^20 elements), and the
+    selection's tile and row-buffer budget by ``devices**2`` (at least 2^18): a row buffer
+    ``[B, Qb, T]`` spans every entry of the whole sequence, so its query block must shrink
+    too (measured: docs/memory.md, "Context parallelism").
+
+    Arguments: the whole problem's ``tiles`` and the number of ``devices``.
+
+    Returns: the per-device ``TileSizes`` (key blocks, query-block caps and unrolling kept).
+    """
+
+    def share(elements: int, by: int, floor: int) -> int:
+        return max(elements // by, min(elements, floor))
+
+    return tiles._replace(
+        elements=share(tiles.elements, devices**2, 1 << 18),
+        attention_elements=share(tiles.attention_elements, devices, 1 << 20),
+    )
 
 
 def tile_elements() -> int:
@@ -154,13 +177,14 @@ class AutoPicks(AbstractPicks):
         return self.choose(keys.shape[1], picks.shape[-1]).reads(keys, visibility, picks, values)
 
 
-def attention_query_block(batch: int, heads: int, reads: Reads) -> int:
+def attention_query_block(batch: int, heads: int, reads: Reads, elements: int = 1 << 24) -> int:
     """The attention kernel's automatic query block for ``reads``: as ``sparse_query_block``
     for the gathered rows (summed over the read sets) and the dense entries, and with a band
     at most the power of two above ``window - 1`` (each block reads a slab of
     ``block + window - 1`` rows: keep the block near the window).
 
-    Arguments: the queries' ``batch`` and ``heads`` and the ``csa_eqx.Reads`` they attend.
+    Arguments: the queries' ``batch`` and ``heads``, the ``csa_eqx.Reads`` they attend and the
+    block's budget of ``elements`` (``TileSizes.attention_elements``).
 
     Returns: the query block, a power of two >= 1.
     """
@@ -170,7 +194,7 @@ def attention_query_block(batch: int, heads: int, reads: Reads) -> int:
         per_row += g.indices.shape[-1] * (width + heads)
     if reads.dense is not None:  # logits and mask per entry
         per_row += reads.dense.keys.shape[1] * (heads + 1)
-    block = power_of_two_block(batch, per_row)
+    block = power_of_two_block(batch, per_row, elements)
     if reads.band is not None:
         block = min(block, 1 << max(reads.band.window - 1, 1).bit_length())
     return block

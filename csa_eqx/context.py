@@ -106,7 +106,8 @@ class ContextParallel(AbstractPlacement):
     def run(self, body: Body, layer: eqx.Module, x: Float[Array, "batch seq hidden"], rows: Rows):
         """The body over this device's zigzag chunks, each with its halo (``layer.context_halo``
         rows) and the entries its rows close (``layer.entry_rate`` rows per entry), gathered
-        into every slot's by ``rows.gather``; each chunk's shard runs ``inner``. See
+        into every slot's by ``rows.gather``; each chunk's shard runs ``inner``, with the
+        layer's tiles shared over the devices (``layer.execution.sharing``). See
         ``AbstractPlacement.run``: ``y`` and ``selection`` come back ``[B, S, ...]`` as one
         device returns them, the ``sums`` over each shard's own rows summed."""
         mesh = mesh_with_axis(self.axis, "Execution.context", self.mesh)
@@ -163,7 +164,10 @@ class ContextParallel(AbstractPlacement):
                 own = EntryLayout(*(_chunk_rows(a, 2) for a in own))
                 layout = EntryLayout(*(jnp.repeat(a, 2, axis=0) for a in layout))
             rows = Rows(*ints, own, layout, lambda e: _gather_entries(e, plan, axis))
-            y, selection, sums = self.inner.run(body, eqx.combine(params, static), x, rows)
+            # each device's working buffers sized for its share of the rows (same results)
+            shard = eqx.combine(params, static)
+            shard = shard.with_execution(shard.execution.sharing(n))
+            y, selection, sums = self.inner.run(body, shard, x, rows)
             y = _unzigzag(_own_rows(y, plan), plan, axis)
             if selection is not None:
                 selection = _unzigzag(_own_rows(selection, plan), plan, axis)

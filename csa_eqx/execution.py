@@ -12,6 +12,7 @@ automatic for the backend (``AutoSelection``, ``AutoPicks``). The loaders' keywo
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Literal
 
@@ -28,7 +29,14 @@ from ._scorer import AbstractScorer
 from ._scorer_xla import XlaScorer
 from ._selection_sharded import ShardedSelection
 from ._window import AbstractWindow, BandWindow
-from .auto import AutoIndexerLoss, AutoPicks, AutoSelection, attention_query_block, backend_tiles
+from .auto import (
+    AutoIndexerLoss,
+    AutoPicks,
+    AutoSelection,
+    attention_query_block,
+    backend_tiles,
+    shared_tiles,
+)
 from .context import ContextParallel
 from .deepseek_numerics import DeepSeekInference
 from .heads import HeadParallel
@@ -204,6 +212,16 @@ class Execution(eqx.Module):
             self.context,
         )
 
+    def sharing(self, devices: int) -> Execution:
+        """Arguments: the number of ``devices`` that share the sequence (context parallelism).
+
+        Returns: this execution with each device's tiles (``csa_eqx.auto.shared_tiles``: the
+        working buffers shrink with the device's share of the rows). Selections and outputs
+        do not change with the tiles.
+        """
+        tiles = backend_tiles() if self.tiles is None else self.tiles
+        return dataclasses.replace(self, tiles=shared_tiles(tiles, devices))
+
     @property
     def placement(self) -> AbstractPlacement:
         """Returns: where the forward runs: ``heads`` (else ``SingleDevice()``), wrapped in
@@ -369,7 +387,8 @@ class Execution(eqx.Module):
         Returns: as ``AbstractAttentionKernel.attend``.
         """
         b, _, h, _ = q.shape
-        block = self.query_block or attention_query_block(b, h, reads)
+        tiles = backend_tiles() if self.tiles is None else self.tiles
+        block = self.query_block or attention_query_block(b, h, reads, tiles.attention_elements)
         return self.attention.attend(
             q, reads, sinks, scale, return_lse=return_lse, query_block=block
         )

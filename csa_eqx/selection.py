@@ -224,12 +224,15 @@ class TileSizes(NamedTuple):
         key_block: automatic entries per key tile (default 128).
         max_query_block: largest automatic query block (default 256).
         unroll: unroll the radix select's 32 steps (``exact_topk``; default ``False``).
+        attention_elements: the elements one query block of the attention keeps (gathered
+            keys and logits, ``csa_eqx.auto.attention_query_block``; default 2^24).
     """
 
     elements: int = 1 << 24
     key_block: int = 128
     max_query_block: int = 256
     unroll: bool = False
+    attention_elements: int = 1 << 24
 
 
 _REFERENCE, _CPU_TILES = XlaScorer(), TileSizes()

@@ -222,8 +222,9 @@ def test_errors_name_axis_and_sizes():
 
 def test_compiled_memory_splits_over_the_context_axis(capfd):
     """Compile only: fwd+bwd of a CSA layer (hidden 1024, 16 heads x 256, indexer 16 x 64,
-    k = 256) at S = 32k needs at most 1.5 x (one device's temp / 8) per device on 8 devices,
-    and XLA reports no involuntary full rematerialisation."""
+    k = 256) at S = 32k needs at most 1.3 x (one device's temp / 8) per device on 8 devices
+    (each device's tiles shrink with its share of the rows: ``auto.shared_tiles``), and XLA
+    reports no involuntary full rematerialisation."""
     cfg = tiny("csa").__class__(
         hidden_size=1024,
         num_heads=16,
@@ -258,5 +259,5 @@ def test_compiled_memory_splits_over_the_context_axis(capfd):
     split = temp(
         ce.Execution(context=ce.ContextParallel()), NamedSharding(mesh, P(None, "context"))
     )
-    assert split <= 1.5 * one / 8, (split / 2**30, one / 2**30)
+    assert split <= 1.3 * one / 8, (split / 2**30, one / 2**30)
     assert "Involuntary full rematerialization" not in capfd.readouterr().err
