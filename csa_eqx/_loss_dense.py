@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import jax
-from jaxtyping import Array, Float, Int
 
-from .loss import AbstractIndexerLoss, AttentionTarget, indexer_kl_loss, selection_mask
-from .selection import SelectionProblem
+from .loss import AbstractIndexerLoss, indexer_kl_loss, selection_mask
 
 __all__ = ["DenseIndexerLoss"]
 
@@ -19,12 +17,7 @@ class DenseIndexerLoss(AbstractIndexerLoss):
     Arguments: none.
     """
 
-    def loss(
-        self,
-        problem: SelectionProblem,
-        target: AttentionTarget,
-        selection: Int[Array, "batch seq k"] | None = None,
-    ) -> Float[Array, ""]:
+    def loss(self, problem, target, selection=None):
         rows = jax.lax.stop_gradient(problem.rows)
         keys, head_chunk = problem.keys, problem.head_chunk
         candidates = (

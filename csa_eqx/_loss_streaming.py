@@ -15,13 +15,13 @@ from typing import NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array
 
 from ._reads import gather_keys, sparse_query_block
 from .blocks import block_starts, key_block_ranges, take
 from .compressor import EntryLayout
-from .loss import AbstractIndexerLoss, AttentionTarget, row_kl, target_mass
-from .selection import SelectionProblem, entry_visibility
+from .loss import AbstractIndexerLoss, row_kl, target_mass
+from .selection import entry_visibility
 from .streaming import streaming_block_sizes
 
 __all__ = ["StreamingIndexerLoss"]
@@ -254,12 +254,7 @@ class StreamingIndexerLoss(AbstractIndexerLoss):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"StreamingIndexerLoss.{name} must be an int >= 0 (got {value!r})")
 
-    def loss(
-        self,
-        problem: SelectionProblem,
-        target: AttentionTarget,
-        selection: Int[Array, "batch seq k"] | None = None,
-    ) -> Float[Array, ""]:
+    def loss(self, problem, target, selection=None):
         b, s, t, heads = self.sizes(problem, target)
         project, head_chunk, index_keys = problem.project, problem.head_chunk, problem.keys
         query_index, query_segment, layout = problem.visibility

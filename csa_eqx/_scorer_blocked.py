@@ -6,7 +6,6 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
 
 from ._scorer import AbstractScorer
 from .indexer import indexer_scores
@@ -36,15 +35,7 @@ class BlockedScorer(AbstractScorer):
         if not isinstance(kb, int) or isinstance(kb, bool) or kb <= 0:
             raise ValueError(f"BlockedScorer.key_block must be an int > 0 (got {kb!r})")
 
-    def scores(
-        self,
-        q: Float[Array, "batch seq heads dim"],
-        weights: Float[Array, "batch seq heads"],
-        keys: Float[Array, "batch entries dim"],
-        *,
-        head_chunk: int = 0,
-        score_dtype: str | None = None,
-    ) -> Float[Array, "batch seq entries"]:
+    def scores(self, q, weights, keys, *, head_chunk=0, score_dtype=None):
         b, t, d = keys.shape
         kb = max(1, min(self.key_block, t))
         n = -(-t // kb)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from jaxtyping import Array, Float
-
 from ._scorer import AbstractScorer
 from .indexer import indexer_scores
 
@@ -17,13 +15,5 @@ class XlaScorer(AbstractScorer):
     Arguments: none.
     """
 
-    def scores(
-        self,
-        q: Float[Array, "batch seq heads dim"],
-        weights: Float[Array, "batch seq heads"],
-        keys: Float[Array, "batch entries dim"],
-        *,
-        head_chunk: int = 0,
-        score_dtype: str | None = None,
-    ) -> Float[Array, "batch seq entries"]:
+    def scores(self, q, weights, keys, *, head_chunk=0, score_dtype=None):
         return indexer_scores(q, weights, keys, head_chunk=head_chunk, score_dtype=score_dtype)

@@ -15,13 +15,13 @@ query blocks (``Execution(query_block=...)`` forces one).
 from __future__ import annotations
 
 import jax
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Int
 
 from ._loss_dense import DenseIndexerLoss
 from ._loss_streaming import StreamingIndexerLoss
 from ._picks import AbstractPicks, GatheredPicks, MaskedPicks
 from ._reads import Reads, power_of_two_block, sparse_query_block
-from .loss import AbstractIndexerLoss, AttentionTarget
+from .loss import AbstractIndexerLoss
 from .selection import AbstractSelection, DenseSelection, SelectionProblem, TileSizes
 from .streaming import StreamingSelection
 
@@ -145,12 +145,7 @@ class AutoIndexerLoss(AbstractIndexerLoss):
             return StreamingIndexerLoss(query_block=self.query_block)
         return DenseIndexerLoss()
 
-    def loss(
-        self,
-        problem: SelectionProblem,
-        target: AttentionTarget,
-        selection: Int[Array, "batch seq k"] | None = None,
-    ) -> Float[Array, ""]:
+    def loss(self, problem, target, selection=None):
         method = self.choose(*self.sizes(problem, target), problem.tiles)
         return method.loss(problem, target, selection)
 
