@@ -64,9 +64,9 @@ class TrainConfig:
     n_pairs: int = 1
     n_keys: int = 1
     n_values: int = 16
-    dense_steps: int = 100
-    warmup_steps: int = 10
-    sparse_steps: int = 20
+    dense_steps: int = 60
+    warmup_steps: int = 6
+    sparse_steps: int = 12
     learning_rate: float = 3e-3
     # the sparse phase's peak rate, as a fraction of learning_rate: the rate the dense phase
     # ends with (restarting at learning_rate made the near-zero loss jump ~1000x)
