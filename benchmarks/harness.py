@@ -28,8 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from csa_eqx import presets
-from csa_eqx.config import V4AttentionConfig, V32AttentionConfig
+from csa_eqx import V4AttentionConfig, V32AttentionConfig, presets
 
 GIB = 2.0**30
 

@@ -15,8 +15,8 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from csa_eqx import Execution, V4Attention, entry_layout, presets
-from csa_eqx.ops import linear, rms_norm
-from csa_eqx.rope import apply_rope_interleaved
+from csa_eqx._ops import linear, rms_norm
+from csa_eqx._rope import apply_rope_interleaved
 
 __all__ = ["naive_v4_csa"]
 

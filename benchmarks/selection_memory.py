@@ -26,8 +26,10 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import csa_eqx as ce  # noqa: E402
-from csa_eqx import presets  # noqa: E402
-from csa_eqx.compressor import EntryLayout  # noqa: E402
+from csa_eqx import (
+    EntryLayout,
+    presets,  # noqa: E402
+)
 
 from . import harness  # noqa: E402
 

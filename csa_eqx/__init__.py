@@ -1,46 +1,71 @@
 """csa_eqx: DeepSeek sparse attention (V4 CSA / HCA / sliding, V3.2 DSA) in JAX + Equinox."""
 
-from ._attention_kernel import AbstractAttentionKernel
-from ._attention_xla import XlaAttention
-from ._loss_dense import DenseIndexerLoss
-from ._loss_streaming import StreamingIndexerLoss
-from ._picks import AbstractPicks, GatheredPicks, MaskedPicks
-from ._placement import AbstractPlacement, SingleDevice
-from ._projected_loss import projected_indexer_kl_loss
-from ._reads import BandRows, DenseKeys, GatheredRows, Reads
-from ._scorer import AbstractScorer
-from ._scorer_blocked import BlockedScorer
-from ._scorer_xla import XlaScorer
-from ._selection_sharded import ShardedSelection
-from ._window import AbstractWindow, BandWindow, GatheredWindow
-from .auto import AutoIndexerLoss, AutoPicks, AutoSelection
-from .cache import CompressorState, V4Cache, V32Cache
-from .compressor import Compressor, EntryLayout, entry_layout, pool_windows, segment_positions
-from .config import V4AttentionConfig, V32AttentionConfig, YaRNScaling
-from .context import ContextParallel
-from .deepseek_numerics import DeepSeekInference
-from .execution import Execution, IndexerLossStage
-from .generate import generate
-from .heads import HeadParallel
-from .indexer import indexer_scores
-from .loss import AbstractIndexerLoss, AttentionTarget, indexer_kl_loss
-from .numerics import AbstractNumerics, ExactNumerics
-from .remat import SELECTION_NAME, compose_selection_policy
-from .selection import (
-    AbstractSelection,
-    DenseSelection,
-    SelectionProblem,
-    TileSizes,
-    Visibility,
-    entry_visibility,
-    select_topk,
-)
-from .sparse import sparse_attention
-from .streaming import StreamingSelection
-from .v4 import Indexer, V4Attention
-from .v32 import V32Attention, V32Indexer
+from ._attention import AbstractIndexedAttention as AbstractIndexedAttention
+from ._attention_kernel import AbstractAttentionKernel as AbstractAttentionKernel
+from ._attention_xla import XlaAttention as XlaAttention
+from ._auto import AutoIndexerLoss as AutoIndexerLoss
+from ._auto import AutoPicks as AutoPicks
+from ._auto import AutoSelection as AutoSelection
+from ._cache import CompressorState as CompressorState
+from ._cache import V4Cache as V4Cache
+from ._cache import V32Cache as V32Cache
+from ._compressor import Compressor as Compressor
+from ._compressor import pool_windows as pool_windows
+from ._config import V4AttentionConfig as V4AttentionConfig
+from ._config import V32AttentionConfig as V32AttentionConfig
+from ._config import YaRNScaling as YaRNScaling
+from ._context import ContextParallel as ContextParallel
+from ._deepseek_numerics import DeepSeekInference as DeepSeekInference
+from ._execution import Execution as Execution
+from ._execution import IndexerLossStage as IndexerLossStage
+from ._generate import generate as generate
+from ._heads import HeadParallel as HeadParallel
+from ._layout import EntryLayout as EntryLayout
+from ._layout import Visibility as Visibility
+from ._layout import entry_layout as entry_layout
+from ._layout import entry_visibility as entry_visibility
+from ._layout import segment_positions as segment_positions
+from ._loss import indexer_kl_loss as indexer_kl_loss
+from ._loss_dense import DenseIndexerLoss as DenseIndexerLoss
+from ._loss_streaming import StreamingIndexerLoss as StreamingIndexerLoss
+from ._numerics import AbstractNumerics as AbstractNumerics
+from ._numerics import ExactNumerics as ExactNumerics
+from ._picks import AbstractPicks as AbstractPicks
+from ._picks import GatheredPicks as GatheredPicks
+from ._picks import MaskedPicks as MaskedPicks
+from ._placement import AbstractPlacement as AbstractPlacement
+from ._placement import SingleDevice as SingleDevice
+from ._problem import AbstractIndexerLoss as AbstractIndexerLoss
+from ._problem import AbstractSelection as AbstractSelection
+from ._problem import SelectionProblem as SelectionProblem
+from ._projected_loss import projected_indexer_kl_loss as projected_indexer_kl_loss
+from ._reads import BandRows as BandRows
+from ._reads import DenseKeys as DenseKeys
+from ._reads import GatheredRows as GatheredRows
+from ._reads import Reads as Reads
+from ._scorer import AbstractScorer as AbstractScorer
+from ._scorer import XlaScorer as XlaScorer
+from ._scorer import indexer_scores as indexer_scores
+from ._scorer_blocked import BlockedScorer as BlockedScorer
+from ._selection_dense import DenseSelection as DenseSelection
+from ._selection_sharded import ShardedSelection as ShardedSelection
+from ._selection_streaming import StreamingSelection as StreamingSelection
+from ._sparse import sparse_attention as sparse_attention
+from ._target import AttentionTarget as AttentionTarget
+from ._tiles import TileSizes as TileSizes
+from ._topk import select_topk as select_topk
+from ._v4 import Indexer as Indexer
+from ._v4 import V4Attention as V4Attention
+from ._v32 import V32Attention as V32Attention
+from ._v32 import V32Indexer as V32Indexer
+from ._window import AbstractWindow as AbstractWindow
+from ._window import BandWindow as BandWindow
+from ._window import GatheredWindow as GatheredWindow
+from .remat import SELECTION_NAME as SELECTION_NAME
+from .remat import compose_selection_policy as compose_selection_policy
 
 __all__ = [
+    "AbstractIndexedAttention",
     "AbstractIndexerLoss",
     "AbstractAttentionKernel",
     "AbstractNumerics",

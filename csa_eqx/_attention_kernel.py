@@ -46,7 +46,7 @@ class AbstractAttentionKernel(eqx.Module):
             scale: softmax scale.
             return_lse: also return each head's float32 log-normaliser (sink included).
             query_block: queries per block (``>= 1``; ``Execution.attend`` resolves it with
-                ``csa_eqx.auto.attention_query_block``); a kernel may ignore it.
+                ``csa_eqx._auto.attention_query_block``); a kernel may ignore it.
 
         Returns:
             ``[B, S, H, vdim]`` in ``q``'s dtype; with ``return_lse``, ``(out, lse)`` with

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool
 
 from ._attention_kernel import AbstractAttentionKernel
+from ._layout import entry_visibility
 from ._reads import Reads, gather_keys, picked_mask
-from .selection import entry_visibility
 
 __all__ = ["XlaAttention"]
 

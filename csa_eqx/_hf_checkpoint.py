@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from .safetensors_io import decode_e8m0, read_safetensors, safetensors_header
+from ._safetensors_io import decode_e8m0, read_safetensors, safetensors_header
 
 
 def _dtype_name(value: Any) -> str:

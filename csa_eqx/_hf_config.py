@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import V4AttentionConfig, V32AttentionConfig, YaRNScaling
+from ._config import V4AttentionConfig, V32AttentionConfig, YaRNScaling
 
 _LAYER_KINDS = {  # HF layer type -> csa_eqx layer kind
     "sliding_attention": "sliding",

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import jax
 
-from .loss import AbstractIndexerLoss, indexer_kl_loss, selection_mask
+from ._loss import indexer_kl_loss, selection_mask
+from ._problem import AbstractIndexerLoss
 
 __all__ = ["DenseIndexerLoss"]
 
@@ -12,7 +13,7 @@ __all__ = ["DenseIndexerLoss"]
 class DenseIndexerLoss(AbstractIndexerLoss):
     """Score every query against every entry (the problem's scorer, float32 ``[B, S, T]``),
     then ``indexer_kl_loss`` over the visible (warm-up) or selected candidates. Fastest while
-    those tensors are small; see ``csa_eqx.auto.AutoIndexerLoss``.
+    those tensors are small; see ``csa_eqx.AutoIndexerLoss``.
 
     Arguments: none.
     """

@@ -17,12 +17,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from ._blocks import block_starts, key_block_ranges, take
+from ._layout import EntryLayout, entry_visibility
+from ._loss import row_kl, target_mass
+from ._problem import AbstractIndexerLoss
 from ._reads import gather_keys, sparse_query_block
-from .blocks import block_starts, key_block_ranges, take
-from .compressor import EntryLayout
-from .loss import AbstractIndexerLoss, row_kl, target_mass
-from .selection import entry_visibility
-from .streaming import streaming_block_sizes
+from ._tiles import streaming_block_sizes
 
 __all__ = ["StreamingIndexerLoss"]
 
@@ -240,7 +240,7 @@ class StreamingIndexerLoss(AbstractIndexerLoss):
 
     Arguments:
         key_block: entries per key tile of the warm-up (0 = automatic, see
-            ``csa_eqx.streaming.streaming_block_sizes``).
+            ``csa_eqx._tiles.streaming_block_sizes``).
         query_block: queries per block (0 = automatic; the sparse stage's automatic block is
             ``csa_eqx._reads.sparse_query_block``).
     """

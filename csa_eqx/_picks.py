@@ -8,8 +8,8 @@ import abc
 import equinox as eqx
 from jaxtyping import Array, Float, Int
 
+from ._layout import Visibility
 from ._reads import DenseKeys, GatheredRows, Reads
-from .selection import Visibility
 
 __all__ = ["AbstractPicks", "GatheredPicks", "MaskedPicks"]
 

@@ -4,8 +4,8 @@ A placement runs ``body(layer, x, rows)`` -- a forward over ``Rows``, returning 
 selection or None, sums)`` with ``sums`` a tuple of float32 scalars over its own rows -- and
 returns ``(y, selection, sums)`` as one device would: ``y`` and ``selection`` ``[B, S, ...]``
 and the ``sums`` summed over every device that computed a share. ``SingleDevice`` calls the
-body; ``HeadParallel`` (heads.py) splits the attention heads over a mesh axis and
-``ContextParallel`` (context.py) the sequence, wrapping another placement (``inner``) that
+body; ``HeadParallel`` (_heads.py) splits the attention heads over a mesh axis and
+``ContextParallel`` (_context.py) the sequence, wrapping another placement (``inner``) that
 runs inside its ``shard_map``: context around heads composes by wrapping.
 """
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from jaxtyping import Array, Float, Int
 
-from .auto import AutoIndexerLoss
-from .loss import AbstractIndexerLoss, AttentionTarget
-from .selection import SelectionProblem
+from ._auto import AutoIndexerLoss
+from ._problem import AbstractIndexerLoss, SelectionProblem
+from ._target import AttentionTarget
 
 __all__ = ["projected_indexer_kl_loss"]
 

@@ -21,8 +21,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
-from .compressor import EntryLayout
-from .selection import scatter_rows
+from ._layout import EntryLayout, scatter_rows
 
 __all__ = [
     "Reads",
@@ -160,7 +159,7 @@ def sparse_query_block(
     batch: int, heads: int, dim: int, k: int, entries: int = 0, elements: int = 1 << 24
 ) -> int:
     """The automatic query block of an attention over gathered picks (and dense entries; the
-    sizing rule of ``csa_eqx.auto.attention_query_block``, here so that the streaming indexer
+    sizing rule of ``csa_eqx._auto.attention_query_block``, here so that the streaming indexer
     loss sizes its blocks alike without importing the choosers): keeps the gathered
     ``[B, Qb, k, dim]`` keys (and values) plus the ``[B, Qb, H, k]`` logits of one block, and
     the ``[B, Qb, H, entries]`` logits and mask of entries attended by matmul, near 64 MiB of

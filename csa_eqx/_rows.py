@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from jaxtyping import Array, Int
 
-from .compressor import EntryLayout, entry_layout
+from ._layout import EntryLayout, entry_layout
 
 __all__ = ["Rows", "whole_rows"]
 

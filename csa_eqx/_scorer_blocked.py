@@ -7,8 +7,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ._scorer import AbstractScorer
-from .indexer import indexer_scores
+from ._scorer import AbstractScorer, indexer_scores
 
 __all__ = ["BlockedScorer"]
 

@@ -18,10 +18,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Int
 
+from ._auto import AutoSelection
+from ._layout import EntryLayout, Visibility
 from ._mesh import MeshLike, batch_axis, is_manual, mesh_with_axis, place, row_spec, run_sharded
-from .auto import AutoSelection
-from .compressor import EntryLayout
-from .selection import AbstractSelection, SelectionProblem, Visibility
+from ._problem import AbstractSelection, SelectionProblem
 
 __all__ = ["ShardedSelection"]
 

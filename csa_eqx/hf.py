@@ -19,6 +19,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ._config import V4AttentionConfig
+from ._deepseek_numerics import DeepSeekInference
+from ._execution import Execution
 from ._hf_checkpoint import load_tree, read_config, read_layer, rename, strip_prefix
 from ._hf_config import (
     as_dict,
@@ -30,12 +33,9 @@ from ._hf_config import (
     v32_layer_config,
     v32_scale_fmt,
 )
-from .config import V4AttentionConfig
-from .deepseek_numerics import DeepSeekInference
-from .execution import Execution
-from .safetensors_io import SafetensorsError, read_safetensors
-from .v4 import V4Attention
-from .v32 import V32Attention
+from ._safetensors_io import SafetensorsError, read_safetensors
+from ._v4 import V4Attention
+from ._v32 import V32Attention
 
 __all__ = [
     "SafetensorsError",

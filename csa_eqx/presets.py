@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from .config import SHARED_SIZES, V4AttentionConfig, V32AttentionConfig
+from ._config import SHARED_SIZES, V4AttentionConfig, V32AttentionConfig
 
 __all__ = [
     "LayerKind",
@@ -112,7 +112,7 @@ def tiny_v4(kind: LayerKind = "csa", **overrides) -> V4AttentionConfig:
 
 
 def v32_sized_as(config: V4AttentionConfig, **fields) -> V32AttentionConfig:
-    """A V3.2 layer with a V4 layer's shared sizes (``csa_eqx.config.SHARED_SIZES``: width,
+    """A V3.2 layer with a V4 layer's shared sizes (``csa_eqx._config.SHARED_SIZES``: width,
     attention heads, query LoRA rank, indexer heads, head dim and k).
 
     Arguments:

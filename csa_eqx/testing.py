@@ -27,7 +27,7 @@ from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
     DeepseekV32RotaryEmbedding,
 )
 
-from .config import V4AttentionConfig, V32AttentionConfig, YaRNScaling
+from ._config import V4AttentionConfig, V32AttentionConfig, YaRNScaling
 from .hf import v4_config_from_hf, v32_config_from_hf
 
 __all__ = [

@@ -28,7 +28,7 @@ def make_inputs():
     """Deterministic packed inputs (numpy), with many exact score ties."""
     import jax.numpy as jnp
 
-    from csa_eqx.compressor import entry_layout
+    from csa_eqx import entry_layout
 
     r = np.random.default_rng(7)
     b, s, h, d = 2, 40, 4, 8
@@ -119,7 +119,7 @@ def main(process_id: int, port: int, out: str) -> None:
     from jax.sharding import PartitionSpec as P
     from selection_helpers import sharded_selected
 
-    from csa_eqx.compressor import EntryLayout
+    from csa_eqx import EntryLayout
 
     assert jax.process_count() == 2 and jax.device_count() == 8
     results = {}

@@ -7,8 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from csa_eqx import V4Attention, V32Attention
-from csa_eqx.config import YaRNScaling
+from csa_eqx import V4Attention, V32Attention, YaRNScaling
 from csa_eqx.presets import tiny_v4, tiny_v32
 
 

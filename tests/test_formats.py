@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from csa_eqx.formats import (
+from csa_eqx._formats import (
     FP4_E2M1_MAX,
     FP8_E4M3_MAX,
     fp4_e2m1_round_trip,

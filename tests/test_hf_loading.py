@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import DeepseekV4ForCausalLM
 
+from csa_eqx._safetensors_io import decode_e8m0
 from csa_eqx.hf import (
     load_v4_attention,
     load_v4_attention_from_safetensors,
@@ -18,7 +19,6 @@ from csa_eqx.hf import (
     v4_config_from_hf,
 )
 from csa_eqx.presets import tiny_v4, tiny_v32
-from csa_eqx.safetensors_io import decode_e8m0
 from csa_eqx.testing import (
     TINY_YARN,
     hf_v4_config,

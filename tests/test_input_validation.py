@@ -1,5 +1,5 @@
 """Bad input to the layers' public calls gets an error naming the argument, the expected and the
-actual value, before any compute; empty inputs get empty outputs (``csa_eqx.checks``).
+actual value, before any compute; empty inputs get empty outputs (``csa_eqx._checks``).
 
 The test session type-checks every ``csa_eqx`` function (``--jaxtyping-packages``); users get
 that only on ``__call__`` (``@jaxtyped``), so the ``extend`` tests switch it off to see what a

@@ -14,11 +14,17 @@ import pytest
 from jaxpr_helpers import primitives, walk_avals
 
 import csa_eqx as ce
-from csa_eqx import V4Attention, entry_layout, projected_indexer_kl_loss
-from csa_eqx.indexer import indexer_scores
-from csa_eqx.loss import indexer_kl_loss, selection_mask
+from csa_eqx import (
+    V4Attention,
+    entry_layout,
+    entry_visibility,
+    indexer_kl_loss,
+    indexer_scores,
+    projected_indexer_kl_loss,
+    select_topk,
+)
+from csa_eqx._loss import selection_mask
 from csa_eqx.presets import tiny_v4
-from csa_eqx.selection import entry_visibility, select_topk
 
 H, D, H_I, D_I, HIDDEN = 4, 6, 4, 8, 12
 

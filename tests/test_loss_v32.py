@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 from test_loss import grads_by_leaf, kl_from_target_np, output_loss_of
 
-from csa_eqx.compressor import entry_layout, segment_positions
+from csa_eqx import DenseKeys, entry_layout, segment_positions, sparse_attention
 from csa_eqx.hf import load_v32_attention
 from csa_eqx.presets import tiny_v32
-from csa_eqx.sparse import DenseKeys, sparse_attention
 from csa_eqx.testing import hf_v32_config, random_hf_v32_layer, run_hf_v32, state_dict_numpy
 
 INDEXER_LEAVES = {f".indexer.{n}" for n in ("wq_b", "wk", "k_norm", "k_norm_bias", "weights_proj")}

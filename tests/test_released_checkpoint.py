@@ -29,8 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from csa_eqx import V4AttentionConfig
-from csa_eqx.config import YaRNScaling
+from csa_eqx import V4AttentionConfig, YaRNScaling
 from csa_eqx.hf import (
     SafetensorsError,
     load_v4_attention_from_safetensors,

@@ -32,7 +32,7 @@ def remat_layer(key=None, **options):
     return csa_eqx.V4Attention(config(), key=key, execution=execution)
 
 
-# Each exact top-k (csa_eqx.selection.exact_topk, a radix select) starts with one float ->
+# Each exact top-k (csa_eqx._topk.exact_topk, a radix select) starts with one float ->
 # uint32 bitcast of its scores; nothing else in the layers bitcasts: count those.
 TOPK = "bitcast_convert_type"
 
@@ -205,7 +205,7 @@ def test_composition_in_saved_residuals():
 
 
 def test_v32_saved_selection_is_not_recomputed():
-    from csa_eqx.v32 import V32Attention
+    from csa_eqx import V32Attention
 
     config = tiny_v32(index_topk=3)
     x = jax.random.normal(jax.random.key(1), (B, 12, config.hidden_size))

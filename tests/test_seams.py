@@ -1,5 +1,5 @@
 """The execution seams hold (issue: architecture step 2): every execution-path choice lives in
-``auto.py`` or ``Execution`` (``execution.py``). Read from the source with ``ast``: no module
+``_auto.py`` or ``Execution`` (``_execution.py``). Read from the source with ``ast``: no module
 elsewhere asks for the backend, and none tests a value against a strategy class."""
 
 import ast
@@ -11,7 +11,7 @@ import equinox as eqx
 import csa_eqx
 
 PACKAGE_ROOT = Path(csa_eqx.__file__).resolve().parent
-CHOOSERS = {"auto.py", "execution.py"}
+CHOOSERS = {"_auto.py", "_execution.py"}
 
 
 def library_sources() -> dict[str, ast.AST]:

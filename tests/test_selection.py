@@ -8,7 +8,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from csa_eqx.selection import exact_topk, select_topk
+from csa_eqx import select_topk
+from csa_eqx._topk import exact_topk
 
 
 def brute_force(scores: np.ndarray, visible: np.ndarray, k: int) -> np.ndarray:

@@ -20,7 +20,7 @@ from multiprocess_worker import MESHES, K, make_inputs
 from selection_helpers import selected, sharded_selected
 from test_remat import TOPK, count_prim, remat_layer
 
-from csa_eqx.compressor import EntryLayout, entry_layout
+from csa_eqx import EntryLayout, entry_layout
 
 MESH_SHAPES = [((8,), ("tensor",)), ((2, 4), ("data", "tensor"))]
 ROOT = Path(__file__).resolve().parents[1]

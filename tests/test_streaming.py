@@ -16,12 +16,18 @@ from jaxpr_helpers import primitives, walk_avals
 from selection_helpers import problem, selected
 
 import csa_eqx as ce
-from csa_eqx import V4Attention, V4AttentionConfig, entry_layout, sparse_attention
-from csa_eqx.blocks import key_block_ranges
-from csa_eqx.indexer import indexer_scores
-from csa_eqx.selection import entry_visibility, select_topk
-from csa_eqx.sparse import DenseKeys
-from csa_eqx.streaming import streaming_block_sizes, topk_block_size
+from csa_eqx import (
+    DenseKeys,
+    V4Attention,
+    V4AttentionConfig,
+    entry_layout,
+    entry_visibility,
+    indexer_scores,
+    select_topk,
+    sparse_attention,
+)
+from csa_eqx._blocks import key_block_ranges
+from csa_eqx._tiles import streaming_block_sizes, topk_block_size
 
 
 def window_indices(query_index, segment, window: int):

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from csa_eqx.compressor import EntryLayout
+from csa_eqx import EntryLayout
 
 B, S, H, D, T = 2, 12, 2, 4, 16
 
@@ -168,7 +168,7 @@ def raw_scores(draw):
 @given(raw_scores())
 def test_select_topk_random_scores(drawn):
     """The top-k primitive alone: ties to the lower index, ``-0.0`` ties ``+0.0``."""
-    from csa_eqx.selection import select_topk
+    from csa_eqx import select_topk
 
     scores, visible, k = drawn
     got = np.asarray(jax.jit(select_topk, static_argnums=2)(scores, visible, k))

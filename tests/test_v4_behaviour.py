@@ -205,7 +205,7 @@ def test_dense_keys_equal_gathered_keys(query_block):
     """Entries attended by matmul (DenseKeys) == the same entries gathered per query."""
     from test_streaming import window_indices
 
-    from csa_eqx.sparse import DenseKeys, sparse_attention
+    from csa_eqx import DenseKeys, sparse_attention
 
     b, s, h, d = 2, 23, 3, 8
     q = jax.random.normal(jax.random.key(0), (b, s, h, d))

@@ -195,9 +195,9 @@ def test_yarn_frequencies_match_hf_at_released_sizes(beta):
     import torch
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
 
-    from csa_eqx.config import YaRNScaling
+    from csa_eqx import YaRNScaling
+    from csa_eqx._rope import rope_inv_freq
     from csa_eqx.presets import v4_flash
-    from csa_eqx.rope import rope_inv_freq
 
     yarn = YaRNScaling(16.0, 65536, beta_fast=beta[0], beta_slow=beta[1])
     cfg = dataclasses.replace(v4_flash("csa"), rope_scaling=yarn)
@@ -225,8 +225,7 @@ def test_indexer_scores_match_hf():
     import jax.numpy as jnp
     import torch
 
-    from csa_eqx import indexer_scores
-    from csa_eqx.compressor import entry_layout
+    from csa_eqx import entry_layout, indexer_scores
 
     arch = dataclasses.replace(tiny_v4("csa", index_topk=4), rope_scaling=TINY_YARN)
     cfg = hf_v4_config(arch)

@@ -101,7 +101,7 @@ MUTATIONS = [
     Mutation(
         "tie_rule_flipped",
         "exact top-k breaks ties toward the higher index",
-        "csa_eqx/selection.py",
+        "csa_eqx/_topk.py",
         "(jnp.cumsum(tied, -1, dtype=jnp.int32) <= room[..., None])",
         "(jnp.flip(jnp.cumsum(jnp.flip(tied, -1), -1, dtype=jnp.int32), -1) <= room[..., None])",
         ("tests/test_topk_reference.py",),
@@ -109,7 +109,7 @@ MUTATIONS = [
     Mutation(
         "rope_derotation_sign",
         "V4 output de-rotated at +t instead of -t",
-        "csa_eqx/v4.py",
+        "csa_eqx/_v4.py",
         "o = apply_rope_interleaved(o, -positions[..., None], self.inv_freq)",
         "o = apply_rope_interleaved(o, positions[..., None], self.inv_freq)",
         ("tests/test_v4_parity.py::test_matches_hf", "tests/test_decode_hf.py"),
@@ -117,7 +117,7 @@ MUTATIONS = [
     Mutation(
         "no_segment_restart",
         "compression windows aligned to the row, not to each segment's start",
-        "csa_eqx/compressor.py",
+        "csa_eqx/_layout.py",
         "    pos = segment_positions(segment_ids)\n    # slot j holds",
         "    pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))\n    # slot j holds",
         ("tests/test_v4_parity.py::test_packed_documents_match_hf_alone",),
@@ -125,7 +125,7 @@ MUTATIONS = [
     Mutation(
         "kl_denominator_entries_only",
         "KL target normalised per head over the candidates only (window and sink left out)",
-        "csa_eqx/loss.py",
+        "csa_eqx/_loss.py",
         "    log_p = jnp.where(candidates[:, :, None, :], logits - lse[..., None], -jnp.inf)\n",
         "    log_p = jnp.where(candidates[:, :, None, :], logits, -jnp.inf)\n"
         "    norm = jax.nn.logsumexp(log_p, axis=-1, keepdims=True)\n"
@@ -135,7 +135,7 @@ MUTATIONS = [
     Mutation(
         "selection_never_streams",
         "the automatic choices never stream the indexer top-k or loss (dense [B, S, T] scores)",
-        "csa_eqx/auto.py",
+        "csa_eqx/_auto.py",
         "    return batch * seq * entries * max(heads, 1) > tiles.elements\n",
         "    return False\n",
         ("tests/test_memory_guard.py::test_fwd_bwd_never_forms_bst",),
@@ -151,7 +151,7 @@ MUTATIONS = [
     Mutation(
         "v4_indexer_queries_unscaled",
         "V4 indexer queries rotated without YaRN",
-        "csa_eqx/v4.py",
+        "csa_eqx/_v4.py",
         "        inv_freq = rope_inv_freq(c.rope_dim, c.compress_rope_theta, c.rope_scaling)\n"
         "        return apply_rope_interleaved(q, positions[..., None], inv_freq)",
         "        inv_freq = rope_inv_freq(c.rope_dim, c.compress_rope_theta)\n"
@@ -164,7 +164,7 @@ MUTATIONS = [
     Mutation(
         "yarn_beta_ignored",
         "YaRN's band computed with the default beta_fast / beta_slow",
-        "csa_eqx/rope.py",
+        "csa_eqx/_rope.py",
         "low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)",
         "low, high = correction_dim(32.0), correction_dim(1.0)",
         ("tests/test_v4_parity.py::test_yarn_frequencies_match_hf_at_released_sizes",),
@@ -172,7 +172,7 @@ MUTATIONS = [
     Mutation(
         "v4_head_weights_rescaled",
         "V4 indexer head weights without the H^-1/2 factor (selections unchanged)",
-        "csa_eqx/v4.py",
+        "csa_eqx/_v4.py",
         "        return linear(x, self.weights_proj).astype(jnp.float32) * c.index_n_heads**-0.5",
         "        return linear(x, self.weights_proj).astype(jnp.float32)",
         ("tests/test_v4_parity.py::test_indexer_scores_match_hf",),
@@ -180,7 +180,7 @@ MUTATIONS = [
     Mutation(
         "numerics_no_hadamard",
         "DeepSeekInference quantises the indexer without the Hadamard rotation",
-        "csa_eqx/deepseek_numerics.py",
+        "csa_eqx/_deepseek_numerics.py",
         "        rotated = hadamard(v)\n",
         "        rotated = v.astype(jnp.float32)\n",
         ("tests/test_numerics.py::test_matches_deepseeks_quantised_inference",),
@@ -188,7 +188,7 @@ MUTATIONS = [
     Mutation(
         "numerics_kv_not_rounded",
         "DeepSeekInference leaves V4's KV unrounded (V4-Pro's FP8 round trip dropped)",
-        "csa_eqx/deepseek_numerics.py",
+        "csa_eqx/_deepseek_numerics.py",
         "        return jnp.concatenate([nope.astype(kv.dtype), rope], axis=-1)",
         "        return kv",
         ("tests/test_numerics.py::test_matches_deepseeks_quantised_inference",),
@@ -196,7 +196,7 @@ MUTATIONS = [
     Mutation(
         "pow2_scale_floored",
         "power-of-two scales floor the exponent (scale below amax / max: values saturate)",
-        "csa_eqx/formats.py",
+        "csa_eqx/_formats.py",
         "    up = ((bits & 0x7FFFFF) != 0).astype(jnp.int32)",
         "    up = jnp.zeros_like(exponent)",
         ("tests/test_formats.py",),

@@ -7,8 +7,7 @@ import dataclasses
 import math
 import re
 
-from .._selection_sharded import ShardedSelection
-from ..execution import Execution
+from .. import Execution, ShardedSelection
 from .models import LMConfig
 from .tasks import RetrievalTask
 

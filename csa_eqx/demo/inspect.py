@@ -6,10 +6,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .. import presets
-from ..execution import Execution
-from ..v4 import V4Attention
-from ..v32 import V32Attention
+from .. import Execution, V4Attention, V32Attention, presets
 
 __all__ = ["PRESETS", "layer_for", "inspect_layer"]
 

@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ...config import V4AttentionConfig, V32AttentionConfig
-from ...execution import Execution
-from ...ops import init_linear, linear, rms_norm
+from ..._config import V4AttentionConfig, V32AttentionConfig
+from ..._execution import Execution
+from ..._ops import init_linear, linear, rms_norm
+from ..._v4 import V4Attention
+from ..._v32 import V32Attention
 from ...presets import v32_sized_as
-from ...v4 import V4Attention
-from ...v32 import V32Attention
 
 __all__ = ["LMConfig", "DecoderLM", "Block"]
 

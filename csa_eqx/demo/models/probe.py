@@ -6,8 +6,8 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ...ops import rms_norm
-from ...v4 import V4Attention
+from ..._ops import rms_norm
+from ..._v4 import V4Attention
 from .lm import DecoderLM
 
 __all__ = ["indexer_recall", "layer_inputs"]

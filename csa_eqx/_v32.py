@@ -19,19 +19,18 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from ._attention import AbstractIndexedAttention
+from ._cache import V32Cache, check_cache_size, empty_rows
+from ._config import V32AttentionConfig, YaRNScaling
+from ._decode import ChunkRows, append_rows
+from ._execution import Execution, checked_execution
+from ._heads import split_specs
+from ._layout import EntryLayout, Visibility
+from ._numerics import V32_FORMATS, DeepSeekFormats
+from ._ops import init_linear, linear, rms_norm, upcast
+from ._rope import apply_rope_half_split, apply_rope_interleaved, rope_inv_freq, yarn_mscale
 from ._rows import Rows
-from .attention import AbstractIndexedAttention
-from .cache import V32Cache, check_cache_size, empty_rows
-from .compressor import EntryLayout
-from .config import V32AttentionConfig, YaRNScaling
-from .decode import ChunkRows, append_rows
-from .execution import Execution, checked_execution
-from .heads import split_specs
-from .loss import AttentionTarget
-from .numerics import V32_FORMATS, DeepSeekFormats
-from .ops import init_linear, linear, rms_norm, upcast
-from .rope import apply_rope_half_split, apply_rope_interleaved, rope_inv_freq, yarn_mscale
-from .selection import Visibility
+from ._target import AttentionTarget
 
 __all__ = ["V32Attention", "V32Indexer"]
 
@@ -132,7 +131,7 @@ class V32Attention(AbstractIndexedAttention):
     ``indexer.k_norm.bias``), so ``csa_eqx.hf.load_v32_attention`` is a plain copy.
 
     Arguments: ``config`` (a ``V32AttentionConfig``), ``key``, ``dtype``, ``execution``, as in
-    ``csa_eqx.attention.AbstractIndexedAttention``.
+    ``csa_eqx.AbstractIndexedAttention``.
     """
 
     q_a_proj: Float[Array, "q_lora hidden"]

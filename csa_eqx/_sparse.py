@@ -16,7 +16,7 @@ and they share one softmax with the gathered keys. CSA's *selected* entries can 
 way (``DenseKeys(picks=...)``, masked to each query's picks) while the entry count is a small
 multiple of ``k``: a masked matmul over ``T`` entries is far cheaper than gathering ``k`` rows
 per query, and its gradient needs no scatter-add. ``MaskedPicks`` / ``GatheredPicks`` force one
-way, ``csa_eqx.auto.AutoPicks`` chooses.
+way, ``csa_eqx.AutoPicks`` chooses.
 
 ``sparse_attention`` is the functional form: it describes its arguments as ``csa_eqx.Reads``
 and runs the reference kernel, ``csa_eqx.XlaAttention`` (the layers build their reads through
@@ -28,10 +28,18 @@ from __future__ import annotations
 from jaxtyping import Array, Float, Int
 
 from ._attention_xla import XlaAttention
+from ._auto import attention_query_block
 from ._picks import AbstractPicks, GatheredPicks, MaskedPicks
-from ._reads import BandRows, DenseKeys, GatheredRows, Reads, gather_keys, picked_mask
+from ._reads import (
+    BandRows,
+    DenseKeys,
+    GatheredRows,
+    Reads,
+    gather_keys,
+    picked_mask,
+    sparse_query_block,
+)
 from ._window import AbstractWindow, BandWindow, GatheredWindow
-from .auto import attention_query_block, sparse_query_block
 
 __all__ = [
     "sparse_attention",
@@ -74,7 +82,7 @@ def sparse_attention(
     indexer's KL target needs to rebuild the attention probabilities.
 
     Queries are processed ``query_block`` rows at a time (0 = automatic, see
-    ``csa_eqx.auto.attention_query_block``) in a ``lax.map`` with a rematerialised body, so the
+    ``csa_eqx._auto.attention_query_block``) in a ``lax.map`` with a rematerialised body, so the
     gathered ``[B, S, k, dim]`` keys never exist at once, in the forward or the backward pass
     (``csa_eqx.XlaAttention``, which this runs).
 

@@ -16,15 +16,15 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped
 
-from . import checks
+from . import _checks as checks
+from ._cache import AbstractCache
+from ._decode import ChunkRows, chunk_rows
+from ._execution import Execution, check_stage, checked_execution
+from ._layout import Visibility, entry_visibility, segment_positions, token_rows
+from ._numerics import DeepSeekFormats
+from ._problem import SelectionProblem
 from ._rows import Rows, whole_rows
-from .cache import AbstractCache
-from .compressor import segment_positions, token_rows
-from .decode import ChunkRows, chunk_rows
-from .execution import Execution, check_stage, checked_execution
-from .loss import AttentionTarget
-from .numerics import DeepSeekFormats
-from .selection import SelectionProblem, Visibility, entry_visibility
+from ._target import AttentionTarget
 
 __all__ = ["AbstractIndexedAttention"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from .formats import fp4_e2m1_round_trip, fp8_e4m3_round_trip, hadamard
-from .numerics import AbstractNumerics, DeepSeekFormats
+from ._formats import fp4_e2m1_round_trip, fp8_e4m3_round_trip, hadamard
+from ._numerics import AbstractNumerics, DeepSeekFormats
 
 __all__ = ["DeepSeekInference"]
 

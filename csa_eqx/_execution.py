@@ -21,15 +21,7 @@ from jaxtyping import Array, Float, Int
 
 from ._attention_kernel import AbstractAttentionKernel
 from ._attention_xla import XlaAttention
-from ._loss_streaming import StreamingIndexerLoss
-from ._picks import AbstractPicks
-from ._placement import AbstractPlacement, SingleDevice
-from ._reads import DenseKeys, Reads
-from ._scorer import AbstractScorer
-from ._scorer_xla import XlaScorer
-from ._selection_sharded import ShardedSelection
-from ._window import AbstractWindow, BandWindow
-from .auto import (
+from ._auto import (
     AutoIndexerLoss,
     AutoPicks,
     AutoSelection,
@@ -37,15 +29,24 @@ from .auto import (
     backend_tiles,
     shared_tiles,
 )
-from .context import ContextParallel
-from .deepseek_numerics import DeepSeekInference
-from .heads import HeadParallel
-from .loss import AbstractIndexerLoss, AttentionTarget
-from .numerics import AbstractNumerics, DeepSeekFormats, ExactNumerics
+from ._context import ContextParallel
+from ._deepseek_numerics import DeepSeekInference
+from ._heads import HeadParallel
+from ._layout import Visibility
+from ._loss_streaming import StreamingIndexerLoss
+from ._numerics import AbstractNumerics, DeepSeekFormats, ExactNumerics
+from ._picks import AbstractPicks
+from ._placement import AbstractPlacement, SingleDevice
+from ._problem import AbstractIndexerLoss, AbstractSelection, SelectionProblem
+from ._reads import DenseKeys, Reads
+from ._scorer import AbstractScorer, XlaScorer
+from ._selection_sharded import ShardedSelection
+from ._selection_streaming import StreamingSelection
+from ._sharding import constrain_heads, tensor_axis_auto
+from ._target import AttentionTarget
+from ._tiles import TileSizes
+from ._window import AbstractWindow, BandWindow
 from .remat import tag_selection
-from .selection import AbstractSelection, SelectionProblem, TileSizes, Visibility
-from .sharding import constrain_heads, tensor_axis_auto
-from .streaming import StreamingSelection
 
 __all__ = ["Execution", "IndexerLossStage", "INDEXER_LOSS_STAGES", "checked_execution"]
 
@@ -86,7 +87,7 @@ class Execution(eqx.Module):
             at once (0 = all); must divide ``index_n_heads`` (and ``num_heads`` when the
             indexer loss is on).
         query_block: queries per block of the sparse attention (0 = automatic:
-            ``csa_eqx.auto.attention_query_block``).
+            ``csa_eqx._auto.attention_query_block``).
         save_selection: name the selection ``csa_eqx.SELECTION_NAME`` so that remat policies
             (``csa_eqx.remat.compose_selection_policy``) can save it.
         indexer_heads_axis: mesh axis to shard the indexer's per-head activations over
@@ -110,7 +111,7 @@ class Execution(eqx.Module):
             (``XlaScorer()``, the reference; ``BlockedScorer(key_block)``; any
             ``AbstractScorer``).
         tiles: the tile sizes of the selection and the loss (``TileSizes``; ``None`` =
-            ``csa_eqx.auto.backend_tiles()``, chosen for the backend when traced).
+            ``csa_eqx._auto.backend_tiles()``, chosen for the backend when traced).
     """
 
     selection: AbstractSelection = AutoSelection()
@@ -215,7 +216,7 @@ class Execution(eqx.Module):
     def sharing(self, devices: int) -> Execution:
         """Arguments: the number of ``devices`` that share the sequence (context parallelism).
 
-        Returns: this execution with each device's tiles (``csa_eqx.auto.shared_tiles``: the
+        Returns: this execution with each device's tiles (``csa_eqx._auto.shared_tiles``: the
         working buffers shrink with the device's share of the rows). Selections and outputs
         do not change with the tiles.
         """
@@ -379,7 +380,7 @@ class Execution(eqx.Module):
         | tuple[Float[Array, "batch seq heads vdim"], Float[Array, "batch seq heads"]]
     ):
         """Run the ``attention`` kernel over ``reads`` with ``query_block`` queries per block
-        (automatic: ``csa_eqx.auto.attention_query_block``).
+        (automatic: ``csa_eqx._auto.attention_query_block``).
 
         Arguments: the queries ``q [B, S, H, d]``, what they read, the per-head ``sinks``
         (or ``None``), the softmax ``scale`` and whether to return the log-normalisers.

@@ -20,10 +20,11 @@ from jaxtyping import Array, Int
 from ._loss_dense import DenseIndexerLoss
 from ._loss_streaming import StreamingIndexerLoss
 from ._picks import AbstractPicks, GatheredPicks, MaskedPicks
+from ._problem import AbstractIndexerLoss, AbstractSelection, SelectionProblem
 from ._reads import Reads, power_of_two_block, sparse_query_block
-from .loss import AbstractIndexerLoss
-from .selection import AbstractSelection, DenseSelection, SelectionProblem, TileSizes
-from .streaming import StreamingSelection
+from ._selection_dense import DenseSelection
+from ._selection_streaming import StreamingSelection
+from ._tiles import TileSizes
 
 __all__ = [
     "AutoSelection",

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from .compressor import Compressor
+from ._compressor import Compressor
 
 __all__ = [
     "AbstractCache",

@@ -10,94 +10,20 @@ does not close inside the row is empty (``end = -1``). Without segments this is 
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
-from .config import YaRNScaling
-from .ops import init_linear, linear, rms_norm, upcast
-from .rope import apply_rope_interleaved, rope_inv_freq
+from ._config import YaRNScaling
+from ._layout import EntryLayout
+from ._ops import init_linear, linear, rms_norm, upcast
+from ._rope import apply_rope_interleaved, rope_inv_freq
 
 __all__ = [
-    "EntryLayout",
-    "entry_layout",
-    "segment_positions",
-    "token_rows",
     "pool_windows",
     "Compressor",
 ]
-
-
-class EntryLayout(NamedTuple):
-    """Where each compressed-entry slot comes from (docs/concepts.md, "Compressed entries").
-
-    Arguments:
-        end: int32 ``[B, T]`` row index of the last token of the entry's window;
-            ``-1`` = empty slot.
-        segment: int32 ``[B, T]`` the window's segment.
-        has_prior: bool ``[B, T]`` whether a previous window of the same segment exists
-            (CSA's overlap half; it restarts at a segment start).
-    """
-
-    end: Int[Array, "batch slots"]
-    segment: Int[Array, "batch slots"]
-    has_prior: Bool[Array, "batch slots"]
-
-
-def segment_positions(segment_ids: Int[Array, "batch seq"]) -> Int[Array, "batch seq"]:
-    """Index of each token inside its segment (segments are contiguous runs of one id).
-
-    Arguments:
-        segment_ids: int ``[B, S]``.
-
-    Returns:
-        int32 ``[B, S]``: 0 at each segment's first token (the default RoPE positions).
-    """
-    s = segment_ids.shape[1]
-    idx = jnp.arange(s, dtype=jnp.int32)
-    starts = jnp.concatenate(
-        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1
-    )
-    first = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
-    return idx - first
-
-
-def token_rows(
-    x: Float[Array, "batch seq *rest"], segment_ids: Int[Array, "batch seq"] | None
-) -> tuple[Int[Array, "batch seq"], Int[Array, "batch seq"]]:
-    """``(segment ids, row index)`` of every token, int32, laid out like ``x``'s first two axes
-    (so they carry its sharding on Explicit meshes; no segments = one segment)."""
-    base = jnp.zeros_like(x[..., 0] if x.ndim > 2 else x, dtype=jnp.int32)
-    seg = base if segment_ids is None else base + jnp.asarray(segment_ids, jnp.int32)
-    return seg, base + jnp.arange(x.shape[1], dtype=jnp.int32)
-
-
-def entry_layout(segment_ids: Int[Array, "batch seq"], m: int) -> EntryLayout:
-    """Slots of the compressed entries of a row, windows aligned to each segment's start
-    (docs/concepts.md, "Packed sequences: segment-aligned windows").
-
-    Arguments:
-        segment_ids: int ``[B, S]``.
-        m: compression rate (1: one entry per token, V3.2's selection over tokens).
-
-    Returns:
-        An ``EntryLayout`` of ``ceil(S / m)`` slots: window end row (``-1`` = empty slot), its
-        segment, and whether a previous window of the same segment exists (CSA's overlap).
-    """
-    b, s = segment_ids.shape
-    slots = -(-s // m)
-    pos = segment_positions(segment_ids)
-    # slot j holds the (at most one) window closing at a row in [j*m, j*m + m)
-    closing = jnp.where((pos + 1) % m == 0, jnp.arange(s, dtype=jnp.int32), -1)
-    closing = jnp.pad(closing, [(0, 0), (0, slots * m - s)], constant_values=-1)
-    end = jnp.max(closing.reshape(b, slots, m), axis=-1)
-    safe = jnp.maximum(end, 0)
-    segment = jnp.take_along_axis(segment_ids, safe, axis=1)
-    has_prior = (end >= 0) & (jnp.take_along_axis(pos, safe, axis=1) >= 2 * m - 1)
-    return EntryLayout(end, segment, has_prior)
 
 
 def _gather_rows(x: Array, rows: Int[Array, "batch slots m"]) -> Array:

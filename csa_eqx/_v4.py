@@ -12,32 +12,21 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from . import checks
+from . import _checks as checks
+from ._attention import AbstractIndexedAttention
+from ._cache import V4Cache, check_cache_size, compressor_state, empty_rows
+from ._compressor import Compressor
+from ._config import V4AttentionConfig
+from ._decode import ChunkRows, append_rows, closing_layout, compress_chunk, shift_in
+from ._execution import Execution, checked_execution
+from ._heads import split_specs
+from ._layout import EntryLayout, Visibility, entry_layout, segment_positions, token_rows
+from ._loss import attention_target
+from ._numerics import V4_FORMATS, DeepSeekFormats
+from ._ops import init_linear, linear, rms_norm
+from ._rope import apply_rope_interleaved, rope_inv_freq
 from ._rows import Rows
-from .attention import AbstractIndexedAttention
-from .cache import V4Cache, check_cache_size, compressor_state, empty_rows
-from .compressor import (
-    Compressor,
-    EntryLayout,
-    entry_layout,
-    segment_positions,
-    token_rows,
-)
-from .config import V4AttentionConfig
-from .decode import (
-    ChunkRows,
-    append_rows,
-    closing_layout,
-    compress_chunk,
-    shift_in,
-)
-from .execution import Execution, checked_execution
-from .heads import split_specs
-from .loss import AttentionTarget, attention_target
-from .numerics import V4_FORMATS, DeepSeekFormats
-from .ops import init_linear, linear, rms_norm
-from .rope import apply_rope_interleaved, rope_inv_freq
-from .selection import Visibility
+from ._target import AttentionTarget
 
 __all__ = ["V4Attention", "Indexer"]
 
@@ -105,7 +94,7 @@ class V4Attention(AbstractIndexedAttention):
     ``csa_eqx.hf.load_v4_attention`` is a plain copy.
 
     Arguments: ``config`` (a ``V4AttentionConfig``), ``key``, ``dtype``, ``execution``, as in
-    ``csa_eqx.attention.AbstractIndexedAttention``.
+    ``csa_eqx.AbstractIndexedAttention``.
     """
 
     q_a_proj: Float[Array, "q_lora hidden"]

@@ -24,72 +24,15 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
-from .blocks import block_starts, key_block_ranges, padded_keys, take
-from .compressor import EntryLayout
-from .selection import AbstractSelection, SelectionProblem, TileSizes, entry_visibility, exact_topk
+from ._blocks import block_starts, key_block_ranges, padded_keys, take
+from ._layout import EntryLayout, entry_visibility
+from ._problem import AbstractSelection, SelectionProblem
+from ._tiles import streaming_block_sizes, topk_block_size
+from ._topk import exact_topk
 
 __all__ = [
     "StreamingSelection",
-    "streaming_block_sizes",
-    "topk_block_size",
 ]
-
-
-_CPU_TILES = TileSizes()
-
-
-def streaming_block_sizes(
-    batch: int,
-    seq: int,
-    entries: int,
-    heads_at_once: int,
-    key_block: int = 0,
-    query_block: int = 0,
-    tiles: TileSizes = _CPU_TILES,
-) -> tuple[int, int]:
-    """Arguments: the problem's sizes, the requested ``key_block`` / ``query_block``
-    (0 = automatic) and the backend's ``tiles`` (``TileSizes``; default the CPU sizes,
-    ``csa_eqx.auto.backend_tiles()`` for the current backend).
-
-    Returns: ``(query_block, key_block)``, clipped to the sequence and the entries.
-
-    Automatic: key tiles of ``tiles.key_block`` entries (128 on CPU, 512 on accelerators) and
-    the largest power-of-two query block (at least 16, at most ``tiles.max_query_block``: 256
-    on CPU, 1024 on accelerators) whose ``[B, Qb, heads, Kb]`` tile stays within
-    ``tiles.elements`` (2^24 on CPU, 2^26 on accelerators).
-    """
-    kb = max(1, min(key_block or tiles.key_block, entries))
-    qb = query_block
-    if not qb:
-        budget = max(tiles.elements // (batch * max(heads_at_once, 1) * kb), 1)
-        qb = min(max(1 << (budget.bit_length() - 1), 16), tiles.max_query_block)
-    return max(1, min(qb, seq)), kb
-
-
-def topk_block_size(
-    batch: int,
-    query_block: int,
-    entries: int,
-    key_block: int,
-    topk_block: int = 0,
-    tiles: TileSizes = _CPU_TILES,
-) -> int:
-    """Entries per top-k pass, a multiple of ``key_block``: ``topk_block`` rounded up, or
-    (0 = automatic) all entries when one ``[B, Qb, T]`` score buffer fits ``tiles.elements``
-    (see ``streaming_block_sizes``), else as many key tiles as do.
-
-    Arguments: the sizes, the tiles (``streaming_block_sizes``), the requested
-    ``topk_block`` (0 = automatic) and the backend's ``tiles``.
-
-    Returns: entries per top-k pass (int, >= ``key_block``).
-    """
-    n_tiles = -(-entries // key_block)
-    per_pass = (
-        -(-topk_block // key_block)
-        if topk_block
-        else tiles.elements // (batch * query_block * key_block)
-    )
-    return max(1, min(per_pass, n_tiles)) * key_block
 
 
 def _top_of(scores: Array, visible: Array, offset: Array, k: int, unroll: bool):

@@ -32,10 +32,10 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from ._compat import stacked_all_gather
+from ._layout import EntryLayout, entry_layout
 from ._mesh import MeshLike, batch_axis, mesh_with_axis, place, run_sharded
 from ._placement import AbstractPlacement, Body, SingleDevice
 from ._rows import Rows
-from .compressor import EntryLayout, entry_layout
 
 __all__ = ["ContextParallel"]
 

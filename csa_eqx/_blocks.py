@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .compressor import EntryLayout
+from ._layout import EntryLayout
 
 __all__ = ["block_starts", "key_block_ranges", "padded_keys", "take"]
 

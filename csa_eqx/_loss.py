@@ -18,28 +18,23 @@ How the loss of a layer's ``SelectionProblem`` is computed is a strategy
 candidate at once; ``StreamingIndexerLoss`` removes the ``[B, S, T]`` tensors too at long
 context (the dense warm-up stage streams over key blocks with an online log-sum-exp, the sparse
 stage gathers each query block's selected keys; memory is linear in ``S``);
-``csa_eqx.auto.AutoIndexerLoss`` chooses by size. ``projected_indexer_kl_loss`` runs one.
+``csa_eqx.AutoIndexerLoss`` chooses by size. ``projected_indexer_kl_loss`` runs one.
 """
 
 from __future__ import annotations
 
-import abc
-from typing import NamedTuple
-
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from .indexer import sum_head_chunks
-from .selection import SelectionProblem, scatter_rows
+from ._layout import scatter_rows
+from ._scorer import sum_head_chunks
+from ._target import AttentionTarget
 
 __all__ = [
     "indexer_kl_loss",
     "attention_target",
     "selection_mask",
-    "AttentionTarget",
-    "AbstractIndexerLoss",
 ]
 
 
@@ -81,24 +76,6 @@ def target_mass(q, keys, lse, candidates, scale, head_chunk, spec="bshd,btd->bsh
         q,
         lse,
     )
-
-
-class AttentionTarget(NamedTuple):
-    """The main attention the indexer learns from (all detached by the loss).
-
-    Arguments:
-        q: the attention's queries ``[B, S, H, d]``.
-        keys: its keys of the candidates ``[B, T, d]`` (V4: the compressed entries; V3.2: the
-            absorbed MLA keys of the tokens).
-        log_normalizer: each head's float32 log softmax denominator ``[B, S, H]`` over its whole
-            key set, sink included (``sparse_attention(..., return_lse=True)``).
-        scale: its softmax scale.
-    """
-
-    q: Float[Array, "batch seq heads dim"]
-    keys: Float[Array, "batch cands dim"]
-    log_normalizer: Float[Array, "batch seq heads"]
-    scale: float
 
 
 def attention_target(
@@ -174,40 +151,3 @@ def indexer_kl_loss(
     mass = target_mass(q, keys, log_normalizer, candidates, scale, head_chunk)
     kl, has = row_kl(mass, scores, candidates)
     return jnp.sum(kl) / jnp.maximum(jnp.sum(has), 1)
-
-
-class AbstractIndexerLoss(eqx.Module):
-    """How the indexer's KL loss of a ``SelectionProblem`` is computed (``indexer_kl_loss``
-    with the problem's scores): every strategy gives the same loss and gradients up to
-    rounding. Gradient reaches the arrays ``problem.project`` closes over and
-    ``problem.keys``; ``problem.rows`` and the target are constants. Scores come from
-    ``problem.scorer`` in float32 (the loss does not round them to ``problem.score_dtype``).
-    """
-
-    @abc.abstractmethod
-    def loss(
-        self,
-        problem: SelectionProblem,
-        target: AttentionTarget,
-        selection: Int[Array, "batch seq k"] | None = None,
-    ) -> Float[Array, ""]:
-        """Arguments:
-            problem: the indexer side, exactly what the selection got; ``problem.head_chunk``
-                also chunks the attention heads of the target.
-            target: the main attention (detached), as in ``indexer_kl_loss``.
-            selection: ``None`` for the dense warm-up (candidates = every visible entry),
-                else the sparse stage's top-k ``[B, S, k]`` (``-1`` = none).
-
-        Returns:
-            A float32 scalar; 0 when no query has a candidate.
-        """
-
-    @staticmethod
-    def sizes(problem: SelectionProblem, target: AttentionTarget) -> tuple[int, int, int, int]:
-        """Arguments: the ``problem`` and the ``target``.
-
-        Returns: ``(batch, seq, entries, heads at once)``, the heads at once being the head
-        chunk or the larger of the indexer's and the attention's head counts (no computation).
-        """
-        b, s, t, h_i = problem.sizes()
-        return b, s, t, problem.head_chunk or max(h_i, target.q.shape[2])

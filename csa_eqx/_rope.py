@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from .config import YaRNScaling
-from .ops import upcast
+from ._config import YaRNScaling
+from ._ops import upcast
 
 __all__ = ["rope_inv_freq", "yarn_mscale", "apply_rope_interleaved", "apply_rope_half_split"]
 

@@ -1,0 +1,174 @@
+"""The selection problem and the two strategy interfaces that answer it (docs/concepts.md, "The
+lightning indexer"): ``SelectionProblem`` says what each query may read and how good it is,
+``AbstractSelection`` answers "which ``k`` entries does each query read?" and
+``AbstractIndexerLoss`` "how far is the indexer from the main attention?". The strategies live
+one per module (``_selection_dense.py``, ``_selection_streaming.py``,
+``_selection_sharded.py``, ``_loss_dense.py``, ``_loss_streaming.py``); ``_auto.py`` chooses.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+from jaxtyping import Array, Float, Int
+
+from ._layout import Visibility
+from ._scorer import AbstractScorer, XlaScorer
+from ._target import AttentionTarget
+from ._tiles import TileSizes
+
+__all__ = [
+    "SelectionProblem",
+    "AbstractSelection",
+    "AbstractIndexerLoss",
+]
+
+
+_REFERENCE, _CPU_TILES = XlaScorer(), TileSizes()
+
+
+class SelectionProblem(NamedTuple):
+    """Everything a selection strategy needs: "what may each query read, and how good is it".
+
+    Arguments:
+        project: maps per-token ``rows`` to the indexer queries ``[B, S, H, d]`` and head
+            weights ``[B, S, H]`` (float32, ``H^-1/2`` included). It must act row by row, so a
+            strategy may call it on any block of rows (streaming never forms the whole
+            ``[B, S, H, d]`` queries). Must be hashable (a lambda, not a bound Module method).
+        rows: per-token inputs of ``project``, each ``[B, S, ...]``.
+        keys: the entries' indexer keys ``[B, T, d]``.
+        visibility: query indices / segments and the entries' layout.
+        head_chunk: indexer heads scored at once (0 = all; must divide ``H``).
+        score_dtype: the dtype scores are rounded to (``None``: float32; see
+            ``csa_eqx.indexer_scores``), as the layer's numerics say.
+        scorer: the scoring kernel (``AbstractScorer``; default ``XlaScorer()``, the
+            reference), as ``Execution.scorer`` says.
+        tiles: the backend's tile sizes (``TileSizes``; default the CPU sizes), as
+            ``Execution.tiles`` resolves them.
+    """
+
+    project: Callable[..., tuple[Array, Array]]
+    rows: tuple[Array, ...]
+    keys: Float[Array, "batch entries dim"]
+    visibility: Visibility
+    head_chunk: int = 0
+    score_dtype: str | None = None
+    scorer: AbstractScorer = XlaScorer()
+    tiles: TileSizes = TileSizes()
+
+    @classmethod
+    def from_queries(
+        cls,
+        q: Float[Array, "batch seq heads dim"],
+        weights: Float[Array, "batch seq heads"],
+        keys: Float[Array, "batch entries dim"],
+        visibility: Visibility,
+        head_chunk: int = 0,
+        score_dtype: str | None = None,
+        scorer: AbstractScorer = _REFERENCE,
+        tiles: TileSizes = _CPU_TILES,
+    ) -> SelectionProblem:
+        """A problem whose queries and head weights are already projected.
+
+        Arguments:
+            q: float ``[B, S, H, d]`` indexer queries; weights: float ``[B, S, H]``.
+            keys, visibility, head_chunk, score_dtype, scorer, tiles: as for the class.
+
+        Returns: the ``SelectionProblem`` (its ``project`` is the identity).
+        """
+        return cls(
+            _identity, (q, weights), keys, visibility, head_chunk, score_dtype, scorer, tiles
+        )
+
+    def with_queries(
+        self, q: Float[Array, "batch seq heads dim"], weights: Float[Array, "batch seq heads"]
+    ) -> SelectionProblem:
+        """Arguments: projected queries ``[B, S, H, d]`` and weights ``[B, S, H]``.
+
+        Returns: this problem over them (its ``project`` the identity), all else kept.
+        """
+        return self._replace(project=_identity, rows=(q, weights))
+
+    def sizes(self) -> tuple[int, int, int, int]:
+        """Returns: ``(batch, seq, entries, heads scored at once)`` (no computation)."""
+        b, s, h, _ = jax.eval_shape(self.project, *self.rows)[0].shape
+        return b, s, self.keys.shape[1], self.head_chunk or h
+
+    def queries(self) -> tuple[Array, Array]:
+        """Returns: the whole float ``[B, S, H, d]`` queries and ``[B, S, H]`` weights."""
+        return self.project(*self.rows)
+
+    def scores(
+        self,
+        q: Float[Array, "batch seq heads dim"],
+        weights: Float[Array, "batch seq heads"],
+        keys: Float[Array, "batch entries dim"],
+    ) -> Float[Array, "batch seq entries"]:
+        """Arguments: queries ``[B, S, H, d]``, weights ``[B, S, H]`` (any block of the
+        problem's rows) and keys ``[B, T', d]`` (any block of its entries).
+
+        Returns: their float32 scores ``[B, S, T']`` by the problem's ``scorer``, with its
+        ``head_chunk`` and ``score_dtype``.
+        """
+        return self.scorer.scores(
+            q, weights, keys, head_chunk=self.head_chunk, score_dtype=self.score_dtype
+        )
+
+
+def _identity(q: Array, w: Array) -> tuple[Array, Array]:
+    return q, w
+
+
+class AbstractSelection(eqx.Module):
+    """How the indexer's top-k is computed. Every strategy returns the same selection bitwise:
+    the ``k`` best visible entries per query (ties to the lower index), in increasing index
+    order, ``-1`` past the visible count. A strategy scores through ``problem.scores`` (the
+    problem's scorer) and sizes its tiles by ``problem.tiles``."""
+
+    @abc.abstractmethod
+    def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
+        """Arguments: the ``problem`` and ``k > 0`` picks per query.
+
+        Returns: int32 ``[B, S, k]`` entry indices, ``-1`` = none.
+        """
+
+
+class AbstractIndexerLoss(eqx.Module):
+    """How the indexer's KL loss of a ``SelectionProblem`` is computed (``indexer_kl_loss``
+    with the problem's scores): every strategy gives the same loss and gradients up to
+    rounding. Gradient reaches the arrays ``problem.project`` closes over and
+    ``problem.keys``; ``problem.rows`` and the target are constants. Scores come from
+    ``problem.scorer`` in float32 (the loss does not round them to ``problem.score_dtype``).
+    """
+
+    @abc.abstractmethod
+    def loss(
+        self,
+        problem: SelectionProblem,
+        target: AttentionTarget,
+        selection: Int[Array, "batch seq k"] | None = None,
+    ) -> Float[Array, ""]:
+        """Arguments:
+            problem: the indexer side, exactly what the selection got; ``problem.head_chunk``
+                also chunks the attention heads of the target.
+            target: the main attention (detached), as in ``indexer_kl_loss``.
+            selection: ``None`` for the dense warm-up (candidates = every visible entry),
+                else the sparse stage's top-k ``[B, S, k]`` (``-1`` = none).
+
+        Returns:
+            A float32 scalar; 0 when no query has a candidate.
+        """
+
+    @staticmethod
+    def sizes(problem: SelectionProblem, target: AttentionTarget) -> tuple[int, int, int, int]:
+        """Arguments: the ``problem`` and the ``target``.
+
+        Returns: ``(batch, seq, entries, heads at once)``, the heads at once being the head
+        chunk or the larger of the indexer's and the attention's head counts (no computation).
+        """
+        b, s, t, h_i = problem.sizes()
+        return b, s, t, problem.head_chunk or max(h_i, target.q.shape[2])

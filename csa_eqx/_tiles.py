@@ -1,0 +1,93 @@
+"""The backend-dependent tile sizes (``TileSizes``, chosen for the backend in ``_auto.py``) and
+the query / key / top-k block sizes they imply for the streaming selection and loss.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = [
+    "TileSizes",
+    "streaming_block_sizes",
+    "topk_block_size",
+]
+
+
+class TileSizes(NamedTuple):
+    """The backend-dependent sizes of the selection and the indexer loss (tiles, buffers,
+    unrolling). ``csa_eqx._auto.backend_tiles()`` chooses them for the backend (what the layers
+    use, through ``Execution.tiles``); the defaults are the CPU sizes.
+
+    Arguments:
+        elements: elements of the largest per-tile tensor ``[B, Qb, heads at once, Kb]`` (and
+            of one top-k row buffer); also the size up to which the automatic choices stay
+            dense (default 2^24: 64 MiB of float32, cache-sized on CPU).
+        key_block: automatic entries per key tile (default 128).
+        max_query_block: largest automatic query block (default 256).
+        unroll: unroll the radix select's 32 steps (``exact_topk``; default ``False``).
+        attention_elements: the elements one query block of the attention keeps (gathered
+            keys and logits, ``csa_eqx._auto.attention_query_block``; default 2^24).
+    """
+
+    elements: int = 1 << 24
+    key_block: int = 128
+    max_query_block: int = 256
+    unroll: bool = False
+    attention_elements: int = 1 << 24
+
+
+_CPU_TILES = TileSizes()
+
+
+def streaming_block_sizes(
+    batch: int,
+    seq: int,
+    entries: int,
+    heads_at_once: int,
+    key_block: int = 0,
+    query_block: int = 0,
+    tiles: TileSizes = _CPU_TILES,
+) -> tuple[int, int]:
+    """Arguments: the problem's sizes, the requested ``key_block`` / ``query_block``
+    (0 = automatic) and the backend's ``tiles`` (``TileSizes``; default the CPU sizes,
+    ``csa_eqx._auto.backend_tiles()`` for the current backend).
+
+    Returns: ``(query_block, key_block)``, clipped to the sequence and the entries.
+
+    Automatic: key tiles of ``tiles.key_block`` entries (128 on CPU, 512 on accelerators) and
+    the largest power-of-two query block (at least 16, at most ``tiles.max_query_block``: 256
+    on CPU, 1024 on accelerators) whose ``[B, Qb, heads, Kb]`` tile stays within
+    ``tiles.elements`` (2^24 on CPU, 2^26 on accelerators).
+    """
+    kb = max(1, min(key_block or tiles.key_block, entries))
+    qb = query_block
+    if not qb:
+        budget = max(tiles.elements // (batch * max(heads_at_once, 1) * kb), 1)
+        qb = min(max(1 << (budget.bit_length() - 1), 16), tiles.max_query_block)
+    return max(1, min(qb, seq)), kb
+
+
+def topk_block_size(
+    batch: int,
+    query_block: int,
+    entries: int,
+    key_block: int,
+    topk_block: int = 0,
+    tiles: TileSizes = _CPU_TILES,
+) -> int:
+    """Entries per top-k pass, a multiple of ``key_block``: ``topk_block`` rounded up, or
+    (0 = automatic) all entries when one ``[B, Qb, T]`` score buffer fits ``tiles.elements``
+    (see ``streaming_block_sizes``), else as many key tiles as do.
+
+    Arguments: the sizes, the tiles (``streaming_block_sizes``), the requested
+    ``topk_block`` (0 = automatic) and the backend's ``tiles``.
+
+    Returns: entries per top-k pass (int, >= ``key_block``).
+    """
+    n_tiles = -(-entries // key_block)
+    per_pass = (
+        -(-topk_block // key_block)
+        if topk_block
+        else tiles.elements // (batch * query_block * key_block)
+    )
+    return max(1, min(per_pass, n_tiles)) * key_block
