@@ -18,7 +18,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped
 
 from . import _checks as checks
 from ._cache import AbstractCache
-from ._decode import ChunkRows, chunk_rows
+from ._decode import ChunkSource, chunk_rows
 from ._execution import Execution, check_stage, checked_execution
 from ._layout import Visibility, entry_visibility, segment_positions, token_rows
 from ._numerics import DeepSeekFormats
@@ -42,9 +42,10 @@ class AbstractIndexedAttention(eqx.Module):
         dtype: parameter dtype (norm weights and sinks stay float32).
         execution: how the layer runs (``csa_eqx.Execution``; ``None``: automatic).
 
-    A layer implements ``forward_rows`` (its forward over ``Rows``), ``extend_rows``,
-    ``init_cache``, ``entry_rate``, ``context_halo`` and ``head_specs``, and says in the class
-    variable ``formats`` what DeepSeek's inference quantises in its family.
+    A layer implements ``forward_rows`` (its pipeline, written once against a source of the
+    keys seen so far: the forward's ``Rows`` or ``extend``'s ``ChunkSource``), ``init_cache``,
+    ``entry_rate``, ``context_halo`` and ``head_specs``, and says in the class variable
+    ``formats`` what DeepSeek's inference quantises in its family.
     """
 
     formats: ClassVar[DeepSeekFormats]
@@ -147,18 +148,26 @@ class AbstractIndexedAttention(eqx.Module):
 
     @abc.abstractmethod
     def forward_rows(
-        self, x: Float[Array, "batch rows hidden"], rows: Rows, stage: str, want_loss: bool
+        self,
+        x: Float[Array, "batch rows hidden"],
+        source: Rows | ChunkSource,
+        stage: str,
+        want_loss: bool,
     ) -> tuple:
-        """The forward over ``rows`` (all of a sequence, or one device's chunks with their
-        halos under context parallelism), after ``__call__``'s checks.
+        """The layer's pipeline after ``__call__``'s or ``extend``'s checks, over ``source``:
+        the forward's ``Rows`` (all of a sequence, or one device's chunks with their halos
+        under context parallelism) or ``extend``'s ``ChunkSource`` (the cache, then the
+        chunk). It reads keys only through the source (``csa_eqx._rows``), so ``extend`` is the
+        forward over ``[cache ; chunk]``.
 
-        Arguments: hidden states ``x [B', L, hidden]``, their ``Rows``, the checked
-        training ``stage`` and whether the indexer loss' inputs are wanted.
+        Arguments: hidden states ``x [B', L, hidden]``, their source, the checked training
+        ``stage`` and whether the indexer loss' inputs are wanted.
 
         Returns:
-            ``(y, selection or None, (problem, target))``: the indexer's ``SelectionProblem``
-            (``None`` without an indexer) and the ``AttentionTarget`` (``None`` unless
-            ``want_loss``).
+            ``(y, selection or None, (problem, target), source)``: the indexer's
+            ``SelectionProblem`` (``None`` without an indexer), the ``AttentionTarget``
+            (``None`` unless ``want_loss``) and the source after the reads
+            (``source.cache_after()``: ``extend``'s new cache).
         """
 
     def indexer_problem(
@@ -235,19 +244,10 @@ class AbstractIndexedAttention(eqx.Module):
             return (y, cache, aux) if return_aux else (y, cache)
         rows = chunk_rows(cache, x.shape[1], lengths, segment_ids)
         dtype, x = x.dtype, self.execution.numerics.layer_input(x)
-        y, cache, selection = self.extend_rows(x, cache, rows, stage)
-        y = y.astype(dtype)
+        source = ChunkSource.start(cache, rows)
+        y, selection, _, source = self.forward_rows(x, source, stage, False)
+        y, cache = y.astype(dtype), source.cache_after()
         return (y, cache, {"selection": selection}) if return_aux else (y, cache)
-
-    @abc.abstractmethod
-    def extend_rows(self, x: Array, cache: AbstractCache, rows: ChunkRows, stage: str) -> tuple:
-        """``extend`` after its checks.
-
-        Arguments: the chunk ``x [B, T, hidden]``, the ``cache``, its ``ChunkRows`` and the
-        checked training ``stage``.
-
-        Returns: ``(y, new cache, selection or None)`` as in ``extend``.
-        """
 
     def with_execution(self, execution: Execution):
         """The same parameters, run as ``execution`` says (e.g. another selection strategy).
@@ -284,7 +284,7 @@ def _body(stage: str, want_loss: bool, layer: AbstractIndexedAttention, x: Array
     heads split over devices, each device computes the loss alike from every head's target
     (``rows.all_heads``): ``T`` equal sums over ``T`` equal counts, the same mean and gradient.
     """
-    y, selection, (problem, target) = layer.forward_rows(x, rows, stage, want_loss)
+    y, selection, (problem, target), _ = layer.forward_rows(x, rows, stage, want_loss)
     if not want_loss:
         return y, selection, ()
     target = target._replace(

@@ -21,10 +21,10 @@ from ._loss_dense import DenseIndexerLoss
 from ._loss_streaming import StreamingIndexerLoss
 from ._picks import AbstractPicks, GatheredPicks, MaskedPicks
 from ._problem import AbstractIndexerLoss, AbstractSelection, SelectionProblem
-from ._reads import Reads, power_of_two_block, sparse_query_block
+from ._reads import Reads
 from ._selection_dense import DenseSelection
 from ._selection_streaming import StreamingSelection
-from ._tiles import TileSizes
+from ._tiles import TileSizes, power_of_two_block, sparse_query_block
 
 __all__ = [
     "AutoSelection",

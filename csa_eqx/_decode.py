@@ -30,6 +30,7 @@ exactly what the full forward over the whole stream returns for those tokens (do
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import equinox as eqx
@@ -48,6 +49,7 @@ __all__ = [
     "append_rows",
     "closing_layout",
     "compress_chunk",
+    "ChunkSource",
 ]
 
 
@@ -179,3 +181,120 @@ def compress_chunk(
         gate=shift_in(state.gate, gate, rows.lengths),
         entries=append_rows(state.entries, entries, start, count),
     )
+
+
+class ChunkSource(eqx.Module):
+    """The keys seen so far for ``extend``: what ``cache`` holds and the chunk's own
+    (``[cache ; chunk]``), read through the same calls as the forward's ``Rows`` (see
+    ``csa_eqx._rows``), so each layer writes its pipeline once. Each read returns the source
+    with what the chunk wrote; ``cache_after()`` is the cache after the chunk.
+
+    Arguments:
+        cache: the layer's cache before the chunk.
+        rows: the chunk's ``ChunkRows``.
+        new: the cache fields written so far (``dataclasses.replace`` of ``cache``).
+    """
+
+    cache: AbstractCache
+    rows: ChunkRows
+    new: dict
+
+    @classmethod
+    def start(cls, cache: AbstractCache, rows: ChunkRows) -> ChunkSource:
+        """Arguments: the ``cache`` and the chunk's ``rows``.
+
+        Returns: the source of a chunk, the rows' bookkeeping (length, position, segment)
+        already written."""
+        return cls(
+            cache,
+            rows,
+            dict(length=rows.new_length, position=rows.new_position, segment=rows.new_segment),
+        )
+
+    @property
+    def positions(self) -> Int[Array, "batch seq"]:
+        """Returns: the chunk's RoPE positions ``[B, T]``."""
+        return self.rows.position
+
+    @property
+    def segment(self) -> Int[Array, "batch seq"]:
+        """Returns: the chunk's segment ids ``[B, T]`` (``-1``: padding)."""
+        return self.rows.segment
+
+    @property
+    def query_index(self) -> Int[Array, "batch seq"]:
+        """Returns: the chunk's stream indices ``[B, T]``."""
+        return self.rows.index
+
+    def _with(self, **new) -> ChunkSource:
+        return ChunkSource(self.cache, self.rows, {**self.new, **new})
+
+    def window_reads(self, window, kv: Array, width: int) -> tuple:
+        """The sliding window over ``[ring ; chunk]`` rows (``BandRows(history=...)``).
+
+        Arguments: the layer's window strategy, the chunk's keys ``kv [B, T, d]`` and the
+        window length.
+
+        Returns: ``(reads, source)``, the chunk shifted into the ring.
+        """
+        cache, rows = self.cache, self.rows
+        b, seq = rows.segment.shape
+        local = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq))
+        keys = jnp.concatenate([cache.window_kv, kv.astype(cache.window_kv.dtype)], axis=1)
+        reads = window.reads(
+            keys.astype(kv.dtype), local, rows.segment, width, cache.window_segment
+        )
+        return reads, self._with(
+            window_kv=shift_in(cache.window_kv, kv, rows.lengths),
+            window_segment=shift_in(cache.window_segment, rows.segment, rows.lengths),
+        )
+
+    def entries(self, name: str, compressor: Compressor, x: Array, dtype, finish) -> tuple:
+        """Every compressed entry so far: the cache's and the windows closing in this chunk,
+        pooled from the compressor state ``cache.<name>`` and the chunk (``compress_chunk``).
+
+        Arguments: the cache field of the compressor's state, the ``compressor``, its input
+        ``x [B, T, hidden]``, the numerics' ``dtype`` and ``finish`` (as ``compress_chunk``).
+
+        Returns: ``(entries [B, slots, d], layout, source)``: entries in closing order over
+        the stream's rows, the new state and the entry bookkeeping written.
+        """
+        cache, rows = self.cache, self.rows
+        state = getattr(cache, name)
+        ring = state.kv.shape[1]
+        closing, count = closing_layout(rows, ring, compressor.compress_rate)
+        start = cache.entry_count
+        state = compress_chunk(
+            compressor, state, x, rows, cache.position, closing, start, count, dtype, finish
+        )
+        end = jnp.where(closing.end >= 0, closing.end - ring + cache.length[:, None], -1)
+        entry_end = append_rows(cache.entry_end, end, start, count)
+        entry_segment = append_rows(cache.entry_segment, closing.segment, start, count)
+        source = self._with(
+            **{name: state},
+            entry_end=entry_end,
+            entry_segment=entry_segment,
+            entry_count=start + count,
+        )
+        return state.entries, EntryLayout(entry_end, entry_segment, entry_end >= 0), source
+
+    def tokens(self, name: str, values: Array) -> tuple:
+        """Every token's ``values`` so far: the chunk's appended to the buffer ``cache.<name>``
+        (V3.2's latents and indexer keys; every token is an entry).
+
+        Arguments: the cache field and the chunk's ``values [B, T, d]``.
+
+        Returns: ``(values [B, max_length, d], layout, source)``: the written slots are the
+        stream indices.
+        """
+        cache, rows = self.cache, self.rows
+        buffer = append_rows(getattr(cache, name), values, cache.length, rows.lengths)
+        token_segment = append_rows(cache.token_segment, rows.segment, cache.length, rows.lengths)
+        slots = jnp.arange(buffer.shape[1], dtype=jnp.int32)
+        written = slots < rows.new_length[:, None]
+        layout = EntryLayout(jnp.where(written, slots, -1), token_segment, written)
+        return buffer, layout, self._with(**{name: buffer}, token_segment=token_segment)
+
+    def cache_after(self) -> AbstractCache:
+        """Returns: the cache after the chunk."""
+        return dataclasses.replace(self.cache, **self.new)

@@ -21,8 +21,8 @@ from ._blocks import block_starts, key_block_ranges, take
 from ._layout import EntryLayout, entry_visibility
 from ._loss import row_kl, target_mass
 from ._problem import AbstractIndexerLoss
-from ._reads import gather_keys, sparse_query_block
-from ._tiles import streaming_block_sizes
+from ._reads import gather_keys
+from ._tiles import sparse_query_block, streaming_block_sizes
 
 __all__ = ["StreamingIndexerLoss"]
 
@@ -242,7 +242,7 @@ class StreamingIndexerLoss(AbstractIndexerLoss):
         key_block: entries per key tile of the warm-up (0 = automatic, see
             ``csa_eqx._tiles.streaming_block_sizes``).
         query_block: queries per block (0 = automatic; the sparse stage's automatic block is
-            ``csa_eqx._reads.sparse_query_block``).
+            ``csa_eqx._tiles.sparse_query_block``).
     """
 
     key_block: int = eqx.field(default=0, static=True)

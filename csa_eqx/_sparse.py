@@ -37,14 +37,12 @@ from ._reads import (
     Reads,
     gather_keys,
     picked_mask,
-    sparse_query_block,
 )
 from ._window import AbstractWindow, BandWindow, GatheredWindow
 
 __all__ = [
     "sparse_attention",
     "gather_keys",
-    "sparse_query_block",
     "DenseKeys",
     "AbstractPicks",
     "GatheredPicks",

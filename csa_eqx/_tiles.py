@@ -10,6 +10,8 @@ __all__ = [
     "TileSizes",
     "streaming_block_sizes",
     "topk_block_size",
+    "sparse_query_block",
+    "power_of_two_block",
 ]
 
 
@@ -91,3 +93,28 @@ def topk_block_size(
         else tiles.elements // (batch * query_block * key_block)
     )
     return max(1, min(per_pass, n_tiles)) * key_block
+
+
+def sparse_query_block(
+    batch: int, heads: int, dim: int, k: int, entries: int = 0, elements: int = 1 << 24
+) -> int:
+    """The automatic query block of an attention over gathered picks (and dense entries; the
+    sizing rule of ``csa_eqx._auto.attention_query_block``, here so that the streaming indexer
+    loss sizes its blocks alike): keeps the gathered
+    ``[B, Qb, k, dim]`` keys (and values) plus the ``[B, Qb, H, k]`` logits of one block, and
+    the ``[B, Qb, H, entries]`` logits and mask of entries attended by matmul, near 64 MiB of
+    float32.
+
+    Arguments: the sizes (``dim``: gathered key plus value channels per pick; ``entries``:
+    those attended by matmul, 0 = none) and the block's budget of ``elements``.
+
+    Returns: the query block, a power of two >= 1.
+    """
+    return power_of_two_block(batch, k * (dim + heads) + entries * (heads + 1), elements)
+
+
+def power_of_two_block(batch: int, per_row: int, elements: int = 1 << 24) -> int:
+    """The largest power of two of query rows whose ``batch * per_row`` elements per row stay
+    within ``elements`` (at least 1)."""
+    rows = max(elements // max(batch * per_row, 1), 1)
+    return 1 << (rows.bit_length() - 1)

@@ -22,14 +22,12 @@ from jaxtyping import Array, Float, Int
 from ._attention import AbstractIndexedAttention
 from ._cache import V32Cache, check_cache_size, empty_rows
 from ._config import V32AttentionConfig, YaRNScaling
-from ._decode import ChunkRows, append_rows
 from ._execution import Execution, checked_execution
 from ._heads import split_specs
-from ._layout import EntryLayout, Visibility
+from ._layout import Visibility
 from ._numerics import V32_FORMATS, DeepSeekFormats
 from ._ops import init_linear, linear, rms_norm, upcast
 from ._rope import apply_rope_half_split, apply_rope_interleaved, rope_inv_freq, yarn_mscale
-from ._rows import Rows
 from ._target import AttentionTarget
 
 __all__ = ["V32Attention", "V32Indexer"]
@@ -257,23 +255,23 @@ class V32Attention(AbstractIndexedAttention):
         which context parallelism all-gathers (``Rows.gather``)."""
         return 0
 
-    def forward_rows(
-        self, x: Float[Array, "batch rows hidden"], rows: Rows, stage: str, want_loss=False
-    ) -> tuple:
-        """The forward over ``rows`` (see ``AbstractIndexedAttention.forward_rows``): sparse
+    def forward_rows(self, x, source, stage, want_loss=False):
+        """The pipeline over ``source`` (see ``AbstractIndexedAttention.forward_rows``): sparse
         MLA over the tokens the indexer selects (docs/concepts.md, "DeepSeek-V3.2 DSA"); in
         the ``"dense"`` stage, the warm-up: plain causal MLA over every earlier token of the
-        segment. Every row is its own entry: under context parallelism the rows' MLA latents
-        and indexer keys are all-gathered into the whole sequence's (``rows.gather``)."""
-        positions, seg, query_index = rows[:3]
+        segment. Every token is its own entry: under context parallelism the rows' MLA latents
+        and indexer keys are all-gathered into the whole sequence's; ``extend`` appends them
+        to the cache's."""
+        positions = source.positions
         qr, queries, keys = self.project_qkv(x, positions)
-        visibility = Visibility(query_index, seg, rows.layout)
-        # the indexer's keys, once: the selection ignores gradients and the loss must train
-        # the indexer only, never x
+        # the selection ignores gradients and the loss must train the indexer only, never x
         index_keys = self.execution.numerics.indexer(
             self.indexer.keys(jax.lax.stop_gradient(x), positions), self.formats
         )
-        keys, index_keys = rows.gather(keys), rows.gather(index_keys)
+        keys, layout, source = source.tokens("latent", keys)
+        index_keys, _, source = source.tokens("index_keys", index_keys)
+        keys = keys.astype(queries.dtype)
+        visibility = Visibility(source.query_index, source.segment, layout)
         problem = self.indexer_problem(x, qr, positions, index_keys, visibility)
         selection = self.execution.select(problem, self.config.index_topk)
         o = self._attend(queries, keys, visibility, selection, stage, want_loss)
@@ -281,7 +279,7 @@ class V32Attention(AbstractIndexedAttention):
         if want_loss:  # KL distillation against the absorbed MLA queries and keys attended
             o, lse = o
             target = AttentionTarget(queries, keys, lse, self.softmax_scale)
-        return self.project_out(o), selection, (problem, target)
+        return self.project_out(o), selection, (problem, target), source
 
     def init_cache(self, batch_size: int, max_length: int, dtype=jnp.float32) -> V32Cache:
         """An empty decode cache of fixed-size buffers.
@@ -307,31 +305,3 @@ class V32Attention(AbstractIndexedAttention):
             token_segment=jnp.full((batch_size, max_length), -1, jnp.int32),
             max_length=max_length,
         )
-
-    def extend_rows(self, x: Array, cache, rows: ChunkRows, stage: str) -> tuple:
-        """``extend`` (see ``AbstractIndexedAttention.extend``) of a checked chunk."""
-        c = self.config
-        qr, queries, keys = self.project_qkv(x, rows.position)
-        ix = self.indexer
-        latent = append_rows(cache.latent, keys, cache.length, rows.lengths)
-        new_keys = self.execution.numerics.indexer(ix.keys(x, rows.position), self.formats)
-        index_keys = append_rows(cache.index_keys, new_keys, cache.length, rows.lengths)
-        token_segment = append_rows(cache.token_segment, rows.segment, cache.length, rows.lengths)
-        slots = jnp.arange(latent.shape[1], dtype=jnp.int32)
-        written = slots < rows.new_length[:, None]
-        layout = EntryLayout(jnp.where(written, slots, -1), token_segment, written)
-        visibility = Visibility(rows.index, rows.segment, layout)
-        problem = self.indexer_problem(x, qr, rows.position, index_keys, visibility)
-        selection = self.execution.select(problem, c.index_topk)  # as in the forward
-        o = self._attend(queries, latent.astype(queries.dtype), visibility, selection, stage)
-        y = self.project_out(o)
-        cache = V32Cache(
-            length=rows.new_length,
-            position=rows.new_position,
-            segment=rows.new_segment,
-            latent=latent,
-            index_keys=index_keys,
-            token_segment=token_segment,
-            max_length=cache.max_length,
-        )
-        return y, cache, selection

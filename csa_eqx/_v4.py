@@ -3,7 +3,6 @@ attention block")."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import ClassVar
 
 import equinox as eqx
@@ -17,15 +16,14 @@ from ._attention import AbstractIndexedAttention
 from ._cache import V4Cache, check_cache_size, compressor_state, empty_rows
 from ._compressor import Compressor
 from ._config import V4AttentionConfig
-from ._decode import ChunkRows, append_rows, closing_layout, compress_chunk, shift_in
 from ._execution import Execution, checked_execution
 from ._heads import split_specs
-from ._layout import EntryLayout, Visibility, entry_layout, segment_positions, token_rows
+from ._layout import Visibility, segment_positions, token_rows
 from ._loss import attention_target
 from ._numerics import V4_FORMATS, DeepSeekFormats
 from ._ops import init_linear, linear, rms_norm
 from ._rope import apply_rope_interleaved, rope_inv_freq
-from ._rows import Rows
+from ._rows import whole_rows
 from ._target import AttentionTarget
 
 __all__ = ["V4Attention", "Indexer"]
@@ -229,28 +227,30 @@ class V4Attention(AbstractIndexedAttention):
         )
         return specs, {"num_heads": self.config.num_heads, "o_groups": self.config.o_groups}
 
-    def forward_rows(
-        self, x: Float[Array, "batch rows hidden"], rows: Rows, stage: str, want_loss=False
-    ) -> tuple:
-        """The forward over ``rows`` (see ``AbstractIndexedAttention.forward_rows``): the
+    def forward_rows(self, x, source, stage, want_loss=False):
+        """The pipeline over ``source`` (see ``AbstractIndexedAttention.forward_rows``): the
         sliding window plus this layer's compressed entries (docs/concepts.md, "The
-        DeepSeek-V4 attention block")."""
+        DeepSeek-V4 attention block"), for the forward and ``extend`` alike."""
         c, ex = self.config, self.execution
-        positions, seg, query_index = rows[:3]
-        qr, q, kv = self.project_qkv(x, positions)
-
-        # the window: token rows 0..L-1 of the keys, gathered or as a band
-        local = token_rows(x, None)[1]
-        reads = ex.window.reads(kv, local, seg, c.sliding_window)
+        nx = ex.numerics
+        qr, q, kv = self.project_qkv(x, source.positions)
+        reads, source = source.window_reads(ex.window, kv, c.sliding_window)
         selection, problem, entries = None, None, None
         if self.compressor is not None:
-            visibility = Visibility(query_index, seg, rows.layout)
-            entries = rows.gather(self.entries(x, positions, rows.own)).astype(kv.dtype)
+            dtype = nx.entry_dtype(x)
+            entries, layout, source = source.entries(
+                "compressor", self.compressor, nx.compressor_input(x), dtype, self._round_kv
+            )
+            entries = entries.astype(kv.dtype)
+            visibility = Visibility(source.query_index, source.segment, layout)
             if self.indexer is not None:
-                # the indexer's keys, once: the selection ignores gradients and the loss must
-                # train the indexer's compressor only, never x
-                own_keys = self.index_keys(jax.lax.stop_gradient(x), positions, rows.own)
-                problem = self.indexer_problem(x, qr, positions, rows.gather(own_keys), visibility)
+                # the selection ignores gradients and the loss must train the indexer's
+                # compressor only, never x
+                index_input = nx.compressor_input(jax.lax.stop_gradient(x))
+                keys, _, source = source.entries(
+                    "indexer", self.indexer.compressor, index_input, dtype, self._round_index
+                )
+                problem = self.indexer_problem(x, qr, source.positions, keys, visibility)
                 selection = ex.select(problem, c.index_topk)
             reads = reads.join(ex.entry_reads(entries, visibility, selection, stage))
 
@@ -259,20 +259,15 @@ class V4Attention(AbstractIndexedAttention):
         if want_loss:
             o, lse = o
             target = AttentionTarget(q, entries, lse, c.head_dim**-0.5)
-        return self.project_out(o, positions), selection, (problem, target)
+        return self.project_out(o, source.positions), selection, (problem, target), source
 
-    def entries(self, x: Array, positions: Array, layout: EntryLayout) -> Array:
-        """The compressed entries ``[B, T, head_dim]`` of ``x`` (``Compressor.__call__``'s
-        arguments), with the numerics' compressor precision and KV rounding."""
-        nx = self.execution.numerics
-        pooled = self.compressor(nx.compressor_input(x), positions, layout, nx.entry_dtype(x))
-        return nx.kv(pooled, self.config.rope_dim, self.formats)
+    def _round_kv(self, entries: Array) -> Array:
+        """The compressed entries as the numerics round the KV."""
+        return self.execution.numerics.kv(entries, self.config.rope_dim, self.formats)
 
-    def index_keys(self, x: Array, positions: Array, layout: EntryLayout) -> Array:
-        """The indexer's keys ``[B, T, index_head_dim]`` of ``x``, as the numerics round them."""
-        nx = self.execution.numerics
-        keys = self.indexer.compressor(nx.compressor_input(x), positions, layout, nx.entry_dtype(x))
-        return nx.indexer(keys, self.formats)
+    def _round_index(self, keys: Array) -> Array:
+        """The indexer's keys as the numerics round them."""
+        return self.execution.numerics.indexer(keys, self.formats)
 
     def entry_attention(
         self,
@@ -296,21 +291,11 @@ class V4Attention(AbstractIndexedAttention):
             raise ValueError(f"entry_attention needs a CSA layer (this one is {c.layer_type})")
         x, _, segment_ids = checks.layer_inputs(c.hidden_size, x, None, segment_ids)
         seg, query_index = token_rows(x, segment_ids)
-        positions = segment_positions(seg)
-        qr, q, kv = self.project_qkv(x, positions)
-        layout = entry_layout(seg, c.compress_rate)
-        visibility = Visibility(query_index, seg, layout)
-        entries = self.entries(x, positions, layout).astype(kv.dtype)
-        # the window and every visible entry (the dense stage's reads), as the forward reads
-        reads = ex.window.reads(kv, query_index, seg, c.sliding_window)
-        reads = reads.join(ex.entry_reads(entries, visibility, None, "dense"))
-        _, lse = ex.attend(q, reads, self.sinks, c.head_dim**-0.5, return_lse=True)
-        target = AttentionTarget(q, entries, lse, c.head_dim**-0.5)
-        mass = attention_target(target, visibility.mask(), head_chunk=ex.qk_head_chunk_size)
-        problem = self.indexer_problem(
-            x, qr, positions, self.index_keys(x, positions, layout), visibility
-        )
-        return mass, ex.select(problem, c.index_topk)
+        rows = whole_rows(segment_positions(seg), seg, query_index, c.compress_rate)
+        # the window and every visible entry: the dense stage's reads
+        _, selection, (problem, target), _ = self.forward_rows(x, rows, "dense", True)
+        visible = problem.visibility.mask()
+        return attention_target(target, visible, head_chunk=ex.qk_head_chunk_size), selection
 
     def init_cache(self, batch_size: int, max_length: int, dtype=jnp.float32) -> V4Cache:
         """An empty decode cache of fixed-size buffers.
@@ -345,63 +330,3 @@ class V4Attention(AbstractIndexedAttention):
             else compressor_state(self.indexer.compressor, batch_size, slots, dtype),
             max_length=max_length,
         )
-
-    def extend_rows(self, x: Array, cache, rows: ChunkRows, stage: str) -> tuple:
-        """``extend`` (see ``AbstractIndexedAttention.extend``) of a checked chunk."""
-        c, ex = self.config, self.execution
-        b, seq = rows.segment.shape
-        qr, q, kv = self.project_qkv(x, rows.position)
-        # the window over [ring ; chunk] rows, read as the forward reads it (the band)
-        local = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq))
-        keys = jnp.concatenate([cache.window_kv, kv.astype(cache.window_kv.dtype)], axis=1)
-        history = cache.window_segment
-        reads = ex.window.reads(
-            keys.astype(q.dtype), local, rows.segment, c.sliding_window, history
-        )
-        selection = None
-        new = dict(
-            length=rows.new_length,
-            position=rows.new_position,
-            segment=rows.new_segment,
-            window_kv=shift_in(cache.window_kv, kv, rows.lengths),
-            window_segment=shift_in(cache.window_segment, rows.segment, rows.lengths),
-        )
-        if self.compressor is not None:
-            m = c.compress_rate
-            closing, count = closing_layout(rows, cache.compressor.kv.shape[1], m)
-            start = cache.entry_count
-            nx = ex.numerics
-            args = (nx.compressor_input(x), rows, cache.position, closing, start, count)
-            args += (nx.entry_dtype(x),)
-            new["compressor"] = compress_chunk(
-                self.compressor,
-                cache.compressor,
-                *args,
-                lambda e: nx.kv(e, c.rope_dim, self.formats),
-            )
-            end = closing.end - cache.compressor.kv.shape[1] + cache.length[:, None]
-            new["entry_end"] = append_rows(
-                cache.entry_end, jnp.where(closing.end >= 0, end, -1), start, count
-            )
-            new["entry_segment"] = append_rows(cache.entry_segment, closing.segment, start, count)
-            new["entry_count"] = start + count
-            layout = EntryLayout(new["entry_end"], new["entry_segment"], new["entry_end"] >= 0)
-            visibility = Visibility(rows.index, rows.segment, layout)
-            entries = new["compressor"].entries.astype(q.dtype)
-            if self.indexer is not None:
-                new["indexer"] = compress_chunk(
-                    self.indexer.compressor,
-                    cache.indexer,
-                    *args,
-                    lambda e: nx.indexer(e, self.formats),
-                )
-                problem = self.indexer_problem(
-                    x, qr, rows.position, new["indexer"].entries, visibility
-                )
-                selection = ex.select(problem, c.index_topk)  # the forward's strategy
-            # as the forward reads them
-            reads = reads.join(ex.entry_reads(entries, visibility, selection, stage))
-
-        o = ex.attend(q, reads, self.sinks, c.head_dim**-0.5)
-        y = self.project_out(o, rows.position)
-        return y, dataclasses.replace(cache, **new), selection
