@@ -14,6 +14,9 @@ query blocks (``Execution(query_block=...)`` forces one).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
+import equinox as eqx
 import jax
 from jaxtyping import Array, Int
 
@@ -96,55 +99,56 @@ def streams(batch: int, seq: int, entries: int, heads: int, tiles: TileSizes) ->
     return batch * seq * entries * max(heads, 1) > tiles.elements
 
 
-class AutoSelection(AbstractSelection):
-    """Dense while the largest score tensor ``[B, S, heads at once, T]`` fits one automatic
-    tile (``SelectionProblem.tiles.elements``: 2^24 elements on CPU, 2^26 on accelerators),
-    streaming beyond (``streams``).
+class _DenseOrStreaming(eqx.Module):
+    """What ``AutoSelection`` and ``AutoIndexerLoss`` share: the strategy ``dense()`` while
+    ``streams`` says the problem fits one tile, else ``streaming(query_block=query_block)``.
 
     Arguments:
         query_block: queries per block when it streams (0 = automatic).
     """
 
     query_block: int = 0
+    dense: ClassVar[type]
+    streaming: ClassVar[type]
 
-    def choose(
-        self, batch: int, seq: int, entries: int, heads: int, tiles: TileSizes = CPU_TILES
-    ) -> AbstractSelection:
-        """Arguments: the problem's sizes (``SelectionProblem.sizes``) and its ``tiles``.
+    def choose(self, batch: int, seq: int, entries: int, heads: int, tiles: TileSizes = CPU_TILES):
+        """Arguments: the sizes (``SelectionProblem.sizes``; for the loss
+        ``AbstractIndexerLoss.sizes``) and the ``tiles``.
 
-        Returns: ``StreamingSelection(query_block=query_block)`` when ``streams``, else
-        ``DenseSelection()``.
+        Returns: ``streaming(query_block=query_block)`` (``StreamingSelection`` /
+        ``StreamingIndexerLoss``) when ``streams``, else ``dense()`` (``DenseSelection()`` /
+        ``DenseIndexerLoss()``).
         """
         if streams(batch, seq, entries, heads, tiles):
-            return StreamingSelection(query_block=self.query_block)
-        return DenseSelection()
+            return self.streaming(query_block=self.query_block)
+        return self.dense()
+
+
+class AutoSelection(_DenseOrStreaming, AbstractSelection):
+    """Dense while the largest score tensor ``[B, S, heads at once, T]`` fits one automatic
+    tile (``SelectionProblem.tiles.elements``: 2^24 elements on CPU, 2^26 on accelerators),
+    streaming beyond (``streams``): ``DenseSelection`` or ``StreamingSelection``.
+
+    Arguments:
+        query_block: queries per block when it streams (0 = automatic).
+    """
+
+    dense = DenseSelection
+    streaming = StreamingSelection
 
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
         return self.choose(*problem.sizes(), problem.tiles).select(problem, k)
 
 
-class AutoIndexerLoss(AbstractIndexerLoss):
+class AutoIndexerLoss(_DenseOrStreaming, AbstractIndexerLoss):
     """The dense KL loss while its largest tensor ``[B, S, heads at once, T]`` fits one tile,
     streaming beyond: the rule of ``AutoSelection`` (``streams``), with the heads at once
-    counting the attention's heads too (``AbstractIndexerLoss.sizes``).
-
-    Arguments:
-        query_block: queries per block when it streams (0 = automatic).
+    counting the attention's heads too (``AbstractIndexerLoss.sizes``): ``DenseIndexerLoss``
+    or ``StreamingIndexerLoss``. Arguments: as for ``AutoSelection``.
     """
 
-    query_block: int = 0
-
-    def choose(
-        self, batch: int, seq: int, entries: int, heads: int, tiles: TileSizes = CPU_TILES
-    ) -> AbstractIndexerLoss:
-        """Arguments: the loss' sizes (``AbstractIndexerLoss.sizes``) and the ``tiles``.
-
-        Returns: ``StreamingIndexerLoss(query_block=query_block)`` when ``streams``, else
-        ``DenseIndexerLoss()``.
-        """
-        if streams(batch, seq, entries, heads, tiles):
-            return StreamingIndexerLoss(query_block=self.query_block)
-        return DenseIndexerLoss()
+    dense = DenseIndexerLoss
+    streaming = StreamingIndexerLoss
 
     def loss(self, problem, target, selection=None):
         method = self.choose(*self.sizes(problem, target), problem.tiles)

@@ -33,7 +33,7 @@ from jaxtyping import Array, Float
 
 from ._compat import stacked_all_gather
 from ._layout import EntryLayout, entry_layout
-from ._mesh import MeshLike, batch_axis, mesh_with_axis, place, run_sharded
+from ._mesh import MeshLike, batch_axis, check_axes, mesh_with_axis, place, run_sharded
 from ._placement import AbstractPlacement, Body, SingleDevice
 from ._rows import Rows
 
@@ -73,13 +73,7 @@ class ContextParallel(AbstractPlacement):
     inner: AbstractPlacement = SingleDevice()
 
     def __check_init__(self):
-        for name, value in (("ContextParallel.axis", self.axis), ("data_axis", self.data_axis)):
-            if not isinstance(value, str) or not value:
-                raise ValueError(f"{name} must be a non-empty mesh axis name (got {value!r})")
-        if self.axis == self.data_axis:
-            raise ValueError(
-                f"ContextParallel.axis and data_axis must differ (both are {self.axis!r})"
-            )
+        check_axes("ContextParallel.axis", self.axis, self.data_axis)
 
     def around(self, inner: AbstractPlacement) -> ContextParallel:
         """Returns: this placement with ``inner`` run inside its ``shard_map``."""

@@ -43,7 +43,6 @@ from ._scorer import AbstractScorer, XlaScorer
 from ._selection_sharded import ShardedSelection
 from ._selection_streaming import StreamingSelection
 from ._sharding import constrain_heads, tensor_axis_auto
-from ._target import AttentionTarget
 from ._tiles import TileSizes
 from ._window import AbstractWindow, BandWindow
 from .remat import tag_selection
@@ -368,24 +367,12 @@ class Execution(eqx.Module):
             return Reads(dense=DenseKeys(keys, visibility.layout, *visibility[:2], values))
         return self.picks.reads(keys, visibility, selection, values)
 
-    def attend(
-        self,
-        q: Float[Array, "batch seq heads dim"],
-        reads: Reads,
-        sinks: Float[Array, " heads"] | None,
-        scale: float,
-        return_lse: bool = False,
-    ) -> (
-        Float[Array, "batch seq heads vdim"]
-        | tuple[Float[Array, "batch seq heads vdim"], Float[Array, "batch seq heads"]]
-    ):
+    def attend(self, q, reads, sinks, scale, return_lse=False):
         """Run the ``attention`` kernel over ``reads`` with ``query_block`` queries per block
         (automatic: ``csa_eqx._auto.attention_query_block``).
 
-        Arguments: the queries ``q [B, S, H, d]``, what they read, the per-head ``sinks``
-        (or ``None``), the softmax ``scale`` and whether to return the log-normalisers.
-
-        Returns: as ``AbstractAttentionKernel.attend``.
+        Arguments and returns: as for ``AbstractAttentionKernel.attend``, whose
+        ``query_block`` this resolves.
         """
         b, _, h, _ = q.shape
         tiles = backend_tiles() if self.tiles is None else self.tiles
@@ -416,19 +403,9 @@ class Execution(eqx.Module):
             project, rows, keys, visibility, chunk, score_dtype, self.scorer, tiles
         )
 
-    def kl_loss(
-        self,
-        problem: SelectionProblem,
-        target: AttentionTarget,
-        selection: Int[Array, "batch seq k"] | None = None,
-    ) -> Float[Array, ""]:
-        """The indexer's KL loss by ``indexer_kl`` (``AbstractIndexerLoss.loss``).
-
-        Arguments: the indexer's ``problem`` (from ``problem``), the main attention's
-        ``target`` and the ``selection`` (``None``: the dense warm-up over every visible
-        entry).
-
-        Returns: a float32 scalar.
+    def kl_loss(self, problem, target, selection=None):
+        """The indexer's KL loss by ``indexer_kl``: arguments (the ``problem`` from
+        ``problem``) and result as for ``AbstractIndexerLoss.loss``.
         """
         return self.indexer_kl.loss(problem, target, selection)
 

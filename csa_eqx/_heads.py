@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
-from ._mesh import MeshLike, batch_axis, mesh_with_axis, run_sharded
+from ._mesh import MeshLike, batch_axis, check_axes, mesh_with_axis, run_sharded
 from ._placement import AbstractPlacement, Body
 from ._rows import Rows
 
@@ -48,13 +48,7 @@ class HeadParallel(AbstractPlacement):
     mesh: MeshLike | None = None
 
     def __check_init__(self):
-        for name, value in (("HeadParallel.axis", self.axis), ("data_axis", self.data_axis)):
-            if not isinstance(value, str) or not value:
-                raise ValueError(f"{name} must be a non-empty mesh axis name (got {value!r})")
-        if self.axis == self.data_axis:
-            raise ValueError(
-                f"HeadParallel.axis and data_axis must differ (both are {self.axis!r})"
-            )
+        check_axes("HeadParallel.axis", self.axis, self.data_axis)
 
     def check(self, mesh: MeshLike, heads: dict[str, int]) -> None:
         """``ValueError`` unless the axis' size divides every head count of ``heads`` (by

@@ -16,6 +16,7 @@ from jaxtyping import Array
 __all__ = [
     "MeshLike",
     "mesh_with_axis",
+    "check_axes",
     "is_explicit",
     "is_manual",
     "place",
@@ -40,6 +41,20 @@ def mesh_with_axis(axis: str, feature: str, mesh: MeshLike | None = None) -> Mes
             f"{tuple(mesh.axis_names)} (set a mesh with jax.set_mesh or pass mesh=)"
         )
     return mesh
+
+
+def check_axes(name: str, axis: object, data_axis: object) -> None:
+    """``ValueError`` unless a sharded placement's ``axis`` (called ``name`` in the error,
+    e.g. ``"HeadParallel.axis"``) and its ``data_axis`` are two different non-empty mesh axis
+    names.
+
+    Returns: ``None``.
+    """
+    for field, value in ((name, axis), ("data_axis", data_axis)):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{field} must be a non-empty mesh axis name (got {value!r})")
+    if axis == data_axis:
+        raise ValueError(f"{name} and data_axis must differ (both are {axis!r})")
 
 
 def is_explicit(mesh: MeshLike, axis: str) -> bool:

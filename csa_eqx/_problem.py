@@ -57,26 +57,27 @@ class SelectionProblem(NamedTuple):
     visibility: Visibility
     head_chunk: int = 0
     score_dtype: str | None = None
-    scorer: AbstractScorer = XlaScorer()
-    tiles: TileSizes = TileSizes()
+    scorer: AbstractScorer = _REFERENCE
+    tiles: TileSizes = _CPU_TILES
 
     @classmethod
     def from_queries(
         cls,
         q: Float[Array, "batch seq heads dim"],
         weights: Float[Array, "batch seq heads"],
-        keys: Float[Array, "batch entries dim"],
-        visibility: Visibility,
-        head_chunk: int = 0,
-        score_dtype: str | None = None,
-        scorer: AbstractScorer = _REFERENCE,
-        tiles: TileSizes = _CPU_TILES,
+        keys,
+        visibility,
+        head_chunk=0,
+        score_dtype=None,
+        scorer=_REFERENCE,
+        tiles=_CPU_TILES,
     ) -> SelectionProblem:
         """A problem whose queries and head weights are already projected.
 
         Arguments:
             q: float ``[B, S, H, d]`` indexer queries; weights: float ``[B, S, H]``.
-            keys, visibility, head_chunk, score_dtype, scorer, tiles: as for the class.
+            keys, visibility, head_chunk, score_dtype, scorer, tiles: the class's fields
+                (declared there, with these defaults).
 
         Returns: the ``SelectionProblem`` (its ``project`` is the identity).
         """

@@ -135,20 +135,14 @@ class AbstractScorer(eqx.Module):
         """
 
     def gathered_scores(
-        self,
-        q: Float[Array, "batch seq heads dim"],
-        weights: Float[Array, "batch seq heads"],
-        keys: Float[Array, "batch seq picks dim"],
-        *,
-        head_chunk: int = 0,
+        self, q, weights, keys: Float[Array, "batch seq picks dim"], *, head_chunk=0
     ) -> Float[Array, "batch seq picks"]:
         """Scores of each query against its own keys (the sparse stage of the indexer loss,
         float32). By default ``scores`` mapped over the queries; a kernel may override it.
 
         Arguments:
-            q, weights: as for ``scores``.
+            q, weights, head_chunk: as for ``scores`` (declared there).
             keys: ``[B, S, k, d]``, each query's gathered keys.
-            head_chunk: as for ``scores``.
 
         Returns:
             float32 ``[B, S, k]``.

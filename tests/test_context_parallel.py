@@ -225,7 +225,7 @@ def test_compiled_memory_splits_over_the_context_axis(capfd):
     k = 256) at S = 32k needs at most 1.3 x (one device's temp / 8) per device on 8 devices
     (each device's tiles shrink with its share of the rows: ``auto.shared_tiles``), and XLA
     reports no involuntary full rematerialisation."""
-    cfg = tiny("csa").__class__(
+    cfg = ce.V4AttentionConfig(
         hidden_size=1024,
         num_heads=16,
         head_dim=256,

@@ -23,7 +23,7 @@ from parallel_helpers import (
 from test_v4_behaviour import tiny
 
 import csa_eqx as ce
-from csa_eqx.presets import tiny_v32
+from csa_eqx.presets import tiny_v32, v4_flash
 
 TENSOR2 = ((2,), ("tensor",))
 TENSOR4 = ((4,), ("tensor",))
@@ -123,21 +123,8 @@ def test_indexer_loss_and_sharded_topk_match_single_device(kind, stage, mesh_sha
 def test_weight_shards_are_one_over_the_axis():
     """Compile-time shapes: inside the shard_map each device holds 1/T of the query
     projection's rows, the sinks, the grouped o_a_proj's rows and o_b_proj's input columns,
-    and every other weight whole (T = 4, a V4-Flash-shaped CSA layer, traced abstractly)."""
-    cfg = tiny("csa").__class__(
-        hidden_size=256,
-        num_heads=16,
-        head_dim=64,
-        rope_dim=16,
-        q_lora_rank=128,
-        o_groups=8,
-        o_lora_rank=64,
-        sliding_window=16,
-        compress_rate=4,
-        index_n_heads=8,
-        index_head_dim=32,
-        index_topk=16,
-    )
+    and every other weight whole (T = 4, V4-Flash's CSA layer, traced abstractly)."""
+    cfg = v4_flash("csa")
     execution = ce.Execution.from_options(head_parallel=True)
     layer = jax.eval_shape(lambda: ce.V4Attention(cfg, key=jax.random.key(0), execution=execution))
     params, static = eqx.partition(layer, lambda v: isinstance(v, jax.ShapeDtypeStruct))
