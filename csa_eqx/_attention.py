@@ -36,11 +36,12 @@ class AbstractIndexedAttention(eqx.Module):
 
     Layers are built as ``Layer(config, *, key, dtype=jnp.float32, execution=None)``:
 
-    Arguments:
-        config: the layer's architecture (``V4AttentionConfig`` / ``V32AttentionConfig``).
-        key: PRNG key of the random initialisation (``csa_eqx.hf`` loads real weights).
-        dtype: parameter dtype (norm weights and sinks stay float32).
-        execution: how the layer runs (``csa_eqx.Execution``; ``None``: automatic).
+    **Arguments:**
+
+    - ``config``: the layer's architecture (``V4AttentionConfig`` / ``V32AttentionConfig``).
+    - ``key``: PRNG key of the random initialisation (``csa_eqx.hf`` loads real weights).
+    - ``dtype``: parameter dtype (norm weights and sinks stay float32).
+    - ``execution``: how the layer runs (``csa_eqx.Execution``; ``None``: automatic).
 
     A layer implements ``forward_rows`` (its pipeline, written once against a source of the
     keys seen so far: the forward's ``Rows`` or ``extend``'s ``ChunkSource``), ``init_cache``,
@@ -64,23 +65,25 @@ class AbstractIndexedAttention(eqx.Module):
         sliding window plus the compressed entries; "DeepSeek-V3.2 DSA": sparse MLA over the
         tokens the indexer selects).
 
-        Arguments:
-            x: hidden states ``[B, S, hidden]``.
-            positions: RoPE positions ``[B, S]``; default: the index inside each segment.
-            segment_ids: packed-document ids ``[B, S]`` (contiguous runs, ``>= 0``); tokens
-                only see their own segment, and V4's compression windows restart at each
-                segment.
-            return_aux: also return the aux dict.
-            indexer_loss: the indexer's training stage for this call (``"off"``, ``"dense"``:
-                attend to every visible entry and distil towards that, ``"sparse"``: attend to
-                the selection and distil over it); ``None`` = ``execution.indexer_loss``.
+        **Arguments:**
 
-        Returns:
-            ``y`` ``[B, S, hidden]`` in ``x``'s dtype; with ``return_aux``, ``(y, aux)`` with
-            ``aux["selection"]`` int32 ``[B, S, index_topk]`` in increasing order (V4: entry
-            slots, V3.2: token indices; ``-1`` = none; ``None`` for a V4 layer without an
-            indexer) and ``aux["indexer_loss"]`` a float32 scalar (``None`` when the stage is
-            ``"off"`` or the layer has no indexer).
+        - ``x``: hidden states ``[B, S, hidden]``.
+        - ``positions``: RoPE positions ``[B, S]``; default: the index inside each segment.
+        - ``segment_ids``: packed-document ids ``[B, S]`` (contiguous runs, ``>= 0``); tokens
+            only see their own segment, and V4's compression windows restart at each
+            segment.
+        - ``return_aux``: also return the aux dict.
+        - ``indexer_loss``: the indexer's training stage for this call (``"off"``, ``"dense"``:
+            attend to every visible entry and distil towards that, ``"sparse"``: attend to
+            the selection and distil over it); ``None`` = ``execution.indexer_loss``.
+
+        **Returns:**
+
+        ``y`` ``[B, S, hidden]`` in ``x``'s dtype; with ``return_aux``, ``(y, aux)`` with
+        ``aux["selection"]`` int32 ``[B, S, index_topk]`` in increasing order (V4: entry
+        slots, V3.2: token indices; ``-1`` = none; ``None`` for a V4 layer without an
+        indexer) and ``aux["indexer_loss"]`` a float32 scalar (``None`` when the stage is
+        ``"off"`` or the layer has no indexer).
         """
         c, ex = self.config, self.execution
         stage = self.stage(indexer_loss)
@@ -111,9 +114,9 @@ class AbstractIndexedAttention(eqx.Module):
     def head_specs(self, axis: str) -> tuple:
         """How head parallelism splits the layer's arrays.
 
-        Arguments: the mesh ``axis`` the heads are split over.
+        **Arguments:** the mesh ``axis`` the heads are split over.
 
-        Returns: ``(specs, heads)``: a function from the layer's arrays (``eqx.partition(layer,
+        **Returns:** ``(specs, heads)``: a function from the layer's arrays (``eqx.partition(layer,
         eqx.is_array)[0]``) to a ``PartitionSpec`` per array, and the head counts the axis size
         must divide (by config field name).
         """
@@ -137,13 +140,13 @@ class AbstractIndexedAttention(eqx.Module):
     @property
     @abc.abstractmethod
     def entry_rate(self) -> int:
-        """Returns: tokens per entry the attention reads besides its window (V4:
+        """**Returns:** tokens per entry the attention reads besides its window (V4:
         ``compress_rate``, 0 for a sliding layer; V3.2: 1, every token is an entry)."""
 
     @property
     @abc.abstractmethod
     def context_halo(self) -> int:
-        """Returns: rows before a chunk of the sequence that its forward needs besides the
+        """**Returns:** rows before a chunk of the sequence that its forward needs besides the
         entries (context parallelism's halo)."""
 
     @abc.abstractmethod
@@ -160,14 +163,15 @@ class AbstractIndexedAttention(eqx.Module):
         chunk). It reads keys only through the source (``csa_eqx._rows``), so ``extend`` is the
         forward over ``[cache ; chunk]``.
 
-        Arguments: hidden states ``x [B', L, hidden]``, their source, the checked training
+        **Arguments:** hidden states ``x [B', L, hidden]``, their source, the checked training
         ``stage`` and whether the indexer loss' inputs are wanted.
 
-        Returns:
-            ``(y, selection or None, (problem, target), source)``: the indexer's
-            ``SelectionProblem`` (``None`` without an indexer), the ``AttentionTarget``
-            (``None`` unless ``want_loss``) and the source after the reads
-            (``source.cache_after()``: ``extend``'s new cache).
+        **Returns:**
+
+        ``(y, selection or None, (problem, target), source)``: the indexer's
+        ``SelectionProblem`` (``None`` without an indexer), the ``AttentionTarget``
+        (``None`` unless ``want_loss``) and the source after the reads
+        (``source.cache_after()``: ``extend``'s new cache).
         """
 
     def indexer_problem(
@@ -181,18 +185,20 @@ class AbstractIndexedAttention(eqx.Module):
         """The indexer's side of "what a query reads", shared by the selection, the KL loss and
         ``extend``.
 
-        Arguments:
-            x, qr, positions: per-token hidden states, query latents and RoPE positions
-                (``[B, S, ...]``); ``x`` and ``qr`` are detached.
-            keys: the indexer keys of the entries (V4: compressed entries, V3.2: tokens), as
-                the numerics round them (``execution.numerics.indexer``); the queries are
-                rounded here.
-            visibility: which entries each query may see.
+        **Arguments:**
 
-        Returns:
-            A ``SelectionProblem`` projecting the rows block by block to the indexer's queries
-            and head weights (head-sharded when ``execution.indexer_heads_axis`` is set),
-            scored by ``execution.scorer`` (``Execution.problem``).
+        - ``x``, ``qr``, ``positions``: per-token hidden states, query latents and RoPE positions
+            (``[B, S, ...]``); ``x`` and ``qr`` are detached.
+        - ``keys``: the indexer keys of the entries (V4: compressed entries, V3.2: tokens), as
+            the numerics round them (``execution.numerics.indexer``); the queries are
+            rounded here.
+        - ``visibility``: which entries each query may see.
+
+        **Returns:**
+
+        A ``SelectionProblem`` projecting the rows block by block to the indexer's queries
+        and head weights (head-sharded when ``execution.indexer_heads_axis`` is set),
+        scored by ``execution.scorer`` (``Execution.problem``).
         """
         ix, ex, formats = self.indexer, self.execution, self.formats
 
@@ -220,21 +226,23 @@ class AbstractIndexedAttention(eqx.Module):
         ``Execution.entry_reads`` and V4's sliding window through ``Execution.window`` over
         ``[ring ; chunk]`` rows (``BandRows(history=...)``).
 
-        Arguments:
-            x: the chunk's hidden states ``[B, T, hidden]``.
-            cache: the layer's cache after the earlier tokens (``init_cache`` for none).
-            lengths: real tokens per row ``[B]`` (right padding); default all ``T``.
-            segment_ids: packed-document ids ``[B, T]`` (``>= 0``); ``None`` continues each
-                row's last segment.
-            return_aux: also return ``{"selection": ...}``.
-            indexer_loss: the training stage whose attention to run (``"dense"`` reads every
-                visible entry); ``None`` = ``execution.indexer_loss``.
+        **Arguments:**
 
-        Returns:
-            ``(y, cache)``: outputs ``[B, T, hidden]`` and the updated cache; with
-            ``return_aux``, ``(y, cache, {"selection": ...})``: int32 ``[B, T, index_topk]``
-            (V4: cache entry slots in closing order; V3.2: stream indices; ``-1`` = none;
-            ``None`` for a V4 layer without an indexer).
+        - ``x``: the chunk's hidden states ``[B, T, hidden]``.
+        - ``cache``: the layer's cache after the earlier tokens (``init_cache`` for none).
+        - ``lengths``: real tokens per row ``[B]`` (right padding); default all ``T``.
+        - ``segment_ids``: packed-document ids ``[B, T]`` (``>= 0``); ``None`` continues each
+            row's last segment.
+        - ``return_aux``: also return ``{"selection": ...}``.
+        - ``indexer_loss``: the training stage whose attention to run (``"dense"`` reads every
+            visible entry); ``None`` = ``execution.indexer_loss``.
+
+        **Returns:**
+
+        ``(y, cache)``: outputs ``[B, T, hidden]`` and the updated cache; with
+        ``return_aux``, ``(y, cache, {"selection": ...})``: int32 ``[B, T, index_topk]``
+        (V4: cache entry slots in closing order; V3.2: stream indices; ``-1`` = none;
+        ``None`` for a V4 layer without an indexer).
         """
         stage = self.stage(indexer_loss)
         x, lengths, segment_ids = checks.chunk_inputs(self, x, cache, lengths, segment_ids)
@@ -252,9 +260,9 @@ class AbstractIndexedAttention(eqx.Module):
     def with_execution(self, execution: Execution):
         """The same parameters, run as ``execution`` says (e.g. another selection strategy).
 
-        Arguments: the ``csa_eqx.Execution`` (checked against the config).
+        **Arguments:** the ``csa_eqx.Execution`` (checked against the config).
 
-        Returns: a new layer sharing this one's arrays.
+        **Returns:** a new layer sharing this one's arrays.
         """
         new = copy.copy(self)
         # a static field, so not a leaf ``eqx.tree_at`` could replace
@@ -266,9 +274,9 @@ class AbstractIndexedAttention(eqx.Module):
     def stage(self, indexer_loss: str | None) -> str:
         """The training stage of one call, checked against the head chunk.
 
-        Arguments: the call's ``indexer_loss`` (``None``: ``execution.indexer_loss``).
+        **Arguments:** the call's ``indexer_loss`` (``None``: ``execution.indexer_loss``).
 
-        Returns: ``"off"``, ``"dense"`` or ``"sparse"``; a ``ValueError`` otherwise.
+        **Returns:** ``"off"``, ``"dense"`` or ``"sparse"``; a ``ValueError`` otherwise.
         """
         stage = self.execution.indexer_loss if indexer_loss is None else indexer_loss
         check_stage(stage)

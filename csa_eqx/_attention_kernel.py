@@ -39,16 +39,18 @@ class AbstractAttentionKernel(eqx.Module):
         Float[Array, "batch seq heads vdim"]
         | tuple[Float[Array, "batch seq heads vdim"], Float[Array, "batch seq heads"]]
     ):
-        """Arguments:
-            q: queries ``[B, S, H, d]``.
-            reads: what each query reads (``csa_eqx.Reads``, at least one key set).
-            sinks: per-head sink logits ``[H]`` (denominator only), or ``None``.
-            scale: softmax scale.
-            return_lse: also return each head's float32 log-normaliser (sink included).
-            query_block: queries per block (``>= 1``; ``Execution.attend`` resolves it with
-                ``csa_eqx._auto.attention_query_block``); a kernel may ignore it.
+        """**Arguments:**
 
-        Returns:
-            ``[B, S, H, vdim]`` in ``q``'s dtype; with ``return_lse``, ``(out, lse)`` with
-            ``lse [B, S, H]``.
+        - ``q``: queries ``[B, S, H, d]``.
+        - ``reads``: what each query reads (``csa_eqx.Reads``, at least one key set).
+        - ``sinks``: per-head sink logits ``[H]`` (denominator only), or ``None``.
+        - ``scale``: softmax scale.
+        - ``return_lse``: also return each head's float32 log-normaliser (sink included).
+        - ``query_block``: queries per block (``>= 1``; ``Execution.attend`` resolves it with
+            ``csa_eqx._auto.attention_query_block``); a kernel may ignore it.
+
+        **Returns:**
+
+        ``[B, S, H, vdim]`` in ``q``'s dtype; with ``return_lse``, ``(out, lse)`` with
+        ``lse [B, S, H]``.
         """

@@ -23,7 +23,7 @@ class XlaAttention(AbstractAttentionKernel):
     rows and masks the dense entries' visibility (and picks) for its queries; all of them share
     one softmax. Non-finite key / value rows are zeroed before both matmuls (``0 x NaN`` would
     reach every query of the matmul) and flagged to poison exactly the queries that see them.
-    Arguments: none."""
+    **Arguments:** none."""
 
     def attend(self, q, reads: Reads, sinks, scale, *, return_lse=False, query_block):
         b, s, h, d = q.shape
@@ -116,7 +116,7 @@ def _key_tables(sources: list) -> tuple[list, list]:
     (their rows concatenated in order, as one key array of the old single-``kv`` API), else
     one per distinct source (the same array read twice shares one).
 
-    Returns: the tables ``(keys, values | None, bad rows)`` and, per source, ``(table, row
+    **Returns:** the tables ``(keys, values | None, bad rows)`` and, per source, ``(table, row
     offset)``.
     """
     unique, which = [], []

@@ -53,7 +53,7 @@ ACCELERATOR_TILES = TileSizes(elements=1 << 26, key_block=512, max_query_block=1
 
 
 def backend_tiles() -> TileSizes:
-    """Returns: the tile sizes for the backend the computation is traced for
+    """**Returns:** the tile sizes for the backend the computation is traced for
     (``CPU_TILES`` on CPU, ``ACCELERATOR_TILES`` elsewhere); ``Execution(tiles=None)``
     uses these."""
     return CPU_TILES if jax.default_backend() == "cpu" else ACCELERATOR_TILES
@@ -67,9 +67,9 @@ def shared_tiles(tiles: TileSizes, devices: int) -> TileSizes:
     ``[B, Qb, T]`` spans every entry of the whole sequence, so its query block must shrink
     too (measured: docs/memory.md, "Context parallelism").
 
-    Arguments: the whole problem's ``tiles`` and the number of ``devices``.
+    **Arguments:** the whole problem's ``tiles`` and the number of ``devices``.
 
-    Returns: the per-device ``TileSizes`` (key blocks, query-block caps and unrolling kept).
+    **Returns:** the per-device ``TileSizes`` (key blocks, query-block caps and unrolling kept).
     """
 
     def share(elements: int, by: int, floor: int) -> int:
@@ -82,7 +82,7 @@ def shared_tiles(tiles: TileSizes, devices: int) -> TileSizes:
 
 
 def tile_elements() -> int:
-    """Returns: the elements of one automatic tile (and of one row buffer) for the current
+    """**Returns:** the elements of one automatic tile (and of one row buffer) for the current
     backend: 2^24 on CPU, 2^26 on accelerators."""
     return backend_tiles().elements
 
@@ -90,10 +90,10 @@ def tile_elements() -> int:
 def streams(batch: int, seq: int, entries: int, heads: int, tiles: TileSizes) -> bool:
     """The one size rule of the automatic selection and indexer loss.
 
-    Arguments: the problem's ``batch``, ``seq``, ``entries``, ``heads`` at once and the
+    **Arguments:** the problem's ``batch``, ``seq``, ``entries``, ``heads`` at once and the
     backend's ``tiles``.
 
-    Returns: whether the largest dense score tensor ``[B, S, heads, T]`` passes one tile
+    **Returns:** whether the largest dense score tensor ``[B, S, heads, T]`` passes one tile
     (``tiles.elements``), so the computation should stream.
     """
     return batch * seq * entries * max(heads, 1) > tiles.elements
@@ -103,8 +103,9 @@ class _DenseOrStreaming(eqx.Module):
     """What ``AutoSelection`` and ``AutoIndexerLoss`` share: the strategy ``dense()`` while
     ``streams`` says the problem fits one tile, else ``streaming(query_block=query_block)``.
 
-    Arguments:
-        query_block: queries per block when it streams (0 = automatic).
+    **Arguments:**
+
+    - ``query_block``: queries per block when it streams (0 = automatic).
     """
 
     query_block: int = 0
@@ -112,10 +113,10 @@ class _DenseOrStreaming(eqx.Module):
     streaming: ClassVar[type]
 
     def choose(self, batch: int, seq: int, entries: int, heads: int, tiles: TileSizes = CPU_TILES):
-        """Arguments: the sizes (``SelectionProblem.sizes``; for the loss
+        """**Arguments:** the sizes (``SelectionProblem.sizes``; for the loss
         ``AbstractIndexerLoss.sizes``) and the ``tiles``.
 
-        Returns: ``streaming(query_block=query_block)`` (``StreamingSelection`` /
+        **Returns:** ``streaming(query_block=query_block)`` (``StreamingSelection`` /
         ``StreamingIndexerLoss``) when ``streams``, else ``dense()`` (``DenseSelection()`` /
         ``DenseIndexerLoss()``).
         """
@@ -129,8 +130,9 @@ class AutoSelection(_DenseOrStreaming, AbstractSelection):
     tile (``SelectionProblem.tiles.elements``: 2^24 elements on CPU, 2^26 on accelerators),
     streaming beyond (``streams``): ``DenseSelection`` or ``StreamingSelection``.
 
-    Arguments:
-        query_block: queries per block when it streams (0 = automatic).
+    **Arguments:**
+
+    - ``query_block``: queries per block when it streams (0 = automatic).
     """
 
     dense = DenseSelection
@@ -144,7 +146,7 @@ class AutoIndexerLoss(_DenseOrStreaming, AbstractIndexerLoss):
     """The dense KL loss while its largest tensor ``[B, S, heads at once, T]`` fits one tile,
     streaming beyond: the rule of ``AutoSelection`` (``streams``), with the heads at once
     counting the attention's heads too (``AbstractIndexerLoss.sizes``): ``DenseIndexerLoss``
-    or ``StreamingIndexerLoss``. Arguments: as for ``AutoSelection``.
+    or ``StreamingIndexerLoss``. **Arguments:** as for ``AutoSelection``.
     """
 
     dense = DenseIndexerLoss
@@ -160,16 +162,17 @@ class AutoPicks(AbstractPicks):
     (``T <= ratio * k``), else a gather of the picks: a matmul over ``T`` entries is far
     cheaper than gathering ``k`` rows per query, and its gradient needs no scatter-add.
 
-    Arguments:
-        ratio: entries per pick up to which the picks are attended by a masked matmul.
+    **Arguments:**
+
+    - ``ratio``: entries per pick up to which the picks are attended by a masked matmul.
     """
 
     ratio: int = 4
 
     def choose(self, entries: int, picks: int) -> AbstractPicks:
-        """Arguments: the entry count ``T`` and picks per query ``k``.
+        """**Arguments:** the entry count ``T`` and picks per query ``k``.
 
-        Returns: ``MaskedPicks()`` when ``T <= ratio * k``, else ``GatheredPicks()``.
+        **Returns:** ``MaskedPicks()`` when ``T <= ratio * k``, else ``GatheredPicks()``.
         """
         return MaskedPicks() if entries <= self.ratio * picks else GatheredPicks()
 
@@ -183,10 +186,10 @@ def attention_query_block(batch: int, heads: int, reads: Reads, elements: int = 
     at most the power of two above ``window - 1`` (each block reads a slab of
     ``block + window - 1`` rows: keep the block near the window).
 
-    Arguments: the queries' ``batch`` and ``heads``, the ``csa_eqx.Reads`` they attend and the
+    **Arguments:** the queries' ``batch`` and ``heads``, the ``csa_eqx.Reads`` they attend and the
     block's budget of ``elements`` (``TileSizes.attention_elements``).
 
-    Returns: the query block, a power of two >= 1.
+    **Returns:** the query block, a power of two >= 1.
     """
     per_row = 0
     for g in reads.gathered:  # gathered keys (+ values) and logits per pick

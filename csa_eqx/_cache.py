@@ -39,10 +39,11 @@ class CompressorState(eqx.Module):
     CSA, which covers the open window and the previous window's overlap halves; ``m`` for HCA)
     and the entries emitted so far, in closing order (docs/concepts.md, "Compressed entries").
 
-    Arguments:
-        kv, gate: float ``[B, ring, width]`` per-token projections ``C`` and gate logits ``Z``
-            (``width`` = 2 x entry dim for CSA's overlapping windows, the entry dim for HCA).
-        entries: float ``[B, slots, dim]`` closed entries; slots past the count are zero.
+    **Arguments:**
+
+    - ``kv``, ``gate``: float ``[B, ring, width]`` per-token projections ``C`` and gate logits ``Z``
+        (``width`` = 2 x entry dim for CSA's overlapping windows, the entry dim for HCA).
+    - ``entries``: float ``[B, slots, dim]`` closed entries; slots past the count are zero.
     """
 
     kv: Float[Array, "batch ring width"]
@@ -54,10 +55,11 @@ class AbstractCache(eqx.Module):
     """What every layer's cache holds besides its buffers: each row's progress and the
     static capacity (the module docstring's row bookkeeping).
 
-    Arguments:
-        length, position, segment: int32 ``[B]`` tokens written, the next token's position
-            and the current segment of each row.
-        max_length: static; the most tokens the cache holds.
+    **Arguments:**
+
+    - ``length``, ``position``, ``segment``: int32 ``[B]`` tokens written, the next token's position
+        and the current segment of each row.
+    - ``max_length``: static; the most tokens the cache holds.
     """
 
     length: Int[Array, " batch"]
@@ -67,7 +69,7 @@ class AbstractCache(eqx.Module):
 
     @abc.abstractmethod
     def held_segments(self) -> Int[Array, "batch keys"]:
-        """Returns: the segment ids of every key and entry the cache holds (``-1`` = empty),
+        """**Returns:** the segment ids of every key and entry the cache holds (``-1`` = empty),
         for the check that a chunk does not reopen a finished segment."""
 
 
@@ -80,13 +82,14 @@ class V4Cache(AbstractCache):
     per possible window, so entries can never overflow once ``length <= max_length`` holds.
     Made by ``V4Attention.init_cache``; ``extend`` returns the next one.
 
-    Arguments:
-        length, position, segment, max_length: as in ``AbstractCache``.
-        window_kv, window_segment: the last ``sliding_window - 1`` tokens' keys (float
-            ``[B, sliding_window - 1, head_dim]``) and segments (int32, ``-1`` = empty).
-        entry_end, entry_segment: int32 ``[B, slots]``; entry_count: int32 ``[B]``.
-        compressor, indexer: the main and the indexer's ``CompressorState`` (``None`` when
-            the layer has none).
+    **Arguments:**
+
+    - ``length``, ``position``, ``segment``, ``max_length``: as in ``AbstractCache``.
+    - ``window_kv``, ``window_segment``: the last ``sliding_window - 1`` tokens' keys (float
+        ``[B, sliding_window - 1, head_dim]``) and segments (int32, ``-1`` = empty).
+    - ``entry_end``, ``entry_segment``: int32 ``[B, slots]``; entry_count: int32 ``[B]``.
+    - ``compressor``, ``indexer``: the main and the indexer's ``CompressorState`` (``None`` when
+        the layer has none).
     """
 
     window_kv: Float[Array, "batch ring dim"]
@@ -106,11 +109,12 @@ class V32Cache(AbstractCache):
     token so far, and each token's segment (``-1`` = not written). Made by
     ``V32Attention.init_cache``; ``extend`` returns the next one.
 
-    Arguments:
-        length, position, segment, max_length: as in ``AbstractCache``.
-        latent: float ``[B, max_length, kv_lora_rank + qk_rope_head_dim]``.
-        index_keys: float ``[B, max_length, index_head_dim]``.
-        token_segment: int32 ``[B, max_length]``, ``-1`` = not written.
+    **Arguments:**
+
+    - ``length``, ``position``, ``segment``, ``max_length``: as in ``AbstractCache``.
+    - ``latent``: float ``[B, max_length, kv_lora_rank + qk_rope_head_dim]``.
+    - ``index_keys``: float ``[B, max_length, index_head_dim]``.
+    - ``token_segment``: int32 ``[B, max_length]``, ``-1`` = not written.
     """
 
     latent: Float[Array, "batch max_length latent"]

@@ -45,15 +45,17 @@ def pool_windows(
     ``width = 2·dim``; entry ``j`` pools the first halves of the previous window (when it exists
     in the same segment) and the second halves of its own window, ``2m`` slots in all.
 
-    Arguments:
-        kv, gate: per-token values and gate logits ``[B, S, width]``.
-        bias: learned position bias ``[m, width]`` added to the gates.
-        layout: the slots (``entry_layout``).
-        overlap: CSA's overlapping windows.
+    **Arguments:**
 
-    Returns:
-        ``[B, slots, dim]`` in ``kv``'s dtype (empty slots hold unspecified values: mask them
-        with the layout).
+    - ``kv``, ``gate``: per-token values and gate logits ``[B, S, width]``.
+    - ``bias``: learned position bias ``[m, width]`` added to the gates.
+    - ``layout``: the slots (``entry_layout``).
+    - ``overlap``: CSA's overlapping windows.
+
+    **Returns:**
+
+    ``[B, slots, dim]`` in ``kv``'s dtype (empty slots hold unspecified values: mask them
+    with the layout).
     """
     m = bias.shape[0]
     d = kv.shape[-1] // 2 if overlap else kv.shape[-1]
@@ -74,12 +76,13 @@ class Compressor(eqx.Module):
     """Learned compressor producing one RMS-normed, RoPE'd entry per closed window
     (docs/concepts.md, "Compressed entries").
 
-    Arguments:
-        hidden_size: input width; dim: entry width.
-        compress_rate: tokens per window ``m``; overlap: CSA's overlapping windows (each entry
-            also pools the previous window's other half), else HCA's disjoint ones.
-        rope_dim, rope_theta, rope_scaling: the entries' RoPE; eps: the RMSNorm epsilon.
-        key: PRNG key for the random initial weights; dtype: their dtype.
+    **Arguments:**
+
+    - ``hidden_size``: input width; dim: entry width.
+    - ``compress_rate``: tokens per window ``m``; overlap: CSA's overlapping windows (each entry
+        also pools the previous window's other half), else HCA's disjoint ones.
+    - ``rope_dim``, ``rope_theta``, ``rope_scaling``: the entries' RoPE; eps: the RMSNorm epsilon.
+    - ``key``: PRNG key for the random initial weights; dtype: their dtype.
     """
 
     kv_proj: Float[Array, "width hidden"]
@@ -121,9 +124,9 @@ class Compressor(eqx.Module):
         self.eps = eps
 
     def project(self, x: Float[Array, "batch seq hidden"]) -> tuple[Array, Array]:
-        """Arguments: ``x [B, S, hidden]``.
+        """**Arguments:** ``x [B, S, hidden]``.
 
-        Returns: per-token ``(C, Z)``, each ``[B, S, width]``, before pooling (what the decode
+        **Returns:** per-token ``(C, Z)``, each ``[B, S, width]``, before pooling (what the decode
         cache keeps for open windows).
         """
         return linear(x, self.kv_proj), linear(x, self.gate_proj)
@@ -135,11 +138,11 @@ class Compressor(eqx.Module):
         layout: EntryLayout,
         dtype=None,
     ) -> Float[Array, "batch slots dim"]:
-        """Arguments: ``x [B, S, hidden]``, int32 RoPE ``positions [B, S]``, the slots'
+        """**Arguments:** ``x [B, S, hidden]``, int32 RoPE ``positions [B, S]``, the slots'
         ``EntryLayout`` and the ``dtype`` the pooled windows are cast to before their norm
         (``None``: ``x``'s).
 
-        Returns: the entries ``[B, T, dim]`` in that dtype; empty slots (``end = -1``) are
+        **Returns:** the entries ``[B, T, dim]`` in that dtype; empty slots (``end = -1``) are
         never visible, whatever they hold.
         """
         kv, gate = self.project(x)
@@ -151,10 +154,10 @@ class Compressor(eqx.Module):
     ):
         """RMSNorm, then RoPE at the position of each window's first token.
 
-        Arguments: ``pooled [B, T, dim]`` windows, the tokens' ``positions [B, S]``, the
+        **Arguments:** ``pooled [B, T, dim]`` windows, the tokens' ``positions [B, S]``, the
         ``EntryLayout`` and the ``dtype`` to cast the windows to first (``None``: as pooled).
 
-        Returns: the entries ``[B, T, dim]``.
+        **Returns:** the entries ``[B, T, dim]``.
         """
         pooled = pooled if dtype is None else pooled.astype(dtype)
         first = jnp.clip(layout.end - self.compress_rate + 1, 0, positions.shape[1] - 1)

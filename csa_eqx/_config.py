@@ -71,12 +71,13 @@ class YaRNScaling:
     ``mscale`` / ``mscale_all_dim`` only matter for V3.2's softmax scale; V4 uses the scaled
     frequencies without any magnitude factor.
 
-    Arguments:
-        factor: context extension factor; original_max_position_embeddings: the pre-training
-            context length the frequencies are interpolated from.
-        beta_fast, beta_slow: rotations per context bounding the interpolated band.
-        mscale, mscale_all_dim: V3.2's magnitude factors (``None`` = 1).
-        truncate: round the band's bounds to whole dimensions, as HF does.
+    **Arguments:**
+
+    - ``factor``: context extension factor; original_max_position_embeddings: the pre-training
+        context length the frequencies are interpolated from.
+    - ``beta_fast``, ``beta_slow``: rotations per context bounding the interpolated band.
+    - ``mscale``, ``mscale_all_dim``: V3.2's magnitude factors (``None`` = 1).
+    - ``truncate``: round the band's bounds to whole dimensions, as HF does.
     """
 
     factor: float
@@ -163,7 +164,7 @@ class V4AttentionConfig:
     ``compress_rate`` picks the layer type: 0 sliding window only, 4 CSA (overlapping
     compressor + lightning indexer), any other value > 4 HCA (all visible compressed entries).
 
-    Arguments: the fields below (HF names; ``index_*`` are the lightning indexer's heads,
+    **Arguments:** the fields below (HF names; ``index_*`` are the lightning indexer's heads,
     head dim and ``k``; ``o_groups`` / ``o_lora_rank`` the grouped output LoRA). Every
     field is checked in ``__post_init__``: a ``ValueError`` names the field, the rule and the
     value.
@@ -215,14 +216,14 @@ class V4AttentionConfig:
 
     @property
     def layer_type(self) -> Literal["sliding", "csa", "hca"]:
-        """Returns: ``"sliding"``, ``"csa"`` or ``"hca"``, from ``compress_rate``."""
+        """**Returns:** ``"sliding"``, ``"csa"`` or ``"hca"``, from ``compress_rate``."""
         if self.compress_rate == 0:
             return "sliding"
         return "csa" if self.compress_rate == 4 else "hca"
 
     @property
     def has_indexer(self) -> bool:
-        """Returns: whether the layer selects entries with an indexer (CSA only)."""
+        """**Returns:** whether the layer selects entries with an indexer (CSA only)."""
         return self.layer_type == "csa"
 
 
@@ -235,7 +236,7 @@ class V32AttentionConfig:
     multiplies the rotated channels by YaRN's attention factor (as HF's cos/sin do) and the
     softmax scale by ``yarn_mscale(rope_scaling)**2``.
 
-    Arguments: the fields below (HF names; ``index_*`` as in ``V4AttentionConfig``), checked
+    **Arguments:** the fields below (HF names; ``index_*`` as in ``V4AttentionConfig``), checked
     in ``__post_init__`` like V4's.
     """
 

@@ -58,13 +58,14 @@ class ContextParallel(AbstractPlacement):
     """Run a layer's forward with its sequence split over the mesh axis ``axis`` (zigzag
     chunks, halo by ``ppermute``, entries by all-gather; see the module docstring).
 
-    Arguments:
-        axis: the mesh axis the sequence is split over; the mesh must have it.
-        data_axis: the mesh axis the batch is split over, when the mesh has it and its size
-            divides the batch (otherwise the batch is replicated over it).
-        mesh: the mesh (``None``: the one set with ``jax.set_mesh``).
-        inner: the placement each shard runs its chunks with (``SingleDevice()``, or
-            ``HeadParallel(...)`` over another axis: context around heads).
+    **Arguments:**
+
+    - ``axis``: the mesh axis the sequence is split over; the mesh must have it.
+    - ``data_axis``: the mesh axis the batch is split over, when the mesh has it and its size
+        divides the batch (otherwise the batch is replicated over it).
+    - ``mesh``: the mesh (``None``: the one set with ``jax.set_mesh``).
+    - ``inner``: the placement each shard runs its chunks with (``SingleDevice()``, or
+        ``HeadParallel(...)`` over another axis: context around heads).
     """
 
     axis: str = "context"
@@ -76,7 +77,7 @@ class ContextParallel(AbstractPlacement):
         check_axes("ContextParallel.axis", self.axis, self.data_axis)
 
     def around(self, inner: AbstractPlacement) -> ContextParallel:
-        """Returns: this placement with ``inner`` run inside its ``shard_map``."""
+        """**Returns:** this placement with ``inner`` run inside its ``shard_map``."""
         return ContextParallel(self.axis, self.data_axis, self.mesh, inner)
 
     def rows_inputs(self, x, positions, segment_ids):

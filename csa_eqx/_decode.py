@@ -189,10 +189,11 @@ class ChunkSource(eqx.Module):
     ``csa_eqx._rows``), so each layer writes its pipeline once. Each read returns the source
     with what the chunk wrote; ``cache_after()`` is the cache after the chunk.
 
-    Arguments:
-        cache: the layer's cache before the chunk.
-        rows: the chunk's ``ChunkRows``.
-        new: the cache fields written so far (``dataclasses.replace`` of ``cache``).
+    **Arguments:**
+
+    - ``cache``: the layer's cache before the chunk.
+    - ``rows``: the chunk's ``ChunkRows``.
+    - ``new``: the cache fields written so far (``dataclasses.replace`` of ``cache``).
     """
 
     cache: AbstractCache
@@ -201,9 +202,9 @@ class ChunkSource(eqx.Module):
 
     @classmethod
     def start(cls, cache: AbstractCache, rows: ChunkRows) -> ChunkSource:
-        """Arguments: the ``cache`` and the chunk's ``rows``.
+        """**Arguments:** the ``cache`` and the chunk's ``rows``.
 
-        Returns: the source of a chunk, the rows' bookkeeping (length, position, segment)
+        **Returns:** the source of a chunk, the rows' bookkeeping (length, position, segment)
         already written."""
         return cls(
             cache,
@@ -213,17 +214,17 @@ class ChunkSource(eqx.Module):
 
     @property
     def positions(self) -> Int[Array, "batch seq"]:
-        """Returns: the chunk's RoPE positions ``[B, T]``."""
+        """**Returns:** the chunk's RoPE positions ``[B, T]``."""
         return self.rows.position
 
     @property
     def segment(self) -> Int[Array, "batch seq"]:
-        """Returns: the chunk's segment ids ``[B, T]`` (``-1``: padding)."""
+        """**Returns:** the chunk's segment ids ``[B, T]`` (``-1``: padding)."""
         return self.rows.segment
 
     @property
     def query_index(self) -> Int[Array, "batch seq"]:
-        """Returns: the chunk's stream indices ``[B, T]``."""
+        """**Returns:** the chunk's stream indices ``[B, T]``."""
         return self.rows.index
 
     def _with(self, **new) -> ChunkSource:
@@ -232,10 +233,10 @@ class ChunkSource(eqx.Module):
     def window_reads(self, window, kv: Array, width: int) -> tuple:
         """The sliding window over ``[ring ; chunk]`` rows (``BandRows(history=...)``).
 
-        Arguments: the layer's window strategy, the chunk's keys ``kv [B, T, d]`` and the
+        **Arguments:** the layer's window strategy, the chunk's keys ``kv [B, T, d]`` and the
         window length.
 
-        Returns: ``(reads, source)``, the chunk shifted into the ring.
+        **Returns:** ``(reads, source)``, the chunk shifted into the ring.
         """
         cache, rows = self.cache, self.rows
         b, seq = rows.segment.shape
@@ -253,10 +254,10 @@ class ChunkSource(eqx.Module):
         """Every compressed entry so far: the cache's and the windows closing in this chunk,
         pooled from the compressor state ``cache.<name>`` and the chunk (``compress_chunk``).
 
-        Arguments: the cache field of the compressor's state, the ``compressor``, its input
+        **Arguments:** the cache field of the compressor's state, the ``compressor``, its input
         ``x [B, T, hidden]``, the numerics' ``dtype`` and ``finish`` (as ``compress_chunk``).
 
-        Returns: ``(entries [B, slots, d], layout, source)``: entries in closing order over
+        **Returns:** ``(entries [B, slots, d], layout, source)``: entries in closing order over
         the stream's rows, the new state and the entry bookkeeping written.
         """
         cache, rows = self.cache, self.rows
@@ -282,9 +283,9 @@ class ChunkSource(eqx.Module):
         """Every token's ``values`` so far: the chunk's appended to the buffer ``cache.<name>``
         (V3.2's latents and indexer keys; every token is an entry).
 
-        Arguments: the cache field and the chunk's ``values [B, T, d]``.
+        **Arguments:** the cache field and the chunk's ``values [B, T, d]``.
 
-        Returns: ``(values [B, max_length, d], layout, source)``: the written slots are the
+        **Returns:** ``(values [B, max_length, d], layout, source)``: the written slots are the
         stream indices.
         """
         cache, rows = self.cache, self.rows
@@ -296,5 +297,5 @@ class ChunkSource(eqx.Module):
         return buffer, layout, self._with(**{name: buffer}, token_segment=token_segment)
 
     def cache_after(self) -> AbstractCache:
-        """Returns: the cache after the chunk."""
+        """**Returns:** the cache after the chunk."""
         return dataclasses.replace(self.cache, **self.new)

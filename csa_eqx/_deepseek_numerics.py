@@ -30,10 +30,11 @@ class DeepSeekInference(AbstractNumerics):
     weight GEMMs (the activation quantisation in front of each FP8 projection) are not
     modelled: weights are dequantised when loaded.
 
-    Arguments:
-        scale_fmt: ``"ue8m0"`` (power-of-two FP8 scales, as DeepSeek's released configs) or
-            ``None`` (``amax / 448``); the loaders read it from the checkpoint's config.
-        kv_fp8: round-trip V4's KV through FP8 (V4-Pro) rather than bf16 (V4-Flash).
+    **Arguments:**
+
+    - ``scale_fmt``: ``"ue8m0"`` (power-of-two FP8 scales, as DeepSeek's released configs) or
+        ``None`` (``amax / 448``); the loaders read it from the checkpoint's config.
+    - ``kv_fp8``: round-trip V4's KV through FP8 (V4-Pro) rather than bf16 (V4-Flash).
     """
 
     scale_fmt: str | None = "ue8m0"

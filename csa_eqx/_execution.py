@@ -70,47 +70,48 @@ class Execution(eqx.Module):
     selections bitwise), and how it rounds (``numerics``: the one field that changes the
     numbers, on purpose).
 
-    Arguments:
-        selection: the indexer top-k strategy (``AutoSelection()``, ``DenseSelection()``,
-            ``StreamingSelection(key_block, query_block, topk_block)``,
-            ``ShardedSelection(inner, tensor_axis, data_axis)``).
-        picks: how the attention reads the picked entries (``AutoPicks()``,
-            ``MaskedPicks()``, ``GatheredPicks()``).
-        window: how V4 reads the sliding window (``BandWindow()``: a banded matmul,
-            ``GatheredWindow()``: gathered token rows), in the forward and in ``extend``
-            (there over the cached ring's rows, then the chunk's).
-        attention: the attention kernel that computes the softmax over what each query reads
-            (``XlaAttention()``, the reference; any ``AbstractAttentionKernel``), in the
-            forward, the dense warm-up and ``extend``.
-        qk_head_chunk_size: indexer heads (and, for the KL target, attention heads) scored
-            at once (0 = all); must divide ``index_n_heads`` (and ``num_heads`` when the
-            indexer loss is on).
-        query_block: queries per block of the sparse attention (0 = automatic:
-            ``csa_eqx._auto.attention_query_block``).
-        save_selection: name the selection ``csa_eqx.SELECTION_NAME`` so that remat policies
-            (``csa_eqx.remat.compose_selection_policy``) can save it.
-        indexer_heads_axis: mesh axis to shard the indexer's per-head activations over
-            (``None`` = off); its size must divide ``index_n_heads``.
-        context: split the sequence over a mesh axis (``ContextParallel(axis)``; ``None`` =
-            off). V4 and V3.2 layers; ``extend`` ignores it (decoding runs on one device).
-        heads: split the attention heads over a mesh axis (``HeadParallel(axis)``; ``None`` =
-            off). V4 and V3.2 layers; composes with ``context`` (one ``shard_map`` over both
-            axes), a ``ShardedSelection`` over the same axis and the indexer loss; not with
-            ``indexer_heads_axis``; ``extend`` ignores it.
-        indexer_loss: the default training stage of the indexer's KL loss: ``"off"``,
-            ``"dense"`` (warm-up: all visible entries, attended densely too) or ``"sparse"``
-            (the selected entries). A call can override it (``layer(x, indexer_loss=...)``).
-        numerics: how the layer rounds: ``ExactNumerics()`` (the default, float32 reference)
-            or ``DeepSeekInference(...)`` (DeepSeek's inference code: bf16 activations, the
-            indexer's Hadamard + FP8 / FP4, V4's KV round trip; docs/numerics.md).
-        indexer_kl: how the indexer's KL loss is computed when a stage trains it
-            (``AutoIndexerLoss()``, ``DenseIndexerLoss()``,
-            ``StreamingIndexerLoss(key_block, query_block)``).
-        scorer: the indexer's scoring kernel, used by every selection strategy and the loss
-            (``XlaScorer()``, the reference; ``BlockedScorer(key_block)``; any
-            ``AbstractScorer``).
-        tiles: the tile sizes of the selection and the loss (``TileSizes``; ``None`` =
-            ``csa_eqx._auto.backend_tiles()``, chosen for the backend when traced).
+    **Arguments:**
+
+    - ``selection``: the indexer top-k strategy (``AutoSelection()``, ``DenseSelection()``,
+        ``StreamingSelection(key_block, query_block, topk_block)``,
+        ``ShardedSelection(inner, tensor_axis, data_axis)``).
+    - ``picks``: how the attention reads the picked entries (``AutoPicks()``,
+        ``MaskedPicks()``, ``GatheredPicks()``).
+    - ``window``: how V4 reads the sliding window (``BandWindow()``: a banded matmul,
+        ``GatheredWindow()``: gathered token rows), in the forward and in ``extend``
+        (there over the cached ring's rows, then the chunk's).
+    - ``attention``: the attention kernel that computes the softmax over what each query reads
+        (``XlaAttention()``, the reference; any ``AbstractAttentionKernel``), in the
+        forward, the dense warm-up and ``extend``.
+    - ``qk_head_chunk_size``: indexer heads (and, for the KL target, attention heads) scored
+        at once (0 = all); must divide ``index_n_heads`` (and ``num_heads`` when the
+        indexer loss is on).
+    - ``query_block``: queries per block of the sparse attention (0 = automatic:
+        ``csa_eqx._auto.attention_query_block``).
+    - ``save_selection``: name the selection ``csa_eqx.SELECTION_NAME`` so that remat policies
+        (``csa_eqx.remat.compose_selection_policy``) can save it.
+    - ``indexer_heads_axis``: mesh axis to shard the indexer's per-head activations over
+        (``None`` = off); its size must divide ``index_n_heads``.
+    - ``context``: split the sequence over a mesh axis (``ContextParallel(axis)``; ``None`` =
+        off). V4 and V3.2 layers; ``extend`` ignores it (decoding runs on one device).
+    - ``heads``: split the attention heads over a mesh axis (``HeadParallel(axis)``; ``None`` =
+        off). V4 and V3.2 layers; composes with ``context`` (one ``shard_map`` over both
+        axes), a ``ShardedSelection`` over the same axis and the indexer loss; not with
+        ``indexer_heads_axis``; ``extend`` ignores it.
+    - ``indexer_loss``: the default training stage of the indexer's KL loss: ``"off"``,
+        ``"dense"`` (warm-up: all visible entries, attended densely too) or ``"sparse"``
+        (the selected entries). A call can override it (``layer(x, indexer_loss=...)``).
+    - ``numerics``: how the layer rounds: ``ExactNumerics()`` (the default, float32 reference)
+        or ``DeepSeekInference(...)`` (DeepSeek's inference code: bf16 activations, the
+        indexer's Hadamard + FP8 / FP4, V4's KV round trip; docs/numerics.md).
+    - ``indexer_kl``: how the indexer's KL loss is computed when a stage trains it
+        (``AutoIndexerLoss()``, ``DenseIndexerLoss()``,
+        ``StreamingIndexerLoss(key_block, query_block)``).
+    - ``scorer``: the indexer's scoring kernel, used by every selection strategy and the loss
+        (``XlaScorer()``, the reference; ``BlockedScorer(key_block)``; any
+        ``AbstractScorer``).
+    - ``tiles``: the tile sizes of the selection and the loss (``TileSizes``; ``None`` =
+        ``csa_eqx._auto.backend_tiles()``, chosen for the backend when traced).
     """
 
     selection: AbstractSelection = AutoSelection()
@@ -213,9 +214,9 @@ class Execution(eqx.Module):
         )
 
     def sharing(self, devices: int) -> Execution:
-        """Arguments: the number of ``devices`` that share the sequence (context parallelism).
+        """**Arguments:** the number of ``devices`` that share the sequence (context parallelism).
 
-        Returns: this execution with each device's tiles (``csa_eqx._auto.shared_tiles``: the
+        **Returns:** this execution with each device's tiles (``csa_eqx._auto.shared_tiles``: the
         working buffers shrink with the device's share of the rows). Selections and outputs
         do not change with the tiles.
         """
@@ -224,7 +225,7 @@ class Execution(eqx.Module):
 
     @property
     def placement(self) -> AbstractPlacement:
-        """Returns: where the forward runs: ``heads`` (else ``SingleDevice()``), wrapped in
+        """**Returns:** where the forward runs: ``heads`` (else ``SingleDevice()``), wrapped in
         ``context`` when that is set (context around heads)."""
         inner = SingleDevice() if self.heads is None else self.heads
         return inner if self.context is None else self.context.around(inner)
@@ -250,27 +251,29 @@ class Execution(eqx.Module):
         """The execution the loaders' keyword options describe (the flags of earlier
         versions' layer configs).
 
-        Arguments:
-            qk_head_chunk_size, query_block, indexer_loss: as the fields of the same name.
-            indexer_key_block: > 0 forces ``StreamingSelection`` and
-                ``StreamingIndexerLoss`` with this key tile (and ``query_block``); 0 =
-                ``AutoSelection`` and ``AutoIndexerLoss``.
-            indexer_save_selection: ``save_selection``.
-            indexer_sharded_topk: wrap the selection in ``ShardedSelection`` over
-                ``tensor_axis`` (batch over ``data_axis``).
-            shard_indexer_acts: ``indexer_heads_axis=tensor_axis``.
-            data_axis, tensor_axis: non-empty mesh axis names.
-            context_parallel: split the sequence over the mesh axis ``context_axis`` and the
-                batch over ``data_axis`` (``context=ContextParallel(context_axis,
-                data_axis)``).
-            head_parallel: split the attention heads over ``tensor_axis`` and the batch over
-                ``data_axis`` (``heads=HeadParallel(tensor_axis, data_axis)``).
-            numerics: ``"exact"`` (``ExactNumerics()``), ``"deepseek"``
-                (``DeepSeekInference()``; the loaders take its ``scale_fmt`` from the
-                checkpoint's config) or a numerics object.
+        **Arguments:**
 
-        Returns:
-            An ``Execution``.
+        - ``qk_head_chunk_size``, ``query_block``, ``indexer_loss``: as the fields of the same name.
+        - ``indexer_key_block``: > 0 forces ``StreamingSelection`` and
+            ``StreamingIndexerLoss`` with this key tile (and ``query_block``); 0 =
+            ``AutoSelection`` and ``AutoIndexerLoss``.
+        - ``indexer_save_selection``: ``save_selection``.
+        - ``indexer_sharded_topk``: wrap the selection in ``ShardedSelection`` over
+            ``tensor_axis`` (batch over ``data_axis``).
+        - ``shard_indexer_acts``: ``indexer_heads_axis=tensor_axis``.
+        - ``data_axis``, ``tensor_axis``: non-empty mesh axis names.
+        - ``context_parallel``: split the sequence over the mesh axis ``context_axis`` and the
+            batch over ``data_axis`` (``context=ContextParallel(context_axis,
+            data_axis)``).
+        - ``head_parallel``: split the attention heads over ``tensor_axis`` and the batch over
+            ``data_axis`` (``heads=HeadParallel(tensor_axis, data_axis)``).
+        - ``numerics``: ``"exact"`` (``ExactNumerics()``), ``"deepseek"``
+            (``DeepSeekInference()``; the loaders take its ``scale_fmt`` from the
+            checkpoint's config) or a numerics object.
+
+        **Returns:**
+
+        An ``Execution``.
         """
         axes = (("data_axis", data_axis), ("tensor_axis", tensor_axis))
         for name, axis in (*axes, ("context_axis", context_axis)):
@@ -317,9 +320,9 @@ class Execution(eqx.Module):
         """``ValueError`` unless ``qk_head_chunk_size`` divides the ``index_heads`` (and the
         attention's ``heads`` when ``stage`` trains the indexer).
 
-        Arguments: the layer's ``index_n_heads``, ``num_heads`` and the training ``stage``.
+        **Arguments:** the layer's ``index_n_heads``, ``num_heads`` and the training ``stage``.
 
-        Returns: ``None``.
+        **Returns:** ``None``.
         """
         check_stage(stage)
         c = self.qk_head_chunk_size
@@ -337,9 +340,9 @@ class Execution(eqx.Module):
         )
 
     def on_heads(self, x: Array) -> Array:
-        """Arguments: per-head indexer activations ``x [B, S, H, ...]``.
+        """**Arguments:** per-head indexer activations ``x [B, S, H, ...]``.
 
-        Returns: ``x``, placed on ``indexer_heads_axis`` over the heads when that is set.
+        **Returns:** ``x``, placed on ``indexer_heads_axis`` over the heads when that is set.
         """
         if self.indexer_heads_axis is None:
             return x
@@ -357,11 +360,11 @@ class Execution(eqx.Module):
         visible one by one matmul without a ``selection`` (HCA) or in the ``"dense"`` warm-up,
         else its picks as ``picks`` says. Forward and ``extend`` both read them this way.
 
-        Arguments: the entries' ``keys`` (and MLA ``values``), their ``visibility``, the
+        **Arguments:** the entries' ``keys`` (and MLA ``values``), their ``visibility``, the
         int32 ``selection [B, S, k]`` (``-1`` = none; ``None`` = every visible entry) and the
         training ``stage``.
 
-        Returns: the entries' ``Reads`` (dense entries, masked dense entries or gathered rows).
+        **Returns:** the entries' ``Reads`` (dense entries, masked dense entries or gathered rows).
         """
         if selection is None or stage == "dense":
             return Reads(dense=DenseKeys(keys, visibility.layout, *visibility[:2], values))
@@ -371,7 +374,7 @@ class Execution(eqx.Module):
         """Run the ``attention`` kernel over ``reads`` with ``query_block`` queries per block
         (automatic: ``csa_eqx._auto.attention_query_block``).
 
-        Arguments and returns: as for ``AbstractAttentionKernel.attend``, whose
+        **Arguments** and **Returns:** as for ``AbstractAttentionKernel.attend``, whose
         ``query_block`` this resolves.
         """
         b, _, h, _ = q.shape
@@ -392,10 +395,10 @@ class Execution(eqx.Module):
         """The ``SelectionProblem`` this execution runs: ``qk_head_chunk_size``, ``scorer``
         and ``tiles`` (``None``: resolved for the backend now, at trace time) filled in.
 
-        Arguments: the problem's ``project``, ``rows``, ``keys``, ``visibility`` and
+        **Arguments:** the problem's ``project``, ``rows``, ``keys``, ``visibility`` and
         ``score_dtype`` (as the numerics say), as for ``SelectionProblem``.
 
-        Returns: the ``SelectionProblem``.
+        **Returns:** the ``SelectionProblem``.
         """
         tiles = backend_tiles() if self.tiles is None else self.tiles
         chunk = self.qk_head_chunk_size
@@ -413,9 +416,9 @@ class Execution(eqx.Module):
         """Run ``selection`` on ``problem`` (under ``indexer_heads_axis`` Auto when the
         activations are head-sharded) and tag the result for remat.
 
-        Arguments: the ``SelectionProblem`` and ``k > 0`` picks per query.
+        **Arguments:** the ``SelectionProblem`` and ``k > 0`` picks per query.
 
-        Returns: int32 ``[B, S, k]`` entry indices, ``-1`` = none.
+        **Returns:** int32 ``[B, S, k]`` entry indices, ``-1`` = none.
         """
 
         def stage(rows, keys, visibility):
@@ -442,10 +445,10 @@ def _numerics(numerics: str | AbstractNumerics) -> AbstractNumerics:
 
 
 def checked_execution(execution: Execution | None, config, formats: DeepSeekFormats) -> Execution:
-    """Arguments: an ``Execution`` (``None``: ``Execution()``), a layer ``config`` and what
+    """**Arguments:** an ``Execution`` (``None``: ``Execution()``), a layer ``config`` and what
     DeepSeek's inference quantises in the layer's family (``formats``).
 
-    Returns: the ``Execution``, checked against ``config`` (``TypeError`` / ``ValueError``).
+    **Returns:** the ``Execution``, checked against ``config`` (``TypeError`` / ``ValueError``).
     """
     execution = Execution() if execution is None else execution
     if not isinstance(execution, Execution):

@@ -75,14 +75,15 @@ def fp8_e4m3_round_trip(
 ) -> Float[Array, "... n"]:
     """FP8 E4M3 blocks of ``block`` values (``act_quant``; ``amax`` floored at 1e-4).
 
-    Arguments:
-        x: values ``[..., n]`` (``n`` a multiple of ``block``).
-        block: values per scale.
-        pow2: power-of-two scales (DeepSeek's ``scale_fmt="ue8m0"``), else ``amax / 448``.
-        cast_to: the dtype the scaled values are cast through (default FP8 E4M3; DeepSeek-
-            V4-Flash's kernel file casts its KV round trip through bfloat16 instead).
+    **Arguments:**
 
-    Returns: float32 ``[..., n]``, the dequantised values.
+    - ``x``: values ``[..., n]`` (``n`` a multiple of ``block``).
+    - ``block``: values per scale.
+    - ``pow2``: power-of-two scales (DeepSeek's ``scale_fmt="ue8m0"``), else ``amax / 448``.
+    - ``cast_to``: the dtype the scaled values are cast through (default FP8 E4M3; DeepSeek-
+        V4-Flash's kernel file casts its KV round trip through bfloat16 instead).
+
+    **Returns:** float32 ``[..., n]``, the dequantised values.
     """
     return _round_trip(x, block, jnp.float8_e4m3fn, FP8_E4M3_MAX, 1e-4, pow2, cast_to)
 
@@ -92,9 +93,9 @@ def fp4_e2m1_round_trip(x: Float[Array, "... n"], block: int) -> Float[Array, ".
     """FP4 E2M1 blocks of ``block`` values with power-of-two (E8M0) scales
     (``fp4_act_quant``; ``amax`` floored at ``6·2^-126``).
 
-    Arguments: ``x [..., n]`` (``n`` a multiple of ``block``) and ``block``.
+    **Arguments:** ``x [..., n]`` (``n`` a multiple of ``block``) and ``block``.
 
-    Returns: float32 ``[..., n]``, the dequantised values.
+    **Returns:** float32 ``[..., n]``, the dequantised values.
     """
     return _round_trip(x, block, jnp.float4_e2m1fn, FP4_E2M1_MAX, 6.0 * 2.0**-126, True)
 

@@ -72,17 +72,19 @@ def generate(
     decode step are each compiled once (``eqx.filter_jit``, ``temperature`` is traced); the
     decode step donates the caches.
 
-    Arguments:
-        model, caches: as above.
-        prompt: int ``[B, S]`` token ids, right-padded.
-        max_new_tokens: tokens to generate per row.
-        max_length: cache size (default: prompt length + ``max_new_tokens``).
-        prompt_lengths: real prompt length per row ``[B]``.
-        temperature: 0 for greedy, else sampling (needs ``key``).
-        key: PRNG key for sampling.
+    **Arguments:**
 
-    Returns:
-        ``(tokens, caches)``: int32 new tokens ``[B, max_new_tokens]`` and the final caches.
+    - ``model``, ``caches``: as above.
+    - ``prompt``: int ``[B, S]`` token ids, right-padded.
+    - ``max_new_tokens``: tokens to generate per row.
+    - ``max_length``: cache size (default: prompt length + ``max_new_tokens``).
+    - ``prompt_lengths``: real prompt length per row ``[B]``.
+    - ``temperature``: 0 for greedy, else sampling (needs ``key``).
+    - ``key``: PRNG key for sampling.
+
+    **Returns:**
+
+    ``(tokens, caches)``: int32 new tokens ``[B, max_new_tokens]`` and the final caches.
     """
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be positive (got {max_new_tokens})")

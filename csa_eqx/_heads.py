@@ -34,13 +34,14 @@ __all__ = ["HeadParallel", "split_specs", "sum_partials"]
 class HeadParallel(AbstractPlacement):
     """Run a layer's forward with its attention heads split over the mesh axis ``axis``.
 
-    Arguments:
-        axis: the mesh axis the heads are split over; the mesh must have it and its size must
-            divide the layer's head counts (``num_heads``; V4: ``o_groups`` too).
-        data_axis: the mesh axis the batch is split over, when the mesh has it, an enclosing
-            placement has not split it already and its size divides the batch (otherwise the
-            batch is replicated over it).
-        mesh: the mesh (``None``: the one set with ``jax.set_mesh``).
+    **Arguments:**
+
+    - ``axis``: the mesh axis the heads are split over; the mesh must have it and its size must
+        divide the layer's head counts (``num_heads``; V4: ``o_groups`` too).
+    - ``data_axis``: the mesh axis the batch is split over, when the mesh has it, an enclosing
+        placement has not split it already and its size divides the batch (otherwise the
+        batch is replicated over it).
+    - ``mesh``: the mesh (``None``: the one set with ``jax.set_mesh``).
     """
 
     axis: str = "tensor"
@@ -100,9 +101,9 @@ def sum_partials(partials: Float[Array, "devices batch *rest"], dtype) -> Array:
 
 
 def split_specs(split: dict[str, P]) -> Callable:
-    """Arguments: the per-head weights, by attribute name, with their ``PartitionSpec``.
+    """**Arguments:** the per-head weights, by attribute name, with their ``PartitionSpec``.
 
-    Returns: a function from a layer's arrays (``eqx.partition(layer, eqx.is_array)[0]``) to a
+    **Returns:** a function from a layer's arrays (``eqx.partition(layer, eqx.is_array)[0]``) to a
     ``PartitionSpec`` per array: ``split``'s for those weights, ``P()`` (replicated) for the
     rest.
     """

@@ -34,12 +34,13 @@ __all__ = [
 class EntryLayout(NamedTuple):
     """Where each compressed-entry slot comes from (docs/concepts.md, "Compressed entries").
 
-    Arguments:
-        end: int32 ``[B, T]`` row index of the last token of the entry's window;
-            ``-1`` = empty slot.
-        segment: int32 ``[B, T]`` the window's segment.
-        has_prior: bool ``[B, T]`` whether a previous window of the same segment exists
-            (CSA's overlap half; it restarts at a segment start).
+    **Arguments:**
+
+    - ``end``: int32 ``[B, T]`` row index of the last token of the entry's window;
+        ``-1`` = empty slot.
+    - ``segment``: int32 ``[B, T]`` the window's segment.
+    - ``has_prior``: bool ``[B, T]`` whether a previous window of the same segment exists
+        (CSA's overlap half; it restarts at a segment start).
     """
 
     end: Int[Array, "batch slots"]
@@ -50,11 +51,13 @@ class EntryLayout(NamedTuple):
 def segment_positions(segment_ids: Int[Array, "batch seq"]) -> Int[Array, "batch seq"]:
     """Index of each token inside its segment (segments are contiguous runs of one id).
 
-    Arguments:
-        segment_ids: int ``[B, S]``.
+    **Arguments:**
 
-    Returns:
-        int32 ``[B, S]``: 0 at each segment's first token (the default RoPE positions).
+    - ``segment_ids``: int ``[B, S]``.
+
+    **Returns:**
+
+    int32 ``[B, S]``: 0 at each segment's first token (the default RoPE positions).
     """
     s = segment_ids.shape[1]
     idx = jnp.arange(s, dtype=jnp.int32)
@@ -79,13 +82,15 @@ def entry_layout(segment_ids: Int[Array, "batch seq"], m: int) -> EntryLayout:
     """Slots of the compressed entries of a row, windows aligned to each segment's start
     (docs/concepts.md, "Packed sequences: segment-aligned windows").
 
-    Arguments:
-        segment_ids: int ``[B, S]``.
-        m: compression rate (1: one entry per token, V3.2's selection over tokens).
+    **Arguments:**
 
-    Returns:
-        An ``EntryLayout`` of ``ceil(S / m)`` slots: window end row (``-1`` = empty slot), its
-        segment, and whether a previous window of the same segment exists (CSA's overlap).
+    - ``segment_ids``: int ``[B, S]``.
+    - ``m``: compression rate (1: one entry per token, V3.2's selection over tokens).
+
+    **Returns:**
+
+    An ``EntryLayout`` of ``ceil(S / m)`` slots: window end row (``-1`` = empty slot), its
+    segment, and whether a previous window of the same segment exists (CSA's overlap).
     """
     b, s = segment_ids.shape
     slots = -(-s // m)
@@ -108,14 +113,16 @@ def entry_visibility(
     """Entry ``j`` is visible to query ``t`` iff its window closed at or before ``t`` in ``t``'s
     segment (``w < (t + 1) // m`` without packing; docs/concepts.md, "Visibility").
 
-    Arguments:
-        query_index: int32 ``[B, S]`` row index of each query (its stream index in ``extend``);
-            ``-1`` sees nothing.
-        query_segment: int32 ``[B, S]`` segment id of each query.
-        layout: the entries' ``EntryLayout`` (``end = -1``: empty slot).
+    **Arguments:**
 
-    Returns:
-        bool ``[B, S, T]``.
+    - ``query_index``: int32 ``[B, S]`` row index of each query (its stream index in ``extend``);
+        ``-1`` sees nothing.
+    - ``query_segment``: int32 ``[B, S]`` segment id of each query.
+    - ``layout``: the entries' ``EntryLayout`` (``end = -1``: empty slot).
+
+    **Returns:**
+
+    bool ``[B, S, T]``.
     """
     end = layout.end[:, None, :]
     return (
@@ -130,10 +137,10 @@ def scatter_rows(index: Int[Array, "*rows n"], updates: Array, width: int, fill)
     ``fill``; indices outside ``[0, width)`` are dropped. Under an Explicit mesh the result's
     rows are sharded like ``index``'s rows (a scatter cannot infer that by itself).
 
-    Arguments: int ``index [*rows, n]``, ``updates`` of the same shape, the output ``width``
+    **Arguments:** int ``index [*rows, n]``, ``updates`` of the same shape, the output ``width``
     and the ``fill`` value.
 
-    Returns: ``[*rows, width]`` in ``updates``' dtype.
+    **Returns:** ``[*rows, width]`` in ``updates``' dtype.
     """
     lead = index.shape[:-1]
     rows = tuple(jnp.arange(n).reshape((n,) + (1,) * (len(lead) - i)) for i, n in enumerate(lead))
@@ -148,10 +155,11 @@ class Visibility(NamedTuple):
     """Which entries each query may see (docs/concepts.md, "Visibility"): an entry is visible
     when it closed at or before the query, in the query's segment.
 
-    Arguments:
-        query_index: int32 ``[B, S]`` stream index of each query.
-        query_segment: int32 ``[B, S]`` segment of each query.
-        layout: the entries' ``EntryLayout`` (``[B, T]`` each).
+    **Arguments:**
+
+    - ``query_index``: int32 ``[B, S]`` stream index of each query.
+    - ``query_segment``: int32 ``[B, S]`` segment of each query.
+    - ``layout``: the entries' ``EntryLayout`` (``[B, T]`` each).
     """
 
     query_index: Int[Array, "batch seq"]
@@ -159,6 +167,6 @@ class Visibility(NamedTuple):
     layout: EntryLayout
 
     def mask(self) -> Bool[Array, "batch seq entries"]:
-        """Returns: the dense bool ``[B, S, T]`` mask (``entry_visibility``); only dense
+        """**Returns:** the dense bool ``[B, S, T]`` mask (``entry_visibility``); only dense
         paths form it."""
         return entry_visibility(self.query_index, self.query_segment, self.layout)

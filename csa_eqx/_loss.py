@@ -41,10 +41,10 @@ __all__ = [
 def selection_mask(selection: Int[Array, "batch seq k"], n: int) -> Bool[Array, "batch seq {n}"]:
     """Turns the sparse stage's top-k indices into the ``candidates`` of ``indexer_kl_loss``.
 
-    Arguments: int32 ``selection [B, S, k]`` (``-1`` picks are ignored) and the candidate
+    **Arguments:** int32 ``selection [B, S, k]`` (``-1`` picks are ignored) and the candidate
     count ``n``.
 
-    Returns: bool ``[B, S, n]``, true on each query's selected candidates.
+    **Returns:** bool ``[B, S, n]``, true on each query's selected candidates.
     """
     slot = jnp.where(selection >= 0, selection, n)  # out of range: dropped
     return scatter_rows(slot, jnp.ones(selection.shape, bool), n, False)
@@ -90,11 +90,11 @@ def attention_target(
     of the main attention, not a softmax over the candidates alone (docs/concepts.md,
     "Training the indexer").
 
-    Arguments: the main attention ``target`` (``AttentionTarget``: ``q [B, S, H, d]``, the
+    **Arguments:** the main attention ``target`` (``AttentionTarget``: ``q [B, S, H, d]``, the
     candidates' ``keys [B, T, d]``, ``log_normalizer [B, S, H]``, ``scale``), bool
     ``candidates [B, S, T]`` and ``head_chunk`` (heads at once, 0 = all).
 
-    Returns: float32 ``[B, S, T]``, rows summing to 1 (or all zero).
+    **Returns:** float32 ``[B, S, T]``, rows summing to 1 (or all zero).
     """
     q, keys, log_normalizer, scale = target
     mass = target_mass(q, keys, log_normalizer, candidates, scale, head_chunk)
@@ -129,24 +129,26 @@ def indexer_kl_loss(
 ) -> Float[Array, ""]:
     """``mean_t KL(p_t ‖ softmax(I_t))`` over the queries that have at least one candidate.
 
-    Arguments:
-        q: the main attention's queries (detached here).
-        keys: the candidates' keys, shared by all heads (detached here). V4: the compressed
-            entries. V3.2: the per-token MLA keys in absorbed form (``c_kv ⊕ k_rope``, with
-            ``q`` the absorbed queries), i.e. exactly what its ``sparse_attention`` gets.
-        log_normalizer: each head's log softmax denominator over the main attention's full key
-            set, sink included (``sparse_attention(..., return_lse=True)``).
-        scores: indexer scores ``I`` over the same candidate axis; the only input that carries
-            gradient. Compute them from detached hidden states so that only indexer parameters
-            train.
-        candidates: which candidates count for each query. Dense warm-up: every visible one
-            (``entry_visibility``; V3.2 the causal mask). Sparse stage: the selected ones
-            (``selection_mask(selection, n)``).
-        scale: the main attention's softmax scale.
-        head_chunk: heads per chunk for the target (0 = all at once); must divide ``heads``.
+    **Arguments:**
 
-    Returns:
-        A float32 scalar; 0 when no query has a candidate (never NaN).
+    - ``q``: the main attention's queries (detached here).
+    - ``keys``: the candidates' keys, shared by all heads (detached here). V4: the compressed
+        entries. V3.2: the per-token MLA keys in absorbed form (``c_kv ⊕ k_rope``, with
+        ``q`` the absorbed queries), i.e. exactly what its ``sparse_attention`` gets.
+    - ``log_normalizer``: each head's log softmax denominator over the main attention's full key
+        set, sink included (``sparse_attention(..., return_lse=True)``).
+    - ``scores``: indexer scores ``I`` over the same candidate axis; the only input that carries
+        gradient. Compute them from detached hidden states so that only indexer parameters
+        train.
+    - ``candidates``: which candidates count for each query. Dense warm-up: every visible one
+        (``entry_visibility``; V3.2 the causal mask). Sparse stage: the selected ones
+        (``selection_mask(selection, n)``).
+    - ``scale``: the main attention's softmax scale.
+    - ``head_chunk``: heads per chunk for the target (0 = all at once); must divide ``heads``.
+
+    **Returns:**
+
+    A float32 scalar; 0 when no query has a candidate (never NaN).
     """
     mass = target_mass(q, keys, log_normalizer, candidates, scale, head_chunk)
     kl, has = row_kl(mass, scores, candidates)

@@ -15,7 +15,7 @@ class DenseIndexerLoss(AbstractIndexerLoss):
     then ``indexer_kl_loss`` over the visible (warm-up) or selected candidates. Fastest while
     those tensors are small; see ``csa_eqx.AutoIndexerLoss``.
 
-    Arguments: none.
+    **Arguments:** none.
     """
 
     def loss(self, problem, target, selection=None):

@@ -238,11 +238,12 @@ class StreamingIndexerLoss(AbstractIndexerLoss):
     blockwise backward, the sparse stage over each query block's gathered picks. Tiles are
     scored by the problem's scorer; automatic sizes come from its ``tiles``.
 
-    Arguments:
-        key_block: entries per key tile of the warm-up (0 = automatic, see
-            ``csa_eqx._tiles.streaming_block_sizes``).
-        query_block: queries per block (0 = automatic; the sparse stage's automatic block is
-            ``csa_eqx._tiles.sparse_query_block``).
+    **Arguments:**
+
+    - ``key_block``: entries per key tile of the warm-up (0 = automatic, see
+        ``csa_eqx._tiles.streaming_block_sizes``).
+    - ``query_block``: queries per block (0 = automatic; the sparse stage's automatic block is
+        ``csa_eqx._tiles.sparse_query_block``).
     """
 
     key_block: int = eqx.field(default=0, static=True)

@@ -29,10 +29,10 @@ MeshLike = Mesh | AbstractMesh
 
 
 def mesh_with_axis(axis: str, feature: str, mesh: MeshLike | None = None) -> MeshLike:
-    """Arguments: the mesh ``axis`` needed, the ``feature`` that needs it (named in the
+    """**Arguments:** the mesh ``axis`` needed, the ``feature`` that needs it (named in the
     error, e.g. ``"Execution.context"``) and the ``mesh`` (``None``: the ``jax.set_mesh`` one).
 
-    Returns: the mesh; a ``ValueError`` when it lacks ``axis``.
+    **Returns:** the mesh; a ``ValueError`` when it lacks ``axis``.
     """
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if axis not in mesh.axis_names:
@@ -48,7 +48,7 @@ def check_axes(name: str, axis: object, data_axis: object) -> None:
     e.g. ``"HeadParallel.axis"``) and its ``data_axis`` are two different non-empty mesh axis
     names.
 
-    Returns: ``None``.
+    **Returns:** ``None``.
     """
     for field, value in ((name, axis), ("data_axis", data_axis)):
         if not isinstance(value, str) or not value:
@@ -58,12 +58,12 @@ def check_axes(name: str, axis: object, data_axis: object) -> None:
 
 
 def is_explicit(mesh: MeshLike, axis: str) -> bool:
-    """Returns: whether the mesh's ``axis`` (which it must have) is ``Explicit``."""
+    """**Returns:** whether the mesh's ``axis`` (which it must have) is ``Explicit``."""
     return mesh.axis_types[mesh.axis_names.index(axis)] == AxisType.Explicit
 
 
 def is_manual(mesh: MeshLike, axis: str) -> bool:
-    """Returns: whether ``axis`` is ``Manual`` in ``mesh`` (inside a ``shard_map`` over it);
+    """**Returns:** whether ``axis`` is ``Manual`` in ``mesh`` (inside a ``shard_map`` over it);
     ``False`` where the mesh lacks it (e.g. the empty ambient mesh when a strategy holds
     ``mesh=`` instead of ``jax.set_mesh``)."""
     names = mesh.axis_names
@@ -71,7 +71,7 @@ def is_manual(mesh: MeshLike, axis: str) -> bool:
 
 
 def place(x: Array, mesh: MeshLike, spec: P) -> Array:
-    """Returns: ``x`` resharded to the ``Explicit``-axis part of ``spec`` (``shard_map``
+    """**Returns:** ``x`` resharded to the ``Explicit``-axis part of ``spec`` (``shard_map``
     demands an exact match there; for Auto axes it inserts the resharding itself)."""
     if not any(t == AxisType.Explicit for t in mesh.axis_types):
         return x
@@ -80,7 +80,7 @@ def place(x: Array, mesh: MeshLike, spec: P) -> Array:
 
 
 def row_spec(x: Array) -> P:
-    """Returns: the ``[B, S]`` part of ``x``'s sharding as typed (Explicit axes only; Auto
+    """**Returns:** the ``[B, S]`` part of ``x``'s sharding as typed (Explicit axes only; Auto
     axes are untyped)."""
     spec = tuple(jax.typeof(x).sharding.spec)
     return P(*(spec + (None,) * (2 - len(spec)))[:2])
@@ -91,9 +91,9 @@ def batch_axis(mesh: MeshLike, data_axis: str, batch: int) -> str | None:
     not manual already (an enclosing ``shard_map`` split the batch) and its size divides the
     ``batch``; else ``None`` (the batch stays whole, replicated over the axis).
 
-    Arguments: the mesh, the data axis name and the batch size.
+    **Arguments:** the mesh, the data axis name and the batch size.
 
-    Returns: the axis name or ``None``.
+    **Returns:** the axis name or ``None``.
     """
     names = mesh.axis_names
     if data_axis not in names or is_manual(jax.sharding.get_abstract_mesh(), data_axis):
@@ -110,10 +110,10 @@ def run_sharded(fn: Callable, mesh: MeshLike, in_specs, out_specs, axes: set, *a
     axes they vary over (partial sums stacked and summed outside), so the transpose's sum of
     the replicated inputs' cotangents is the exact gradient.
 
-    Arguments: the function, the mesh, ``PartitionSpec`` trees for the arguments and the
+    **Arguments:** the function, the mesh, ``PartitionSpec`` trees for the arguments and the
     outputs (prefixes allowed), the manual axis names and the arguments.
 
-    Returns: ``fn``'s outputs, as ``out_specs`` lays them out.
+    **Returns:** ``fn``'s outputs, as ``out_specs`` lays them out.
     """
     args = jax.tree.map(lambda a, spec: place(a, mesh, spec), args, in_specs)
     return jax.shard_map(

@@ -21,13 +21,14 @@ __all__ = ["AbstractNumerics", "ExactNumerics", "DeepSeekFormats", "V32_FORMATS"
 class DeepSeekFormats(NamedTuple):
     """What DeepSeek's inference code quantises in one layer family.
 
-    Arguments:
-        indexer: the format of the indexer's queries and keys after the Hadamard rotation
-            (``"fp8_e4m3"`` or ``"fp4_e2m1"``).
-        indexer_block: values per scale there.
-        score_dtype: the dtype the indexer's scores are rounded to (``"bfloat16"`` where
-            DeepSeek scores with a bf16 einsum; ``None``: float32, as its FP8 kernel).
-        kv_block: values per scale of the KV round trip on the non-rotary channels (0: none).
+    **Arguments:**
+
+    - ``indexer``: the format of the indexer's queries and keys after the Hadamard rotation
+        (``"fp8_e4m3"`` or ``"fp4_e2m1"``).
+    - ``indexer_block``: values per scale there.
+    - ``score_dtype``: the dtype the indexer's scores are rounded to (``"bfloat16"`` where
+        DeepSeek scores with a bf16 einsum; ``None``: float32, as its FP8 kernel).
+    - ``kv_block``: values per scale of the KV round trip on the non-rotary channels (0: none).
     """
 
     indexer: str
@@ -48,34 +49,34 @@ class AbstractNumerics(eqx.Module):
 
     @abc.abstractmethod
     def layer_input(self, x: Array) -> Array:
-        """Arguments: the layer's input ``x``. Returns: the activations the layer computes
+        """**Arguments:** the layer's input ``x``. Returns: the activations the layer computes
         on (its output is cast back to ``x``'s dtype)."""
 
     @abc.abstractmethod
     def compressor_input(self, x: Array) -> Array:
-        """Arguments: the activations. Returns: what a V4 compressor projects and pools."""
+        """**Arguments:** the activations. Returns: what a V4 compressor projects and pools."""
 
     @abc.abstractmethod
     def entry_dtype(self, x: Array):
-        """Arguments: the activations ``x``. Returns: the dtype pooled compressor windows are
+        """**Arguments:** the activations ``x``. Returns: the dtype pooled compressor windows are
         cast to before their norm (``None``: kept as pooled)."""
 
     @abc.abstractmethod
     def kv(self, kv: Array, rope_dim: int, formats: DeepSeekFormats) -> Array:
-        """Arguments: V4 keys/values ``[..., head_dim]`` (window rows or compressed entries,
-        after RoPE on the last ``rope_dim`` channels) and the family's formats. Returns: the
+        """**Arguments:** V4 keys/values ``[..., head_dim]`` (window rows or compressed entries,
+        after RoPE on the last ``rope_dim`` channels) and the family's formats. **Returns:** the
         keys/values the attention reads, in ``kv``'s dtype."""
 
     @abc.abstractmethod
     def indexer(self, v: Array, formats: DeepSeekFormats) -> Array:
-        """Arguments: indexer queries ``[..., H, d]`` or keys ``[..., d]`` after RoPE, and the
-        family's formats. Returns: what the scores are computed from (the same scores as
+        """**Arguments:** indexer queries ``[..., H, d]`` or keys ``[..., d]`` after RoPE, and the
+        family's formats. **Returns:** what the scores are computed from (the same scores as
         ``v`` up to rounding: a rotation applied to queries and keys alike cancels), in
         ``v``'s dtype or float32."""
 
     @abc.abstractmethod
     def score_dtype(self, formats: DeepSeekFormats) -> str | None:
-        """Arguments: the family's formats. Returns: the dtype indexer scores are rounded to
+        """**Arguments:** the family's formats. Returns: the dtype indexer scores are rounded to
         (``None``: float32)."""
 
     @abc.abstractmethod

@@ -25,16 +25,16 @@ class AbstractPicks(eqx.Module):
         picks: Int[Array, "batch seq k"],
         values: Float[Array, "batch entries vdim"] | None = None,
     ) -> Reads:
-        """Arguments: the entries' ``keys`` (and MLA ``values``), their ``visibility`` and each
+        """**Arguments:** the entries' ``keys`` (and MLA ``values``), their ``visibility`` and each
         query's distinct ``picks`` (``-1`` = none).
 
-        Returns: the ``Reads`` of the picked entries (gathered rows or masked dense entries).
+        **Returns:** the ``Reads`` of the picked entries (gathered rows or masked dense entries).
         """
 
 
 class GatheredPicks(AbstractPicks):
     """Gather each query's ``k`` picked keys (``[B, Qb, k, d]`` per query block); cheap
-    while ``k`` is small against the entry count. Arguments: none."""
+    while ``k`` is small against the entry count. **Arguments:** none."""
 
     def reads(self, keys, visibility, picks, values=None):
         return Reads(gathered=(GatheredRows(keys, picks, values),))
@@ -42,7 +42,7 @@ class GatheredPicks(AbstractPicks):
 
 class MaskedPicks(AbstractPicks):
     """One matmul over all entries, masked to each query's visible picks; cheaper than
-    gathering when ``k`` is close to the entry count (short sequences). Arguments: none."""
+    gathering when ``k`` is close to the entry count (short sequences). **Arguments:** none."""
 
     def reads(self, keys, visibility, picks, values=None):
         return Reads(dense=DenseKeys(keys, visibility.layout, *visibility[:2], values, picks))

@@ -30,18 +30,18 @@ class AbstractPlacement(eqx.Module):
 
     @abc.abstractmethod
     def run(self, body: Body, layer: eqx.Module, x: Array, rows: Rows) -> tuple:
-        """Arguments: the ``body(layer, x, rows)``, the layer (its arrays are what a
+        """**Arguments:** the ``body(layer, x, rows)``, the layer (its arrays are what a
         placement splits: ``layer.head_specs``), the hidden states ``x [B, S, hidden]`` and
         the whole sequence's ``Rows``.
 
-        Returns: ``(y, selection or None, sums)`` as ``body`` returns them on one device, the
+        **Returns:** ``(y, selection or None, sums)`` as ``body`` returns them on one device, the
         ``sums`` summed over the devices.
         """
 
     def rows_inputs(self, x: Array, positions: Array | None, segment_ids: Array | None):
-        """Arguments: ``x [B, S, hidden]`` and the call's ``positions`` / ``segment_ids``.
+        """**Arguments:** ``x [B, S, hidden]`` and the call's ``positions`` / ``segment_ids``.
 
-        Returns: ``(like, positions, segment_ids)``: a ``[B, S, ...]`` array laid out as the
+        **Returns:** ``(like, positions, segment_ids)``: a ``[B, S, ...]`` array laid out as the
         integer rows should be, and the inputs as the rows are built from them (here
         unchanged)."""
         return x, positions, segment_ids
@@ -49,7 +49,7 @@ class AbstractPlacement(eqx.Module):
 
 class SingleDevice(AbstractPlacement):
     """The forward as written: one call of the body (the compiler may still shard it, e.g.
-    the batch over a data axis of the mesh). Arguments: none."""
+    the batch over a data axis of the mesh). **Arguments:** none."""
 
     def run(self, body: Body, layer: eqx.Module, x: Array, rows: Rows) -> tuple:
         return body(layer, x, rows)

@@ -34,21 +34,22 @@ _REFERENCE, _CPU_TILES = XlaScorer(), TileSizes()
 class SelectionProblem(NamedTuple):
     """Everything a selection strategy needs: "what may each query read, and how good is it".
 
-    Arguments:
-        project: maps per-token ``rows`` to the indexer queries ``[B, S, H, d]`` and head
-            weights ``[B, S, H]`` (float32, ``H^-1/2`` included). It must act row by row, so a
-            strategy may call it on any block of rows (streaming never forms the whole
-            ``[B, S, H, d]`` queries). Must be hashable (a lambda, not a bound Module method).
-        rows: per-token inputs of ``project``, each ``[B, S, ...]``.
-        keys: the entries' indexer keys ``[B, T, d]``.
-        visibility: query indices / segments and the entries' layout.
-        head_chunk: indexer heads scored at once (0 = all; must divide ``H``).
-        score_dtype: the dtype scores are rounded to (``None``: float32; see
-            ``csa_eqx.indexer_scores``), as the layer's numerics say.
-        scorer: the scoring kernel (``AbstractScorer``; default ``XlaScorer()``, the
-            reference), as ``Execution.scorer`` says.
-        tiles: the backend's tile sizes (``TileSizes``; default the CPU sizes), as
-            ``Execution.tiles`` resolves them.
+    **Arguments:**
+
+    - ``project``: maps per-token ``rows`` to the indexer queries ``[B, S, H, d]`` and head
+        weights ``[B, S, H]`` (float32, ``H^-1/2`` included). It must act row by row, so a
+        strategy may call it on any block of rows (streaming never forms the whole
+        ``[B, S, H, d]`` queries). Must be hashable (a lambda, not a bound Module method).
+    - ``rows``: per-token inputs of ``project``, each ``[B, S, ...]``.
+    - ``keys``: the entries' indexer keys ``[B, T, d]``.
+    - ``visibility``: query indices / segments and the entries' layout.
+    - ``head_chunk``: indexer heads scored at once (0 = all; must divide ``H``).
+    - ``score_dtype``: the dtype scores are rounded to (``None``: float32; see
+        ``csa_eqx.indexer_scores``), as the layer's numerics say.
+    - ``scorer``: the scoring kernel (``AbstractScorer``; default ``XlaScorer()``, the
+        reference), as ``Execution.scorer`` says.
+    - ``tiles``: the backend's tile sizes (``TileSizes``; default the CPU sizes), as
+        ``Execution.tiles`` resolves them.
     """
 
     project: Callable[..., tuple[Array, Array]]
@@ -74,12 +75,14 @@ class SelectionProblem(NamedTuple):
     ) -> SelectionProblem:
         """A problem whose queries and head weights are already projected.
 
-        Arguments:
-            q: float ``[B, S, H, d]`` indexer queries; weights: float ``[B, S, H]``.
-            keys, visibility, head_chunk, score_dtype, scorer, tiles: the class's fields
-                (declared there, with these defaults).
+        **Arguments:**
 
-        Returns: the ``SelectionProblem`` (its ``project`` is the identity).
+        - ``q``: float ``[B, S, H, d]`` indexer queries; weights: float ``[B, S, H]``.
+        - ``keys``, ``visibility``, ``head_chunk``, ``score_dtype``, ``scorer``, ``tiles``: the
+            class's fields
+            (declared there, with these defaults).
+
+        **Returns:** the ``SelectionProblem`` (its ``project`` is the identity).
         """
         return cls(
             _identity, (q, weights), keys, visibility, head_chunk, score_dtype, scorer, tiles
@@ -88,19 +91,19 @@ class SelectionProblem(NamedTuple):
     def with_queries(
         self, q: Float[Array, "batch seq heads dim"], weights: Float[Array, "batch seq heads"]
     ) -> SelectionProblem:
-        """Arguments: projected queries ``[B, S, H, d]`` and weights ``[B, S, H]``.
+        """**Arguments:** projected queries ``[B, S, H, d]`` and weights ``[B, S, H]``.
 
-        Returns: this problem over them (its ``project`` the identity), all else kept.
+        **Returns:** this problem over them (its ``project`` the identity), all else kept.
         """
         return self._replace(project=_identity, rows=(q, weights))
 
     def sizes(self) -> tuple[int, int, int, int]:
-        """Returns: ``(batch, seq, entries, heads scored at once)`` (no computation)."""
+        """**Returns:** ``(batch, seq, entries, heads scored at once)`` (no computation)."""
         b, s, h, _ = jax.eval_shape(self.project, *self.rows)[0].shape
         return b, s, self.keys.shape[1], self.head_chunk or h
 
     def queries(self) -> tuple[Array, Array]:
-        """Returns: the whole float ``[B, S, H, d]`` queries and ``[B, S, H]`` weights."""
+        """**Returns:** the whole float ``[B, S, H, d]`` queries and ``[B, S, H]`` weights."""
         return self.project(*self.rows)
 
     def scores(
@@ -109,10 +112,10 @@ class SelectionProblem(NamedTuple):
         weights: Float[Array, "batch seq heads"],
         keys: Float[Array, "batch entries dim"],
     ) -> Float[Array, "batch seq entries"]:
-        """Arguments: queries ``[B, S, H, d]``, weights ``[B, S, H]`` (any block of the
+        """**Arguments:** queries ``[B, S, H, d]``, weights ``[B, S, H]`` (any block of the
         problem's rows) and keys ``[B, T', d]`` (any block of its entries).
 
-        Returns: their float32 scores ``[B, S, T']`` by the problem's ``scorer``, with its
+        **Returns:** their float32 scores ``[B, S, T']`` by the problem's ``scorer``, with its
         ``head_chunk`` and ``score_dtype``.
         """
         return self.scorer.scores(
@@ -132,9 +135,9 @@ class AbstractSelection(eqx.Module):
 
     @abc.abstractmethod
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
-        """Arguments: the ``problem`` and ``k > 0`` picks per query.
+        """**Arguments:** the ``problem`` and ``k > 0`` picks per query.
 
-        Returns: int32 ``[B, S, k]`` entry indices, ``-1`` = none.
+        **Returns:** int32 ``[B, S, k]`` entry indices, ``-1`` = none.
         """
 
 
@@ -153,22 +156,24 @@ class AbstractIndexerLoss(eqx.Module):
         target: AttentionTarget,
         selection: Int[Array, "batch seq k"] | None = None,
     ) -> Float[Array, ""]:
-        """Arguments:
-            problem: the indexer side, exactly what the selection got; ``problem.head_chunk``
-                also chunks the attention heads of the target.
-            target: the main attention (detached), as in ``indexer_kl_loss``.
-            selection: ``None`` for the dense warm-up (candidates = every visible entry),
-                else the sparse stage's top-k ``[B, S, k]`` (``-1`` = none).
+        """**Arguments:**
 
-        Returns:
-            A float32 scalar; 0 when no query has a candidate.
+        - ``problem``: the indexer side, exactly what the selection got; ``problem.head_chunk``
+            also chunks the attention heads of the target.
+        - ``target``: the main attention (detached), as in ``indexer_kl_loss``.
+        - ``selection``: ``None`` for the dense warm-up (candidates = every visible entry),
+            else the sparse stage's top-k ``[B, S, k]`` (``-1`` = none).
+
+        **Returns:**
+
+        A float32 scalar; 0 when no query has a candidate.
         """
 
     @staticmethod
     def sizes(problem: SelectionProblem, target: AttentionTarget) -> tuple[int, int, int, int]:
-        """Arguments: the ``problem`` and the ``target``.
+        """**Arguments:** the ``problem`` and the ``target``.
 
-        Returns: ``(batch, seq, entries, heads at once)``, the heads at once being the head
+        **Returns:** ``(batch, seq, entries, heads at once)``, the heads at once being the head
         chunk or the larger of the indexer's and the attention's head counts (no computation).
         """
         b, s, t, h_i = problem.sizes()

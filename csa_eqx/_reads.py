@@ -36,10 +36,11 @@ __all__ = [
 class GatheredRows(eqx.Module):
     """Rows each query gathers from ``keys`` (shared by all heads).
 
-    Arguments:
-        keys: float ``[B, N, d]``.
-        indices: int32 ``[B, S, n]`` rows of ``keys`` per query (``-1`` = none).
-        values: float ``[B, N, vdim]`` (MLA) or ``None`` (= ``keys``, V4).
+    **Arguments:**
+
+    - ``keys``: float ``[B, N, d]``.
+    - ``indices``: int32 ``[B, S, n]`` rows of ``keys`` per query (``-1`` = none).
+    - ``values``: float ``[B, N, vdim]`` (MLA) or ``None`` (= ``keys``, V4).
     """
 
     keys: Float[Array, "batch keys dim"]
@@ -54,13 +55,14 @@ class BandRows(eqx.Module):
     tokens just before the queries, ``-1`` = empty) those are rows ``0..window-2`` and the
     queries' own follow. Each query block reads one slab of ``block + window - 1`` rows.
 
-    Arguments:
-        keys: float ``[B, N, d]`` token rows (``N >= S``, or ``window - 1 + S`` with a
-            history).
-        segment: int32 ``[B, S]`` the queries' segment ids.
-        window: the window length (``>= 1``, static).
-        history: int32 ``[B, window - 1]`` or ``None`` (nothing precedes the queries' rows).
-        values: float ``[B, N, vdim]`` or ``None`` (= ``keys``).
+    **Arguments:**
+
+    - ``keys``: float ``[B, N, d]`` token rows (``N >= S``, or ``window - 1 + S`` with a
+        history).
+    - ``segment``: int32 ``[B, S]`` the queries' segment ids.
+    - ``window``: the window length (``>= 1``, static).
+    - ``history``: int32 ``[B, window - 1]`` or ``None`` (nothing precedes the queries' rows).
+    - ``values``: float ``[B, N, vdim]`` or ``None`` (= ``keys``).
     """
 
     keys: Float[Array, "batch keys dim"]
@@ -87,11 +89,12 @@ class DenseKeys(NamedTuple):
     slots, ``-1`` = none) a query attends only to its visible picks (docs/concepts.md,
     "Sparse attention without a dense mask").
 
-    Arguments:
-        keys: float ``[B, T, d]``; values: float ``[B, T, vdim]`` or ``None`` (= ``keys``).
-        layout: the entries' ``EntryLayout``.
-        query_index, query_segment: int32 ``[B, S]``, as in ``Visibility``.
-        picks: int32 ``[B, S, p]`` or ``None`` (every visible entry).
+    **Arguments:**
+
+    - ``keys``: float ``[B, T, d]``; values: float ``[B, T, vdim]`` or ``None`` (= ``keys``).
+    - ``layout``: the entries' ``EntryLayout``.
+    - ``query_index``, ``query_segment``: int32 ``[B, S]``, as in ``Visibility``.
+    - ``picks``: int32 ``[B, S, p]`` or ``None`` (every visible entry).
     """
 
     keys: Float[Array, "batch entries dim"]
@@ -106,10 +109,11 @@ class Reads(eqx.Module):
     """Everything a block of queries reads, in one softmax (the sink adds to its
     denominator): gathered rows (in order), then the band, then the dense entries.
 
-    Arguments:
-        gathered: ``GatheredRows`` read sets (``()`` = none).
-        band: a ``BandRows`` or ``None``.
-        dense: a ``DenseKeys`` or ``None``.
+    **Arguments:**
+
+    - ``gathered``: ``GatheredRows`` read sets (``()`` = none).
+    - ``band``: a ``BandRows`` or ``None``.
+    - ``dense``: a ``DenseKeys`` or ``None``.
     """
 
     gathered: tuple[GatheredRows, ...] = ()
@@ -117,9 +121,9 @@ class Reads(eqx.Module):
     dense: DenseKeys | None = None
 
     def join(self, other: Reads) -> Reads:
-        """Arguments: ``other`` reads of the same queries.
+        """**Arguments:** ``other`` reads of the same queries.
 
-        Returns: one ``Reads`` with both's key sets (``ValueError`` when both hold a band or
+        **Returns:** one ``Reads`` with both's key sets (``ValueError`` when both hold a band or
         both dense entries).
         """
         for name in ("band", "dense"):
@@ -133,9 +137,9 @@ class Reads(eqx.Module):
 
 
 def gather_keys(kv: Shaped[Array, "batch keys dim"], indices: Int[Array, "batch seq k"]) -> Array:
-    """Arguments: ``kv [B, N, dim]`` and int32 ``indices [B, S, k]``.
+    """**Arguments:** ``kv [B, N, dim]`` and int32 ``indices [B, S, k]``.
 
-    Returns: ``kv[b, indices[b, s, i]]`` as ``[B, S, k, dim]`` (``-1`` reads row 0; mask it).
+    **Returns:** ``kv[b, indices[b, s, i]]`` as ``[B, S, k, dim]`` (``-1`` reads row 0; mask it).
     """
     b, s, k = indices.shape
     flat = jnp.clip(indices, 0, kv.shape[1] - 1).reshape(b, s * k)
@@ -145,9 +149,9 @@ def gather_keys(kv: Shaped[Array, "batch keys dim"], indices: Int[Array, "batch 
 def picked_mask(
     picks: Int[Array, "batch seq p"], entries: int
 ) -> Bool[Array, "batch seq {entries}"]:
-    """Arguments: int32 ``picks [B, S, p]`` (``-1`` picks nothing) and the entry count ``T``.
+    """**Arguments:** int32 ``picks [B, S, p]`` (``-1`` picks nothing) and the entry count ``T``.
 
-    Returns: bool ``[B, S, T]``, ``mask[b, s, j]`` = entry ``j`` is among ``picks[b, s]``.
+    **Returns:** bool ``[B, S, T]``, ``mask[b, s, j]`` = entry ``j`` is among ``picks[b, s]``.
     """
     slot = jnp.where(picks >= 0, picks, entries)  # out of range: dropped
     return scatter_rows(slot, jnp.ones(picks.shape, bool), entries, False)

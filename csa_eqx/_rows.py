@@ -39,16 +39,18 @@ def _same(a: Array, *axis: int) -> Array:
 class Rows(NamedTuple):
     """The integer side of the rows a forward runs on (all ``[B', L]``).
 
-    Arguments:
-        positions, segment, query_index: RoPE positions, segment ids and stream row indices
-            (``-1``: a row that queries nothing, e.g. a context-parallel halo row).
-        own: the entry slots these rows compress, window ends as row indices of these rows
-            (``None`` without a compressor).
-        layout: every entry slot of the sequence (window ends as stream rows), for visibility.
-        gather: the entries of ``own`` ``[B', T_own, d]`` -> those of every slot of
-            ``layout`` (identity on one device).
-        all_heads: ``all_heads(a, axis)``: a per-head array of this device's heads (heads on
-            ``axis``) -> every head's (identity unless the heads are split over devices).
+    **Arguments:**
+
+    - ``positions``, ``segment``, ``query_index``: RoPE positions, segment ids and stream row
+        indices
+        (``-1``: a row that queries nothing, e.g. a context-parallel halo row).
+    - ``own``: the entry slots these rows compress, window ends as row indices of these rows
+        (``None`` without a compressor).
+    - ``layout``: every entry slot of the sequence (window ends as stream rows), for visibility.
+    - ``gather``: the entries of ``own`` ``[B', T_own, d]`` -> those of every slot of
+        ``layout`` (identity on one device).
+    - ``all_heads``: ``all_heads(a, axis)``: a per-head array of this device's heads (heads on
+        ``axis``) -> every head's (identity unless the heads are split over devices).
     """
 
     positions: Int[Array, "batch rows"]
@@ -60,32 +62,32 @@ class Rows(NamedTuple):
     all_heads: Callable[..., Array] = _same
 
     def window_reads(self, window, kv: Array, width: int) -> tuple:
-        """Arguments: the layer's window strategy, the rows' keys ``kv [B', L, d]`` and the
+        """**Arguments:** the layer's window strategy, the rows' keys ``kv [B', L, d]`` and the
         window length.
 
-        Returns: ``(reads, self)``: the window over these rows (halo rows first under context
+        **Returns:** ``(reads, self)``: the window over these rows (halo rows first under context
         parallelism)."""
         return window.reads(kv, token_rows(kv, None)[1], self.segment, width), self
 
     def entries(self, name: str, compressor, x: Array, dtype, finish) -> tuple:
-        """Arguments: a name for the entries (what a cache calls their state), the
+        """**Arguments:** a name for the entries (what a cache calls their state), the
         ``compressor``, its input ``x [B', L, hidden]``, the numerics' ``dtype`` (the cast
         before the norm) and ``finish`` (their rounding).
 
-        Returns: ``(entries, layout, self)``: the entries of every slot of ``layout``
+        **Returns:** ``(entries, layout, self)``: the entries of every slot of ``layout``
         (``[B', T, d]``; this device's own ones gathered from every device's)."""
         own = finish(compressor(x, self.positions, self.own, dtype))
         return self.gather(own), self.layout, self
 
     def tokens(self, name: str, values: Array) -> tuple:
-        """Arguments: a name for the values (what a cache calls them) and per-row ``values
+        """**Arguments:** a name for the values (what a cache calls them) and per-row ``values
         [B', L, d]`` (V3.2: every token is an entry).
 
-        Returns: ``(values of every token, layout, self)``."""
+        **Returns:** ``(values of every token, layout, self)``."""
         return self.gather(values), self.layout, self
 
     def cache_after(self) -> None:
-        """Returns: ``None``: a forward writes no cache."""
+        """**Returns:** ``None``: a forward writes no cache."""
         return None
 
 
@@ -95,10 +97,10 @@ def whole_rows(
     query_index: Int[Array, "batch seq"],
     rate: int,
 ) -> Rows:
-    """Arguments: the whole sequence's positions, segments and row indices and the tokens per
+    """**Arguments:** the whole sequence's positions, segments and row indices and the tokens per
     entry (``rate``; 0: no entries).
 
-    Returns: the ``Rows`` of a forward over the whole sequence: each row compresses all of its
+    **Returns:** the ``Rows`` of a forward over the whole sequence: each row compresses all of its
     windows."""
     layout = entry_layout(segment, rate) if rate else None
     return Rows(positions, segment, query_index, layout, layout)

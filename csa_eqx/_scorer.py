@@ -70,18 +70,20 @@ def indexer_scores(
     """Float32 indexer scores of every query against every key, no masking
     (docs/concepts.md, "The lightning indexer").
 
-    Arguments:
-        q: indexer queries ``[B, S, H, d]``.
-        weights: per-head weights ``[B, S, H]`` *including* the ``H^-1/2`` factor; the
-            ``d^-1/2`` factor is applied here.
-        keys: ``[B, T, d]``, one per entry (shared by all heads).
-        head_chunk: heads scored at once in a rematerialised scan (0 = all); must divide ``H``.
-        score_dtype: ``None`` (float32 throughout), or a dtype such as ``"bfloat16"``: each
-            head's logit, its weight ``w·d^-1/2`` and their product are rounded to it, the head
-            sum is taken in float32 and rounded to it (DeepSeek-V4's bf16 scorer).
+    **Arguments:**
 
-    Returns:
-        float32 ``[B, S, T]``: ``d^-1/2 Σ_h w[t,h] ReLU(q[t,h] · k[s])``.
+    - ``q``: indexer queries ``[B, S, H, d]``.
+    - ``weights``: per-head weights ``[B, S, H]`` *including* the ``H^-1/2`` factor; the
+        ``d^-1/2`` factor is applied here.
+    - ``keys``: ``[B, T, d]``, one per entry (shared by all heads).
+    - ``head_chunk``: heads scored at once in a rematerialised scan (0 = all); must divide ``H``.
+    - ``score_dtype``: ``None`` (float32 throughout), or a dtype such as ``"bfloat16"``: each
+        head's logit, its weight ``w·d^-1/2`` and their product are rounded to it, the head
+        sum is taken in float32 and rounded to it (DeepSeek-V4's bf16 scorer).
+
+    **Returns:**
+
+    float32 ``[B, S, T]``: ``d^-1/2 Σ_h w[t,h] ReLU(q[t,h] · k[s])``.
     """
     h, d = q.shape[2], q.shape[3]
     if head_chunk and h % head_chunk:
@@ -121,17 +123,19 @@ class AbstractScorer(eqx.Module):
     ) -> Float[Array, "batch seq entries"]:
         """Scores of every query against every key, no masking.
 
-        Arguments:
-            q: indexer queries ``[B, S, H, d]``.
-            weights: head weights ``[B, S, H]`` including ``H^-1/2`` (``d^-1/2`` is applied
-                here).
-            keys: ``[B, T, d]``, shared by all heads.
-            head_chunk: heads scored at once (0 = all); must divide ``H``.
-            score_dtype: ``None`` (float32) or the dtype the scores are rounded to, as
-                ``csa_eqx.indexer_scores`` rounds them.
+        **Arguments:**
 
-        Returns:
-            float32 ``[B, S, T]``.
+        - ``q``: indexer queries ``[B, S, H, d]``.
+        - ``weights``: head weights ``[B, S, H]`` including ``H^-1/2`` (``d^-1/2`` is applied
+            here).
+        - ``keys``: ``[B, T, d]``, shared by all heads.
+        - ``head_chunk``: heads scored at once (0 = all); must divide ``H``.
+        - ``score_dtype``: ``None`` (float32) or the dtype the scores are rounded to, as
+            ``csa_eqx.indexer_scores`` rounds them.
+
+        **Returns:**
+
+        float32 ``[B, S, T]``.
         """
 
     def gathered_scores(
@@ -140,12 +144,14 @@ class AbstractScorer(eqx.Module):
         """Scores of each query against its own keys (the sparse stage of the indexer loss,
         float32). By default ``scores`` mapped over the queries; a kernel may override it.
 
-        Arguments:
-            q, weights, head_chunk: as for ``scores`` (declared there).
-            keys: ``[B, S, k, d]``, each query's gathered keys.
+        **Arguments:**
 
-        Returns:
-            float32 ``[B, S, k]``.
+        - ``q``, ``weights``, ``head_chunk``: as for ``scores`` (declared there).
+        - ``keys``: ``[B, S, k, d]``, each query's gathered keys.
+
+        **Returns:**
+
+        float32 ``[B, S, k]``.
         """
 
         def one(q, w, k):  # a single query row: [1, 1, H, d], [1, 1, H], [1, k, d]
@@ -158,7 +164,7 @@ class XlaScorer(AbstractScorer):
     """The reference scorer: ``csa_eqx.indexer_scores`` over all keys at once (per-head
     logits ``[B, S, heads at once, T]``, then the weighted head sum).
 
-    Arguments: none.
+    **Arguments:** none.
     """
 
     def scores(self, q, weights, keys, *, head_chunk=0, score_dtype=None):

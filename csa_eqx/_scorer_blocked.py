@@ -22,9 +22,10 @@ class BlockedScorer(AbstractScorer):
     same property ``StreamingSelection``'s tiles have: selections are bitwise equal wherever
     the scores are (tests/test_scorer.py).
 
-    Arguments:
-        key_block: keys per block (> 0); the last block is padded with zero keys, whose
-            scores are dropped.
+    **Arguments:**
+
+    - ``key_block``: keys per block (> 0); the last block is padded with zero keys, whose
+        scores are dropped.
     """
 
     key_block: int = eqx.field(default=128, static=True)

@@ -16,7 +16,7 @@ class DenseSelection(AbstractSelection):
     """Score every query against every entry (``[B, S, T]`` float32), then one exact top-k.
     Fastest while that tensor is small; see ``csa_eqx.AutoSelection``.
 
-    Arguments: none. ``select`` returns int32 ``[B, S, k]``, ``-1`` = none.
+    **Arguments:** none. ``select`` returns int32 ``[B, S, k]``, ``-1`` = none.
     """
 
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:

@@ -34,13 +34,14 @@ class ShardedSelection(AbstractSelection):
     """The selection with query rows sharded over ``tensor_axis`` in an explicit
     ``jax.shard_map``; each shard runs ``inner`` on its rows.
 
-    Arguments:
-        inner: the single-device strategy each shard runs (default ``AutoSelection()``).
-        tensor_axis: mesh axis the query rows are split over; the mesh must have it.
-        data_axis: mesh axis the batch is split over, when the mesh has it and its size
-            divides the batch (otherwise the batch is replicated; inside context
-            parallelism, which splits the batch over it already, it is left alone).
-        mesh: the mesh (``None``: the one set with ``jax.set_mesh``).
+    **Arguments:**
+
+    - ``inner``: the single-device strategy each shard runs (default ``AutoSelection()``).
+    - ``tensor_axis``: mesh axis the query rows are split over; the mesh must have it.
+    - ``data_axis``: mesh axis the batch is split over, when the mesh has it and its size
+        divides the batch (otherwise the batch is replicated; inside context
+        parallelism, which splits the batch over it already, it is left alone).
+    - ``mesh``: the mesh (``None``: the one set with ``jax.set_mesh``).
 
     Inside a ``shard_map`` that is already manual over ``tensor_axis`` (head parallelism, where
     every device of the axis holds every row), each device selects its slice of the rows and

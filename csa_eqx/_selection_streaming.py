@@ -58,11 +58,12 @@ class StreamingSelection(AbstractSelection):
     Tiles are scored by the problem's scorer (``SelectionProblem.scores``); automatic sizes
     come from its ``tiles``.
 
-    Arguments:
-        key_block: entries per tile (0 = automatic, see ``streaming_block_sizes``).
-        query_block: queries per block (0 = automatic).
-        topk_block: entries scored into one row buffer per top-k (0 = automatic, see
-            ``topk_block_size``); more entries are merged into a running top-k.
+    **Arguments:**
+
+    - ``key_block``: entries per tile (0 = automatic, see ``streaming_block_sizes``).
+    - ``query_block``: queries per block (0 = automatic).
+    - ``topk_block``: entries scored into one row buffer per top-k (0 = automatic, see
+        ``topk_block_size``); more entries are merged into a running top-k.
 
     Valid ``layout.end`` values must be nondecreasing for invisible tiles to be skipped.
     """

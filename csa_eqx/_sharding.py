@@ -31,9 +31,9 @@ def constrain_heads(x: Float[Array, "batch seq heads *rest"], tensor_axis: str) 
     the layers do). A mesh without ``tensor_axis``, or whose ``tensor_axis`` size does not
     divide the heads, is a ``ValueError``.
 
-    Arguments: ``x [B, S, H, ...]`` and the mesh axis name.
+    **Arguments:** ``x [B, S, H, ...]`` and the mesh axis name.
 
-    Returns: ``x``, with the sharding constraint where it applies.
+    **Returns:** ``x``, with the sharding constraint where it applies.
     """
     mesh = mesh_with_axis(tensor_axis, "Execution.indexer_heads_axis")
     devices, heads = mesh.shape[tensor_axis], x.shape[2]
@@ -54,9 +54,9 @@ def tensor_axis_auto(fn: Callable, tensor_axis: str, like: Array) -> Callable:
     A no-op where the axis already is Auto. Where it is Explicit, the ``[B, S, ...]`` result
     comes back in the ``[B, S]`` layout of ``like``.
 
-    Arguments: the function ``fn``, the mesh axis name and ``like`` (a ``[B, S]`` array).
+    **Arguments:** the function ``fn``, the mesh axis name and ``like`` (a ``[B, S]`` array).
 
-    Returns: the wrapped function.
+    **Returns:** the wrapped function.
     """
     mesh = mesh_with_axis(tensor_axis, "Execution.indexer_heads_axis")
     if not is_explicit(mesh, tensor_axis):

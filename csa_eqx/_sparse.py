@@ -95,20 +95,23 @@ def sparse_attention(
     ``kv`` and the queries' own follow. Each query block then reads one slab of
     ``query_block + window - 1`` rows.
 
-    Arguments:
-        q: queries ``[B, S, H, d]``.
-        kv: keys ``[B, N, d]`` shared by all heads (V4: also the values).
-        indices: int ``[B, S, k]`` rows of ``kv`` each query gathers (``-1`` = none).
-        sinks: per-head sink logits ``[H]`` (denominator only), or ``None``.
-        scale: softmax scale.
-        values: ``[B, N, vdim]`` (MLA), default ``kv``.
-        return_lse: also return the log-normalisers.
-        query_block, dense, window, segment, window_history: as above (docs/concepts.md,
-            "Sparse attention without a dense mask").
+    **Arguments:**
 
-    Returns:
-        ``[B, S, H, vdim]`` in ``q``'s dtype (zeros for a query with no key); with
-        ``return_lse``, ``(out, lse)`` with float32 ``lse`` ``[B, S, H]``.
+    - ``q``: queries ``[B, S, H, d]``.
+    - ``kv``: keys ``[B, N, d]`` shared by all heads (V4: also the values).
+    - ``indices``: int ``[B, S, k]`` rows of ``kv`` each query gathers (``-1`` = none).
+    - ``sinks``: per-head sink logits ``[H]`` (denominator only), or ``None``.
+    - ``scale``: softmax scale.
+    - ``values``: ``[B, N, vdim]`` (MLA), default ``kv``.
+    - ``return_lse``: also return the log-normalisers.
+    - ``query_block``, ``dense``, ``window``, ``segment``, ``window_history``: as above
+        (docs/concepts.md,
+        "Sparse attention without a dense mask").
+
+    **Returns:**
+
+    ``[B, S, H, vdim]`` in ``q``'s dtype (zeros for a query with no key); with
+    ``return_lse``, ``(out, lse)`` with float32 ``lse`` ``[B, S, H]``.
     """
     if window and segment is None:
         raise ValueError("a sliding window needs the tokens' segment ids (segment=...)")

@@ -20,15 +20,16 @@ class TileSizes(NamedTuple):
     unrolling). ``csa_eqx._auto.backend_tiles()`` chooses them for the backend (what the layers
     use, through ``Execution.tiles``); the defaults are the CPU sizes.
 
-    Arguments:
-        elements: elements of the largest per-tile tensor ``[B, Qb, heads at once, Kb]`` (and
-            of one top-k row buffer); also the size up to which the automatic choices stay
-            dense (default 2^24: 64 MiB of float32, cache-sized on CPU).
-        key_block: automatic entries per key tile (default 128).
-        max_query_block: largest automatic query block (default 256).
-        unroll: unroll the radix select's 32 steps (``exact_topk``; default ``False``).
-        attention_elements: the elements one query block of the attention keeps (gathered
-            keys and logits, ``csa_eqx._auto.attention_query_block``; default 2^24).
+    **Arguments:**
+
+    - ``elements``: elements of the largest per-tile tensor ``[B, Qb, heads at once, Kb]`` (and
+        of one top-k row buffer); also the size up to which the automatic choices stay
+        dense (default 2^24: 64 MiB of float32, cache-sized on CPU).
+    - ``key_block``: automatic entries per key tile (default 128).
+    - ``max_query_block``: largest automatic query block (default 256).
+    - ``unroll``: unroll the radix select's 32 steps (``exact_topk``; default ``False``).
+    - ``attention_elements``: the elements one query block of the attention keeps (gathered
+        keys and logits, ``csa_eqx._auto.attention_query_block``; default 2^24).
     """
 
     elements: int = 1 << 24
@@ -50,11 +51,11 @@ def streaming_block_sizes(
     query_block: int = 0,
     tiles: TileSizes = _CPU_TILES,
 ) -> tuple[int, int]:
-    """Arguments: the problem's sizes, the requested ``key_block`` / ``query_block``
+    """**Arguments:** the problem's sizes, the requested ``key_block`` / ``query_block``
     (0 = automatic) and the backend's ``tiles`` (``TileSizes``; default the CPU sizes,
     ``csa_eqx._auto.backend_tiles()`` for the current backend).
 
-    Returns: ``(query_block, key_block)``, clipped to the sequence and the entries.
+    **Returns:** ``(query_block, key_block)``, clipped to the sequence and the entries.
 
     Automatic: key tiles of ``tiles.key_block`` entries (128 on CPU, 512 on accelerators) and
     the largest power-of-two query block (at least 16, at most ``tiles.max_query_block``: 256
@@ -81,10 +82,10 @@ def topk_block_size(
     (0 = automatic) all entries when one ``[B, Qb, T]`` score buffer fits ``tiles.elements``
     (see ``streaming_block_sizes``), else as many key tiles as do.
 
-    Arguments: the sizes, the tiles (``streaming_block_sizes``), the requested
+    **Arguments:** the sizes, the tiles (``streaming_block_sizes``), the requested
     ``topk_block`` (0 = automatic) and the backend's ``tiles``.
 
-    Returns: entries per top-k pass (int, >= ``key_block``).
+    **Returns:** entries per top-k pass (int, >= ``key_block``).
     """
     n_tiles = -(-entries // key_block)
     per_pass = (
@@ -105,10 +106,10 @@ def sparse_query_block(
     the ``[B, Qb, H, entries]`` logits and mask of entries attended by matmul, near 64 MiB of
     float32.
 
-    Arguments: the sizes (``dim``: gathered key plus value channels per pick; ``entries``:
+    **Arguments:** the sizes (``dim``: gathered key plus value channels per pick; ``entries``:
     those attended by matmul, 0 = none) and the block's budget of ``elements``.
 
-    Returns: the query block, a power of two >= 1.
+    **Returns:** the query block, a power of two >= 1.
     """
     return power_of_two_block(batch, k * (dim + heads) + entries * (heads + 1), elements)
 

@@ -23,9 +23,9 @@ def canonical_scores(scores: Array) -> Array:
     """Map ``-0.0`` to ``+0.0`` so that equal scores tie (XLA sorts by total order). XLA
     flushes subnormals to zero, so they become ``+0.0`` here too.
 
-    Arguments: float ``scores`` of any shape.
+    **Arguments:** float ``scores`` of any shape.
 
-    Returns: the same shape and dtype, without ``-0.0``.
+    **Returns:** the same shape and dtype, without ``-0.0``.
     """
     return jnp.where(scores == 0, jnp.zeros_like(scores), scores)
 
@@ -69,12 +69,12 @@ def exact_topk(
     CPU this is ~4x faster than ``lax.top_k`` at indexer sizes (k = 512 of 1024), and the
     cost does not grow with ``k`` (docs/concepts.md, "Top-k selection").
 
-    Arguments: float ``values [*rows, n]``, bool ``valid [*rows, n]``, ``k > 0`` and
+    **Arguments:** float ``values [*rows, n]``, bool ``valid [*rows, n]``, ``k > 0`` and
     ``unroll``: unroll the 32 steps (faster on accelerators, where each loop iteration costs a
     predicate round trip; on CPU unrolling only slows compiles, ~1.5 s per layer). The
     strategies take it from ``TileSizes.unroll``, chosen for the backend in ``_auto.py``.
 
-    Returns: ``(top values, positions)``, float32 and int32 ``[*rows, k]``.
+    **Returns:** ``(top values, positions)``, float32 and int32 ``[*rows, k]``.
     """
     want = min(k, values.shape[-1])
     key = jnp.where(valid, _order_keys(values), jnp.uint32(0))  # valid keys are > 0
@@ -107,15 +107,17 @@ def select_topk(
 
     Exact: the set a full sort would pick, ties to the lower index (see ``exact_topk``).
 
-    Arguments:
-        scores: float ``[B, S, T]`` (``-0.0`` ties ``+0.0``).
-        visible: bool ``[B, S, T]``; invisible entries are never picked.
-        k: picks per query (> 0).
-        unroll: unroll the radix select's steps (``exact_topk``; same result).
+    **Arguments:**
 
-    Returns:
-        int32 ``[B, S, k]``: picks beyond the visible count are ``-1`` (at the end); when ``k``
-        exceeds ``T`` the result is padded with ``-1`` so its shape is always ``[..., k]``.
+    - ``scores``: float ``[B, S, T]`` (``-0.0`` ties ``+0.0``).
+    - ``visible``: bool ``[B, S, T]``; invisible entries are never picked.
+    - ``k``: picks per query (> 0).
+    - ``unroll``: unroll the radix select's steps (``exact_topk``; same result).
+
+    **Returns:**
+
+    int32 ``[B, S, k]``: picks beyond the visible count are ``-1`` (at the end); when ``k``
+    exceeds ``T`` the result is padded with ``-1`` so its shape is always ``[..., k]``.
     """
     if k <= 0:
         raise ValueError(f"k must be positive (got {k})")

@@ -68,9 +68,10 @@ class V32Indexer(eqx.Module):
     """V3.2 lightning indexer (docs/concepts.md, "DeepSeek-V3.2 DSA"): scores every earlier
     token of the segment, keeps the top-k.
 
-    Arguments:
-        config: the layer's ``V32AttentionConfig``.
-        key: PRNG key for the random initial weights; dtype: their dtype.
+    **Arguments:**
+
+    - ``config``: the layer's ``V32AttentionConfig``.
+    - ``key``: PRNG key for the random initial weights; dtype: their dtype.
     """
 
     wq_b: Float[Array, "heads_x_dim q_lora"]
@@ -109,9 +110,9 @@ class V32Indexer(eqx.Module):
     def keys(
         self, x: Float[Array, "batch seq hidden"], positions: Int[Array, "batch seq"]
     ) -> Float[Array, "batch seq dim"]:
-        """Arguments: the layer input ``x [B, S, hidden]`` and int32 ``positions [B, S]``.
+        """**Arguments:** the layer input ``x [B, S, hidden]`` and int32 ``positions [B, S]``.
 
-        Returns: the one shared key per token, ``RoPE(LayerNorm(x W_k))`` ``[B, S, d_I]``.
+        **Returns:** the one shared key per token, ``RoPE(LayerNorm(x W_k))`` ``[B, S, d_I]``.
         """
         k = _layer_norm(linear(x, self.wk), self.k_norm, self.k_norm_bias, _INDEXER_NORM_EPS)
         return self._rope(k, positions)
@@ -128,7 +129,7 @@ class V32Attention(AbstractIndexedAttention):
     Parameters use the HF module's names and torch's ``[out, in]`` layout (``k_norm_bias`` holds
     ``indexer.k_norm.bias``), so ``csa_eqx.hf.load_v32_attention`` is a plain copy.
 
-    Arguments: ``config`` (a ``V32AttentionConfig``), ``key``, ``dtype``, ``execution``, as in
+    **Arguments:** ``config`` (a ``V32AttentionConfig``), ``key``, ``dtype``, ``execution``, as in
     ``csa_eqx.AbstractIndexedAttention``.
     """
 
@@ -189,9 +190,9 @@ class V32Attention(AbstractIndexedAttention):
         Float[Array, "batch seq heads latent"],
         Float[Array, "batch seq latent"],
     ]:
-        """Arguments: ``x [B, S, hidden]`` and int32 RoPE ``positions [B, S]``.
+        """**Arguments:** ``x [B, S, hidden]`` and int32 RoPE ``positions [B, S]``.
 
-        Returns: the query latent ``qr [B, S, q_lora_rank]``, absorbed per-head queries
+        **Returns:** the query latent ``qr [B, S, q_lora_rank]``, absorbed per-head queries
         ``[q_nope·W_kb ; q_rope]`` ``[B, S, H, latent]`` and the shared per-token key
         ``[c_kv ; k_rope]`` ``[B, S, latent]`` (its first ``kv_lora_rank`` channels are the
         value), ``latent = kv_lora_rank + qk_rope_head_dim``.
@@ -226,9 +227,9 @@ class V32Attention(AbstractIndexedAttention):
     ) -> Float[Array, "batch seq hidden"]:
         """Per-head values from the attended latents (``W_vb``), then the output projection.
 
-        Arguments: the attended latents ``o [B, S, H, kv_lora_rank]``.
+        **Arguments:** the attended latents ``o [B, S, H, kv_lora_rank]``.
 
-        Returns: ``[B, S, hidden]``.
+        **Returns:** ``[B, S, hidden]``.
         """
         b, s = o.shape[:2]
         o = jnp.einsum("bshc,hvc->bshv", o, self._kv_up()[1].astype(o.dtype)).reshape(b, s, -1)
@@ -246,12 +247,12 @@ class V32Attention(AbstractIndexedAttention):
 
     @property
     def entry_rate(self) -> int:
-        """Returns: 1 (every token is an entry the indexer selects among)."""
+        """**Returns:** 1 (every token is an entry the indexer selects among)."""
         return 1
 
     @property
     def context_halo(self) -> int:
-        """Returns: 0: a chunk's rows need nothing of the rows before them but their keys,
+        """**Returns:** 0: a chunk's rows need nothing of the rows before them but their keys,
         which context parallelism all-gathers (``Rows.gather``)."""
         return 0
 
@@ -284,13 +285,15 @@ class V32Attention(AbstractIndexedAttention):
     def init_cache(self, batch_size: int, max_length: int, dtype=jnp.float32) -> V32Cache:
         """An empty decode cache of fixed-size buffers.
 
-        Arguments:
-            batch_size: rows decoded at once.
-            max_length: tokens per row the cache can hold.
-            dtype: dtype of the cached latents and indexer keys.
+        **Arguments:**
 
-        Returns:
-            A ``csa_eqx.V32Cache`` (``length`` 0 in every row).
+        - ``batch_size``: rows decoded at once.
+        - ``max_length``: tokens per row the cache can hold.
+        - ``dtype``: dtype of the cached latents and indexer keys.
+
+        **Returns:**
+
+        A ``csa_eqx.V32Cache`` (``length`` 0 in every row).
         """
         c = self.config
         check_cache_size(batch_size, max_length)

@@ -33,9 +33,10 @@ class Indexer(eqx.Module):
     """V4 lightning indexer (docs/concepts.md, "The lightning indexer"): its own CSA
     compressor at ``index_head_dim`` plus query heads.
 
-    Arguments:
-        config: the layer's ``V4AttentionConfig`` (a CSA layer).
-        key: PRNG key for the random initial weights; dtype: their dtype.
+    **Arguments:**
+
+    - ``config``: the layer's ``V4AttentionConfig`` (a CSA layer).
+    - ``key``: PRNG key for the random initial weights; dtype: their dtype.
     """
 
     compressor: Compressor
@@ -65,10 +66,10 @@ class Indexer(eqx.Module):
     def queries(
         self, qr: Float[Array, "batch seq q_lora"], positions: Int[Array, "batch seq"]
     ) -> Float[Array, "batch seq heads dim"]:
-        """Arguments: the query latent ``qr [B, S, q_lora_rank]`` and int32 ``positions``
+        """**Arguments:** the query latent ``qr [B, S, q_lora_rank]`` and int32 ``positions``
         ``[B, S]``.
 
-        Returns: roped per-head queries ``[B, S, H_I, d_I]``.
+        **Returns:** roped per-head queries ``[B, S, H_I, d_I]``.
         """
         c = self.config
         b, s, _ = qr.shape
@@ -77,9 +78,9 @@ class Indexer(eqx.Module):
         return apply_rope_interleaved(q, positions[..., None], inv_freq)
 
     def head_weights(self, x: Float[Array, "batch seq hidden"]) -> Float[Array, "batch seq heads"]:
-        """Arguments: the layer input ``x [B, S, hidden]``.
+        """**Arguments:** the layer input ``x [B, S, hidden]``.
 
-        Returns: float32 per-head weights ``[B, S, H_I]``, ``H_I^-1/2`` included.
+        **Returns:** float32 per-head weights ``[B, S, H_I]``, ``H_I^-1/2`` included.
         """
         c = self.config
         return linear(x, self.weights_proj).astype(jnp.float32) * c.index_n_heads**-0.5
@@ -91,7 +92,7 @@ class V4Attention(AbstractIndexedAttention):
     Parameters use the HF module's names and torch's ``[out, in]`` layout, so
     ``csa_eqx.hf.load_v4_attention`` is a plain copy.
 
-    Arguments: ``config`` (a ``V4AttentionConfig``), ``key``, ``dtype``, ``execution``, as in
+    **Arguments:** ``config`` (a ``V4AttentionConfig``), ``key``, ``dtype``, ``execution``, as in
     ``csa_eqx.AbstractIndexedAttention``.
     """
 
@@ -147,7 +148,7 @@ class V4Attention(AbstractIndexedAttention):
 
     @property
     def inv_freq(self):
-        """Returns: the RoPE inverse frequencies ``[rope_dim // 2]`` (float32 numpy): plain
+        """**Returns:** the RoPE inverse frequencies ``[rope_dim // 2]`` (float32 numpy): plain
         ``rope_theta`` for sliding layers, YaRN-scaled ``compress_rope_theta`` otherwise."""
         c = self.config
         if c.layer_type == "sliding":
@@ -161,9 +162,9 @@ class V4Attention(AbstractIndexedAttention):
         Float[Array, "batch seq heads dim"],
         Float[Array, "batch seq dim"],
     ]:
-        """Arguments: ``x [B, S, hidden]`` and int32 RoPE ``positions [B, S]``.
+        """**Arguments:** ``x [B, S, hidden]`` and int32 RoPE ``positions [B, S]``.
 
-        Returns: the query latent ``qr [B, S, q_lora_rank]``, roped per-head queries
+        **Returns:** the query latent ``qr [B, S, q_lora_rank]``, roped per-head queries
         ``[B, S, H, head_dim]`` and the roped shared key/value ``[B, S, head_dim]`` (as the
         numerics round it).
         """
@@ -185,9 +186,9 @@ class V4Attention(AbstractIndexedAttention):
         """De-rotate the attention output (RoPE at ``-t``), then the grouped output projection
         (docs/concepts.md, "The DeepSeek-V4 attention block").
 
-        Arguments: ``o [B, S, H, head_dim]`` and the queries' ``positions [B, S]``.
+        **Arguments:** ``o [B, S, H, head_dim]`` and the queries' ``positions [B, S]``.
 
-        Returns: ``[B, S, hidden]``.
+        **Returns:** ``[B, S, hidden]``.
         """
         c = self.config
         b, s = o.shape[:2]
@@ -199,7 +200,7 @@ class V4Attention(AbstractIndexedAttention):
 
     @property
     def entry_rate(self) -> int:
-        """Returns: ``compress_rate`` (tokens per compressed entry; 0 for a sliding layer)."""
+        """**Returns:** ``compress_rate`` (tokens per compressed entry; 0 for a sliding layer)."""
         return self.config.compress_rate
 
     @property
@@ -276,15 +277,17 @@ class V4Attention(AbstractIndexedAttention):
     ) -> tuple[Float[Array, "batch seq slots"], Int[Array, "batch seq k"]]:
         """Where *dense* attention looks, next to what the indexer picks (CSA layers).
 
-        Arguments:
-            x: hidden states ``[B, S, hidden]``.
-            segment_ids: packed-document ids ``[B, S]`` or ``None``.
+        **Arguments:**
 
-        Returns:
-            The attention mass ``[B, S, slots]`` (float32) on each compressed-entry slot when
-            the layer attends to its window and *all* visible entries (summed over heads,
-            L1-normalised over entries: the dense-stage KL target), and the indexer's
-            selection int32 ``[B, S, index_topk]`` (``-1`` = none), as the forward makes it.
+        - ``x``: hidden states ``[B, S, hidden]``.
+        - ``segment_ids``: packed-document ids ``[B, S]`` or ``None``.
+
+        **Returns:**
+
+        The attention mass ``[B, S, slots]`` (float32) on each compressed-entry slot when
+        the layer attends to its window and *all* visible entries (summed over heads,
+        L1-normalised over entries: the dense-stage KL target), and the indexer's
+        selection int32 ``[B, S, index_topk]`` (``-1`` = none), as the forward makes it.
         """
         c, ex = self.config, self.execution
         if self.indexer is None:
@@ -300,14 +303,16 @@ class V4Attention(AbstractIndexedAttention):
     def init_cache(self, batch_size: int, max_length: int, dtype=jnp.float32) -> V4Cache:
         """An empty decode cache of fixed-size buffers.
 
-        Arguments:
-            batch_size: rows decoded at once.
-            max_length: tokens per row the cache can hold (window ring, and
-                ``max_length // compress_rate`` entry slots).
-            dtype: dtype of the cached keys and compressor states.
+        **Arguments:**
 
-        Returns:
-            A ``csa_eqx.V4Cache`` (``length`` 0 in every row).
+        - ``batch_size``: rows decoded at once.
+        - ``max_length``: tokens per row the cache can hold (window ring, and
+            ``max_length // compress_rate`` entry slots).
+        - ``dtype``: dtype of the cached keys and compressor states.
+
+        **Returns:**
+
+        A ``csa_eqx.V4Cache`` (``length`` 0 in every row).
         """
         c = self.config
         check_cache_size(batch_size, max_length)

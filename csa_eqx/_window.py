@@ -29,18 +29,18 @@ class AbstractWindow(eqx.Module):
         window: int,
         history: Int[Array, "batch ring"] | None = None,
     ) -> Reads:
-        """Arguments: the token rows' ``keys`` (the ``history`` rows first, when there is
+        """**Arguments:** the token rows' ``keys`` (the ``history`` rows first, when there is
         one, then the queries' own), the queries' own row indices and segments, the window
         length and the segments of the ``window - 1`` earlier tokens stored before the
         queries' rows (``extend``'s ring, ``-1`` = empty; ``None``: nothing precedes them).
 
-        Returns: the ``Reads`` of the window (a band or gathered rows).
+        **Returns:** the ``Reads`` of the window (a band or gathered rows).
         """
 
 
 class BandWindow(AbstractWindow):
     """One banded matmul per query block over a slab of ``block + window - 1`` token rows
-    (for a single decoded token: its ``window`` rows, what a gather reads). Arguments: none."""
+    (for a single decoded token: its ``window`` rows, what a gather reads). **Arguments:** none."""
 
     def reads(self, keys, query_index, segment, window, history=None):
         return Reads(band=BandRows(keys, segment, window, history))
@@ -48,7 +48,7 @@ class BandWindow(AbstractWindow):
 
 class GatheredWindow(AbstractWindow):
     """Gather each query's ``window`` token rows (``t - window < j <= t``, same segment).
-    Arguments: none."""
+    **Arguments:** none."""
 
     def reads(self, keys, query_index, segment, window, history=None):
         b, s = query_index.shape

@@ -57,10 +57,10 @@ __all__ = [
 
 
 def v4_parameter_names(config: V4AttentionConfig) -> dict[str, str]:
-    """Arguments: the layer's ``config`` (its kind decides which compressor / indexer
+    """**Arguments:** the layer's ``config`` (its kind decides which compressor / indexer
     tensors exist).
 
-    Returns: module attribute path -> HF parameter name, for one V4 layer.
+    **Returns:** module attribute path -> HF parameter name, for one V4 layer.
     """
     names = {
         "q_a_proj": "q_a_proj.weight",
@@ -244,9 +244,10 @@ def _load_folder(family: _Family, path, layer_idx, dtype, options):
 
 
 def native_v4_name(name: str) -> str:
-    """Arguments: a DeepSeek-native V4 attention tensor name (``wq_a.weight``, ``wq_a.scale``).
+    """**Arguments:** a DeepSeek-native V4 attention tensor name (``wq_a.weight``, ``wq_a.scale``).
 
-    Returns: the HF module's parameter name (``q_a_proj.weight``, ``q_a_proj.weight_scale_inv``).
+    **Returns:** the HF module's parameter name (``q_a_proj.weight``,
+    ``q_a_proj.weight_scale_inv``).
     """
     return rename(name, _NATIVE_V4_RENAMES)
 
@@ -284,7 +285,7 @@ def load_v4_attention_from_safetensors(
 
 
 def v32_parameter_names() -> dict[str, str]:
-    """Returns: module attribute path -> HF parameter name, for one V3.2 attention layer."""
+    """**Returns:** module attribute path -> HF parameter name, for one V3.2 attention layer."""
     names = {
         n: f"{n}.weight"
         for n in (
@@ -317,9 +318,9 @@ _NATIVE_V32_RENAMES = [
 
 
 def native_v32_name(name: str) -> str:
-    """Arguments: a DeepSeek-native V3.2 attention tensor name (``wkv_a.weight`` …).
+    """**Arguments:** a DeepSeek-native V3.2 attention tensor name (``wkv_a.weight`` …).
 
-    Returns: the HF parameter name (``kv_a_proj_with_mqa.weight`` …).
+    **Returns:** the HF parameter name (``kv_a_proj_with_mqa.weight`` …).
     """
     return rename(name, _NATIVE_V32_RENAMES)
 

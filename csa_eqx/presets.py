@@ -70,12 +70,13 @@ def v4_flash(kind: LayerKind = "csa", **overrides) -> V4AttentionConfig:
     """One DeepSeek-V4-Flash attention layer of ``kind`` (hidden 4096, 64 heads x 512,
     indexer 64 x 128, k = 512, HCA m = 128).
 
-    Arguments:
-        kind: ``"sliding"``, ``"csa"`` or ``"hca"`` (docs/concepts.md, "The DeepSeek-V4
-            attention block").
-        overrides: fields of ``V4AttentionConfig`` to change.
+    **Arguments:**
 
-    Returns: the ``V4AttentionConfig``. Raises ``ValueError`` for an unknown ``kind`` or a
+    - ``kind``: ``"sliding"``, ``"csa"`` or ``"hca"`` (docs/concepts.md, "The DeepSeek-V4
+        attention block").
+    - ``overrides``: fields of ``V4AttentionConfig`` to change.
+
+    **Returns:** the ``V4AttentionConfig``. Raises ``ValueError`` for an unknown ``kind`` or a
     ``compress_rate`` override that makes another kind.
     """
     return _v4(_V4_FLASH, kind, COMPRESS_RATES["hca"], overrides)
@@ -85,7 +86,7 @@ def v4_pro(kind: LayerKind = "csa", **overrides) -> V4AttentionConfig:
     """One DeepSeek-V4-Pro attention layer of ``kind`` (hidden 7168, 128 heads x 512,
     16 output groups, indexer 64 x 128, k = 1024, HCA m = 128).
 
-    Arguments and Returns: as for ``v4_flash``.
+    **Arguments** and **Returns:** as for ``v4_flash``.
     """
     return _v4(_V4_PRO, kind, COMPRESS_RATES["hca"], overrides)
 
@@ -94,10 +95,11 @@ def v32(**overrides) -> V32AttentionConfig:
     """One DeepSeek-V3.2 DSA layer (hidden 7168, 128 MLA heads, indexer 64 x 128,
     k = 2048).
 
-    Arguments:
-        overrides: fields of ``V32AttentionConfig`` to change.
+    **Arguments:**
 
-    Returns: the ``V32AttentionConfig``.
+    - ``overrides``: fields of ``V32AttentionConfig`` to change.
+
+    **Returns:** the ``V32AttentionConfig``.
     """
     return dataclasses.replace(V32AttentionConfig(), **overrides)
 
@@ -106,7 +108,7 @@ def tiny_v4(kind: LayerKind = "csa", **overrides) -> V4AttentionConfig:
     """A V4 layer of ``kind`` small enough for unit tests (hidden 64, 4 heads x 32,
     indexer 4 x 16, k = 8, window 16, HCA m = 8).
 
-    Arguments and Returns: as for ``v4_flash``.
+    **Arguments** and **Returns:** as for ``v4_flash``.
     """
     return _v4(_TINY_V4, kind, TINY_HCA_RATE, overrides)
 
@@ -115,13 +117,14 @@ def v32_sized_as(config: V4AttentionConfig, **fields) -> V32AttentionConfig:
     """A V3.2 layer with a V4 layer's shared sizes (``csa_eqx._config.SHARED_SIZES``: width,
     attention heads, query LoRA rank, indexer heads, head dim and k).
 
-    Arguments:
-        config: the V4 layer whose shared sizes to take.
-        fields: the MLA sizes (``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
-            ``v_head_dim``) and any other field of ``V32AttentionConfig`` to set; the rest are
-            V3.2's defaults.
+    **Arguments:**
 
-    Returns: the ``V32AttentionConfig``.
+    - ``config``: the V4 layer whose shared sizes to take.
+    - ``fields``: the MLA sizes (``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
+        ``v_head_dim``) and any other field of ``V32AttentionConfig`` to set; the rest are
+        V3.2's defaults.
+
+    **Returns:** the ``V32AttentionConfig``.
     """
     shared = {name: getattr(config, name) for name in SHARED_SIZES}
     return V32AttentionConfig(**(shared | fields))
@@ -131,7 +134,7 @@ def tiny_v32(**overrides) -> V32AttentionConfig:
     """A V3.2 layer small enough for unit tests: ``tiny_v4``'s shared sizes (hidden 64,
     4 heads, indexer 4 x 16, k = 8) with MLA latents of 32 (nope 16, rope 8, values 16).
 
-    Arguments and Returns: as for ``v32``.
+    **Arguments** and **Returns:** as for ``v32``.
     """
     mla = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
     return v32_sized_as(_TINY_V4, **(mla | overrides))

@@ -46,11 +46,13 @@ def compose_selection_policy(policy: Callable | None = None) -> Callable:
     is returned unchanged for other values; the selection itself is saved, or offloaded where
     the wrapped policy offloads that name.
 
-    Arguments:
-        policy: a ``jax.checkpoint`` policy, or ``None``.
+    **Arguments:**
 
-    Returns:
-        A policy for ``jax.checkpoint(..., policy=)`` / ``eqx.filter_checkpoint``; equal
-        compositions compare equal.
+    - ``policy``: a ``jax.checkpoint`` policy, or ``None``.
+
+    **Returns:**
+
+    A policy for ``jax.checkpoint(..., policy=)`` / ``eqx.filter_checkpoint``; equal
+    compositions compare equal.
     """
     return _SaveSelection(policy)
