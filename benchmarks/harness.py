@@ -25,10 +25,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from csa_eqx import V4AttentionConfig, V32AttentionConfig, presets
+from csa_eqx import Execution, V4Attention, V4AttentionConfig, V32AttentionConfig, presets
 
 GIB = 2.0**30
 
@@ -77,6 +78,20 @@ def small_v32(**overrides) -> V32AttentionConfig:
     (nope 32, rope 16, values 32)."""
     mla = dict(kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
     return presets.v32_sized_as(small_v4("csa"), **(mla | {"index_topk": 512} | overrides))
+
+
+def forward(layer, x):
+    """csa_eqx's layer forward (a named function: profiles and HLO dumps show its name)."""
+    return layer(x)
+
+
+def layer_shapes(
+    config: V4AttentionConfig, seq: int, execution: Execution | None = None
+) -> tuple[V4Attention, jax.ShapeDtypeStruct]:
+    """``(layer, x)`` as shapes only, to compile for and never run: a ``V4Attention`` of
+    ``config`` (run as ``execution`` says, default automatic) and a float32 ``x[1, seq, D]``."""
+    layer = eqx.filter_eval_shape(V4Attention, config, key=jax.random.key(0), execution=execution)
+    return layer, jax.ShapeDtypeStruct((1, seq, config.hidden_size), jnp.float32)
 
 
 # --- machine --------------------------------------------------------------------------------

@@ -11,14 +11,12 @@ from __future__ import annotations
 import argparse
 import time
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
 
-from csa_eqx import Execution, V4Attention, V4AttentionConfig
+from csa_eqx import Execution, V4AttentionConfig
 
 from . import harness
-from .layer_speed import forward
+from .harness import forward
 from .naive_baseline import naive_v4_csa
 
 CONFIG = harness.speed_layer()
@@ -35,8 +33,7 @@ def fwd_bwd_temp_bytes(
     """Temp bytes of ``grad(sum(forward(layer, x)))`` w.r.t. the layer's arrays and ``x``
     (float32, B = 1; compiled for shapes only; the layer runs as ``execution`` says, default
     automatic), and the seconds the compile took."""
-    layer = eqx.filter_eval_shape(V4Attention, config, key=jax.random.key(0), execution=execution)
-    x = jax.ShapeDtypeStruct((1, seq, config.hidden_size), jnp.float32)
+    layer, x = harness.layer_shapes(config, seq, execution)
     start = time.perf_counter()
     temp = harness.temp_bytes(harness.fwd_bwd(forward), layer, x)
     return temp, time.perf_counter() - start

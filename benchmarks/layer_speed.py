@@ -25,6 +25,7 @@ import numpy as np
 from csa_eqx import Visibility, entry_layout
 
 from . import harness
+from .harness import forward
 from .naive_baseline import naive_v4_csa
 
 
@@ -37,11 +38,6 @@ def hf_and_ours(config, seed: int = 0):
     hf_config = hf_v4_config(config)
     torch_layer = random_hf_v4_layer(hf_config, seed)
     return torch_layer, hf_config, load_v4_attention(state_dict_numpy(torch_layer), hf_config, 0)
-
-
-def forward(layer, x):
-    """csa_eqx's layer forward (a named function: profiles and HLO dumps show its name)."""
-    return layer(x)
 
 
 def jax_layer_programs(layer, x) -> dict[str, tuple[Callable, tuple]]:
