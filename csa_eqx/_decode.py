@@ -194,11 +194,14 @@ class ChunkSource(eqx.Module):
     - ``cache``: the layer's cache before the chunk.
     - ``rows``: the chunk's ``ChunkRows``.
     - ``new``: the cache fields written so far (``dataclasses.replace`` of ``cache``).
+    - ``closing``: the windows closing in the chunk (``closing_layout``) once the first
+        compressor has pooled them, else ``None``.
     """
 
     cache: AbstractCache
     rows: ChunkRows
     new: dict
+    closing: tuple[EntryLayout, Array] | None = None
 
     @classmethod
     def start(cls, cache: AbstractCache, rows: ChunkRows) -> ChunkSource:
@@ -228,7 +231,7 @@ class ChunkSource(eqx.Module):
         return self.rows.index
 
     def _with(self, **new) -> ChunkSource:
-        return ChunkSource(self.cache, self.rows, {**self.new, **new})
+        return dataclasses.replace(self, new={**self.new, **new})
 
     def window_reads(self, window, kv: Array, width: int) -> tuple:
         """The sliding window over ``[ring ; chunk]`` rows (``BandRows(history=...)``).
@@ -262,22 +265,27 @@ class ChunkSource(eqx.Module):
         """
         cache, rows = self.cache, self.rows
         state = getattr(cache, name)
-        ring = state.kv.shape[1]
+        source = self if self.closing is not None else self._closed(state.kv.shape[1], compressor)
+        closing, count = source.closing
+        args = (x, rows, cache.position, closing, cache.entry_count, count, dtype, finish)
+        state = compress_chunk(compressor, state, *args)
+        end = source.new["entry_end"]
+        layout = EntryLayout(end, source.new["entry_segment"], end >= 0)
+        return state.entries, layout, source._with(**{name: state})
+
+    def _closed(self, ring: int, compressor: Compressor) -> ChunkSource:
+        """The windows closing in this chunk and the entry bookkeeping after it, once per chunk
+        (every compressor of a layer closes the same windows)."""
+        cache, rows = self.cache, self.rows
         closing, count = closing_layout(rows, ring, compressor.compress_rate)
         start = cache.entry_count
-        state = compress_chunk(
-            compressor, state, x, rows, cache.position, closing, start, count, dtype, finish
-        )
         end = jnp.where(closing.end >= 0, closing.end - ring + cache.length[:, None], -1)
-        entry_end = append_rows(cache.entry_end, end, start, count)
-        entry_segment = append_rows(cache.entry_segment, closing.segment, start, count)
         source = self._with(
-            **{name: state},
-            entry_end=entry_end,
-            entry_segment=entry_segment,
+            entry_end=append_rows(cache.entry_end, end, start, count),
+            entry_segment=append_rows(cache.entry_segment, closing.segment, start, count),
             entry_count=start + count,
         )
-        return state.entries, EntryLayout(entry_end, entry_segment, entry_end >= 0), source
+        return dataclasses.replace(source, closing=(closing, count))
 
     def tokens(self, name: str, values: Array) -> tuple:
         """Every token's ``values`` so far: the chunk's appended to the buffer ``cache.<name>``
@@ -290,7 +298,11 @@ class ChunkSource(eqx.Module):
         """
         cache, rows = self.cache, self.rows
         buffer = append_rows(getattr(cache, name), values, cache.length, rows.lengths)
-        token_segment = append_rows(cache.token_segment, rows.segment, cache.length, rows.lengths)
+        token_segment = self.new.get("token_segment")  # written once per chunk
+        if token_segment is None:
+            token_segment = append_rows(
+                cache.token_segment, rows.segment, cache.length, rows.lengths
+            )
         slots = jnp.arange(buffer.shape[1], dtype=jnp.int32)
         written = slots < rows.new_length[:, None]
         layout = EntryLayout(jnp.where(written, slots, -1), token_segment, written)

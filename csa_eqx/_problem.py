@@ -19,7 +19,7 @@ from jaxtyping import Array, Float, Int
 from ._layout import Visibility
 from ._scorer import AbstractScorer, XlaScorer
 from ._target import AttentionTarget
-from ._tiles import TileSizes
+from ._tiles import _CPU_TILES, TileSizes
 
 __all__ = [
     "SelectionProblem",
@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 
-_REFERENCE, _CPU_TILES = XlaScorer(), TileSizes()
+_REFERENCE = XlaScorer()
 
 
 class SelectionProblem(NamedTuple):
@@ -77,10 +77,9 @@ class SelectionProblem(NamedTuple):
 
         **Arguments:**
 
-        - ``q``: float ``[B, S, H, d]`` indexer queries; weights: float ``[B, S, H]``.
+        - ``q``: float ``[B, S, H, d]`` indexer queries; ``weights``: float ``[B, S, H]``.
         - ``keys``, ``visibility``, ``head_chunk``, ``score_dtype``, ``scorer``, ``tiles``: the
-            class's fields
-            (declared there, with these defaults).
+            class's fields (declared there, with these defaults).
 
         **Returns:** the ``SelectionProblem`` (its ``project`` is the identity).
         """

@@ -42,8 +42,7 @@ class Rows(NamedTuple):
     **Arguments:**
 
     - ``positions``, ``segment``, ``query_index``: RoPE positions, segment ids and stream row
-        indices
-        (``-1``: a row that queries nothing, e.g. a context-parallel halo row).
+        indices (``-1``: a row that queries nothing, e.g. a context-parallel halo row).
     - ``own``: the entry slots these rows compress, window ends as row indices of these rows
         (``None`` without a compressor).
     - ``layout``: every entry slot of the sequence (window ends as stream rows), for visibility.
