@@ -48,9 +48,11 @@ def run_chunks(layer, x, sizes, cache, seg=None, lengths=None):
     """Feed ``x`` through ``extend`` in chunks of ``sizes``; concatenated outputs/selections
     (``lengths``: real tokens per row of each chunk, default all)."""
     ys, sels, t = [], [], 0
-    seg = jnp.zeros(x.shape[:2], jnp.int32) if seg is None else jnp.asarray(seg)
+    # numpy slices (a jax array's slice of each new shape would compile a program of its own)
+    x = np.asarray(x)
+    seg = np.zeros(x.shape[:2], np.int32) if seg is None else np.asarray(seg)
     for i, n in enumerate(sizes):
-        rows = jnp.full((x.shape[0],), n, jnp.int32) if lengths is None else lengths[i]
+        rows = np.full((x.shape[0],), n, np.int32) if lengths is None else lengths[i]
         y, cache, aux = extend(layer, x[:, t : t + n], cache, rows, seg[:, t : t + n])
         ys.append(y)
         sels.append(aux["selection"])
@@ -75,11 +77,11 @@ def random_chunks(rng, total):
 def reference(layer, docs):
     """Each document alone: one full forward with every document at the start of its own row
     (right padding cannot reach earlier tokens); outputs and selections per document."""
-    x = jnp.stack([jnp.pad(d, ((0, T - d.shape[0]), (0, 0))) for d in docs])
-    y, aux = full(layer, x, jnp.zeros(x.shape[:2], jnp.int32))
-    sel = aux["selection"]
+    x = np.stack([np.pad(np.asarray(d), ((0, T - d.shape[0]), (0, 0))) for d in docs])
+    y, aux = full(layer, x, np.zeros(x.shape[:2], np.int32))
+    y, sel = np.asarray(y), None if aux["selection"] is None else np.asarray(aux["selection"])
     return [
-        (np.asarray(y[i, : d.shape[0]]), None if sel is None else np.asarray(sel[i, : d.shape[0]]))
+        (y[i, : d.shape[0]], None if sel is None else sel[i, : d.shape[0]])
         for i, d in enumerate(docs)
     ]
 

@@ -7,12 +7,12 @@ run the notebooks (the sharded notebook asks for its own 8 simulated devices).
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import nbformat
 import pytest
+from child_env import child_env
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
@@ -53,9 +53,7 @@ def test_notebook_runs(path, tmp_path):
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), (
         f"{path.name} has committed outputs; clear them"
     )
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    env["IPYTHONDIR"] = str(tmp_path / "ipython")
+    env = child_env(JAX_PLATFORMS="cpu", IPYTHONDIR=str(tmp_path / "ipython"))
     client = NotebookClient(
         nb,
         km=kernel_manager(tmp_path),

@@ -2,7 +2,6 @@
 (shard_indexer_acts) on 8 CPU devices, plus the same selection across 2 processes."""
 
 import itertools
-import os
 import socket
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import jax.numpy as jnp
 import multiprocess_worker as mp_worker
 import numpy as np
 import pytest
+from child_env import child_env
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from multiprocess_worker import MESHES, K, make_inputs
@@ -200,7 +200,7 @@ def test_two_processes_match_single_process(tmp_path):
     """
     out = tmp_path / "run"
     port = free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONPATH": str(ROOT)}
+    env = child_env(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     worker = str(ROOT / "tests" / "multiprocess_worker.py")
     procs = [
         subprocess.Popen(

@@ -5,6 +5,8 @@ checked against transformers in test_v4_parity.py), a numpy brute force for bloc
 and the unblocked sparse attention.
 """
 
+import functools
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -108,9 +110,10 @@ def selected_by(problem, k, key_block=0, query_block=0):
     return ce.AutoSelection(query_block=query_block).select(problem, k)
 
 
+@functools.partial(jax.jit, static_argnums=6)  # one program, not one per primitive
 def dense_selection(q, w, keys, qidx, qseg, layout, k):
     scores = indexer_scores(q, w, keys)
-    return jax.jit(select_topk, static_argnums=2)(scores, entry_visibility(qidx, qseg, layout), k)
+    return select_topk(scores, entry_visibility(qidx, qseg, layout), k)
 
 
 @SETTINGS
@@ -129,7 +132,7 @@ def test_streaming_equals_dense(case):
         return
     # Tiles may round scores differently from the dense matmul in the last bit: near-ties may
     # then swap, so compare the picked scores (sorted, same -1 pattern, distinct picks).
-    scores = np.asarray(indexer_scores(*args[:3]))
+    scores = np.asarray(jax.jit(indexer_scores)(*args[:3]))
     np.testing.assert_array_equal(got < 0, want < 0)
     picked = np.take_along_axis(scores, np.maximum(got, 0), -1)
     best = np.take_along_axis(scores, np.maximum(want, 0), -1)
@@ -296,7 +299,7 @@ def test_blocked_sparse_attention_matches_unblocked(sinks, separate_values, qb):
         o, lse = sparse_attention(q, kv, idx, sink, 0.3, vals, True, query_block=block)
         return jnp.sum(jnp.sin(o)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (o, lse)
 
-    grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True), static_argnums=3)
     (g_ref, (o_ref, lse_ref)), (g, (o, lse)) = grad(q, kv, vals, s), grad(q, kv, vals, qb)
     np.testing.assert_allclose(o, o_ref, 1e-6, 1e-6)
     np.testing.assert_allclose(lse, lse_ref, 1e-6, 1e-6)
@@ -314,7 +317,9 @@ def assert_same_attention(fn, reference, *args):
         o, lse = f(*args)
         return jnp.sum(jnp.sin(o)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (o, lse)
 
-    grad = jax.grad(loss, argnums=tuple(range(1, len(args) + 1)), has_aux=True)
+    grad = jax.jit(  # jitted: eagerly, every primitive would compile on its own
+        jax.grad(loss, argnums=tuple(range(1, len(args) + 1)), has_aux=True), static_argnums=0
+    )
     (g, (o, lse)), (g_ref, (o_ref, lse_ref)) = grad(fn, *args), grad(reference, *args)
     np.testing.assert_allclose(o, o_ref, 1e-5, 1e-6)
     np.testing.assert_allclose(lse, lse_ref, 1e-5, 1e-6)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
+from child_env import child_env
 from demo_helpers import TINY, tiny_config
 
 from csa_eqx.demo.checkpoint import (
@@ -71,13 +72,13 @@ CHAINS = (
 
 def start(runs: Path, name: str, cache: Path, kill: tuple[int, str] | None) -> subprocess.Popen:
     """``csa-eqx train`` (4 simulated CPU devices, the demo's default) in a subprocess."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", KILL_AT)}
-    env.update(
+    env = child_env(
         JAX_PLATFORMS="cpu",
         JAX_COMPILATION_CACHE_DIR=str(cache),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     )
+    env.pop(KILL_AT, None)
     if kill:
         env[KILL_AT] = f"{kill[0]}:{kill[1]}"
     cmd = [sys.executable, "-m", "csa_eqx.demo.cli", "train", f"--runs={runs}", f"--name={name}"]
