@@ -34,6 +34,7 @@ from ._rope import apply_rope_interleaved, rope_inv_freq
 from ._rows import whole_rows
 from ._topk import select_topk
 from ._v41_config import V41AttentionConfig, V41WiringError
+from .remat import tag_selection
 
 __all__ = [
     "V41Attention",
@@ -287,12 +288,13 @@ class V41Attention(AbstractIndexedAttention):
             raise TypeError(f"config must be a V41AttentionConfig (got {type(c).__name__})")
         if not (isinstance(layer, int) and 0 <= layer < c.num_layers):
             raise ValueError(f"layer must be in [0, {c.num_layers}) (got {layer!r})")
-        execution = checked_execution(execution, c, V41_FORMATS)
-        if not isinstance(execution.numerics, ExactNumerics):
+        numerics = getattr(execution, "numerics", None)
+        if numerics is not None and not isinstance(numerics, ExactNumerics):
             raise NotImplementedError(
                 "V41Attention runs ExactNumerics only; DeepSeek's V4.1 quantisation is not "
                 "implemented yet"
             )
+        execution = checked_execution(execution, c, V41_FORMATS)
         ks = jax.random.split(key, 7)
         self.q_a_proj = init_linear(ks[0], c.q_lora_rank, c.hidden_size, dtype)
         self.q_a_norm = jnp.ones((c.q_lora_rank,), jnp.float32)
@@ -414,11 +416,12 @@ class V41Attention(AbstractIndexedAttention):
             candidates = candidate_blocks(
                 scores, visible, c.candidate_topk_blocks, c.candidate_block_size
             )
-            return select_topk(scores, visible, c.index_topk), candidates
+            selection = select_topk(scores, visible, c.index_topk)
+            return tag_selection(selection, self.execution.save_selection), candidates
         if shared.candidates is None:
             raise V41WiringError(f"layer {i} uses candidates but none were published")
-        mask = visible & shared.candidates
-        return select_topk(scores, mask, c.index_topk), shared.candidates
+        selection = select_topk(scores, visible & shared.candidates, c.index_topk)
+        return tag_selection(selection, self.execution.save_selection), shared.candidates
 
     @jaxtyped(typechecker=beartype)
     def __call__(
