@@ -63,6 +63,7 @@ from ._v41 import V41Compressor as V41Compressor
 from ._v41 import V41Indexer as V41Indexer
 from ._v41 import V41Shared as V41Shared
 from ._v41 import candidate_blocks as candidate_blocks
+from ._v41 import extend_v41_stack as extend_v41_stack
 from ._v41 import run_v41_stack as run_v41_stack
 from ._v41_config import V41AttentionConfig as V41AttentionConfig
 from ._v41_config import V41WiringError as V41WiringError
@@ -135,6 +136,7 @@ __all__ = [
     "candidate_blocks",
     "entry_layout",
     "entry_visibility",
+    "extend_v41_stack",
     "generate",
     "indexer_kl_loss",
     "indexer_scores",

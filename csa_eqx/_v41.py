@@ -22,8 +22,10 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, jaxtyped
 
 from . import _checks as checks
 from ._attention import AbstractIndexedAttention
+from ._cache import CompressorState, V4Cache, check_cache_size, empty_rows
 from ._compressor import pool_windows
 from ._config import YaRNScaling
+from ._decode import ChunkSource, chunk_rows
 from ._execution import Execution, checked_execution
 from ._heads import split_specs
 from ._layout import EntryLayout, Visibility, scatter_rows, segment_positions, token_rows
@@ -43,6 +45,7 @@ __all__ = [
     "V41Shared",
     "candidate_blocks",
     "run_v41_stack",
+    "extend_v41_stack",
 ]
 
 # what DeepSeek's V4.1 inference quantises (FP4 indexer q / k in 32-blocks, bf16 scores); the
@@ -179,16 +182,20 @@ class V41Compressor(eqx.Module):
             pooled = jnp.take_along_axis(kv, rows[..., None], axis=1)
         else:
             pooled = pool_windows(kv, gate, self.position_bias, layout, False)
-        pooled = pooled.astype(x.dtype if dtype is None else dtype)
-        return self.finish(pooled, positions, layout)
+        return self.finish(pooled, positions, layout, x.dtype if dtype is None else dtype)
 
-    def finish(self, pooled: Array, positions: Int[Array, "batch seq"], layout: EntryLayout):
+    def finish(
+        self, pooled: Array, positions: Int[Array, "batch seq"], layout: EntryLayout, dtype=None
+    ):
         """The latent (RMSNorm of the pooled groups), then the entries and index keys roped at
-        each group's first position.
+        each group's first position (``csa_eqx.Compressor.finish``'s seam, which the decode
+        cache's pooling calls).
 
-        **Arguments:** ``pooled [B, T, dim]``, the tokens' ``positions [B, S]`` and the layout.
+        **Arguments:** ``pooled [B, T, dim]``, the tokens' ``positions [B, S]``, the layout and
+        the ``dtype`` to cast the groups to first (``None``: as pooled).
 
         **Returns:** ``[B, T, dim + index_dim]`` (entries, then keys)."""
+        pooled = pooled if dtype is None else pooled.astype(dtype)
         latent = rms_norm(pooled, self.kv_norm, self.eps)
         first = jnp.clip(layout.end - self.compress_rate + 1, 0, positions.shape[1] - 1)
         entry_pos = jnp.take_along_axis(positions, first, axis=1)
@@ -458,13 +465,77 @@ class V41Attention(AbstractIndexedAttention):
         y, _, _, _, shared = self.forward_rows(x, rows, "off", False, shared)
         return y.astype(dtype), shared
 
-    def extend(self, *args, **kwargs):
-        """Not implemented yet for V4.1 (decode caches): raises ``NotImplementedError``."""
-        raise NotImplementedError("V41Attention.extend (decode caches) is not implemented yet")
+    def extend(
+        self,
+        x: Float[ArrayLike, "batch seq hidden"],
+        cache: V4Cache,
+        shared: V41Shared | None = None,
+        lengths: Int[ArrayLike, " batch"] | None = None,
+        segment_ids: Int[ArrayLike, "batch seq"] | None = None,
+    ) -> tuple[Float[Array, "batch seq hidden"], V4Cache, V41Shared]:
+        """Run the chunk ``x`` after the tokens in ``cache`` (prefill, chunked prefill or a
+        decode step): equal to the forward over the whole stream (docs/v41.md, "Decoding").
+        A KV source's cache keeps the raw projections of its open group, so groups may span
+        chunks; every layer keeps its window ring.
 
-    def init_cache(self, *args, **kwargs):
-        """Not implemented yet for V4.1: raises ``NotImplementedError``."""
-        raise NotImplementedError("V41Attention.init_cache is not implemented yet")
+        **Arguments:**
+
+        - ``x``: the chunk ``[B, T, hidden]``.
+        - ``cache``: this layer's cache (``init_cache``, then what ``extend`` returned).
+        - ``shared``: what the earlier layers published for this chunk (their ``extend``);
+            a KV source's entries and keys are every entry its cache holds.
+        - ``lengths``, ``segment_ids``: as for ``V4Attention.extend``.
+
+        **Returns:** ``(y, cache, shared)``.
+        """
+        if self.execution.indexer_loss != "off":
+            raise NotImplementedError("V41Attention has no indexer loss yet (indexer_loss='off')")
+        x, lengths, segment_ids = checks.chunk_inputs(self, x, cache, lengths, segment_ids)
+        if x.shape[1] == 0:
+            raise ValueError("V41Attention.extend needs a chunk of at least one token")
+        rows = chunk_rows(cache, x.shape[1], lengths, segment_ids)
+        dtype, x = x.dtype, self.execution.numerics.layer_input(x)
+        source = ChunkSource.start(cache, rows)
+        y, _, _, source, shared = self.forward_rows(x, source, "off", False, shared)
+        return y.astype(dtype), source.cache_after(), shared
+
+    def init_cache(self, batch_size: int, max_length: int, dtype=jnp.float32) -> V4Cache:
+        """An empty decode cache: the window ring, and for a KV source the open group's raw
+        projections and ``max_length // m`` entry slots (entries and index keys side by side).
+        Reindex and reuse layers hold no compressed state: they read their KV source's.
+
+        **Arguments:** ``batch_size``, ``max_length`` (tokens per row) and the buffers' ``dtype``.
+
+        **Returns:** a ``csa_eqx.V4Cache`` (``length`` 0 in every row).
+        """
+        c = self.config
+        check_cache_size(batch_size, max_length)
+        m, own = self.entry_rate, self.compressor is not None
+        slots = max_length // m if own else 0
+        length, position, segment = empty_rows(batch_size)
+        empty = jnp.full((batch_size, slots), -1, jnp.int32)
+        ring = c.sliding_window - 1
+        state = None
+        if own:
+            width = c.head_dim + c.index_head_dim
+            state = CompressorState(
+                jnp.zeros((batch_size, m, c.head_dim), dtype),
+                jnp.zeros((batch_size, m, c.head_dim), dtype),
+                jnp.zeros((batch_size, slots, width), dtype),
+            )
+        return V4Cache(
+            length=length,
+            position=position,
+            segment=segment,
+            window_kv=jnp.zeros((batch_size, ring, c.head_dim), dtype),
+            window_segment=jnp.full((batch_size, ring), -1, jnp.int32),
+            entry_end=empty,
+            entry_segment=jnp.copy(empty),
+            entry_count=jnp.zeros((batch_size,), jnp.int32),
+            compressor=state,
+            indexer=None,
+            max_length=max_length,
+        )
 
 
 def run_v41_stack(
@@ -484,13 +555,24 @@ def run_v41_stack(
 
     **Returns:** ``(ys, published)``: each layer's output and the ``V41Shared`` after it.
     """
+    xs = _check_stack(layers, xs)
+    ys, published, shared = [], [], V41Shared()
+    for layer, x in zip(layers, xs, strict=True):
+        y, shared = layer(x, shared, positions, segment_ids)
+        ys.append(y)
+        published.append(shared)
+    return ys, published
+
+
+def _check_stack(layers, xs) -> list:
+    """The layers are ``0..n-1`` of one config; one input per layer (or one for all)."""
     if not layers:
-        raise ValueError("run_v41_stack needs at least one layer")
+        raise ValueError("a V4.1 stack needs at least one layer")
     config = layers[0].config
     for i, layer in enumerate(layers):
         if layer.config != config or layer.layer != i:
             raise V41WiringError(
-                f"layers[{i}] is layer {layer.layer} of its config; run_v41_stack needs "
+                f"layers[{i}] is layer {layer.layer} of its config; a V4.1 stack needs "
                 "layers 0..n-1 of one config in order"
             )
     if len(layers) != config.num_layers:
@@ -498,9 +580,30 @@ def run_v41_stack(
     xs = [xs] * len(layers) if not isinstance(xs, list | tuple) else list(xs)
     if len(xs) != len(layers):
         raise ValueError(f"xs has {len(xs)} inputs for {len(layers)} layers")
-    ys, published, shared = [], [], V41Shared()
-    for layer, x in zip(layers, xs, strict=True):
-        y, shared = layer(x, shared, positions, segment_ids)
+    return xs
+
+
+def extend_v41_stack(
+    layers: Sequence[V41Attention],
+    xs: Float[Array, "batch seq hidden"] | Sequence[Float[Array, "batch seq hidden"]],
+    caches: Sequence[V4Cache],
+    lengths: Int[Array, " batch"] | None = None,
+    segment_ids: Int[Array, "batch seq"] | None = None,
+) -> tuple[list[Array], list[V4Cache], list[V41Shared]]:
+    """``run_v41_stack`` for one chunk after ``caches`` (``V41Attention.extend`` per layer).
+
+    **Arguments:** the ``layers`` (as for ``run_v41_stack``), the chunk's inputs ``xs`` (one per
+    layer, or one for all), each layer's cache and the chunk's ``lengths`` / ``segment_ids``.
+
+    **Returns:** ``(ys, caches, published)`` per layer.
+    """
+    xs = _check_stack(layers, xs)
+    if len(caches) != len(layers):
+        raise ValueError(f"{len(caches)} caches for {len(layers)} layers")
+    ys, new, published, shared = [], [], [], V41Shared()
+    for layer, x, cache in zip(layers, xs, caches, strict=True):
+        y, cache, shared = layer.extend(x, cache, shared, lengths, segment_ids)
         ys.append(y)
+        new.append(cache)
         published.append(shared)
-    return ys, published
+    return ys, new, published
