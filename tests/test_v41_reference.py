@@ -210,24 +210,54 @@ def _stream(layers, xs, chunks):
 
 
 @pytest.fixture(scope="module")
-def layers(reference):
+def streams(reference):
+    """csa_eqx's ``extend`` over DeepSeek's decode schedule (a 9-token prefill, so a ratio-2
+    group stays open, then 15 one-token steps of both parities) and over chunks 7 + 6 + 11
+    (groups across chunk boundaries)."""
     fx, config, _, _ = reference
     layers = [_layer(config, i, fx) for i in range(config.num_layers)]
-    return layers, [jnp.asarray(fx[f"x{i}"]) for i in range(config.num_layers)]
+    xs = [jnp.asarray(fx[f"x{i}"]) for i in range(config.num_layers)]
+    decode = _stream(layers, xs, [(0, 9)] + [(t, t + 1) for t in range(9, 24)])
+    chunked = _stream(layers, xs, [(0, 7), (7, 13), (13, 24)])
+    return {"decode": decode, "chunked": chunked}
 
 
-def test_decode_matches_reference_decode(reference, layers):
-    """DeepSeek's decode (a 9-token prefill, so a ratio-2 group stays open, then 15 one-token
-    steps of both parities; stale keys fixed) against ``extend`` over the same stream."""
-    fx = reference[0]
-    ys = _stream(*layers, [(0, 9)] + [(t, t + 1) for t in range(9, 24)])
-    for i in range(6):
-        assert _rel(ys[i], fx[f"decode_y{i}"]) < 1e-5, i
+@pytest.mark.parametrize("i", range(6))
+def test_decode_matches_reference_decode(reference, streams, i):
+    """DeepSeek's own decode (stale keys fixed) against ``extend`` over the same stream."""
+    assert _rel(streams["decode"][i], reference[0][f"decode_y{i}"]) < 1e-5
 
 
-def test_chunked_prefill_matches_reference_prefill(reference, layers):
-    """Chunks 7 + 6 + 11 (groups across chunk boundaries) equal DeepSeek's one-shot prefill."""
-    fx = reference[0]
-    ys = _stream(*layers, [(0, 7), (7, 13), (13, 24)])
-    for i in range(6):
-        assert _rel(ys[i], fx[f"prefill_y{i}"]) < 1e-5, i
+@pytest.mark.parametrize("i", range(6))
+def test_chunked_prefill_matches_reference_prefill(reference, streams, i):
+    """DeepSeek has no chunked prefill: chunks must equal its one-shot prefill."""
+    assert _rel(streams["chunked"][i], reference[0][f"prefill_y{i}"]) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def hf():
+    with np.load(FIXTURE.with_name("v41_stack_hf.npz")) as f:
+        return {k: f[k] for k in f.files}
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_matches_transformers(reference, streams, hf, i):
+    """transformers' ``deepseek_v41`` attention layers (one cache for the stream, a fresh
+    ``shared`` dict per call): one-shot prefill, chunks 7 + 6 + 11 and the decode schedule."""
+    ys = reference[2]
+    assert _rel(ys[i], hf[f"hf_prefill_y{i}"]) < 1e-5
+    assert _rel(streams["chunked"][i], hf[f"hf_chunked_y{i}"]) < 1e-5
+    assert _rel(streams["decode"][i], hf[f"hf_decode_y{i}"]) < 1e-5
+
+
+def test_transformers_selections_and_candidates(reference, hf):
+    """transformers publishes selections as a mask over the entries (bias 0 = picked)."""
+    _, config, _, published = reference
+    for i in config.index_source_layers:
+        sel = np.asarray(published[i].selection)
+        picked = np.zeros_like(hf[f"hf_prefill_picked{i}"])
+        b, s, _ = np.nonzero(sel >= 0)
+        picked[b, s, sel[sel >= 0]] = True
+        np.testing.assert_array_equal(picked, hf[f"hf_prefill_picked{i}"])
+    cand = hf["hf_prefill_cand3"]
+    np.testing.assert_array_equal(np.asarray(published[3].candidates)[..., : cand.shape[-1]], cand)
