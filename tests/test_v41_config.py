@@ -92,3 +92,77 @@ def test_wiring_error_type():
 def test_no_candidates_needs_no_blocks():
     c = config(candidate_source_layer=-1, candidate_topk_blocks=0, candidate_block_size=0)
     assert not any(c.uses_candidates(i) for i in range(7))
+
+
+# the attention keys of the released configs (DeepSeek's inference/config.json; transformers'
+# config.json text_config), as spec'd in their sources
+_RELEASED_RATIOS = [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0]
+_NATIVE = {
+    "dim": 5120, "n_layers": 40, "n_mtp_layers": 3, "n_heads": 64, "q_lora_rank": 1280,
+    "head_dim": 512, "rope_head_dim": 64, "norm_eps": 1e-20, "o_groups": 8, "o_lora_rank": 1024,
+    "window_size": 128, "compress_ratios": _RELEASED_RATIOS, "kv_source_layers": [2, 8, 14, 20],
+    "index_source_layers": [2, 8, 14, 20, 24, 28, 32, 36], "compress_rope_theta": 160000,
+    "original_seq_len": 65536, "rope_theta": 10000, "rope_factor": 16, "beta_fast": 32,
+    "beta_slow": 1, "index_n_heads": 32, "index_head_dim": 128, "index_topk": 512,
+    "candidate_source_layer": 20, "candidate_topk_blocks": 2048, "candidate_block_size": 8,
+}  # fmt: skip
+_HF_TEXT = {
+    "model_type": "deepseek_v41_text", "hidden_size": 5120, "num_hidden_layers": 40,
+    "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512, "q_lora_rank": 1280,
+    "qk_rope_head_dim": 64, "rope_theta": 10000, "compress_rope_theta": 160000,
+    "rope_scaling": {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                     "original_max_position_embeddings": 65536},
+    "sliding_window": 128, "compress_ratios": _RELEASED_RATIOS,
+    "kv_source_layer_ids": [2, 8, 14, 20], "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
+    "candidate_topk_blocks": 2048, "candidate_block_size": 8, "index_n_heads": 32,
+    "index_head_dim": 128, "index_topk": 512, "o_groups": 8, "o_lora_rank": 1024,
+    "rms_norm_eps": 1e-20, "num_nextn_predict_layers": 3,
+}  # fmt: skip
+
+
+def test_both_config_spellings_agree():
+    from csa_eqx.hf import v41_config_from_hf
+
+    native = v41_config_from_hf(_NATIVE)
+    hf = v41_config_from_hf({"model_type": "deepseek_v41", "text_config": _HF_TEXT})
+    assert native == hf  # HF's unset candidate_source_layer_id is its last KV source (20)
+    assert native.num_layers == 40 and native.candidate_source_layer == 20
+    assert native.rope_scaling.factor == 16.0
+    # DeepSeek's default is no pre-filter
+    off = {k: v for k, v in _NATIVE.items() if not k.startswith("candidate")}
+    assert v41_config_from_hf(off).candidate_source_layer == -1
+    with pytest.raises(ValueError, match="lacks the key 'kv_source_layer_ids'"):
+        v41_config_from_hf({k: v for k, v in _HF_TEXT.items() if k != "kv_source_layer_ids"})
+
+
+def test_loader_names_and_errors():
+    import jax
+
+    from csa_eqx.hf import load_v41_attention, v41_parameter_names
+
+    c = config()
+    names = [v41_parameter_names(ce.V41Attention(c, i, key=jax.random.key(0))) for i in (1, 3, 5)]
+    assert (
+        names[0]["compressor.key_proj"] == "indexer.wk.weight"
+        and "compressor.gate_proj" in names[0]
+    )
+    assert "compressor.gate_proj" not in names[1]  # ratio 1 has no gate
+    assert set(names[2]) == {
+        "q_a_proj", "q_a_norm", "q_b_proj", "kv_proj", "kv_norm", "o_a_proj", "o_b_proj",
+        "sinks", "indexer.q_b_proj", "indexer.weights_proj",
+    }  # fmt: skip
+    layer = ce.V41Attention(c, 5, key=jax.random.key(1))
+    tensors = {f"layers.5.attn.{n}": _get(layer, p) for p, n in names[2].items()}
+    loaded = load_v41_attention(c, 5, tensors)
+    assert (loaded.indexer.q_b_proj == layer.indexer.q_b_proj).all()
+    with pytest.raises(ValueError, match=r"layer 5 \(reindex\) holds no tensors \['indexer.wk"):
+        load_v41_attention(c, 5, {**tensors, "layers.5.attn.indexer.wk.weight": 0})
+    del tensors["layers.5.attn.attn_sink"]
+    with pytest.raises(ValueError, match=r"lacks the tensors \['attn_sink'\]"):
+        load_v41_attention(c, 5, tensors)
+
+
+def _get(module, path):
+    for p in path.split("."):
+        module = getattr(module, p)
+    return module

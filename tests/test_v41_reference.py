@@ -12,104 +12,28 @@ import json
 from pathlib import Path
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import csa_eqx as ce
+from csa_eqx.hf import load_v41_attention, v41_config_from_hf
 
 FIXTURE = Path(__file__).parent / "fixtures" / "deepseek" / "v41_stack.npz"
 
-# DeepSeek's parameter names (after ``layers.{i}.attn.``) -> V41Attention's
-NATIVE = {
-    "wq_a.weight": ("q_a_proj",),
-    "q_norm.weight": ("q_a_norm",),
-    "wq_b.weight": ("q_b_proj",),
-    "wkv.weight": ("kv_proj",),
-    "kv_norm.weight": ("kv_norm",),
-    "wo_a.weight": ("o_a_proj",),
-    "wo_b.weight": ("o_b_proj",),
-    "attn_sink": ("sinks",),
-    "compressor.wkv.weight": ("compressor", "kv_proj"),
-    "compressor.wgate.weight": ("compressor", "gate_proj"),
-    "compressor.norm.weight": ("compressor", "kv_norm"),
-    "indexer.wk.weight": ("compressor", "key_proj"),
-    "indexer.k_norm.weight": ("compressor", "key_norm"),
-    "indexer.wq_b.weight": ("indexer", "q_b_proj"),
-    "indexer.weights_proj.weight": ("indexer", "weights_proj"),
-}
-
-
-def _config(args: dict) -> ce.V41AttentionConfig:
-    """DeepSeek's ``ModelArgs`` keys -> ``V41AttentionConfig``."""
-    yarn = None
-    if args.get("original_seq_len", 0) > 0:
-        yarn = dict(
-            factor=float(args["rope_factor"]),
-            original_max_position_embeddings=args["original_seq_len"],
-            beta_fast=float(args.get("beta_fast", 32)),
-            beta_slow=float(args.get("beta_slow", 1)),
-        )
-    return ce.V41AttentionConfig(
-        compress_ratios=args["compress_ratios"],
-        kv_source_layers=args["kv_source_layers"],
-        index_source_layers=args["index_source_layers"],
-        candidate_source_layer=args["candidate_source_layer"],
-        candidate_topk_blocks=args["candidate_topk_blocks"],
-        candidate_block_size=args["candidate_block_size"],
-        hidden_size=args["dim"],
-        num_heads=args["n_heads"],
-        head_dim=args["head_dim"],
-        rope_dim=args["rope_head_dim"],
-        q_lora_rank=args["q_lora_rank"],
-        o_groups=args["o_groups"],
-        o_lora_rank=args["o_lora_rank"],
-        sliding_window=args["window_size"],
-        index_n_heads=args["index_n_heads"],
-        index_head_dim=args["index_head_dim"],
-        index_topk=args["index_topk"],
-        rope_theta=args.get("rope_theta", 10000.0),
-        compress_rope_theta=args["compress_rope_theta"],
-        rope_scaling=yarn,
-        rms_norm_eps=args.get("norm_eps", 1e-20),
-    )
-
 
 def _layer(config, i: int, fx: dict) -> ce.V41Attention:
-    layer = ce.V41Attention(config, i, key=jax.random.key(i))
     prefix = f"l{i}:"
-    names = {k[len(prefix) :] for k in fx if k.startswith(prefix)}
-    expected = {n for n, path in NATIVE.items() if _has(layer, path)}
-    assert names == expected, (i, names ^ expected)
-    for name in names:
-        path = NATIVE[name]
-        value = jnp.asarray(fx[prefix + name])
-
-        def get(m, path=path):
-            for p in path:
-                m = getattr(m, p)
-            return m
-
-        assert get(layer).shape == value.shape, (i, name)
-        layer = eqx.tree_at(get, layer, value)
-    return layer
-
-
-def _has(layer, path) -> bool:
-    m = layer
-    for p in path:
-        m = getattr(m, p, None)
-        if m is None:
-            return False
-    return True
+    return load_v41_attention(
+        config, i, {k: v for k, v in fx.items() if k.startswith(prefix)}, prefix
+    )
 
 
 @pytest.fixture(scope="module")
 def reference():
     with np.load(FIXTURE) as f:
         fx = {k: f[k] for k in f.files}
-    config = _config(json.loads(str(fx["config_json"])))
+    config = v41_config_from_hf(json.loads(str(fx["config_json"])))
     layers = [_layer(config, i, fx) for i in range(config.num_layers)]
     xs = [jnp.asarray(fx[f"x{i}"]) for i in range(config.num_layers)]
     ys, published = ce.run_v41_stack(layers, xs)
