@@ -16,6 +16,7 @@ from typing import ClassVar, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from beartype import beartype
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, jaxtyped
@@ -67,6 +68,9 @@ class V41Shared(NamedTuple):
         in increasing order, ``-1`` = none.
     - ``candidates``: the candidate source's pre-filter, bool ``[B, S, T]`` (the entries of the
         kept blocks).
+    - ``stale_keys``: ``None``, or the keys the next index source scores instead of
+        ``keys`` (only ``extend_v41_stack(..., stale_index_keys=True)`` sets it, to emulate
+        DeepSeek's stale-key defect).
     """
 
     entries: Float[Array, "batch slots dim"] | None = None
@@ -74,6 +78,7 @@ class V41Shared(NamedTuple):
     layout: EntryLayout | None = None
     selection: Int[Array, "batch seq k"] | None = None
     candidates: Bool[Array, "batch seq slots"] | None = None
+    stale_keys: Float[Array, "batch slots index_dim"] | None = None
 
 
 def candidate_blocks(
@@ -394,14 +399,19 @@ class V41Attention(AbstractIndexedAttention):
                 both, layout, source = source.entries(
                     "compressor", self.compressor, x, None, lambda v: v
                 )
+                stale = shared.stale_keys
                 shared = V41Shared(both[..., : c.head_dim], both[..., c.head_dim :], layout)
+                shared = shared._replace(stale_keys=stale)
             elif shared.entries is None:
                 raise V41WiringError(f"layer {self.layer} ({self.role}) got no published entries")
             visibility = Visibility(source.query_index, source.segment, shared.layout)
             if self.indexer is not None:
-                problem = self.indexer_problem(x, qr, source.positions, shared.keys, visibility)
+                keys = shared.keys if shared.stale_keys is None else shared.stale_keys
+                problem = self.indexer_problem(x, qr, source.positions, keys, visibility)
                 selection, candidates = self._select(problem, shared)
-                shared = shared._replace(selection=selection, candidates=candidates)
+                shared = shared._replace(
+                    selection=selection, candidates=candidates, stale_keys=None
+                )
             elif shared.selection is None:
                 raise V41WiringError(f"layer {self.layer} (reuse) got no published selection")
             selection = shared.selection
@@ -589,21 +599,59 @@ def extend_v41_stack(
     caches: Sequence[V4Cache],
     lengths: Int[Array, " batch"] | None = None,
     segment_ids: Int[Array, "batch seq"] | None = None,
-) -> tuple[list[Array], list[V4Cache], list[V41Shared]]:
+    *,
+    step=None,
+    stale_index_keys: int | None = None,
+) -> tuple[list[Array], list[V4Cache], list[V41Shared]] | tuple:
     """``run_v41_stack`` for one chunk after ``caches`` (``V41Attention.extend`` per layer).
 
-    **Arguments:** the ``layers`` (as for ``run_v41_stack``), the chunk's inputs ``xs`` (one per
-    layer, or one for all), each layer's cache and the chunk's ``lengths`` / ``segment_ids``.
+    **Arguments:**
 
-    **Returns:** ``(ys, caches, published)`` per layer.
+    - ``layers`` (as for ``run_v41_stack``), the chunk's inputs ``xs`` (one per layer, or one
+        for all), each layer's cache and the chunk's ``lengths`` / ``segment_ids``.
+    - ``step``: ``step(layer, x, cache, shared) -> (y, cache, shared)`` (default
+        ``layer.extend``; e.g. an ``eqx.filter_jit`` of it).
+    - ``stale_index_keys``: ``None`` (the default: every KV source publishes its keys on
+        every call), or, to reproduce DeepSeek's inference code for comparison, the layer whose
+        keys DeepSeek's global ``index_k`` last pointed to (``-1`` before the first call).
+        DeepSeek republishes a KV source's keys only on calls that close one of its groups;
+        on the others its own indexer and the reindex layers after it score the last
+        publisher's keys (another layer's, even of another ratio). Needs a batch whose rows
+        are at equal positions, without ``lengths`` or ``segment_ids``; runs eagerly.
+
+    **Returns:** ``(ys, caches, published)`` per layer; with ``stale_index_keys``, also the
+    layer the pointer points to after the chunk (pass it to the next call).
     """
     xs = _check_stack(layers, xs)
     if len(caches) != len(layers):
         raise ValueError(f"{len(caches)} caches for {len(layers)} layers")
-    ys, new, published, shared = [], [], [], V41Shared()
-    for layer, x, cache in zip(layers, xs, caches, strict=True):
-        y, cache, shared = layer.extend(x, cache, shared, lengths, segment_ids)
+    step = (lambda layer, *a: layer.extend(*a)) if step is None else step
+    stale = stale_index_keys is not None
+    if stale and (lengths is not None or segment_ids is not None):
+        raise ValueError("stale_index_keys needs a chunk without lengths or segment_ids")
+    pointer = stale_index_keys
+    config = layers[0].config
+    ys, new, published, shared = [], list(caches), [], V41Shared()
+    for i, (layer, x) in enumerate(zip(layers, xs, strict=True)):
+        if stale and layer.indexer is not None:
+            if layer.compressor is not None and _closes_group(new[i], x.shape[1], layer):
+                pointer = i  # DeepSeek's owner publishes (its own, fresh keys)
+            elif pointer != config.kv_source(i) or layer.compressor is not None:
+                if pointer is None or pointer < 0:
+                    raise V41WiringError(f"layer {i} would read keys nobody published")
+                keys = new[pointer].compressor.entries[..., config.head_dim :]
+                slots = caches[config.kv_source(i)].compressor.entries.shape[1]
+                keys = jnp.pad(keys, [(0, 0), (0, max(slots - keys.shape[1], 0)), (0, 0)])
+                shared = shared._replace(stale_keys=keys[:, :slots])
+        y, new[i], shared = step(layer, x, new[i], shared)
         ys.append(y)
-        new.append(cache)
         published.append(shared)
-    return ys, new, published
+    return (ys, new, published, pointer) if stale else (ys, new, published)
+
+
+def _closes_group(cache: V4Cache, seq: int, layer: V41Attention) -> bool:
+    """Whether a chunk of ``seq`` tokens after ``cache`` closes one of ``layer``'s groups (on
+    the host: the stale-key emulation decides in Python, as DeepSeek does)."""
+    position = int(np.asarray(cache.position)[0])
+    m = layer.entry_rate
+    return (position + seq) // m > position // m

@@ -185,3 +185,27 @@ def test_transformers_selections_and_candidates(reference, hf):
         np.testing.assert_array_equal(picked, hf[f"hf_prefill_picked{i}"])
     cand = hf["hf_prefill_cand3"]
     np.testing.assert_array_equal(np.asarray(published[3].candidates)[..., : cand.shape[-1]], cand)
+
+
+def test_stale_index_keys_reproduce_deepseek_decode(reference):
+    """``stale_index_keys`` reproduces DeepSeek's code as released: on even decode positions
+    the ratio-2 owner (layer 1) republishes no keys, so it and its reuse layer score the
+    ratio-1 owner's (layer 3's) keys, and decode leaves DeepSeek's own prefill by ~27%."""
+    fx, config, _, _ = reference
+    layers = [_layer(config, i, fx) for i in range(config.num_layers)]
+    xs = [jnp.asarray(fx[f"x{i}"]) for i in range(config.num_layers)]
+    caches = [layer.init_cache(2, 32) for layer in layers]
+    ys, pointer = [[] for _ in layers], -1
+    step = eqx.filter_jit(lambda layer, x, cache, shared: layer.extend(x, cache, shared))
+    for s0, s1 in [(0, 9)] + [(t, t + 1) for t in range(9, 24)]:
+        chunk = [x[:, s0:s1] for x in xs]
+        out, caches, _, pointer = ce.extend_v41_stack(
+            layers, chunk, caches, step=step, stale_index_keys=pointer
+        )
+        for i, y in enumerate(out):
+            ys[i].append(y)
+    for i in range(config.num_layers):
+        y = np.concatenate(ys[i], axis=1)
+        assert _rel(y, fx[f"stale_decode_y{i}"]) < 1e-5, i
+    for i in (1, 2):
+        assert _rel(fx[f"stale_decode_y{i}"], fx[f"prefill_y{i}"]) > 0.1
