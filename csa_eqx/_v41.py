@@ -609,8 +609,8 @@ def extend_v41_stack(
 
     - ``layers`` (as for ``run_v41_stack``), the chunk's inputs ``xs`` (one per layer, or one
         for all), each layer's cache and the chunk's ``lengths`` / ``segment_ids``.
-    - ``step``: ``step(layer, x, cache, shared) -> (y, cache, shared)`` (default
-        ``layer.extend``; e.g. an ``eqx.filter_jit`` of it).
+    - ``step``: ``step(layer, x, cache, shared, lengths, segment_ids) -> (y, cache, shared)``
+        (default ``V41Attention.extend``; e.g. an ``eqx.filter_jit`` of it).
     - ``stale_index_keys``: ``None`` (the default: every KV source publishes its keys on
         every call), or, to reproduce DeepSeek's inference code for comparison, the layer whose
         keys DeepSeek's global ``index_k`` last pointed to (``-1`` before the first call).
@@ -625,7 +625,7 @@ def extend_v41_stack(
     xs = _check_stack(layers, xs)
     if len(caches) != len(layers):
         raise ValueError(f"{len(caches)} caches for {len(layers)} layers")
-    step = (lambda layer, *a: layer.extend(*a)) if step is None else step
+    step = V41Attention.extend if step is None else step
     stale = stale_index_keys is not None
     if stale and (lengths is not None or segment_ids is not None):
         raise ValueError("stale_index_keys needs a chunk without lengths or segment_ids")
@@ -643,7 +643,7 @@ def extend_v41_stack(
                 slots = caches[config.kv_source(i)].compressor.entries.shape[1]
                 keys = jnp.pad(keys, [(0, 0), (0, max(slots - keys.shape[1], 0)), (0, 0)])
                 shared = shared._replace(stale_keys=keys[:, :slots])
-        y, new[i], shared = step(layer, x, new[i], shared)
+        y, new[i], shared = step(layer, x, new[i], shared, lengths, segment_ids)
         ys.append(y)
         published.append(shared)
     return (ys, new, published, pointer) if stale else (ys, new, published)

@@ -149,3 +149,22 @@ def test_run_time_wiring_errors():
             key=jax.random.key(0),
             execution=ce.Execution(numerics=ce.DeepSeekInference()),
         )
+
+
+def test_extend_packed_chunks_equal_forward():
+    """Chunks 11 + 1 + 20 with a document boundary inside the first chunk (odd lengths, so a
+    ratio-2 group stays open across chunks) equal the packed forward."""
+    layers = _stack()
+    x = jax.random.normal(jax.random.key(4), (1, 32, 32))
+    seg = jnp.array([[3] * 7 + [5] * 25])
+    full, _ = ce.run_v41_stack(layers, x, segment_ids=seg)
+    caches = [layer.init_cache(1, 32) for layer in layers]
+    outs = [[] for _ in layers]
+    for s0, s1 in [(0, 11), (11, 12), (12, 32)]:
+        s = seg[:, s0:s1]
+        ys, caches, _ = ce.extend_v41_stack(layers, x[:, s0:s1], caches, segment_ids=s)
+        for i, y in enumerate(ys):
+            outs[i].append(y)
+    for i in range(CONFIG.num_layers):
+        got = np.concatenate(outs[i], axis=1)
+        np.testing.assert_allclose(got, full[i], rtol=1e-5, atol=1e-6)
