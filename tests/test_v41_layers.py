@@ -37,6 +37,8 @@ CONFIG = ce.V41AttentionConfig(
 )
 # what the indexer's top-k leaves in a jaxpr: the radix select's order keys, its running pick
 # counts, and the selection's remat tag
+# the stacks run jitted: eagerly, every primitive would be compiled as a program of its own
+run_stack = eqx.filter_jit(ce.run_v41_stack)
 TOPK_PRIMITIVES = {"bitcast_convert_type", "shift_right_logical", "cumsum", "name"}
 
 
@@ -76,7 +78,7 @@ def test_reuse_layers_trace_no_topk():
     compressor, indexer or top-k, and trace the sliding layer's loops only."""
     layers = _stack(ce.Execution(save_selection=True))
     x = jax.random.normal(jax.random.key(1), (1, 24, 32))
-    _, published = ce.run_v41_stack(layers, x)
+    _, published = run_stack(layers, x)
     counts = []
     for i, layer in enumerate(layers):
         shared = published[i - 1] if i else None
@@ -94,7 +96,7 @@ def test_reuse_layers_trace_no_topk():
 def test_published_state():
     layers = _stack()
     x = jax.random.normal(jax.random.key(2), (2, 24, 32))
-    _, pub = ce.run_v41_stack(layers, x)
+    _, pub = ce.run_v41_stack(layers, x)  # eagerly: what is passed on is the same object
     assert pub[0] == ce.V41Shared()
     assert pub[1].entries.shape == (2, 12, 16) and pub[1].keys.shape == (2, 12, 16)
     assert pub[2] is pub[1]  # a reuse layer publishes nothing
@@ -113,9 +115,9 @@ def test_packed_documents_match_alone():
     layers = _stack()
     x = jax.random.normal(jax.random.key(3), (1, 32, 32))
     seg = jnp.array([[0] * 16 + [1] * 16])
-    packed, _ = ce.run_v41_stack(layers, x, segment_ids=seg)
-    first, _ = ce.run_v41_stack(layers, x[:, :16])
-    second, _ = ce.run_v41_stack(layers, x[:, 16:])
+    packed, _ = run_stack(layers, x, segment_ids=seg)
+    first, _ = run_stack(layers, x[:, :16])
+    second, _ = run_stack(layers, x[:, 16:])
     for i in range(CONFIG.num_layers):
         np.testing.assert_allclose(packed[i][:, :16], first[i], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(packed[i][:, 16:], second[i], rtol=1e-5, atol=1e-6)
@@ -155,14 +157,20 @@ def test_extend_packed_chunks_equal_forward():
     """Chunks 11 + 1 + 20 with a document boundary inside the first chunk (odd lengths, so a
     ratio-2 group stays open across chunks) equal the packed forward."""
     layers = _stack()
-    x = jax.random.normal(jax.random.key(4), (1, 32, 32))
-    seg = jnp.array([[3] * 7 + [5] * 25])
-    full, _ = ce.run_v41_stack(layers, x, segment_ids=seg)
+    x = np.asarray(jax.random.normal(jax.random.key(4), (1, 32, 32)))  # numpy slices
+    seg = np.array([[3] * 7 + [5] * 25], np.int32)
+    full, _ = run_stack(layers, x, segment_ids=seg)
     caches = [layer.init_cache(1, 32) for layer in layers]
     outs = [[] for _ in layers]
     for s0, s1 in [(0, 11), (11, 12), (12, 32)]:
-        s = seg[:, s0:s1]
-        ys, caches, _ = ce.extend_v41_stack(layers, x[:, s0:s1], caches, segment_ids=s)
+        s = jnp.asarray(seg[:, s0:s1])
+        ys, caches, _ = ce.extend_v41_stack(
+            layers,
+            jnp.asarray(x[:, s0:s1]),
+            caches,
+            segment_ids=s,
+            step=eqx.filter_jit(ce.V41Attention.extend),
+        )
         for i, y in enumerate(ys):
             outs[i].append(y)
     for i in range(CONFIG.num_layers):
