@@ -58,6 +58,15 @@ from ._v4 import Indexer as Indexer
 from ._v4 import V4Attention as V4Attention
 from ._v32 import V32Attention as V32Attention
 from ._v32 import V32Indexer as V32Indexer
+from ._v41 import V41Attention as V41Attention
+from ._v41 import V41Compressor as V41Compressor
+from ._v41 import V41Indexer as V41Indexer
+from ._v41 import V41Shared as V41Shared
+from ._v41 import candidate_blocks as candidate_blocks
+from ._v41 import extend_v41_stack as extend_v41_stack
+from ._v41 import run_v41_stack as run_v41_stack
+from ._v41_config import V41AttentionConfig as V41AttentionConfig
+from ._v41_config import V41WiringError as V41WiringError
 from ._window import AbstractWindow as AbstractWindow
 from ._window import BandWindow as BandWindow
 from ._window import GatheredWindow as GatheredWindow
@@ -113,18 +122,27 @@ __all__ = [
     "V32AttentionConfig",
     "V32Cache",
     "V32Indexer",
+    "V41Attention",
+    "V41AttentionConfig",
+    "V41Compressor",
+    "V41Indexer",
+    "V41Shared",
+    "V41WiringError",
     "Visibility",
     "XlaAttention",
     "XlaScorer",
     "YaRNScaling",
     "compose_selection_policy",
+    "candidate_blocks",
     "entry_layout",
     "entry_visibility",
+    "extend_v41_stack",
     "generate",
     "indexer_kl_loss",
     "indexer_scores",
     "pool_windows",
     "projected_indexer_kl_loss",
+    "run_v41_stack",
     "segment_positions",
     "select_topk",
     "sparse_attention",

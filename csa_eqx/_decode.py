@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Int
 
 from ._cache import AbstractCache, CompressorState
-from ._compressor import Compressor, pool_windows
+from ._compressor import pool_windows
 from ._layout import EntryLayout
 
 __all__ = [
@@ -153,7 +153,7 @@ def closing_layout(rows: ChunkRows, ring: int, m: int) -> tuple[EntryLayout, Arr
 
 
 def compress_chunk(
-    compressor: Compressor,
+    compressor: eqx.Module,
     state: CompressorState,
     x: Array,
     rows: ChunkRows,
@@ -165,6 +165,8 @@ def compress_chunk(
     finish: Callable[[Array], Array] = lambda entries: entries,
 ) -> CompressorState:
     """Pool the windows closing in this chunk, append them, and shift the chunk into the ring.
+    ``compressor`` is a ``csa_eqx.Compressor`` or anything with its ``project``, ``finish``,
+    ``position_bias``, ``overlap`` and ``compress_rate`` (V4.1's ``V41Compressor``).
     ``dtype`` and ``finish`` are the layer numerics' (``Compressor.finish``'s cast before the
     norm, then the entries' rounding), applied once, as entries are written."""
     kv, gate = compressor.project(x)
@@ -253,7 +255,7 @@ class ChunkSource(eqx.Module):
             window_segment=shift_in(cache.window_segment, rows.segment, rows.lengths),
         )
 
-    def entries(self, name: str, compressor: Compressor, x: Array, dtype, finish) -> tuple:
+    def entries(self, name: str, compressor: eqx.Module, x: Array, dtype, finish) -> tuple:
         """Every compressed entry so far: the cache's and the windows closing in this chunk,
         pooled from the compressor state ``cache.<name>`` and the chunk (``compress_chunk``).
 
@@ -273,7 +275,7 @@ class ChunkSource(eqx.Module):
         layout = EntryLayout(end, source.new["entry_segment"], end >= 0)
         return state.entries, layout, source._with(**{name: state})
 
-    def _closed(self, ring: int, compressor: Compressor) -> ChunkSource:
+    def _closed(self, ring: int, compressor: eqx.Module) -> ChunkSource:
         """The windows closing in this chunk and the entry bookkeeping after it, once per chunk
         (every compressor of a layer closes the same windows)."""
         cache, rows = self.cache, self.rows

@@ -36,6 +36,7 @@ from ._hf_config import (
 from ._safetensors_io import SafetensorsError, read_safetensors
 from ._v4 import V4Attention
 from ._v32 import V32Attention
+from ._v41_load import load_v41_attention, v41_config_from_hf, v41_parameter_names
 
 __all__ = [
     "SafetensorsError",
@@ -50,6 +51,9 @@ __all__ = [
     "native_v32_name",
     "load_v32_attention",
     "load_v32_attention_from_safetensors",
+    "v41_config_from_hf",
+    "v41_parameter_names",
+    "load_v41_attention",
 ]
 
 

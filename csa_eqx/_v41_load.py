@@ -1,0 +1,234 @@
+"""DeepSeek-V4.1 configs and weights from either spelling (docs/v41.md, "Loading"): transformers'
+``config.json`` (``model_type: deepseek_v41`` with a ``text_config``, or the text config
+itself: ``hidden_size``, ``kv_source_layer_ids``, ...) and DeepSeek's ``inference/config.json``
+(``dim``, ``kv_source_layers``, ...). Tensor names are the same in both checkpoints (under
+``layers.{i}.attn.``, with transformers' ``model.`` prefix)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._v41 import V41Attention
+from ._v41_config import V41AttentionConfig
+
+__all__ = ["v41_config_from_hf", "v41_parameter_names", "load_v41_attention"]
+
+# DeepSeek's ModelArgs defaults for the keys the attention reads (its inference/model.py)
+_NATIVE_DEFAULTS = {
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 40000.0,
+    "norm_eps": 1e-20,
+    "original_seq_len": 0,
+    "rope_factor": 40,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "candidate_source_layer": -1,
+    "candidate_topk_blocks": 0,
+    "candidate_block_size": 0,
+}
+_NATIVE = {  # V41AttentionConfig field <- DeepSeek key
+    "hidden_size": "dim",
+    "num_heads": "n_heads",
+    "head_dim": "head_dim",
+    "rope_dim": "rope_head_dim",
+    "q_lora_rank": "q_lora_rank",
+    "o_groups": "o_groups",
+    "o_lora_rank": "o_lora_rank",
+    "sliding_window": "window_size",
+    "index_n_heads": "index_n_heads",
+    "index_head_dim": "index_head_dim",
+    "index_topk": "index_topk",
+    "rope_theta": "rope_theta",
+    "compress_rope_theta": "compress_rope_theta",
+    "rms_norm_eps": "norm_eps",
+    "kv_source_layers": "kv_source_layers",
+    "index_source_layers": "index_source_layers",
+    "candidate_source_layer": "candidate_source_layer",
+    "candidate_topk_blocks": "candidate_topk_blocks",
+    "candidate_block_size": "candidate_block_size",
+}
+_HF = {  # V41AttentionConfig field <- transformers key
+    "hidden_size": "hidden_size",
+    "num_heads": "num_attention_heads",
+    "head_dim": "head_dim",
+    "rope_dim": "qk_rope_head_dim",
+    "q_lora_rank": "q_lora_rank",
+    "o_groups": "o_groups",
+    "o_lora_rank": "o_lora_rank",
+    "sliding_window": "sliding_window",
+    "index_n_heads": "index_n_heads",
+    "index_head_dim": "index_head_dim",
+    "index_topk": "index_topk",
+    "rope_theta": "rope_theta",
+    "compress_rope_theta": "compress_rope_theta",
+    "rms_norm_eps": "rms_norm_eps",
+    "kv_source_layers": "kv_source_layer_ids",
+    "index_source_layers": "index_source_layer_ids",
+    "candidate_source_layer": "candidate_source_layer_id",
+    "candidate_topk_blocks": "candidate_topk_blocks",
+    "candidate_block_size": "candidate_block_size",
+}
+
+
+def _need(d: Mapping, key: str, source: str) -> Any:
+    if d.get(key) is None:
+        raise ValueError(f"{source} lacks the key {key!r}, needed to build a V4.1 stack")
+    return d[key]
+
+
+def v41_config_from_hf(config: Any, source: str = "config") -> V41AttentionConfig:
+    """A V4.1 attention stack's config from transformers' or DeepSeek's ``config.json``.
+
+    **Arguments:**
+
+    - ``config``: a dict (or transformers config object): transformers' top level
+        (``model_type: deepseek_v41``, its ``text_config`` is read), its text config, or
+        DeepSeek's ``inference/config.json`` (``dim``, ``kv_source_layers``, ...; missing keys
+        take DeepSeek's ``ModelArgs`` defaults, e.g. ``candidate_source_layer`` -1).
+    - ``source``: what to call the config in errors.
+
+    **Returns:** the ``V41AttentionConfig`` of the backbone's ``num_hidden_layers`` /
+    ``n_layers`` layers (the draft layers' ratios are dropped). YaRN (``rope_scaling``, or
+    DeepSeek's ``original_seq_len > 0``) applies to the compressed layers. transformers'
+    unset ``candidate_source_layer_id`` is its last KV source, as in transformers. The
+    schedule lists must be given (csa_eqx does not guess them).
+    """
+    d = dict(config) if isinstance(config, Mapping) else config.to_dict()
+    if d.get("model_type") == "deepseek_v41" or "text_config" in d:
+        d = dict(_need(d, "text_config", source))
+    native = "dim" in d and "hidden_size" not in d
+    keys = _NATIVE if native else _HF
+    if native:
+        d = {**_NATIVE_DEFAULTS, **d}
+        n = _need(d, "n_layers", source)
+        yarn = None
+        if d["original_seq_len"] > 0:
+            yarn = dict(
+                factor=float(d["rope_factor"]),
+                original_max_position_embeddings=int(d["original_seq_len"]),
+                beta_fast=float(d["beta_fast"]),
+                beta_slow=float(d["beta_slow"]),
+            )
+    else:
+        n = _need(d, "num_hidden_layers", source)
+        yarn = d.get("rope_scaling")
+        if isinstance(yarn, Mapping):
+            yarn = {
+                k: v
+                for k, v in yarn.items()
+                if k
+                in (
+                    "factor",
+                    "original_max_position_embeddings",
+                    "beta_fast",
+                    "beta_slow",
+                    "rope_type",
+                    "type",
+                )
+            }
+        if d.get("candidate_source_layer_id") is None:
+            kv = _need(d, "kv_source_layer_ids", source)
+            d = {**d, "candidate_source_layer_id": kv[-1] if kv else -1}
+    fields = {f: _need(d, k, source) for f, k in keys.items()}
+    ratios = list(_need(d, "compress_ratios", source))
+    if len(ratios) < n:
+        raise ValueError(f"{source}: compress_ratios has {len(ratios)} entries for {n} layers")
+    return V41AttentionConfig(
+        compress_ratios=tuple(int(r) for r in ratios[:n]),
+        **{
+            **fields,
+            "kv_source_layers": tuple(fields["kv_source_layers"]),
+            "index_source_layers": tuple(fields["index_source_layers"]),
+            "rope_scaling": yarn,
+            **{f: float(fields[f]) for f in ("rope_theta", "compress_rope_theta", "rms_norm_eps")},
+        },
+    )
+
+
+# V41Attention's attribute path -> the checkpoint's name after ``layers.{i}.attn.``
+_NAMES = {
+    ("q_a_proj",): "wq_a.weight",
+    ("q_a_norm",): "q_norm.weight",
+    ("q_b_proj",): "wq_b.weight",
+    ("kv_proj",): "wkv.weight",
+    ("kv_norm",): "kv_norm.weight",
+    ("o_a_proj",): "wo_a.weight",
+    ("o_b_proj",): "wo_b.weight",
+    ("sinks",): "attn_sink",
+    ("compressor", "kv_proj"): "compressor.wkv.weight",
+    ("compressor", "gate_proj"): "compressor.wgate.weight",
+    ("compressor", "kv_norm"): "compressor.norm.weight",
+    ("compressor", "key_proj"): "indexer.wk.weight",
+    ("compressor", "key_norm"): "indexer.k_norm.weight",
+    ("indexer", "q_b_proj"): "indexer.wq_b.weight",
+    ("indexer", "weights_proj"): "indexer.weights_proj.weight",
+}
+
+
+def _get(module, path):
+    for p in path:
+        module = getattr(module, p, None)
+    return module
+
+
+def v41_parameter_names(layer: V41Attention) -> dict[str, str]:
+    """**Arguments:** a ``V41Attention`` (its role decides what it holds).
+
+    **Returns:** its attribute path (``"compressor.key_proj"``) -> the checkpoint's tensor
+    name after ``layers.{i}.attn.`` (``"indexer.wk.weight"``), for the arrays it holds."""
+    return {".".join(p): n for p, n in _NAMES.items() if _get(layer, p) is not None}
+
+
+def load_v41_attention(
+    config: V41AttentionConfig,
+    layer_idx: int,
+    tensors: Mapping[str, Any],
+    prefix: str | None = None,
+    dtype=jnp.float32,
+    execution=None,
+) -> V41Attention:
+    """Layer ``layer_idx`` of a V4.1 stack from a state dict of dequantised tensors.
+
+    **Arguments:**
+
+    - ``config``: the stack's ``V41AttentionConfig``; ``layer_idx``: the layer.
+    - ``tensors``: name -> array (numpy, jax or torch on the CPU), under DeepSeek's names.
+    - ``prefix``: the names' prefix (``None``: ``layers.{layer_idx}.attn.``; transformers'
+        checkpoints add ``model.``).
+    - ``dtype``: the parameters' dtype (norms and sinks stay float32); ``execution``: as for
+        ``V41Attention``.
+
+    **Returns:** the ``V41Attention``. A missing tensor, one the layer's role does not hold,
+    or a wrong shape is a ``ValueError`` naming it. FP8 checkpoints (``.scale`` tensors) must
+    be dequantised first (not done here yet).
+    """
+    prefix = f"layers.{layer_idx}.attn." if prefix is None else prefix
+    layer = V41Attention(config, layer_idx, key=jax.random.key(0), dtype=dtype, execution=execution)
+    names = v41_parameter_names(layer)
+    given = {k[len(prefix) :] for k in tensors if k.startswith(prefix)}
+    missing = sorted(set(names.values()) - given)
+    extra = sorted(given - set(names.values()))
+    role = config.role(layer_idx)
+    if missing:
+        raise ValueError(f"layer {layer_idx} ({role}) lacks the tensors {missing}")
+    if extra:
+        raise ValueError(f"layer {layer_idx} ({role}) holds no tensors {extra}")
+    for path, name in names.items():
+        old = _get(layer, path.split("."))
+        value = np.asarray(_numpy(tensors[prefix + name]), np.float32)
+        if value.shape != old.shape:
+            raise ValueError(f"{prefix + name} has shape {value.shape}, expected {old.shape}")
+        layer = eqx.tree_at(
+            lambda m, p=path: _get(m, p.split(".")), layer, jnp.asarray(value, old.dtype)
+        )
+    return layer
+
+
+def _numpy(t: Any) -> Any:
+    return t.detach().float().numpy() if hasattr(t, "detach") else t

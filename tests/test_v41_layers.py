@@ -1,0 +1,178 @@
+"""V4.1 layers: what each role traces, the published state, packed documents and run-time
+wiring errors (docs/v41.md)."""
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import csa_eqx as ce
+
+sys.path.insert(0, str(Path(__file__).parent))
+from jaxpr_helpers import walk_eqns  # noqa: E402
+
+CONFIG = ce.V41AttentionConfig(
+    compress_ratios=(0, 2, 2, 1, 1, 1),
+    kv_source_layers=(1, 3),
+    index_source_layers=(1, 3, 4),
+    candidate_source_layer=3,
+    candidate_topk_blocks=2,
+    candidate_block_size=4,
+    hidden_size=32,
+    num_heads=4,
+    head_dim=16,
+    rope_dim=8,
+    q_lora_rank=16,
+    o_groups=2,
+    o_lora_rank=8,
+    sliding_window=4,
+    index_n_heads=2,
+    index_head_dim=16,
+    index_topk=4,
+)
+# what the indexer's top-k leaves in a jaxpr: the radix select's order keys, its running pick
+# counts, and the selection's remat tag
+# the stacks run jitted: eagerly, every primitive would be compiled as a program of its own
+run_stack = eqx.filter_jit(ce.run_v41_stack)
+TOPK_PRIMITIVES = {"bitcast_convert_type", "shift_right_logical", "cumsum", "name"}
+
+
+def _stack(execution=None):
+    keys = jax.random.split(jax.random.key(0), CONFIG.num_layers)
+    layers = [ce.V41Attention(CONFIG, i, key=k, execution=execution) for i, k in enumerate(keys)]
+    # non-trivial norms and sinks, so that nothing is accidentally symmetric
+    return [
+        eqx_replace(layer, sinks=0.5 * jax.random.normal(k, layer.sinks.shape))
+        for layer, k in zip(layers, keys, strict=True)
+    ]
+
+
+def eqx_replace(layer, **fields):
+    for name, value in fields.items():
+        layer = eqx.tree_at(lambda m, n=name: getattr(m, n), layer, value)
+    return layer
+
+
+def test_roles_own_what_they_should():
+    layers = _stack()
+    owned = [(type(L.compressor).__name__, type(L.indexer).__name__) for L in layers]
+    assert owned == [
+        ("NoneType", "NoneType"),
+        ("V41Compressor", "V41Indexer"),
+        ("NoneType", "NoneType"),
+        ("V41Compressor", "V41Indexer"),
+        ("NoneType", "V41Indexer"),
+        ("NoneType", "NoneType"),
+    ]
+    assert layers[1].compressor.gate_proj is not None  # ratio 2 pools with a gate
+    assert layers[3].compressor.gate_proj is None  # ratio 1 does not
+
+
+def test_reuse_layers_trace_no_topk():
+    """A jaxpr count: index sources tag one selection and run the top-k; reuse layers run no
+    compressor, indexer or top-k, and trace the sliding layer's loops only."""
+    layers = _stack(ce.Execution(save_selection=True))
+    x = jax.random.normal(jax.random.key(1), (1, 24, 32))
+    _, published = run_stack(layers, x)
+    counts = []
+    for i, layer in enumerate(layers):
+        shared = published[i - 1] if i else None
+        jaxpr = jax.make_jaxpr(lambda x, s, layer=layer: layer(x, s))(x, shared).jaxpr
+        counts.append(Counter(e.primitive.name for e in walk_eqns(jaxpr)))
+    tags = [c["name"] for c in counts]
+    assert tags == [0, 1, 0, 1, 1, 0]
+    for i in (0, 2, 5):
+        assert not TOPK_PRIMITIVES & set(counts[i]), (i, TOPK_PRIMITIVES & set(counts[i]))
+        assert counts[i]["scan"] == counts[0]["scan"]
+    for i in (1, 3, 4):
+        assert set(counts[i]) >= TOPK_PRIMITIVES
+
+
+def test_published_state():
+    layers = _stack()
+    x = jax.random.normal(jax.random.key(2), (2, 24, 32))
+    _, pub = ce.run_v41_stack(layers, x)  # eagerly: what is passed on is the same object
+    assert pub[0] == ce.V41Shared()
+    assert pub[1].entries.shape == (2, 12, 16) and pub[1].keys.shape == (2, 12, 16)
+    assert pub[2] is pub[1]  # a reuse layer publishes nothing
+    assert pub[3].entries.shape == (2, 24, 16) and pub[3].candidates.shape == (2, 24, 24)
+    assert pub[4].entries is pub[3].entries and pub[4].candidates is pub[3].candidates
+    assert pub[4].selection is not pub[3].selection and pub[5] is pub[4]
+    # ratio 2: entry j is visible from t = 2j + 1; early rows pad with -1
+    sel = np.asarray(pub[1].selection)
+    assert (sel[:, 0] == -1).all() and (sel[:, 1] == [0, -1, -1, -1]).all()
+    assert (sel < (np.arange(24)[None, :, None] + 1) // 2).all()
+
+
+def test_packed_documents_match_alone():
+    """Windows, groups and the candidate grid restart per document; with documents whose
+    lengths are multiples of bc·m entries' tokens, packing changes nothing."""
+    layers = _stack()
+    x = jax.random.normal(jax.random.key(3), (1, 32, 32))
+    seg = jnp.array([[0] * 16 + [1] * 16])
+    packed, _ = run_stack(layers, x, segment_ids=seg)
+    first, _ = run_stack(layers, x[:, :16])
+    second, _ = run_stack(layers, x[:, 16:])
+    for i in range(CONFIG.num_layers):
+        np.testing.assert_allclose(packed[i][:, :16], first[i], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(packed[i][:, 16:], second[i], rtol=1e-5, atol=1e-6)
+
+
+def test_candidate_blocks_rules():
+    # one query seeing 10 entries in blocks of 4: [0-3], [4-7], [8-9 (+2 unseen)]
+    scores = jnp.array([[[5.0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 9, 9]]])
+    visible = jnp.arange(12)[None, None] < 10
+    kept = np.asarray(ce.candidate_blocks(scores, visible, 2, 4))[0, 0]
+    # the newest block is pinned (its unseen slots too), then the best other block
+    assert kept.tolist() == [True] * 4 + [False] * 4 + [True] * 4
+    # ties go to the lower block; nothing visible keeps nothing
+    tied = np.asarray(ce.candidate_blocks(jnp.zeros((1, 1, 12)), visible, 2, 4))[0, 0]
+    assert tied.tolist() == [True] * 4 + [False] * 4 + [True] * 4
+    none = ce.candidate_blocks(scores, jnp.zeros((1, 1, 12), bool), 2, 4)
+    assert not np.asarray(none).any()
+
+
+def test_run_time_wiring_errors():
+    layers = _stack()
+    x = jnp.ones((1, 8, 32))
+    with pytest.raises(ce.V41WiringError, match="layer 2 .* no published entries"):
+        layers[2](x)
+    with pytest.raises(ce.V41WiringError, match="layers 0..n-1 of one config in order"):
+        ce.run_v41_stack(layers[1:], x)
+    with pytest.raises(NotImplementedError, match="ExactNumerics only"):
+        ce.V41Attention(
+            CONFIG,
+            1,
+            key=jax.random.key(0),
+            execution=ce.Execution(numerics=ce.DeepSeekInference()),
+        )
+
+
+def test_extend_packed_chunks_equal_forward():
+    """Chunks 11 + 1 + 20 with a document boundary inside the first chunk (odd lengths, so a
+    ratio-2 group stays open across chunks) equal the packed forward."""
+    layers = _stack()
+    x = np.asarray(jax.random.normal(jax.random.key(4), (1, 32, 32)))  # numpy slices
+    seg = np.array([[3] * 7 + [5] * 25], np.int32)
+    full, _ = run_stack(layers, x, segment_ids=seg)
+    caches = [layer.init_cache(1, 32) for layer in layers]
+    outs = [[] for _ in layers]
+    for s0, s1 in [(0, 11), (11, 12), (12, 32)]:
+        s = jnp.asarray(seg[:, s0:s1])
+        ys, caches, _ = ce.extend_v41_stack(
+            layers,
+            jnp.asarray(x[:, s0:s1]),
+            caches,
+            segment_ids=s,
+            step=eqx.filter_jit(ce.V41Attention.extend),
+        )
+        for i, y in enumerate(ys):
+            outs[i].append(y)
+    for i in range(CONFIG.num_layers):
+        got = np.concatenate(outs[i], axis=1)
+        np.testing.assert_allclose(got, full[i], rtol=1e-5, atol=1e-6)
