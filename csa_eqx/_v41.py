@@ -32,7 +32,6 @@ from ._heads import split_specs
 from ._layout import EntryLayout, Visibility, scatter_rows, segment_positions, token_rows
 from ._numerics import DeepSeekFormats, ExactNumerics
 from ._ops import init_linear, linear, rms_norm
-from ._placement import SingleDevice
 from ._rope import apply_rope_interleaved, rope_inv_freq
 from ._rows import whole_rows
 from ._topk import select_topk
@@ -301,7 +300,7 @@ class V41Attention(AbstractIndexedAttention):
         if not (isinstance(layer, int) and 0 <= layer < c.num_layers):
             raise ValueError(f"layer must be in [0, {c.num_layers}) (got {layer!r})")
         numerics = getattr(execution, "numerics", None)
-        if numerics is not None and not isinstance(numerics, ExactNumerics):
+        if numerics is not None and numerics != ExactNumerics():
             raise NotImplementedError(
                 "V41Attention runs ExactNumerics only; DeepSeek's V4.1 quantisation is not "
                 "implemented yet"
@@ -463,7 +462,7 @@ class V41Attention(AbstractIndexedAttention):
         state after this layer (``shared`` unchanged by a sliding or reuse layer).
         """
         c, ex = self.config, self.execution
-        if not isinstance(ex.placement, SingleDevice):
+        if ex.heads is not None or ex.context is not None:  # the placement is SingleDevice
             raise NotImplementedError("V41Attention runs on a single device only (for now)")
         if ex.indexer_loss != "off":
             raise NotImplementedError("V41Attention has no indexer loss yet (indexer_loss='off')")
