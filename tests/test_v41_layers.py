@@ -1,20 +1,17 @@
 """V4.1 layers: what each role traces, the published state, packed documents and run-time
 wiring errors (docs/v41.md)."""
 
-import sys
 from collections import Counter
-from pathlib import Path
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_helpers import walk_eqns
+from test_v41_config import SIZES
 
 import csa_eqx as ce
-
-sys.path.insert(0, str(Path(__file__).parent))
-from jaxpr_helpers import walk_eqns  # noqa: E402
 
 CONFIG = ce.V41AttentionConfig(
     compress_ratios=(0, 2, 2, 1, 1, 1),
@@ -23,17 +20,7 @@ CONFIG = ce.V41AttentionConfig(
     candidate_source_layer=3,
     candidate_topk_blocks=2,
     candidate_block_size=4,
-    hidden_size=32,
-    num_heads=4,
-    head_dim=16,
-    rope_dim=8,
-    q_lora_rank=16,
-    o_groups=2,
-    o_lora_rank=8,
-    sliding_window=4,
-    index_n_heads=2,
-    index_head_dim=16,
-    index_topk=4,
+    **SIZES,
 )
 # what the indexer's top-k leaves in a jaxpr: the radix select's order keys, its running pick
 # counts, and the selection's remat tag
