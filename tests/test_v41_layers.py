@@ -131,13 +131,18 @@ def test_run_time_wiring_errors():
         layers[2](x)
     with pytest.raises(ce.V41WiringError, match="layers 0..n-1 of one config in order"):
         ce.run_v41_stack(layers[1:], x)
-    with pytest.raises(NotImplementedError, match="ExactNumerics only"):
+    with pytest.raises(ValueError, match=r"ExactNumerics\(\) or DeepSeekV41Inference\(\)"):
         ce.V41Attention(
             CONFIG,
             1,
             key=jax.random.key(0),
             execution=ce.Execution(numerics=ce.DeepSeekInference()),
         )
+    v41 = ce.Execution(numerics=ce.DeepSeekV41Inference())
+    with pytest.raises(ValueError, match=r"head_dim=16 must be a multiple of 32"):
+        ce.V41Attention(CONFIG, 1, key=jax.random.key(0), execution=v41)
+    with pytest.raises(ValueError, match=r"the numerics of V4.1 layers"):
+        ce.V4Attention(ce.presets.tiny_v4("csa"), key=jax.random.key(0), execution=v41)
 
 
 def test_extend_packed_chunks_equal_forward():
