@@ -12,6 +12,7 @@ from jaxpr_helpers import walk_eqns
 from test_v41_config import SIZES
 
 import csa_eqx as ce
+from csa_eqx.presets import tiny_v4
 
 CONFIG = ce.V41AttentionConfig(
     compress_ratios=(0, 2, 2, 1, 1, 1),
@@ -142,7 +143,7 @@ def test_run_time_wiring_errors():
     with pytest.raises(ValueError, match=r"head_dim=16 must be a multiple of 32"):
         ce.V41Attention(CONFIG, 1, key=jax.random.key(0), execution=v41)
     with pytest.raises(ValueError, match=r"the numerics of V4.1 layers"):
-        ce.V4Attention(ce.presets.tiny_v4("csa"), key=jax.random.key(0), execution=v41)
+        ce.V4Attention(tiny_v4("csa"), key=jax.random.key(0), execution=v41)
 
 
 def test_extend_packed_chunks_equal_forward():
