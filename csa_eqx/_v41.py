@@ -394,8 +394,9 @@ class V41Attention(AbstractIndexedAttention):
         selection, problem = None, None
         if self.role != "sliding":
             if self.compressor is not None:
+                dtype = ex.numerics.entry_dtype(x)  # the groups' cast before their norm
                 both, layout, source = source.entries(
-                    "compressor", self.compressor, x, None, self._round_entries
+                    "compressor", self.compressor, x, dtype, self._round_entries
                 )
                 stale = shared.stale_keys
                 shared = V41Shared(both[..., : c.head_dim], both[..., c.head_dim :], layout)

@@ -375,6 +375,8 @@ def quantised(reference):
         # bf16 inputs under DeepSeek's numerics; the exact path on the same values in float32
         inputs = [jnp.asarray(x, jnp.bfloat16 if numerics else jnp.float32) for x in xs]
         runs[name] = run_stack(layers, inputs)
+        if numerics is not None:
+            runs["layers"], runs["inputs"] = layers, inputs
     return q, config, runs
 
 
@@ -432,3 +434,25 @@ def test_matches_deepseeks_quantised_inference(quantised):
         assert overlap < 0.98, (i, overlap)
     for i in range(1, config.num_layers):
         assert _rel(exact_ys[i], q[f"q_y{i}"]) > 0.1, i
+
+
+def test_quantised_extend_equals_the_forward(quantised):
+    """``extend`` with ``DeepSeekV41Inference`` on the two KV sources (ratio 2 and ratio 1, the
+    candidate source), in chunks of 3 tokens (ratio-2 groups across chunks; the pre-filter
+    biting in the later ones): the forward's entries, index keys, selections and outputs (bit
+    for bit here; entries are rounded once, as they are written, with the groups cast to bf16
+    before their norm as in the forward)."""
+    _, config, runs = quantised
+    ys, published = runs["deepseek"]
+    for i in config.kv_source_layers:
+        layer, x = runs["layers"][i], np.asarray(runs["inputs"][i])
+        cache, outs, picks = layer.init_cache(2, 24), [], []
+        for s0 in range(0, 24, 3):
+            y, cache, shared = _extend(layer, x[:, s0 : s0 + 3], cache, None)
+            outs.append(np.asarray(y, np.float32))
+            picks.append(np.asarray(shared.selection))
+        n = shared.entries.shape[1]
+        np.testing.assert_array_equal(shared.entries, published[i].entries[:, :n])
+        np.testing.assert_array_equal(shared.keys, published[i].keys[:, :n])
+        np.testing.assert_array_equal(np.concatenate(picks, 1), published[i].selection)
+        assert _rel(np.concatenate(outs, 1), np.asarray(ys[i], np.float32)) <= 1e-2, i
