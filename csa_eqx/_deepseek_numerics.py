@@ -75,6 +75,11 @@ class DeepSeekInference(AbstractNumerics):
         return formats.score_dtype
 
     def check(self, formats: DeepSeekFormats, config) -> None:
+        if formats == V41_FORMATS:
+            raise ValueError(
+                "DeepSeekInference is the numerics of V4 and V3.2 layers; use "
+                "DeepSeekV41Inference for V4.1 layers (V41Attention)"
+            )
         d, block = config.index_head_dim, formats.indexer_block
         if d & (d - 1) or d % block:
             raise ValueError(

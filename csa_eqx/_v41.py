@@ -27,11 +27,10 @@ from ._cache import CompressorState, V4Cache, check_cache_size, empty_rows
 from ._compressor import pool_windows
 from ._config import YaRNScaling
 from ._decode import ChunkSource, chunk_rows
-from ._deepseek_numerics import DeepSeekV41Inference
 from ._execution import Execution, checked_execution
 from ._heads import split_specs
 from ._layout import EntryLayout, Visibility, scatter_rows, segment_positions, token_rows
-from ._numerics import V41_FORMATS, DeepSeekFormats, ExactNumerics
+from ._numerics import V41_FORMATS, DeepSeekFormats
 from ._ops import init_linear, linear, rms_norm
 from ._rope import apply_rope_interleaved, rope_inv_freq
 from ._rows import whole_rows
@@ -297,12 +296,7 @@ class V41Attention(AbstractIndexedAttention):
             raise TypeError(f"config must be a V41AttentionConfig (got {type(c).__name__})")
         if not (isinstance(layer, int) and 0 <= layer < c.num_layers):
             raise ValueError(f"layer must be in [0, {c.num_layers}) (got {layer!r})")
-        numerics = getattr(execution, "numerics", None)
-        if numerics is not None and not isinstance(numerics, ExactNumerics | DeepSeekV41Inference):
-            raise ValueError(
-                "V41Attention runs ExactNumerics() or DeepSeekV41Inference() (DeepSeek's V4.1 "
-                f"quantisation), got {type(numerics).__name__}"
-            )
+        # the numerics check the formats (DeepSeekInference refuses V4.1's, as V4.1's V4's)
         execution = checked_execution(execution, c, V41_FORMATS)
         ks = jax.random.split(key, 7)
         self.q_a_proj = init_linear(ks[0], c.q_lora_rank, c.hidden_size, dtype)
