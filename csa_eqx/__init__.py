@@ -16,6 +16,7 @@ from ._config import V32AttentionConfig as V32AttentionConfig
 from ._config import YaRNScaling as YaRNScaling
 from ._context import ContextParallel as ContextParallel
 from ._deepseek_numerics import DeepSeekInference as DeepSeekInference
+from ._deepseek_numerics import DeepSeekV41Inference as DeepSeekV41Inference
 from ._execution import Execution as Execution
 from ._execution import IndexerLossStage as IndexerLossStage
 from ._generate import generate as generate
@@ -96,6 +97,7 @@ __all__ = [
     "DenseKeys",
     "DenseSelection",
     "DeepSeekInference",
+    "DeepSeekV41Inference",
     "EntryLayout",
     "ExactNumerics",
     "Execution",

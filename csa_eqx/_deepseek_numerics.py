@@ -1,13 +1,14 @@
-"""``DeepSeekInference``: the numerics of DeepSeek's own inference code (docs/numerics.md)."""
+"""``DeepSeekInference`` and ``DeepSeekV41Inference``: the numerics of DeepSeek's own inference
+code (docs/numerics.md, docs/v41.md)."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
 from ._formats import fp4_e2m1_round_trip, fp8_e4m3_round_trip, hadamard
-from ._numerics import AbstractNumerics, DeepSeekFormats
+from ._numerics import V41_FORMATS, AbstractNumerics, DeepSeekFormats
 
-__all__ = ["DeepSeekInference"]
+__all__ = ["DeepSeekInference", "DeepSeekV41Inference"]
 
 _SCALE_FMTS = (None, "ue8m0")
 
@@ -74,6 +75,11 @@ class DeepSeekInference(AbstractNumerics):
         return formats.score_dtype
 
     def check(self, formats: DeepSeekFormats, config) -> None:
+        if formats == V41_FORMATS:
+            raise ValueError(
+                "DeepSeekInference is the numerics of V4 and V3.2 layers; use "
+                "DeepSeekV41Inference for V4.1 layers (V41Attention)"
+            )
         d, block = config.index_head_dim, formats.indexer_block
         if d & (d - 1) or d % block:
             raise ValueError(
@@ -87,3 +93,65 @@ class DeepSeekInference(AbstractNumerics):
                     f"head_dim - rope_dim = {nope} must be a multiple of {formats.kv_block} "
                     "for DeepSeekInference numerics (the KV round trip's blocks)"
                 )
+
+
+class DeepSeekV41Inference(AbstractNumerics):
+    """What DeepSeek-V4.1-Flash's inference code (``inference/model.py`` and the arithmetic of
+    its ``kernel.py``) computes in a ``V41Attention`` layer, on bf16 weights (docs/v41.md,
+    "Quantised inference"):
+
+    - bf16 activations, as ``DeepSeekInference`` (norms, RoPE and softmax in float32, cast
+        back); the ratio-2 compressor projects and pools in float32 and casts its groups to
+        bf16 before their norm (``V41Compressor`` does so for any numerics);
+    - the window rows after RoPE round-tripped through FP8 E4M3 over the whole vector, RoPE
+        channels included, in 32-blocks with power-of-two scales (``act_quant(kv, 32, "ue8m0")``);
+    - the compressed entries after RoPE through FP4 E2M1 in 16-blocks with E4M3 scales
+        (``fp4_act_quant(latent, 16, scale_dtype=float8_e4m3fn)``);
+    - the indexer's queries and keys after RoPE through FP4 E2M1 in 32-blocks with E8M0 scales,
+        without V4's Hadamard rotation; the scores rounded to bf16 as its bf16 einsum does.
+
+    Quantisation passes gradients straight through. FP8 weight GEMMs (``dtype="fp8"``, which
+    also quantise each projection's input) are not modelled: weights are dequantised when
+    loaded. Only ``V41Attention`` layers take it (``DeepSeekInference`` is V4's and V3.2's).
+    """
+
+    def layer_input(self, x):
+        return x.astype(jnp.bfloat16)
+
+    def compressor_input(self, x):
+        return x
+
+    def entry_dtype(self, x):
+        return x.dtype
+
+    def kv(self, kv, rope_dim, formats: DeepSeekFormats):
+        return fp8_e4m3_round_trip(kv, formats.kv_block, True).astype(kv.dtype)
+
+    def entries(self, entries, rope_dim, formats: DeepSeekFormats):
+        return fp4_e2m1_round_trip(entries, _ENTRY_BLOCK, "e4m3").astype(entries.dtype)
+
+    def indexer(self, v, formats: DeepSeekFormats):
+        return fp4_e2m1_round_trip(v, formats.indexer_block)
+
+    def score_dtype(self, formats: DeepSeekFormats):
+        return formats.score_dtype
+
+    def check(self, formats: DeepSeekFormats, config) -> None:
+        if formats != V41_FORMATS:
+            raise ValueError(
+                "DeepSeekV41Inference is the numerics of V4.1 layers (V41Attention); use "
+                "DeepSeekInference for V4 and V3.2 layers"
+            )
+        for field, size, block in (
+            ("head_dim", config.head_dim, formats.kv_block),
+            ("head_dim", config.head_dim, _ENTRY_BLOCK),
+            ("index_head_dim", config.index_head_dim, formats.indexer_block),
+        ):
+            if size % block:
+                raise ValueError(
+                    f"{field}={size} must be a multiple of {block} for DeepSeekV41Inference "
+                    "numerics (its quantisation blocks)"
+                )
+
+
+_ENTRY_BLOCK = 16  # V4.1's compressed entries: FP4 blocks of 16 with E4M3 scales

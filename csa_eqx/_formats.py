@@ -4,11 +4,13 @@ Each round trip quantises blocks of the last axis and dequantises them again, wi
 arithmetic of DeepSeek's TileLang kernels (``inference/kernel.py``: ``act_quant``,
 ``fp4_act_quant``): per block, ``amax = max(max|x|, floor)``; the scale is ``amax / max``
 (``amax`` times the float32 reciprocal of the format's largest value) or, for power-of-two
-("ue8m0") scales, ``2^ceil(log2(amax / max))`` from the float32 bits; values are divided by the
-scale, clamped to ``±max``, cast to the format with round-to-nearest-even (the clamp is the
-saturation), cast back to float32 and multiplied by the scale. Results are float32; callers
-cast to their activation dtype. ``hadamard`` is the orthonormal Walsh-Hadamard rotation
-DeepSeek applies before quantising the indexer (``rotate_activation``).
+("ue8m0") scales, ``2^ceil(log2(amax / max))`` from the float32 bits, or, for E4M3 scales
+(DeepSeek-V4.1's compressed entries), ``amax / max`` rounded to FP8 E4M3 (saturating at 448);
+values are divided by the scale, clamped to ``±max``, cast to the format with
+round-to-nearest-even (the clamp is the saturation), cast back to float32 and multiplied by
+the scale. Results are float32; callers cast to their activation dtype. ``hadamard`` is the
+orthonormal Walsh-Hadamard rotation DeepSeek applies before quantising the indexer
+(``rotate_activation``; V3.2 and V4, not V4.1).
 
 The round trips pass gradients straight through (the forward value is ``q(x)`` exactly, the
 backward pass sees the identity), as quantisation-aware training does.
@@ -46,15 +48,20 @@ def pow2_scale(v: Float[Array, "..."]) -> Float[Array, "..."]:
     return jax.lax.bitcast_convert_type((exponent + up) << 23, jnp.float32)
 
 
-def _round_trip(x, block, fmt, fmt_max, amax_floor, pow2, inner=None):
-    """Blockwise quantise-dequantise of the last axis of ``x`` (float32 result)."""
+def _round_trip(x, block, fmt, fmt_max, amax_floor, scales, inner=None):
+    """Blockwise quantise-dequantise of the last axis of ``x`` (float32 result); ``scales``:
+    ``"pow2"``, ``"amax"`` (``amax`` times the reciprocal of ``fmt_max``) or ``"e4m3"``."""
     *lead, n = x.shape
     if n % block:
         raise ValueError(f"the last axis ({n}) must be a multiple of the block ({block})")
     xb = x.astype(jnp.float32).reshape(*lead, n // block, block)
     amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), amax_floor)
-    scaled = amax * np.float32(1.0 / fmt_max)
-    scale = pow2_scale(scaled) if pow2 else scaled
+    if scales == "e4m3":  # DeepSeek's port divides, and its cast saturates
+        scaled = jnp.minimum(amax / np.float32(fmt_max), FP8_E4M3_MAX)
+        scale = scaled.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    else:
+        scaled = amax * np.float32(1.0 / fmt_max)
+        scale = pow2_scale(scaled) if scales == "pow2" else scaled
     q = jnp.clip(xb / scale, -fmt_max, fmt_max).astype(inner or fmt).astype(jnp.float32)
     return (q * scale).reshape(x.shape)
 
@@ -85,19 +92,31 @@ def fp8_e4m3_round_trip(
 
     **Returns:** float32 ``[..., n]``, the dequantised values.
     """
-    return _round_trip(x, block, jnp.float8_e4m3fn, FP8_E4M3_MAX, 1e-4, pow2, cast_to)
+    scales = "pow2" if pow2 else "amax"
+    return _round_trip(x, block, jnp.float8_e4m3fn, FP8_E4M3_MAX, 1e-4, scales, cast_to)
 
 
 @_straight_through
-def fp4_e2m1_round_trip(x: Float[Array, "... n"], block: int) -> Float[Array, "... n"]:
-    """FP4 E2M1 blocks of ``block`` values with power-of-two (E8M0) scales
-    (``fp4_act_quant``; ``amax`` floored at ``6·2^-126``).
+def fp4_e2m1_round_trip(
+    x: Float[Array, "... n"], block: int, scales: str = "e8m0"
+) -> Float[Array, "... n"]:
+    """FP4 E2M1 blocks of ``block`` values (``fp4_act_quant``).
 
-    **Arguments:** ``x [..., n]`` (``n`` a multiple of ``block``) and ``block``.
+    **Arguments:**
+
+    - ``x [..., n]`` (``n`` a multiple of ``block``) and ``block``.
+    - ``scales``: ``"e8m0"``, power-of-two scales with ``amax`` floored at ``6·2^-126`` (the
+        indexers of V4 and V4.1), or ``"e4m3"``, FP8 E4M3 scales ``e4m3(amax / 6)`` with
+        ``amax`` floored at ``6·2^-9`` (V4.1's compressed entries, in blocks of 16; a scale
+        that rounds below ``amax / 6`` clamps the block's largest values at ``±6``).
 
     **Returns:** float32 ``[..., n]``, the dequantised values.
     """
-    return _round_trip(x, block, jnp.float4_e2m1fn, FP4_E2M1_MAX, 6.0 * 2.0**-126, True)
+    if scales == "e8m0":
+        return _round_trip(x, block, jnp.float4_e2m1fn, FP4_E2M1_MAX, 6.0 * 2.0**-126, "pow2")
+    if scales == "e4m3":
+        return _round_trip(x, block, jnp.float4_e2m1fn, FP4_E2M1_MAX, 6.0 * 2.0**-9, "e4m3")
+    raise ValueError(f"scales must be 'e8m0' or 'e4m3' (got {scales!r})")
 
 
 @functools.cache

@@ -15,7 +15,14 @@ from typing import NamedTuple
 import equinox as eqx
 from jaxtyping import Array
 
-__all__ = ["AbstractNumerics", "ExactNumerics", "DeepSeekFormats", "V32_FORMATS", "V4_FORMATS"]
+__all__ = [
+    "AbstractNumerics",
+    "ExactNumerics",
+    "DeepSeekFormats",
+    "V32_FORMATS",
+    "V4_FORMATS",
+    "V41_FORMATS",
+]
 
 
 class DeepSeekFormats(NamedTuple):
@@ -41,6 +48,10 @@ class DeepSeekFormats(NamedTuple):
 V32_FORMATS = DeepSeekFormats("fp8_e4m3", 128, None, 0)
 # DeepSeek-V4: Hadamard + FP4 E2M1 32-blocks on the indexer, bf16 scores, KV in 64-blocks
 V4_FORMATS = DeepSeekFormats("fp4_e2m1", 32, "bfloat16", 64)
+# DeepSeek-V4.1: FP4 E2M1 32-blocks on the indexer (no Hadamard), bf16 scores, the window KV
+# in FP8 32-blocks over the whole vector (its compressed entries: FP4 in 16-blocks with E4M3
+# scales, ``DeepSeekV41Inference``)
+V41_FORMATS = DeepSeekFormats("fp4_e2m1", 32, "bfloat16", 32)
 
 
 class AbstractNumerics(eqx.Module):
@@ -66,6 +77,13 @@ class AbstractNumerics(eqx.Module):
         """**Arguments:** V4 keys/values ``[..., head_dim]`` (window rows or compressed entries,
         after RoPE on the last ``rope_dim`` channels) and the family's formats. **Returns:** the
         keys/values the attention reads, in ``kv``'s dtype."""
+
+    def entries(self, entries: Array, rope_dim: int, formats: DeepSeekFormats) -> Array:
+        """**Arguments:** compressed entries ``[..., head_dim]`` after RoPE and the family's
+        formats. **Returns:** the entries the attention reads, in ``entries``' dtype: those
+        of V4.1 (its ``V41Attention`` asks here); by default as ``kv`` rounds them (V4 rounds
+        its window rows and entries alike)."""
+        return self.kv(entries, rope_dim, formats)
 
     @abc.abstractmethod
     def indexer(self, v: Array, formats: DeepSeekFormats) -> Array:

@@ -30,7 +30,7 @@ from ._decode import ChunkSource, chunk_rows
 from ._execution import Execution, checked_execution
 from ._heads import split_specs
 from ._layout import EntryLayout, Visibility, scatter_rows, segment_positions, token_rows
-from ._numerics import DeepSeekFormats, ExactNumerics
+from ._numerics import V41_FORMATS, DeepSeekFormats
 from ._ops import init_linear, linear, rms_norm
 from ._rope import apply_rope_interleaved, rope_inv_freq
 from ._rows import whole_rows
@@ -47,10 +47,6 @@ __all__ = [
     "run_v41_stack",
     "extend_v41_stack",
 ]
-
-# what DeepSeek's V4.1 inference quantises (FP4 indexer q / k in 32-blocks, bf16 scores); the
-# layers run exactly for now (V41Attention rejects other numerics), so this is a record only
-V41_FORMATS = DeepSeekFormats("fp4_e2m1", 32, "bfloat16", 0)
 
 
 class V41Shared(NamedTuple):
@@ -267,7 +263,8 @@ class V41Attention(AbstractIndexedAttention):
     ``sinks``).
 
     **Arguments:** the stack's ``config``, the ``layer`` index, ``key``, ``dtype`` and
-    ``execution`` (as ``AbstractIndexedAttention``; only ``ExactNumerics`` for now).
+    ``execution`` (as ``AbstractIndexedAttention``; numerics ``ExactNumerics`` or
+    ``DeepSeekV41Inference``).
     """
 
     q_a_proj: Float[Array, "q_lora hidden"]
@@ -299,12 +296,7 @@ class V41Attention(AbstractIndexedAttention):
             raise TypeError(f"config must be a V41AttentionConfig (got {type(c).__name__})")
         if not (isinstance(layer, int) and 0 <= layer < c.num_layers):
             raise ValueError(f"layer must be in [0, {c.num_layers}) (got {layer!r})")
-        numerics = getattr(execution, "numerics", None)
-        if numerics is not None and numerics != ExactNumerics():
-            raise NotImplementedError(
-                "V41Attention runs ExactNumerics only; DeepSeek's V4.1 quantisation is not "
-                "implemented yet"
-            )
+        # the numerics check the formats (DeepSeekInference refuses V4.1's, as V4.1's V4's)
         execution = checked_execution(execution, c, V41_FORMATS)
         ks = jax.random.split(key, 7)
         self.q_a_proj = init_linear(ks[0], c.q_lora_rank, c.hidden_size, dtype)
@@ -365,14 +357,15 @@ class V41Attention(AbstractIndexedAttention):
 
     def project_qkv(self, x: Array, positions: Array) -> tuple[Array, Array, Array]:
         """The query latent ``qr``, the roped queries ``[B, S, H, head_dim]`` (no per-head norm)
-        and the roped window KV ``[B, S, head_dim]``."""
+        and the roped window KV ``[B, S, head_dim]`` (as the numerics round it)."""
         c = self.config
         b, s, _ = x.shape
         qr = rms_norm(linear(x, self.q_a_proj), self.q_a_norm, c.rms_norm_eps)
         q = linear(qr, self.q_b_proj).reshape(b, s, -1, c.head_dim)
         q = apply_rope_interleaved(q, positions[..., None], self.inv_freq)
         kv = rms_norm(linear(x, self.kv_proj), self.kv_norm, c.rms_norm_eps)
-        return qr, q, apply_rope_interleaved(kv, positions, self.inv_freq)
+        kv = apply_rope_interleaved(kv, positions, self.inv_freq)
+        return qr, q, self.execution.numerics.kv(kv, c.rope_dim, self.formats)
 
     def project_out(self, o: Array, positions: Array) -> Array:
         """De-rotation at ``-t`` and the grouped output projection, as ``V4Attention``'s."""
@@ -395,8 +388,9 @@ class V41Attention(AbstractIndexedAttention):
         selection, problem = None, None
         if self.role != "sliding":
             if self.compressor is not None:
+                dtype = ex.numerics.entry_dtype(x)  # the groups' cast before their norm
                 both, layout, source = source.entries(
-                    "compressor", self.compressor, x, None, lambda v: v
+                    "compressor", self.compressor, x, dtype, self._round_entries
                 )
                 stale = shared.stale_keys
                 shared = V41Shared(both[..., : c.head_dim], both[..., c.head_dim :], layout)
@@ -418,6 +412,14 @@ class V41Attention(AbstractIndexedAttention):
             reads = reads.join(ex.entry_reads(entries, visibility, selection, stage))
         o = ex.attend(q, reads, self.sinks, c.head_dim**-0.5)
         return self.project_out(o, source.positions), selection, (problem, None), source, shared
+
+    def _round_entries(self, both: Array) -> Array:
+        """A KV source's entries and index keys (side by side) as the numerics round them,
+        once, as they are written."""
+        c, nx = self.config, self.execution.numerics
+        entries = nx.entries(both[..., : c.head_dim], c.rope_dim, self.formats)
+        keys = nx.indexer(both[..., c.head_dim :], self.formats)
+        return jnp.concatenate([entries, keys.astype(entries.dtype)], axis=-1)
 
     def _select(self, problem, shared):
         """The index source's top-k: by the execution's strategy, or, at the candidate source

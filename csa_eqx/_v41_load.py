@@ -2,22 +2,32 @@
 ``config.json`` (``model_type: deepseek_v41`` with a ``text_config``, or the text config
 itself: ``hidden_size``, ``kv_source_layer_ids``, ...) and DeepSeek's ``inference/config.json``
 (``dim``, ``kv_source_layers``, ...). Tensor names are the same in both checkpoints (under
-``layers.{i}.attn.``, with transformers' ``model.`` prefix)."""
+``layers.{i}.attn.``, with transformers' ``model.`` prefix); the released FP8 weights are
+dequantised with their E8M0 ``.scale`` tiles by the V4 loaders' code (``_hf_checkpoint``)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from ._hf_checkpoint import load_tree, read_config, read_layer, strip_prefix
+from ._hf_config import block_size
 from ._v41 import V41Attention
 from ._v41_config import V41AttentionConfig
 
-__all__ = ["v41_config_from_hf", "v41_parameter_names", "load_v41_attention"]
+__all__ = [
+    "v41_config_from_hf",
+    "v41_parameter_names",
+    "load_v41_attention",
+    "load_v41_attention_from_safetensors",
+]
+
+V41_BLOCK = (32, 32)  # the release's FP8 tile (DeepSeek's fp8_block_size; weight_block_size)
 
 # DeepSeek's ModelArgs defaults for the keys the attention reads (its inference/model.py)
 _NATIVE_DEFAULTS = {
@@ -192,43 +202,115 @@ def load_v41_attention(
     prefix: str | None = None,
     dtype=jnp.float32,
     execution=None,
+    block: tuple[int, int] = V41_BLOCK,
 ) -> V41Attention:
-    """Layer ``layer_idx`` of a V4.1 stack from a state dict of dequantised tensors.
+    """Layer ``layer_idx`` of a V4.1 stack from a state dict under DeepSeek's names (docs/v41.md,
+    "Loading").
 
     **Arguments:**
 
     - ``config``: the stack's ``V41AttentionConfig``; ``layer_idx``: the layer.
-    - ``tensors``: name -> array (numpy, jax or torch on the CPU), under DeepSeek's names.
+    - ``tensors``: name -> array (numpy, ``ml_dtypes``, jax or torch on the CPU), as released:
+        FP8 E4M3 weights with their E8M0 (or float) block scales ``<name>.scale`` (one per
+        ``block`` tile), BF16 / F32 tensors as stored, or float tensors already dequantised.
     - ``prefix``: the names' prefix (``None``: ``layers.{layer_idx}.attn.``; transformers'
-        checkpoints add ``model.``).
+        checkpoints add ``model.``); keys without it are ignored.
     - ``dtype``: the parameters' dtype (norms and sinks stay float32); ``execution``: as for
-        ``V41Attention``.
+        ``V41Attention``; ``block``: the FP8 tile (the release's 32 x 32).
 
-    **Returns:** the ``V41Attention``. A missing tensor, one the layer's role does not hold,
-    or a wrong shape is a ``ValueError`` naming it. FP8 checkpoints (``.scale`` tensors) must
-    be dequantised first (not done here yet).
+    **Returns:** the ``V41Attention``, the FP8 weights multiplied by their tiles' scales.
+
+    **Raises:** ``ValueError`` naming a missing tensor, one the layer's role does not hold, a
+    wrong shape, a scale grid that does not fit its weight, an FP8 weight without its scale
+    (or a scale of a weight that is not FP8) and non-finite values.
     """
     prefix = f"layers.{layer_idx}.attn." if prefix is None else prefix
+    given = {_internal(k): v for k, v in strip_prefix(tensors, prefix).items()}
+    where = f"state dict of layer {layer_idx}"
+    return _load(
+        config, layer_idx, given, where, lambda n: prefix + _native(n), dtype, execution, block
+    )
+
+
+def load_v41_attention_from_safetensors(
+    path: str | Path,
+    layer_idx: int,
+    *,
+    dtype=jnp.float32,
+    execution=None,
+) -> V41Attention:
+    """Layer ``layer_idx`` of a V4.1 checkpoint folder in the released layout (docs/v41.md,
+    "Loading").
+
+    **Arguments:**
+
+    - ``path``: a folder with ``config.json`` (transformers' spelling with ``text_config``,
+        its text config, or DeepSeek's ``inference/config.json``) and ``*.safetensors`` shards
+        (with ``model.safetensors.index.json`` when there are several). Tensors under
+        ``layers.{i}.attn.`` (optionally ``model.``-prefixed): FP8 E4M3 weights with E8M0
+        ``.scale`` tiles of ``quantization_config.weight_block_size`` (default 32 x 32, as
+        DeepSeek's inference code), BF16 and F32 tensors as released.
+    - ``layer_idx``: the layer; only its attention tensors are read.
+    - ``dtype``, ``execution``: as for ``load_v41_attention``.
+
+    **Returns:** the ``V41Attention``.
+
+    **Raises:** ``ValueError`` (``SafetensorsError`` for a corrupt file) naming the file, key or
+    tensor at fault, as ``load_v41_attention``.
+    """
+    folder = Path(path)
+    text, source = read_config(folder)
+    top = json.loads(Path(source).read_text())
+    config = v41_config_from_hf(top if "text_config" in top else text, source)
+    quant = top.get("quantization_config") or text.get("quantization_config") or {}
+    block = block_size({"quantization_config": quant}, source) if quant else V41_BLOCK
+    if isinstance(layer_idx, bool) or not (
+        isinstance(layer_idx, int) and 0 <= layer_idx < config.num_layers
+    ):
+        raise ValueError(
+            f"layer_idx must be an int in [0, {config.num_layers}) for {source} (got {layer_idx!r})"
+        )
+    prefixes = {
+        p: _internal for p in (f"layers.{layer_idx}.attn.", f"model.layers.{layer_idx}.attn.")
+    }
+    tensors, origin = read_layer(folder, prefixes)
+    where = f"{folder}, layer {layer_idx}"
+    return _load(
+        config,
+        layer_idx,
+        tensors,
+        where,
+        lambda n: origin.get(n, _native(n)),
+        dtype,
+        execution,
+        block,
+    )
+
+
+def _internal(name: str) -> str:
+    """A checkpoint name -> the loader's (``wq_a.scale`` -> ``wq_a.weight_scale_inv``, the V4
+    dequantiser's spelling of the same multiplier)."""
+    return name[: -len("scale")] + "weight_scale_inv" if name.endswith(".scale") else name
+
+
+def _native(name: str) -> str:
+    """The inverse of ``_internal``, for errors."""
+    suffix = "weight_scale_inv"
+    return name[: -len(suffix)] + "scale" if name.endswith("." + suffix) else name
+
+
+def _load(config, layer_idx, tensors, where, shown, dtype, execution, block) -> V41Attention:
+    """Check that ``tensors`` (internal names) are those of the layer's role, then copy them
+    in, dequantising FP8 weights with their tile scales (``_hf_checkpoint.load_tree``)."""
     layer = V41Attention(config, layer_idx, key=jax.random.key(0), dtype=dtype, execution=execution)
     names = v41_parameter_names(layer)
-    given = {k[len(prefix) :] for k in tensors if k.startswith(prefix)}
-    missing = sorted(set(names.values()) - given)
-    extra = sorted(given - set(names.values()))
+    wanted = set(names.values())
+    scales = {n[: -len("weight")] + "weight_scale_inv" for n in wanted if n.endswith(".weight")}
     role = config.role(layer_idx)
+    missing = sorted(wanted - set(tensors))
+    extra = sorted(_native(n) for n in set(tensors) - wanted - scales)
     if missing:
-        raise ValueError(f"layer {layer_idx} ({role}) lacks the tensors {missing}")
+        raise ValueError(f"{where} ({role}) lacks the tensors {missing}")
     if extra:
-        raise ValueError(f"layer {layer_idx} ({role}) holds no tensors {extra}")
-    for path, name in names.items():
-        old = _get(layer, path.split("."))
-        value = np.asarray(_numpy(tensors[prefix + name]), np.float32)
-        if value.shape != old.shape:
-            raise ValueError(f"{prefix + name} has shape {value.shape}, expected {old.shape}")
-        layer = eqx.tree_at(
-            lambda m, p=path: _get(m, p.split(".")), layer, jnp.asarray(value, old.dtype)
-        )
-    return layer
-
-
-def _numpy(t: Any) -> Any:
-    return t.detach().float().numpy() if hasattr(t, "detach") else t
+        raise ValueError(f"{where} ({role}) holds no tensors {extra}")
+    return load_tree(layer, names, tensors, block, where, shown)

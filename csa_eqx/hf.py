@@ -1,4 +1,4 @@
-"""Load DeepSeek-V4 / V3.2 attention weights (state dicts or safetensors checkpoint folders).
+"""Load DeepSeek-V4 / V3.2 / V4.1 attention weights (state dicts or safetensors checkpoint folders).
 
 State-dict keys are the HF attention module's own parameter names (``q_a_proj.weight``,
 ``compressor.indexer.kv_proj.weight``, …). Checkpoint folders may use those names or
@@ -36,7 +36,12 @@ from ._hf_config import (
 from ._safetensors_io import SafetensorsError, read_safetensors
 from ._v4 import V4Attention
 from ._v32 import V32Attention
-from ._v41_load import load_v41_attention, v41_config_from_hf, v41_parameter_names
+from ._v41_load import (
+    load_v41_attention,
+    load_v41_attention_from_safetensors,
+    v41_config_from_hf,
+    v41_parameter_names,
+)
 
 __all__ = [
     "SafetensorsError",
@@ -54,6 +59,7 @@ __all__ = [
     "v41_config_from_hf",
     "v41_parameter_names",
     "load_v41_attention",
+    "load_v41_attention_from_safetensors",
 ]
 
 

@@ -124,6 +124,49 @@ def test_fp4_matches_the_numpy_reference():
     np.testing.assert_array_equal(np.asarray(fp4_e2m1_round_trip(jnp.asarray(x), 32)), want)
 
 
+def _reference_e4m3_scales(x, block):
+    """FP4 E2M1 with E4M3 scales (DeepSeek-V4.1's compressed entries): the scale is
+    ``amax / 6`` (``amax`` floored at ``6·2^-9``, saturated at 448) rounded to the nearest FP8
+    value of the table, ties to the even pattern."""
+    xb = x.astype(np.float32).reshape(*x.shape[:-1], -1, block)
+    amax = np.maximum(np.abs(xb).max(-1, keepdims=True), np.float32(6.0 * 2.0**-9))
+    scale = _round_to(np.minimum(amax / np.float32(6.0), np.float32(448.0)), FP8)
+    scale = scale.astype(np.float32)
+    q = _round_to(np.clip(xb / scale, -6.0, 6.0).astype(np.float32), FP4)
+    return (q.astype(np.float32) * scale).reshape(x.shape)
+
+
+def test_fp4_with_e4m3_scales_round_trips_every_representable_pair():
+    """Every FP4 value (both signs) times every positive finite E4M3 scale, subnormal scales
+    included: a block of 16 holding the whole FP4 grid has ``amax = 6 s``, so its scale is
+    ``s`` and every value comes back bit for bit."""
+    grid, pats = FP8
+    scales = grid[grid > 0]
+    assert len(scales) == 126
+    block = np.concatenate([FP4[0], -FP4[0]]).astype(np.float32)  # 16 values, amax 6
+    x = (block[None, :] * scales[:, None].astype(np.float32)).astype(np.float32)
+    got = np.asarray(fp4_e2m1_round_trip(jnp.asarray(x), 16, "e4m3"))
+    np.testing.assert_array_equal(got, x)
+
+
+def test_fp4_with_e4m3_scales_matches_the_numpy_reference():
+    rng = np.random.default_rng(16)
+    x = rng.standard_t(3, size=(12, 8 * 16)) * rng.choice([1e-4, 1e-2, 1, 50, 3000], (12, 1))
+    x[0, :16] = 0.0  # amax floored at 6·2^-9: the smallest subnormal scale
+    x[1, :16] = np.linspace(-6, 6, 16) * 2.0**-7  # an amax whose scale rounds down: clamps
+    x[2, :16] = 1e5  # amax / 6 beyond 448: the scale saturates
+    x = x.astype(np.float32)
+    want = _reference_e4m3_scales(x, 16)
+    got = np.asarray(fp4_e2m1_round_trip(jnp.asarray(x), 16, "e4m3"))
+    np.testing.assert_array_equal(got, want)
+    assert got[2, 0] == 6 * 448.0  # saturated: 6 x the largest scale
+    scale = np.float32(np.abs(x[3, :16]).max() / 6.0)
+    # not a power of two: the E4M3 scale keeps 3 mantissa bits of amax / 6
+    assert np.abs(got[3, :16]).max() <= 6 * scale * 1.0625
+    with pytest.raises(ValueError, match="scales must be 'e8m0' or 'e4m3'"):
+        fp4_e2m1_round_trip(jnp.asarray(x), 16, "ue8m0")
+
+
 def test_pow2_scale_matches_frexp():
     rng = np.random.default_rng(0)
     v = np.concatenate([np.exp(rng.uniform(-80, 80, 1000)), 2.0 ** np.arange(-120, 120)]).astype(

@@ -12,6 +12,7 @@ from jaxpr_helpers import walk_eqns
 from test_v41_config import SIZES
 
 import csa_eqx as ce
+from csa_eqx.presets import tiny_v4
 
 CONFIG = ce.V41AttentionConfig(
     compress_ratios=(0, 2, 2, 1, 1, 1),
@@ -131,13 +132,16 @@ def test_run_time_wiring_errors():
         layers[2](x)
     with pytest.raises(ce.V41WiringError, match="layers 0..n-1 of one config in order"):
         ce.run_v41_stack(layers[1:], x)
-    with pytest.raises(NotImplementedError, match="ExactNumerics only"):
-        ce.V41Attention(
-            CONFIG,
-            1,
-            key=jax.random.key(0),
-            execution=ce.Execution(numerics=ce.DeepSeekInference()),
-        )
+    v4 = ce.Execution(numerics=ce.DeepSeekInference())
+    with pytest.raises(ValueError, match=r"use DeepSeekV41Inference for V4.1 layers"):
+        ce.V41Attention(CONFIG, 1, key=jax.random.key(0), execution=v4)
+    with pytest.raises(ValueError, match=r"use DeepSeekV41Inference for V4.1 layers"):
+        layers[1].with_execution(v4)
+    v41 = ce.Execution(numerics=ce.DeepSeekV41Inference())
+    with pytest.raises(ValueError, match=r"head_dim=16 must be a multiple of 32"):
+        ce.V41Attention(CONFIG, 1, key=jax.random.key(0), execution=v41)
+    with pytest.raises(ValueError, match=r"the numerics of V4.1 layers"):
+        ce.V4Attention(tiny_v4("csa"), key=jax.random.key(0), execution=v41)
 
 
 def test_extend_packed_chunks_equal_forward():

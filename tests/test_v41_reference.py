@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import csa_eqx as ce
-from csa_eqx.hf import load_v41_attention, v41_config_from_hf
+from csa_eqx.hf import load_v41_attention, v41_config_from_hf, v41_parameter_names
 
 FIXTURE = Path(__file__).parent / "fixtures" / "deepseek" / "v41_stack.npz"
 # the stack runs jitted: eagerly, every primitive would be compiled as a program of its own
@@ -216,3 +216,246 @@ def test_stale_index_keys_reproduce_deepseek_decode(reference):
         assert _rel(y, fx[f"stale_decode_y{i}"]) < 1e-5, i
     for i in (1, 2):
         assert _rel(fx[f"stale_decode_y{i}"], fx[f"prefill_y{i}"]) > 0.1
+
+
+# --- the released checkpoint layout ----------------------------------------------------------
+# ``v41_release.npz`` holds the same stack's weights as DeepSeek ships them (DeepSeek's names,
+# FP8 E4M3 projections with one E8M0 ``.scale`` per 32 x 32 tile, BF16 norms / compressor /
+# indexer keys, F32 sinks, plus block-level tensors the loader must skip): the bytes of three
+# safetensors shards written by the ``safetensors`` package, the index and the Hub config
+# (``text_config`` + ``quantization_config``); ``deq:{i}:<name>`` the FP8 weights dequantised by
+# DeepSeek's kernel port (``dequant_fp8_block``) and ``prefill_y{i}`` DeepSeek's exact prefill
+# with those weights (tests/fixtures/deepseek/README.md).
+RELEASE = FIXTURE.with_name("v41_release.npz")
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("v41") / "ckpt"
+    folder.mkdir()
+    with np.load(RELEASE) as f:
+        fx = {k: f[k] for k in f.files}
+    for key in [k for k in fx if k.startswith("file:")]:
+        (folder / key[len("file:") :]).write_bytes(fx.pop(key).tobytes())
+    return folder, fx
+
+
+def _header(folder) -> dict:
+    header = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        n = int.from_bytes(f.read_bytes()[:8], "little")
+        header.update(json.loads(f.read_bytes()[8 : 8 + n]))
+    return header
+
+
+def test_release_fixture_is_the_released_layout(release):
+    header = _header(release[0])
+    assert header["layers.1.attn.wq_b.weight"]["dtype"] == "F8_E4M3"
+    assert header["layers.1.attn.wq_b.scale"]["dtype"] == "F8_E8M0"
+    assert header["layers.1.attn.wq_b.scale"]["shape"] == [256 // 32, 32 // 32]
+    assert header["layers.4.attn.indexer.wq_b.scale"]["shape"] == [128 // 32, 1]
+    assert header["layers.1.attn.compressor.wgate.weight"]["dtype"] == "BF16"
+    assert header["layers.3.attn.indexer.wk.weight"]["dtype"] == "BF16"
+    assert header["layers.0.attn.attn_sink"]["dtype"] == "F32"
+    assert "layers.3.attn.compressor.wgate.weight" not in header  # ratio 1: no gate
+    assert "layers.4.attn.indexer.wk.weight" not in header  # reindex: no keys of its own
+
+
+def test_release_loads_as_deepseek_dequantises(release, reference):
+    """Each layer from the folder: FP8 x E8M0 tiles equal DeepSeek's dequantisation bit for bit,
+    BF16 tensors are widened exactly, and the stack's prefill is DeepSeek's on those weights
+    (the dequantised weights move the outputs by 6-21% from the float fixture's)."""
+    from csa_eqx.hf import load_v41_attention_from_safetensors
+
+    folder, fx = release
+    config = reference[1]
+    layers = [load_v41_attention_from_safetensors(folder, i) for i in range(config.num_layers)]
+    assert layers[0].config == config  # the Hub's spelling of the config, with YaRN
+    for key, want in fx.items():
+        if key.startswith("deq:"):
+            _, i, name = key.split(":")
+            path = {n: p for p, n in v41_parameter_names(layers[int(i)]).items()}[name]
+            np.testing.assert_array_equal(_attr(layers[int(i)], path), want, key)
+    ys, _ = run_stack(layers, [jnp.asarray(reference[0][f"x{i}"]) for i in range(6)])
+    for i in range(config.num_layers):
+        assert _rel(ys[i], fx[f"prefill_y{i}"]) < 1e-5, i
+        assert _rel(reference[0][f"prefill_y{i}"], fx[f"prefill_y{i}"]) > 0.05
+
+
+def _attr(module, path: str):
+    for p in path.split("."):
+        module = getattr(module, p)
+    return np.asarray(module)
+
+
+def _release_tensors(folder, layer: int) -> dict:
+    from csa_eqx.hf import read_safetensors
+
+    prefix = f"layers.{layer}.attn."
+    tensors = {}
+    for f in folder.glob("*.safetensors"):
+        tensors.update(read_safetensors(f, keep=lambda n: n.startswith(prefix)))
+    return tensors
+
+
+def test_release_state_dict_and_its_errors(release, reference):
+    """The same tensors as a state dict (numpy / ``ml_dtypes``, as ``read_safetensors`` gives
+    them); every fault is named."""
+    from csa_eqx.hf import load_v41_attention
+
+    folder, fx = release
+    config = reference[1]
+    tensors = _release_tensors(folder, 1)
+    layer = load_v41_attention(config, 1, tensors)
+    np.testing.assert_array_equal(np.asarray(layer.o_a_proj), fx["deq:1:wo_a.weight"])
+    hf = load_v41_attention(  # transformers' module names: the same under ``model.``
+        config, 1, {"model." + k: v for k, v in tensors.items()}, "model.layers.1.attn."
+    )
+    np.testing.assert_array_equal(np.asarray(hf.indexer.q_b_proj), fx["deq:1:indexer.wq_b.weight"])
+    scale = "layers.1.attn.wkv.scale"
+    with pytest.raises(ValueError, match=r"'layers.1.attn.wkv.weight' is stored as FP8 without"):
+        load_v41_attention(config, 1, {k: v for k, v in tensors.items() if k != scale})
+    with pytest.raises(ValueError, match=r"wkv.scale'.*shape \(1, 2\), expected \(2, 2\)"):
+        load_v41_attention(config, 1, {**tensors, scale: tensors[scale][:1]})
+    nan = tensors[scale].view(np.uint8).copy()
+    nan[0, 0] = 0xFF  # E8M0's NaN
+    with pytest.raises(ValueError, match=r"wkv.scale'.*1 non-finite entries"):
+        load_v41_attention(config, 1, {**tensors, scale: nan.view(tensors[scale].dtype)})
+    bf16 = "layers.1.attn.q_norm.weight"
+    with pytest.raises(ValueError, match=r"q_norm.weight' has shape \(16,\), expected \(32,\)"):
+        load_v41_attention(config, 1, {**tensors, bf16: tensors[bf16][:16]})
+    with pytest.raises(ValueError, match=r"q_norm.scale' is a block scale, but .* bfloat16"):
+        load_v41_attention(config, 1, {**tensors, "layers.1.attn.q_norm.scale": tensors[scale]})
+    with pytest.raises(ValueError, match=r"layer 1 \(full\) lacks the tensors \['q_norm.weight"):
+        load_v41_attention(config, 1, {k: v for k, v in tensors.items() if k != bf16})
+
+
+def test_release_folder_errors(release, tmp_path):
+    from csa_eqx.hf import load_v41_attention_from_safetensors
+
+    folder, _ = release
+    with pytest.raises(ValueError, match=r"layer_idx must be an int in \[0, 6\)"):
+        load_v41_attention_from_safetensors(folder, 6)
+    # a reindex layer's tensors where the config says the layer is a reuse layer
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in folder.iterdir():
+        (bad / f.name).symlink_to(f)
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["index_source_layer_ids"] = [1, 3]
+    (bad / "config.json").unlink()
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=r"layer 4 \(reuse\) holds no tensors \['indexer.weights_proj"
+    ):
+        load_v41_attention_from_safetensors(bad, 4)
+
+
+# --- DeepSeek's quantised inference ----------------------------------------------------------
+# ``q_v41_stack.npz``: DeepSeek's V4.1 code as its inference runs (bf16, its kernels' quantisers:
+# FP8 window KV, FP4 / E4M3 entries, FP4 indexer; bf16 probabilities in the attention) on the
+# same stack with its weights in bf16 (sinks F32) and its inputs rounded to bf16.
+QUANTISED = FIXTURE.with_name("q_v41_stack.npz")
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    return np.asarray(jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32))
+
+
+@pytest.fixture(scope="module")
+def quantised(reference):
+    fx, config, _, _ = reference
+    with np.load(QUANTISED) as f:
+        q = {k: f[k] for k in f.files}
+    weights = {k: v if k.endswith(":attn_sink") else _bf16(v) for k, v in fx.items() if k[0] == "l"}
+    xs = [_bf16(fx[f"x{i}"]) for i in range(config.num_layers)]
+    runs = {}
+    for name, numerics in [("deepseek", ce.DeepSeekV41Inference()), ("exact", None)]:
+        ex = ce.Execution() if numerics is None else ce.Execution(numerics=numerics)
+        layers = [
+            load_v41_attention(config, i, weights, f"l{i}:", execution=ex)
+            for i in range(config.num_layers)
+        ]
+        # bf16 inputs under DeepSeek's numerics; the exact path on the same values in float32
+        inputs = [jnp.asarray(x, jnp.bfloat16 if numerics else jnp.float32) for x in xs]
+        runs[name] = run_stack(layers, inputs)
+        if numerics is not None:
+            runs["layers"], runs["inputs"] = layers, inputs
+    return q, config, runs
+
+
+def _selection_agreement(mine, ref) -> tuple[float, np.ndarray]:
+    """Mean overlap of the picks as sets, and which rows pick the same set."""
+    pairs = [
+        (set(a[a >= 0]), set(b[b >= 0]))
+        for a, b in zip(
+            mine.reshape(-1, mine.shape[-1]), ref.reshape(-1, ref.shape[-1]), strict=True
+        )
+    ]
+    overlap = np.mean([len(a & b) / len(b) if b else float(a == b) for a, b in pairs])
+    return float(overlap), np.array([a == b for a, b in pairs]).reshape(ref.shape[:2])
+
+
+def test_matches_deepseeks_quantised_inference(quantised):
+    """``DeepSeekV41Inference`` against DeepSeek's quantised V4.1 code: every index source picks
+    DeepSeek's entries on every row (overlap 1; the bar is 0.99), the candidates are equal,
+    the cached entries and index keys are DeepSeek's FP4 values bit for bit but for one entry
+    of layer 1 (2 of its 64 values land across an FP4 rounding boundary: float32 sums ordered
+    otherwise than torch's), and the outputs agree within 1e-2 of their largest value on every
+    row that reads no differing entry (measured 5.7e-3), 3e-2 relative L2 on all rows (1.7%).
+    The exact path selects otherwise (overlap 0.90-0.93) and is 23-26% away on the compressed
+    layers."""
+    q, config, runs = quantised
+    ys, published = runs["deepseek"]
+    assert all(y.dtype == jnp.bfloat16 for y in ys)  # bf16 inside and, here, outside
+    for i in config.index_source_layers:
+        overlap, equal = _selection_agreement(np.asarray(published[i].selection), q[f"q_sel{i}"])
+        assert overlap >= 0.99 and equal.all(), (i, overlap)
+    np.testing.assert_array_equal(np.asarray(published[3].candidates)[..., :24], q["q_cand3"])
+    differs = {}
+    for i in config.kv_source_layers:
+        n = q[f"q_entries{i}"].shape[1]
+        entries = np.asarray(published[i].entries, np.float32)[:, :n]
+        keys = np.asarray(published[i].keys, np.float32)[:, :n]
+        np.testing.assert_array_equal(keys, q[f"q_keys{i}"])
+        assert (entries != q[f"q_entries{i}"]).mean() <= 2e-3, i
+        differs[i] = (entries != q[f"q_entries{i}"]).any(-1)  # [B, n] entries off
+    for i in range(config.num_layers):
+        y, want = np.asarray(ys[i], np.float32), q[f"q_y{i}"]
+        clean = np.ones(want.shape[:2], bool)
+        if config.kv_source(i) is not None:
+            sel = np.asarray(published[config.index_source(i)].selection)
+            bad = differs[config.kv_source(i)]
+            picked = np.take_along_axis(bad[:, None, :], np.maximum(sel, 0), axis=-1) & (sel >= 0)
+            clean = ~picked.any(-1)
+        assert clean.mean() >= 0.85, i
+        assert np.abs(y[clean] - want[clean]).max() <= 1e-2 * np.abs(want).max(), i
+        assert _rel(y, want) <= 3e-2, i
+    # the exact path does not reproduce it
+    exact_ys, exact_pub = runs["exact"]
+    for i in config.index_source_layers:
+        overlap, _ = _selection_agreement(np.asarray(exact_pub[i].selection), q[f"q_sel{i}"])
+        assert overlap < 0.98, (i, overlap)
+    for i in range(1, config.num_layers):
+        assert _rel(exact_ys[i], q[f"q_y{i}"]) > 0.1, i
+
+
+def test_quantised_extend_equals_the_forward(quantised):
+    """``extend`` with ``DeepSeekV41Inference`` on the ratio-2 KV source, in chunks of 3 tokens
+    (groups across chunks): the forward's entries, index keys, selections and outputs (bit for
+    bit here; entries are rounded once, as they are written, with the groups cast to bf16
+    before their norm as in the forward). One layer only: each compiles its own programs."""
+    _, config, runs = quantised
+    ys, published = runs["deepseek"]
+    for i in config.kv_source_layers[:1]:
+        layer, x = runs["layers"][i], np.asarray(runs["inputs"][i])
+        cache, outs, picks = layer.init_cache(2, 24), [], []
+        for s0 in range(0, 24, 3):
+            y, cache, shared = _extend(layer, x[:, s0 : s0 + 3], cache, None)
+            outs.append(np.asarray(y, np.float32))
+            picks.append(np.asarray(shared.selection))
+        n = shared.entries.shape[1]
+        np.testing.assert_array_equal(shared.entries, published[i].entries[:, :n])
+        np.testing.assert_array_equal(shared.keys, published[i].keys[:, :n])
+        np.testing.assert_array_equal(np.concatenate(picks, 1), published[i].selection)
+        assert _rel(np.concatenate(outs, 1), np.asarray(ys[i], np.float32)) <= 1e-2, i
