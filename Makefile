@@ -40,19 +40,24 @@ PYTEST := -q -n 2 --dist loadfile --no-loadscope-reorder
 CACHE := $(abspath build/jax-cache)
 CACHE_ENV = JAX_COMPILATION_CACHE_DIR=$(CACHE)/$(1) JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
 	JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1
-# XLA's CPU code generation per half (docs/testing.md, "Code generation"; the tests' child
-# processes inherit it): each program as one LLVM module, since with two workers on two cores
-# splitting it for parallel code generation only adds work (results bitwise equal); the 3.12
-# half also compiles at LLVM -O0 (the same XLA programs, float results within ~6e-7 of -O3's),
-# while the full suite on 3.11 checks the default optimisation users run.
-XLA311 := --xla_cpu_parallel_codegen_split_count=1
-XLA312 := $(XLA311) --xla_backend_optimization_level=0
-test: $(STAMP) $(STAMP312)
+# XLA's CPU code generation (docs/testing.md, "Code generation"; the tests' child processes
+# inherit it): each program one LLVM module, since with two workers on two cores splitting it
+# for parallel code generation only adds work (results bitwise equal), compiled at LLVM -O0 (the
+# same XLA programs, machine code optimised less: float results within ~8e-7 of -O3's).
+# tests/test_codegen.py runs a tiny CSA layer and the sharded top-k at XLA's defaults in a child
+# process against this run's results; `make demo` and the benchmarks use the defaults.
+XLA_TEST := --xla_cpu_parallel_codegen_split_count=1 --xla_backend_optimization_level=0
+# This machine sets PYTHONDONTWRITEBYTECODE=1: no bytecode cache was ever written, so every
+# process compiled csa_eqx from source, and under jaxtyping's import hook (which looks for its own
+# cache files while a csa_eqx module runs its imports) torch, jax and scipy as well.
+unexport PYTHONDONTWRITEBYTECODE
+test:
+	$(MAKE) -j2 $(STAMP) $(STAMP312)
 	$(BIN)/ruff check csa_eqx tests benchmarks
 	rm -rf $(REPORTS) $(CACHE)/py311 $(CACHE)/py312 && mkdir -p $(REPORTS)
-	XLA_FLAGS="$(XLA311)" $(call CACHE_ENV,py311) $(BIN)/python -m pytest $(PYTEST) \
+	XLA_FLAGS="$(XLA_TEST)" $(call CACHE_ENV,py311) $(BIN)/python -m pytest $(PYTEST) \
 		--junitxml=$(REPORTS)/py311.xml
-	XLA_FLAGS="$(XLA312)" $(call CACHE_ENV,py312) $(VENV312)/bin/python -m pytest $(PYTEST) \
+	XLA_FLAGS="$(XLA_TEST)" $(call CACHE_ENV,py312) $(VENV312)/bin/python -m pytest $(PYTEST) \
 		--torch-free --junitxml=$(REPORTS)/py312.xml
 	$(BIN)/python tools/test_timing.py $(REPORTS)/py311.xml $(REPORTS)/py312.xml
 
