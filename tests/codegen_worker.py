@@ -1,28 +1,14 @@
 """The battery of ``tests/test_codegen.py``: a tiny V4 CSA layer (the sliding window, the
 compressor, the indexer's top-k and the sparse attention: output, selection, the gradients of
 every parameter and of x) and the row-sharded top-k on 8 devices against the unsharded one, on
-exact ties. Run as a script, it writes the results to
-the ``.npz`` file named by its argument."""
+exact ties. Run as a script, it writes the results to the ``.npz`` file named by its
+argument."""
 
 import sys
 
 import numpy as np
 
 CHILD_DEVICES = 8
-
-
-def randomised(layer, seed):
-    """``layer`` with every leaf drawn in numpy (no program compiled per leaf shape)."""
-    import jax
-    import jax.numpy as jnp
-
-    leaves, tree = jax.tree.flatten(layer)
-    r = np.random.default_rng(seed)
-    new = [
-        jnp.asarray(0.3 * r.normal(size=leaf.shape) + (leaf.ndim == 1), leaf.dtype)
-        for leaf in leaves
-    ]
-    return jax.tree.unflatten(tree, new)
 
 
 def layer_results(name, layer, s, out):
@@ -61,13 +47,14 @@ def results() -> dict[str, np.ndarray]:
     from multiprocess_worker import K
     from selection_helpers import selected, sharded_selected
     from test_sharding import random_inputs
+    from test_v4_behaviour import randomise
 
     import csa_eqx as ce
     from csa_eqx.presets import tiny_v4
 
     out = {}
     layer = ce.V4Attention(tiny_v4("csa"), key=jax.random.key(0))
-    layer_results("csa", randomised(layer, 2), 29, out)
+    layer_results("csa", randomise(layer, 2), 29, out)
     args = random_inputs(2, 13, True, True)  # small integers: many exact score ties
     out["topk/unsharded"] = np.asarray(jax.jit(lambda *a: selected(*a, k=K))(*args))
     with jax.set_mesh(jax.make_mesh((CHILD_DEVICES,), ("tensor",))):
