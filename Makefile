@@ -43,7 +43,7 @@ CACHE_ENV = JAX_COMPILATION_CACHE_DIR=$(CACHE)/$(1) JAX_PERSISTENT_CACHE_MIN_COM
 # XLA's CPU code generation (docs/testing.md, "Code generation"; the tests' child processes
 # inherit it): each program one LLVM module, since with two workers on two cores splitting it
 # for parallel code generation only adds work (results bitwise equal), compiled at LLVM -O0 (the
-# same XLA programs, machine code optimised less: float results within ~8e-7 of -O3's).
+# same XLA programs, machine code optimised less: float results within ~7e-7 of -O3's).
 # tests/test_codegen.py runs a tiny CSA layer and the sharded top-k at XLA's defaults in a child
 # process against this run's results; `make demo` and the benchmarks use the defaults.
 XLA_TEST := --xla_cpu_parallel_codegen_split_count=1 --xla_backend_optimization_level=0
