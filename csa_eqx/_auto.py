@@ -141,6 +141,10 @@ class AutoSelection(_DenseOrStreaming, AbstractSelection):
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
         return self.choose(*problem.sizes(), problem.tiles).select(problem, k)
 
+    def select_candidates(self, problem, k, topk_blocks, block_size):
+        method = self.choose(*problem.sizes(), problem.tiles)
+        return method.select_candidates(problem, k, topk_blocks, block_size)
+
 
 class AutoIndexerLoss(_DenseOrStreaming, AbstractIndexerLoss):
     """The dense KL loss while its largest tensor ``[B, S, heads at once, T]`` fits one tile,

@@ -14,8 +14,9 @@ from typing import NamedTuple
 
 import equinox as eqx
 import jax
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
+from ._candidates import candidate_mask
 from ._layout import Visibility
 from ._scorer import AbstractScorer, XlaScorer
 from ._target import AttentionTarget
@@ -50,6 +51,11 @@ class SelectionProblem(NamedTuple):
         reference), as ``Execution.scorer`` says.
     - ``tiles``: the backend's tile sizes (``TileSizes``; default the CPU sizes), as
         ``Execution.tiles`` resolves them.
+    - ``candidates``: ``None``, or V4.1's pre-filter (docs/v41.md, "Candidates"): int32
+        ``[B, S, Nb]`` ids of the blocks of ``candidate_block_size`` consecutive entry slots
+        each query may pick from (increasing, ``-1`` past the last); every strategy then picks
+        only visible entries of those blocks.
+    - ``candidate_block_size``: the blocks' size ``bc`` (with ``candidates``).
     """
 
     project: Callable[..., tuple[Array, Array]]
@@ -60,6 +66,8 @@ class SelectionProblem(NamedTuple):
     score_dtype: str | None = None
     scorer: AbstractScorer = _REFERENCE
     tiles: TileSizes = _CPU_TILES
+    candidates: Int[Array, "batch seq blocks"] | None = None
+    candidate_block_size: int = 0
 
     @classmethod
     def from_queries(
@@ -121,6 +129,32 @@ class SelectionProblem(NamedTuple):
             q, weights, keys, head_chunk=self.head_chunk, score_dtype=self.score_dtype
         )
 
+    def gathered_scores(
+        self,
+        q: Float[Array, "batch seq heads dim"],
+        weights: Float[Array, "batch seq heads"],
+        keys: Float[Array, "batch seq picks dim"],
+    ) -> Float[Array, "batch seq picks"]:
+        """**Arguments:** queries and weights as for ``scores`` and each query's own keys
+        ``[B, S, n, d]``.
+
+        **Returns:** their float32 scores ``[B, S, n]`` (``AbstractScorer.gathered_scores``,
+        with the problem's ``head_chunk`` and ``score_dtype``).
+        """
+        return self.scorer.gathered_scores(
+            q, weights, keys, head_chunk=self.head_chunk, score_dtype=self.score_dtype
+        )
+
+    def mask(self) -> Bool[Array, "batch seq entries"]:
+        """**Returns:** the dense bool ``[B, S, T]`` of what each query may pick: the visible
+        entries, within its ``candidates`` when set (only dense paths form it)."""
+        visible = self.visibility.mask()
+        if self.candidates is None:
+            return visible
+        return visible & candidate_mask(
+            self.candidates, self.candidate_block_size, visible.shape[-1]
+        )
+
 
 def _identity(q: Array, w: Array) -> tuple[Array, Array]:
     return q, w
@@ -138,6 +172,22 @@ class AbstractSelection(eqx.Module):
 
         **Returns:** int32 ``[B, S, k]`` entry indices, ``-1`` = none.
         """
+
+    def select_candidates(
+        self, problem: SelectionProblem, k: int, topk_blocks: int, block_size: int
+    ) -> tuple[Int[Array, "batch seq {k}"], Int[Array, "batch seq {topk_blocks}"]]:
+        """A V4.1 candidate source's two answers from one scoring of the problem: the top-k
+        and the candidate blocks (``csa_eqx.candidate_blocks``'s, bitwise; docs/v41.md,
+        "Candidates").
+
+        **Arguments:** the ``problem`` (without ``candidates``), ``k > 0``, ``Nb`` and ``bc``.
+
+        **Returns:** ``(selection [B, S, k], candidates [B, S, Nb])``, int32, ``-1`` = none.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not compute V4.1's candidate blocks (a candidate "
+            "source needs DenseSelection, StreamingSelection, AutoSelection or ShardedSelection)"
+        )
 
 
 class AbstractIndexerLoss(eqx.Module):
