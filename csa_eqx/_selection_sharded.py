@@ -121,7 +121,9 @@ class ShardedSelection(AbstractSelection):
         outs = self._shard_map(local, mesh, b, args)
         return tuple(place(out[:, :s], mesh, out_layout) for out in outs)
 
-    def _shard_map(self, local: Callable, mesh: MeshLike, batch: int, args: tuple) -> Array:
+    def _shard_map(
+        self, local: Callable, mesh: MeshLike, batch: int, args: tuple
+    ) -> tuple[Array, ...]:
         """``local`` in a ``shard_map``: query rows over ``tensor_axis``, the batch over
         ``data_axis`` when that is free and divides it (``csa_eqx._mesh.batch_axis``)."""
         dp = batch_axis(mesh, self.data_axis, batch)
