@@ -14,9 +14,8 @@ from typing import NamedTuple
 
 import equinox as eqx
 import jax
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
-from ._candidates import candidate_mask
 from ._layout import Visibility
 from ._scorer import AbstractScorer, XlaScorer
 from ._target import AttentionTarget
@@ -143,16 +142,6 @@ class SelectionProblem(NamedTuple):
         """
         return self.scorer.gathered_scores(
             q, weights, keys, head_chunk=self.head_chunk, score_dtype=self.score_dtype
-        )
-
-    def mask(self) -> Bool[Array, "batch seq entries"]:
-        """**Returns:** the dense bool ``[B, S, T]`` of what each query may pick: the visible
-        entries, within its ``candidates`` when set (only dense paths form it)."""
-        visible = self.visibility.mask()
-        if self.candidates is None:
-            return visible
-        return visible & candidate_mask(
-            self.candidates, self.candidate_block_size, visible.shape[-1]
         )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from jaxtyping import Array, Int
 
-from ._candidates import candidate_blocks
+from ._candidates import candidate_blocks, candidate_mask
 from ._problem import AbstractSelection, SelectionProblem
 from ._topk import select_topk
 
@@ -23,10 +23,14 @@ class DenseSelection(AbstractSelection):
 
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
         scores = problem.scores(*problem.queries(), problem.keys)
-        return select_topk(scores, problem.mask(), k, unroll=problem.tiles.unroll)
+        visible = problem.visibility.mask()
+        if problem.candidates is not None:
+            bc = problem.candidate_block_size
+            visible &= candidate_mask(problem.candidates, bc, visible.shape[-1])
+        return select_topk(scores, visible, k, unroll=problem.tiles.unroll)
 
     def select_candidates(self, problem, k, topk_blocks, block_size):
         scores = problem.scores(*problem.queries(), problem.keys)
-        visible, unroll = problem.mask(), problem.tiles.unroll
+        visible, unroll = problem.visibility.mask(), problem.tiles.unroll
         selection = select_topk(scores, visible, k, unroll=unroll)
         return selection, candidate_blocks(scores, visible, topk_blocks, block_size, unroll=unroll)

@@ -32,12 +32,12 @@ from ._blocks import block_starts, key_block_ranges, padded_keys, take
 from ._candidates import block_top, newest_visible
 from ._layout import EntryLayout, entry_visibility
 from ._problem import AbstractSelection, SelectionProblem
-from ._selection_candidates import candidate_topk
-from ._tiles import streaming_block_sizes, topk_block_size
+from ._tiles import sparse_query_block, streaming_block_sizes, topk_block_size
 from ._topk import exact_topk
 
 __all__ = [
     "StreamingSelection",
+    "candidate_topk",
 ]
 
 
@@ -64,7 +64,7 @@ class StreamingSelection(AbstractSelection):
     Tiles are scored by the problem's scorer (``SelectionProblem.scores``); automatic sizes
     come from its ``tiles``. A V4.1 candidate source's blocks come from the same buffers
     (``select_candidates``); a problem with ``candidates`` scores only each query's candidate
-    entries (``csa_eqx._selection_candidates``).
+    entries (``candidate_topk``).
 
     **Arguments:**
 
@@ -189,3 +189,70 @@ def _stream_topk(
 
     outs = tuple(jnp.full((b, s, w), -1, jnp.int32) for w in widths)
     return jax.lax.fori_loop(0, q_starts.shape[0], query_block_body, outs)
+
+
+def candidate_topk(
+    problem: SelectionProblem, k: int, query_block: int = 0
+) -> Int[Array, "batch seq {k}"]:
+    """The ``k`` best visible entries per query among its ``problem.candidates``' blocks
+    (docs/v41.md, "Memory"): per query block, each query's own candidate entries are
+    gathered and scored, never the ``[B, S, T]`` scores.
+
+    Why gather rather than stream every key tile with a per-tile candidate mask: a query has
+    at most ``Nb·bc`` candidates (the release: 2048 blocks of 8, 16,384 entries), while the
+    key tiles would score all ``T`` visible entries (up to 1M at the release's context): 64x
+    the flops there (``2·T·H·d`` against ``2·Nb·bc·H·d`` per query, 8.6 against 0.13 GFLOP
+    with the release's 32 index heads of 128) and a radix select over 64x the entries.
+    Gathering reads ``Nb·bc·d`` key values per query (8 MiB in float32); a query block holds
+    its ``[B, Qb, Nb·bc, d]`` keys and ``[B, Qb, H, Nb·bc]`` head logits within the tile
+    budget (``TileSizes.elements``; ``Qb`` from ``sparse_query_block``, 16 at the release's
+    sizes on an accelerator). Up to ``Nb·bc`` entries the filter keeps every block holding a
+    visible entry and ``V41Attention`` does not restrict at all, so short rows never gather.
+    Slots are gathered in increasing block order, so ties go to the lower entry: the picks
+    of ``select_topk`` on the scores masked to the candidates, bitwise given the same
+    scores.
+
+    **Arguments:** the ``problem`` (with ``candidates`` and ``candidate_block_size``),
+    ``k > 0`` and the ``query_block`` (0 = automatic: the gathered keys and head logits of a
+    block within ``problem.tiles.elements``).
+
+    **Returns:** int32 ``[B, S, k]`` entry slots in increasing order, ``-1`` = none.
+    """
+    if k <= 0:
+        raise ValueError(f"k must be positive (got {k})")
+    project, rows, keys = problem.project, problem.rows, problem.keys
+    query_index, query_segment, layout = problem.visibility
+    bc = problem.candidate_block_size
+    b, s, h, d = jax.eval_shape(project, *rows)[0].shape
+    t, n = keys.shape[1], problem.candidates.shape[-1] * bc
+    if t == 0 or s == 0:
+        return jnp.full((b, s, k), -1, jnp.int32)
+    heads = problem.head_chunk or h
+    qb = min(query_block or sparse_query_block(b, heads, d, n, 0, problem.tiles.elements), s)
+    # Integer output: nothing here is differentiated (closed-over parameters included).
+    block = [jax.ShapeDtypeStruct((r.shape[0], qb, *r.shape[2:]), r.dtype) for r in rows]
+    project, consts = jax.closure_convert(project, *block)
+    rows, consts, keys = jax.lax.stop_gradient((rows, consts, keys))
+    q_starts = block_starts(s, qb)
+
+    def query_block_body(i, out):
+        r0 = q_starts[i]
+        qx, wx = project(*(take(r, r0, qb) for r in rows), *consts)
+        cand = take(problem.candidates, r0, qb)
+        slots = (cand[..., None] * bc + jnp.arange(bc, dtype=jnp.int32)).reshape(b, qb, n)
+        slots = jnp.where((cand[..., None] >= 0).repeat(bc, -1).reshape(b, qb, n), slots, t)
+        safe = jnp.minimum(slots, t - 1)
+        gathered = jax.vmap(lambda k, i: k[i])(keys, safe)  # [B, Qb, n, d]
+        # each query's own slots, as one-query rows of entry_visibility
+        end, seg = (jnp.take_along_axis(a, safe.reshape(b, -1), 1) for a in layout[:2])
+        own = EntryLayout(end.reshape(b * qb, n), seg.reshape(b * qb, n), None)
+        rows_of = (take(a, r0, qb).reshape(b * qb, 1) for a in (query_index, query_segment))
+        visible = entry_visibility(*rows_of, own).reshape(b, qb, n) & (slots < t)
+        _, pos = exact_topk(
+            problem.gathered_scores(qx, wx, gathered), visible, k, unroll=problem.tiles.unroll
+        )
+        picks = jnp.take_along_axis(slots, jnp.maximum(pos, 0), axis=-1)
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(pos >= 0, picks, -1), r0, 1)
+
+    out = jnp.full((b, s, k), -1, jnp.int32)
+    return jax.lax.fori_loop(0, q_starts.shape[0], query_block_body, out)
