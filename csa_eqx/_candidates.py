@@ -3,8 +3,8 @@
 expansion of block ids to an entry mask (dense paths only).
 
 Candidates are int32 ``[B, S, Nb]``: per query the ids of the kept blocks of ``bc`` consecutive
-entry slots, in increasing order, ``-1`` past the last. A bool ``[B, S, T]`` mask would be
-``T / Nb`` times larger (64x at the release's ``Nb = 2048``, ``bc = 8`` and 1M entries).
+entry slots, in increasing order, ``-1`` past the last: 8 KiB per query at the release's
+``Nb = 2048``, where a bool ``[B, S, T]`` mask of 1M entries would take 1 MiB.
 """
 
 from __future__ import annotations

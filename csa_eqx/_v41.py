@@ -64,7 +64,7 @@ class V41Shared(NamedTuple):
         in increasing order, ``-1`` = none.
     - ``candidates``: the candidate source's pre-filter, int32 ``[B, S, Nb]``: the ids of the
         kept blocks of ``bc`` entry slots, in increasing order, ``-1`` past the last
-        (``csa_eqx.candidate_blocks``; ``csa_eqx._candidates.candidate_mask`` expands them).
+        (``csa_eqx.candidate_blocks``; docs/v41.md, "Memory").
     - ``stale_keys``: ``None``, or the keys the next index source scores instead of
         ``keys`` (only ``extend_v41_stack(..., stale_index_keys=True)`` sets it, to emulate
         DeepSeek's stale-key defect).

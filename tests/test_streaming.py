@@ -476,9 +476,9 @@ def _np_topk(scores, allowed, k):
 
 def test_v41_candidates_equal_brute_force():
     """A V4.1 candidate source's selection and blocks (``select_candidates``) and a consumer's
-    selection within them (``SelectionProblem.candidates``), dense and streaming (one row
-    buffer; merged buffers of small tiles; a key block rounded up to ``bc``; the consumer's
-    gathered candidates in query blocks), against numpy. Two packed documents, exact
+    selection within them (``SelectionProblem.candidates``), dense and streaming (merged row
+    buffers, a key block rounded up to ``bc``, the consumer's gathered candidates in query
+    blocks), against numpy. Two packed documents, exact
     small-integer scores, many ties."""
     b, s, nb, bc, k = 2, 37, 3, 4, 5
     r = np.random.default_rng(0)
@@ -497,11 +497,8 @@ def test_v41_candidates_equal_brute_force():
     in_blocks = (want_cand[..., None, :] == (np.arange(s) // bc)[:, None]).any(-1)
     want = _np_topk(scores, visible, k), _np_topk(scores, visible & in_blocks, k)
     assert (want[0] != want[1]).any()
-    strategies = [
-        ce.DenseSelection(),
-        ce.StreamingSelection(key_block=4, topk_block=8),
-        ce.StreamingSelection(key_block=3, query_block=5),
-    ]
+    # key tiles of 3 rounded up to 4, two tiles per row buffer, 5-query blocks
+    strategies = [ce.DenseSelection(), ce.StreamingSelection(3, query_block=5, topk_block=8)]
     for strategy in strategies:
 
         @jax.jit
