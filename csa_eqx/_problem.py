@@ -151,9 +151,10 @@ def _identity(q: Array, w: Array) -> tuple[Array, Array]:
 
 class AbstractSelection(eqx.Module):
     """How the indexer's top-k is computed. Every strategy returns the same selection bitwise:
-    the ``k`` best visible entries per query (ties to the lower index), in increasing index
-    order, ``-1`` past the visible count. A strategy scores through ``problem.scores`` (the
-    problem's scorer) and sizes its tiles by ``problem.tiles``."""
+    the ``k`` best visible entries per query (within its ``problem.candidates`` when set; ties
+    to the lower index), in increasing index order, ``-1`` past the visible count. A strategy
+    scores through ``problem.scores`` (the problem's scorer) and sizes its tiles by
+    ``problem.tiles``."""
 
     @abc.abstractmethod
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
