@@ -221,13 +221,17 @@ def test_v32_saved_selection_is_not_recomputed():
 
 
 def test_v41_stack_saves_one_selection_per_index_source():
-    """A V4.1 stack under one ``jax.checkpoint`` (docs/v41.md; the memory guard's: 0 a ratio-2
-    source, 1 reuse, 2 the candidate source, 3 its consumer): each index source computes its
-    selection once and saves it, the backward recomputes none of them (nor the candidates,
-    which only the consumer's selection needs), and the reuse layer computes none at all.
-    Streaming with small tiles: merged row buffers, the candidate source's blocks from the
-    same buffers, the consumer's gathered candidates."""
-    from test_memory_guard import V41_STACK as CONFIG
+    """A V4.1 stack under one ``jax.checkpoint`` (docs/v41.md; the memory guard's, 0 a ratio-2
+    source, 1 reuse, 2 the candidate source, 3 its consumer, with 2 blocks of 4 kept of 6):
+    each index source computes its selection once and saves it, the backward recomputes none
+    of them (nor the candidates, which only the consumer's selection needs), and the reuse
+    layer computes none at all. Streaming with small tiles: merged row buffers, the candidate
+    source's blocks from the same buffers, the consumer's gathered candidates."""
+    import dataclasses
+
+    from test_memory_guard import V41_STACK
+
+    CONFIG = dataclasses.replace(V41_STACK, candidate_topk_blocks=2)
 
     x = jax.random.normal(jax.random.key(1), (B, S, CONFIG.hidden_size))
     keys = jax.random.split(jax.random.key(0), CONFIG.num_layers)
