@@ -9,6 +9,7 @@ from ._auto import AutoSelection as AutoSelection
 from ._cache import CompressorState as CompressorState
 from ._cache import V4Cache as V4Cache
 from ._cache import V32Cache as V32Cache
+from ._candidates import candidate_blocks as candidate_blocks
 from ._compressor import Compressor as Compressor
 from ._compressor import pool_windows as pool_windows
 from ._config import V4AttentionConfig as V4AttentionConfig
@@ -63,7 +64,6 @@ from ._v41 import V41Attention as V41Attention
 from ._v41 import V41Compressor as V41Compressor
 from ._v41 import V41Indexer as V41Indexer
 from ._v41 import V41Shared as V41Shared
-from ._v41 import candidate_blocks as candidate_blocks
 from ._v41 import extend_v41_stack as extend_v41_stack
 from ._v41 import run_v41_stack as run_v41_stack
 from ._v41_config import V41AttentionConfig as V41AttentionConfig

@@ -128,7 +128,9 @@ class _DenseOrStreaming(eqx.Module):
 class AutoSelection(_DenseOrStreaming, AbstractSelection):
     """Dense while the largest score tensor ``[B, S, heads at once, T]`` fits one automatic
     tile (``SelectionProblem.tiles.elements``: 2^24 elements on CPU, 2^26 on accelerators),
-    streaming beyond (``streams``): ``DenseSelection`` or ``StreamingSelection``.
+    streaming beyond (``streams``): ``DenseSelection`` or ``StreamingSelection`` (for a V4.1
+    candidate source both answers, ``select_candidates``; for a consumer with
+    ``candidates``, streaming scores only each query's gathered candidates).
 
     **Arguments:**
 
@@ -140,6 +142,10 @@ class AutoSelection(_DenseOrStreaming, AbstractSelection):
 
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
         return self.choose(*problem.sizes(), problem.tiles).select(problem, k)
+
+    def select_candidates(self, problem, k, topk_blocks, block_size):
+        method = self.choose(*problem.sizes(), problem.tiles)
+        return method.select_candidates(problem, k, topk_blocks, block_size)
 
 
 class AutoIndexerLoss(_DenseOrStreaming, AbstractIndexerLoss):

@@ -420,17 +420,39 @@ class Execution(eqx.Module):
 
         **Returns:** int32 ``[B, S, k]`` entry indices, ``-1`` = none.
         """
+        (selection,) = self._run(problem, lambda p: (self.selection.select(p, k),))
+        return tag_selection(selection, self.save_selection)
 
-        def stage(rows, keys, visibility):
-            return self.selection.select(
-                problem._replace(rows=rows, keys=keys, visibility=visibility), k
+    def select_candidates(
+        self, problem: SelectionProblem, k: int, topk_blocks: int, block_size: int
+    ) -> tuple[Int[Array, "batch seq {k}"], Int[Array, "batch seq {topk_blocks}"]]:
+        """A V4.1 candidate source's ``selection.select_candidates`` (docs/v41.md,
+        "Candidates"), run as ``select`` runs it; only the selection is tagged (with it saved,
+        the backward needs no candidates).
+
+        **Arguments:** the ``SelectionProblem``, ``k > 0``, ``Nb`` and ``bc``.
+
+        **Returns:** ``(selection [B, S, k], candidate blocks [B, S, Nb])``, int32, ``-1`` =
+        none.
+        """
+        selection, candidates = self._run(
+            problem, lambda p: self.selection.select_candidates(p, k, topk_blocks, block_size)
+        )
+        return tag_selection(selection, self.save_selection), candidates
+
+    def _run(self, problem: SelectionProblem, run: Callable) -> tuple[Array, ...]:
+        """``run(problem)`` (a tuple of ``[B, S, n]``), under ``indexer_heads_axis`` Auto when
+        that is set."""
+
+        def stage(rows, keys, visibility, candidates):
+            return run(
+                problem._replace(rows=rows, keys=keys, visibility=visibility, candidates=candidates)
             )
 
         if self.indexer_heads_axis is not None:
             like = problem.visibility.query_index
             stage = tensor_axis_auto(stage, self.indexer_heads_axis, like)
-        selection = stage(problem.rows, problem.keys, problem.visibility)
-        return tag_selection(selection, self.save_selection)
+        return stage(problem.rows, problem.keys, problem.visibility, problem.candidates)
 
 
 def _numerics(numerics: str | AbstractNumerics) -> AbstractNumerics:

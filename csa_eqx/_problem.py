@@ -50,6 +50,11 @@ class SelectionProblem(NamedTuple):
         reference), as ``Execution.scorer`` says.
     - ``tiles``: the backend's tile sizes (``TileSizes``; default the CPU sizes), as
         ``Execution.tiles`` resolves them.
+    - ``candidates``: ``None``, or V4.1's pre-filter (docs/v41.md, "Candidates"): int32
+        ``[B, S, Nb]`` ids of the blocks of ``candidate_block_size`` consecutive entry slots
+        each query may pick from (increasing, ``-1`` past the last); every strategy then picks
+        only visible entries of those blocks.
+    - ``candidate_block_size``: the blocks' size ``bc`` (with ``candidates``).
     """
 
     project: Callable[..., tuple[Array, Array]]
@@ -60,6 +65,8 @@ class SelectionProblem(NamedTuple):
     score_dtype: str | None = None
     scorer: AbstractScorer = _REFERENCE
     tiles: TileSizes = _CPU_TILES
+    candidates: Int[Array, "batch seq blocks"] | None = None
+    candidate_block_size: int = 0
 
     @classmethod
     def from_queries(
@@ -121,6 +128,22 @@ class SelectionProblem(NamedTuple):
             q, weights, keys, head_chunk=self.head_chunk, score_dtype=self.score_dtype
         )
 
+    def gathered_scores(
+        self,
+        q: Float[Array, "batch seq heads dim"],
+        weights: Float[Array, "batch seq heads"],
+        keys: Float[Array, "batch seq picks dim"],
+    ) -> Float[Array, "batch seq picks"]:
+        """**Arguments:** queries and weights as for ``scores`` and each query's own keys
+        ``[B, S, n, d]``.
+
+        **Returns:** their float32 scores ``[B, S, n]`` (``AbstractScorer.gathered_scores``,
+        with the problem's ``head_chunk`` and ``score_dtype``).
+        """
+        return self.scorer.gathered_scores(
+            q, weights, keys, head_chunk=self.head_chunk, score_dtype=self.score_dtype
+        )
+
 
 def _identity(q: Array, w: Array) -> tuple[Array, Array]:
     return q, w
@@ -128,9 +151,10 @@ def _identity(q: Array, w: Array) -> tuple[Array, Array]:
 
 class AbstractSelection(eqx.Module):
     """How the indexer's top-k is computed. Every strategy returns the same selection bitwise:
-    the ``k`` best visible entries per query (ties to the lower index), in increasing index
-    order, ``-1`` past the visible count. A strategy scores through ``problem.scores`` (the
-    problem's scorer) and sizes its tiles by ``problem.tiles``."""
+    the ``k`` best visible entries per query (within its ``problem.candidates`` when set; ties
+    to the lower index), in increasing index order, ``-1`` past the visible count. A strategy
+    scores through ``problem.scores`` (the problem's scorer) and sizes its tiles by
+    ``problem.tiles``."""
 
     @abc.abstractmethod
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
@@ -138,6 +162,22 @@ class AbstractSelection(eqx.Module):
 
         **Returns:** int32 ``[B, S, k]`` entry indices, ``-1`` = none.
         """
+
+    def select_candidates(
+        self, problem: SelectionProblem, k: int, topk_blocks: int, block_size: int
+    ) -> tuple[Int[Array, "batch seq {k}"], Int[Array, "batch seq {topk_blocks}"]]:
+        """A V4.1 candidate source's two answers from one scoring of the problem: the top-k
+        and the candidate blocks (``csa_eqx.candidate_blocks``'s, bitwise; docs/v41.md,
+        "Candidates").
+
+        **Arguments:** the ``problem`` (without ``candidates``), ``k > 0``, ``Nb`` and ``bc``.
+
+        **Returns:** ``(selection [B, S, k], candidates [B, S, Nb])``, int32, ``-1`` = none.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not compute V4.1's candidate blocks (a candidate "
+            "source needs DenseSelection, StreamingSelection, AutoSelection or ShardedSelection)"
+        )
 
 
 class AbstractIndexerLoss(eqx.Module):

@@ -139,14 +139,22 @@ class AbstractScorer(eqx.Module):
         """
 
     def gathered_scores(
-        self, q, weights, keys: Float[Array, "batch seq picks dim"], *, head_chunk=0
+        self,
+        q,
+        weights,
+        keys: Float[Array, "batch seq picks dim"],
+        *,
+        head_chunk=0,
+        score_dtype=None,
     ) -> Float[Array, "batch seq picks"]:
         """Scores of each query against its own keys (the sparse stage of the indexer loss,
-        float32). By default ``scores`` mapped over the queries; a kernel may override it.
+        V4.1's selection within candidates; float32). By default ``scores`` mapped over the
+        queries; a kernel may override it.
 
         **Arguments:**
 
-        - ``q``, ``weights``, ``head_chunk``: as for ``scores`` (declared there).
+        - ``q``, ``weights``, ``head_chunk``, ``score_dtype``: as for ``scores`` (declared
+            there).
         - ``keys``: ``[B, S, k, d]``, each query's gathered keys.
 
         **Returns:**
@@ -155,7 +163,8 @@ class AbstractScorer(eqx.Module):
         """
 
         def one(q, w, k):  # a single query row: [1, 1, H, d], [1, 1, H], [1, k, d]
-            return self.scores(q[None, None], w[None, None], k[None], head_chunk=head_chunk)[0, 0]
+            kw = dict(head_chunk=head_chunk, score_dtype=score_dtype)
+            return self.scores(q[None, None], w[None, None], k[None], **kw)[0, 0]
 
         return jax.vmap(jax.vmap(one))(q, weights, keys)
 

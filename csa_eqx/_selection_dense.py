@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from jaxtyping import Array, Int
 
+from ._candidates import candidate_blocks, candidate_mask
 from ._problem import AbstractSelection, SelectionProblem
 from ._topk import select_topk
 
@@ -13,12 +14,23 @@ __all__ = [
 
 
 class DenseSelection(AbstractSelection):
-    """Score every query against every entry (``[B, S, T]`` float32), then one exact top-k.
-    Fastest while that tensor is small; see ``csa_eqx.AutoSelection``.
+    """Score every query against every entry (``[B, S, T]`` float32), then one exact top-k
+    (within the ``candidates`` when the problem has them). Fastest while that tensor is small;
+    see ``csa_eqx.AutoSelection``.
 
     **Arguments:** none. ``select`` returns int32 ``[B, S, k]``, ``-1`` = none.
     """
 
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
         scores = problem.scores(*problem.queries(), problem.keys)
-        return select_topk(scores, problem.visibility.mask(), k, unroll=problem.tiles.unroll)
+        visible = problem.visibility.mask()
+        if problem.candidates is not None:
+            bc = problem.candidate_block_size
+            visible &= candidate_mask(problem.candidates, bc, visible.shape[-1])
+        return select_topk(scores, visible, k, unroll=problem.tiles.unroll)
+
+    def select_candidates(self, problem, k, topk_blocks, block_size):
+        scores = problem.scores(*problem.queries(), problem.keys)
+        visible, unroll = problem.visibility.mask(), problem.tiles.unroll
+        selection = select_topk(scores, visible, k, unroll=unroll)
+        return selection, candidate_blocks(scores, visible, topk_blocks, block_size, unroll=unroll)

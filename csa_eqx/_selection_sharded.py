@@ -12,6 +12,7 @@ error); a batch the data axis does not divide is replicated.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +50,8 @@ class ShardedSelection(AbstractSelection):
     Rows that do not divide evenly are **padded** to a multiple of the tensor size with rows
     that see no entry, and the padding is sliced off. The gathered ``[B, S, k]`` result comes
     back in the ``[B, S]`` layout the query indices came in, and equals the unsharded
-    selection bitwise.
+    selection bitwise; so do a V4.1 candidate source's blocks (``select_candidates``) and a
+    consumer's selection (its ``candidates`` are split with the rows).
     """
 
     inner: AbstractSelection = AutoSelection()
@@ -58,21 +60,35 @@ class ShardedSelection(AbstractSelection):
     mesh: MeshLike | None = None
 
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
+        return self._rows(problem, lambda shard: (self.inner.select(shard, k),))[0]
+
+    def select_candidates(self, problem, k, topk_blocks, block_size):
+        def run(shard):
+            return self.inner.select_candidates(shard, k, topk_blocks, block_size)
+
+        return self._rows(problem, run)
+
+    def _rows(self, problem: SelectionProblem, run: Callable) -> tuple[Array, ...]:
+        """``run``'s ``[B, S, n]`` results (a tuple), each shard running it on its rows of the
+        problem (their queries, visibility and candidates) and the shards all-gathered."""
         mesh = mesh_with_axis(self.tensor_axis, "indexer_sharded_topk", self.mesh)
-        tensor_axis, inner = self.tensor_axis, self.inner
+        tensor_axis = self.tensor_axis
         q, weights = problem.queries()  # projected here: each shard gets its rows' queries
         query_index, query_segment, layout = problem.visibility
         b, s = query_index.shape
         if s == 1:  # a single query row (decode) is not split
-            return inner.select(problem.with_queries(q, weights), k)
+            return run(problem.with_queries(q, weights))
         out_layout = P(*row_spec(query_index), None)
         tp = mesh.shape[tensor_axis]
         rows, pad = -(-s // tp), -s % tp
+        # per-row inputs, padded with rows that see no entry (query index -1, no candidates)
+        per_row = (q, weights) + (() if problem.candidates is None else (problem.candidates,))
         if pad:
-            q, weights, query_segment = (_pad_rows(a, pad) for a in (q, weights, query_segment))
+            per_row = tuple(_pad_rows(a, pad, -1 if a.dtype == jnp.int32 else 0) for a in per_row)
+            query_segment = _pad_rows(query_segment, pad)
             query_index = _pad_rows(query_index, pad, -1)  # index -1 sees no entry
 
-        def local(q, weights, keys, query_index, query_segment, layout):
+        def local(per_row, keys, query_index, query_segment, layout):
             # The [B, S] int rows are tiny: pass them whole and slice this shard's rows here.
             # (Resharding them by rows outside made XLA's CPU SPMD partitioner emit invalid
             # HLO when the layer also shifts the same segment ids; jax 0.10.2.)
@@ -81,42 +97,39 @@ class ShardedSelection(AbstractSelection):
                 jax.lax.dynamic_slice_in_dim(a, start, rows, axis=1)
                 for a in (query_index, query_segment)
             )
+            q, weights, *candidates = per_row
             shard = problem.with_queries(q, weights)._replace(
-                keys=keys, visibility=Visibility(query_index, query_segment, layout)
+                keys=keys,
+                visibility=Visibility(query_index, query_segment, layout),
+                candidates=candidates[0] if candidates else None,
             )
-            return jax.lax.all_gather(inner.select(shard, k), tensor_axis, axis=1, tiled=True)
+            gather = partial(jax.lax.all_gather, axis_name=tensor_axis, axis=1, tiled=True)
+            return tuple(gather(out) for out in run(shard))
 
-        def this_device(q, weights, *rest):
+        def this_device(per_row, *rest):
             # inside a shard_map already manual over the axis (head parallelism), where every
             # device holds all rows: this device's rows, all-gathered the same way
             start = jax.lax.axis_index(tensor_axis) * rows
-            q, weights = (
-                jax.lax.dynamic_slice_in_dim(a, start, rows, axis=1) for a in (q, weights)
-            )
-            return local(q, weights, *rest)
+            per_row = tuple(jax.lax.dynamic_slice_in_dim(a, start, rows, axis=1) for a in per_row)
+            return local(per_row, *rest)
 
-        args = (q, weights, problem.keys, query_index, query_segment, layout)
+        args = (per_row, problem.keys, query_index, query_segment, layout)
         # where the shards run: inside a shard_map already manual over the axis, each device
         # takes its slice of the rows; else a shard_map of our own splits them
         if is_manual(jax.sharding.get_abstract_mesh(), tensor_axis):
-            out = this_device(*args)
-            return out[:, :s] if pad else out
-        out = self._shard_map(local, mesh, b, args)
-        return place(out[:, :s] if pad else out, mesh, out_layout)
+            return tuple(out[:, :s] for out in this_device(*args))
+        outs = self._shard_map(local, mesh, b, args)
+        return tuple(place(out[:, :s], mesh, out_layout) for out in outs)
 
-    def _shard_map(self, local: Callable, mesh: MeshLike, batch: int, args: tuple) -> Array:
+    def _shard_map(
+        self, local: Callable, mesh: MeshLike, batch: int, args: tuple
+    ) -> tuple[Array, ...]:
         """``local`` in a ``shard_map``: query rows over ``tensor_axis``, the batch over
         ``data_axis`` when that is free and divides it (``csa_eqx._mesh.batch_axis``)."""
         dp = batch_axis(mesh, self.data_axis, batch)
         shared = P(dp, None)
-        specs = (
-            P(dp, self.tensor_axis, None, None),
-            P(dp, self.tensor_axis, None),
-            P(dp, None, None),
-            shared,
-            shared,
-            EntryLayout(shared, shared, shared),
-        )
+        per_row = tuple(P(dp, self.tensor_axis, *[None] * (a.ndim - 2)) for a in args[0])
+        specs = (per_row, P(dp, None, None), shared, shared, EntryLayout(shared, shared, shared))
         # nothing here is differentiated, and the all-gather makes the result replicated over
         # ``tensor_axis``
         return run_sharded(local, mesh, specs, P(dp, None, None), set(mesh.axis_names), *args)

@@ -50,19 +50,22 @@ def streaming_block_sizes(
     key_block: int = 0,
     query_block: int = 0,
     tiles: TileSizes = _CPU_TILES,
+    multiple: int = 1,
 ) -> tuple[int, int]:
     """**Arguments:** the problem's sizes, the requested ``key_block`` / ``query_block``
-    (0 = automatic) and the backend's ``tiles`` (``TileSizes``; default the CPU sizes,
-    ``csa_eqx._auto.backend_tiles()`` for the current backend).
+    (0 = automatic), the backend's ``tiles`` (``TileSizes``; default the CPU sizes,
+    ``csa_eqx._auto.backend_tiles()`` for the current backend) and the ``multiple`` the key
+    block must be (V4.1's candidate blocks: ``bc``).
 
-    **Returns:** ``(query_block, key_block)``, clipped to the sequence and the entries.
+    **Returns:** ``(query_block, key_block)``, clipped to the sequence and the entries (the
+    key block then rounded up to the ``multiple``).
 
     Automatic: key tiles of ``tiles.key_block`` entries (128 on CPU, 512 on accelerators) and
     the largest power-of-two query block (at least 16, at most ``tiles.max_query_block``: 256
     on CPU, 1024 on accelerators) whose ``[B, Qb, heads, Kb]`` tile stays within
     ``tiles.elements`` (2^24 on CPU, 2^26 on accelerators).
     """
-    kb = max(1, min(key_block or tiles.key_block, entries))
+    kb = -(-max(1, min(key_block or tiles.key_block, entries)) // multiple) * multiple
     qb = query_block
     if not qb:
         budget = max(tiles.elements // (batch * max(heads_at_once, 1) * kb), 1)

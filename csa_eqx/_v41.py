@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from beartype import beartype
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, ArrayLike, Bool, Float, Int, jaxtyped
+from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped
 
 from . import _checks as checks
 from ._attention import AbstractIndexedAttention
@@ -29,21 +29,18 @@ from ._config import YaRNScaling
 from ._decode import ChunkSource, chunk_rows
 from ._execution import Execution, checked_execution
 from ._heads import split_specs
-from ._layout import EntryLayout, Visibility, scatter_rows, segment_positions, token_rows
+from ._layout import EntryLayout, Visibility, segment_positions, token_rows
 from ._numerics import V41_FORMATS, DeepSeekFormats
 from ._ops import init_linear, linear, rms_norm
 from ._rope import apply_rope_interleaved, rope_inv_freq
 from ._rows import whole_rows
-from ._topk import select_topk
 from ._v41_config import V41AttentionConfig, V41WiringError
-from .remat import tag_selection
 
 __all__ = [
     "V41Attention",
     "V41Compressor",
     "V41Indexer",
     "V41Shared",
-    "candidate_blocks",
     "run_v41_stack",
     "extend_v41_stack",
 ]
@@ -61,8 +58,9 @@ class V41Shared(NamedTuple):
     - ``layout``: their slots' ``EntryLayout`` (``[B, T]``).
     - ``selection``: the latest index source's top-k, int32 ``[B, S, index_topk]`` entry slots
         in increasing order, ``-1`` = none.
-    - ``candidates``: the candidate source's pre-filter, bool ``[B, S, T]`` (the entries of the
-        kept blocks).
+    - ``candidates``: the candidate source's pre-filter, int32 ``[B, S, Nb]``: the ids of the
+        kept blocks of ``bc`` entry slots, in increasing order, ``-1`` past the last
+        (``csa_eqx.candidate_blocks``; docs/v41.md, "Memory").
     - ``stale_keys``: ``None``, or the keys the next index source scores instead of
         ``keys`` (only ``extend_v41_stack(..., stale_index_keys=True)`` sets it, to emulate
         DeepSeek's stale-key defect).
@@ -72,40 +70,8 @@ class V41Shared(NamedTuple):
     keys: Float[Array, "batch slots index_dim"] | None = None
     layout: EntryLayout | None = None
     selection: Int[Array, "batch seq k"] | None = None
-    candidates: Bool[Array, "batch seq slots"] | None = None
+    candidates: Int[Array, "batch seq blocks"] | None = None
     stale_keys: Float[Array, "batch slots index_dim"] | None = None
-
-
-def candidate_blocks(
-    scores: Float[Array, "batch seq entries"],
-    visible: Bool[Array, "batch seq entries"],
-    topk_blocks: int,
-    block_size: int,
-) -> Bool[Array, "batch seq entries"]:
-    """V4.1's candidate pre-filter (docs/v41.md, "Candidates"): the entry slots in blocks of
-    ``block_size``, each block scored by its best visible entry; per query the block holding
-    its newest visible entry is always kept, then the best ``topk_blocks`` blocks in all
-    (ties to the lower block), never a block without a visible entry.
-
-    **Arguments:** float index ``scores [B, S, T]``, their ``visible`` mask, ``Nb`` and ``bc``.
-
-    **Returns:** bool ``[B, S, T]``: every slot of a kept block (the pinned block's slots past
-    the query's newest visible one included; visibility still applies).
-    """
-    b, s, t = scores.shape
-    nblk = -(-t // block_size)
-    pad = nblk * block_size - t
-    masked = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
-    masked = jnp.pad(masked, [(0, 0), (0, 0), (0, pad)], constant_values=-jnp.inf)
-    best = jnp.max(masked.reshape(b, s, nblk, block_size), axis=-1)
-    newest = jnp.max(jnp.where(visible, jnp.arange(t, dtype=jnp.int32), -1), axis=-1)
-    pinned = (newest >= 0)[..., None] & (
-        jnp.arange(nblk, dtype=jnp.int32) == (newest // block_size)[..., None]
-    )
-    best = jnp.where(pinned, jnp.inf, best)
-    top = select_topk(best, best > -jnp.inf, min(topk_blocks, nblk))
-    kept = scatter_rows(jnp.where(top < 0, nblk, top), jnp.ones(top.shape, bool), nblk, False)
-    return jnp.repeat(kept, block_size, axis=-1)[..., :t]
 
 
 class V41Compressor(eqx.Module):
@@ -422,24 +388,21 @@ class V41Attention(AbstractIndexedAttention):
         return jnp.concatenate([entries, keys.astype(entries.dtype)], axis=-1)
 
     def _select(self, problem, shared):
-        """The index source's top-k: by the execution's strategy, or, at the candidate source
-        and its consumers, from the dense scores (the block pre-filter needs every score)."""
-        c, i = self.config, self.layer
-        cand_source, uses = c.is_candidate_source(i), c.uses_candidates(i)
-        if not (cand_source or uses):
-            return self.execution.select(problem, c.index_topk), shared.candidates
-        scores = problem.scores(*problem.queries(), problem.keys)
-        visible = problem.visibility.mask()
-        if cand_source:
-            candidates = candidate_blocks(
-                scores, visible, c.candidate_topk_blocks, c.candidate_block_size
-            )
-            selection = select_topk(scores, visible, c.index_topk)
-            return tag_selection(selection, self.execution.save_selection), candidates
-        if shared.candidates is None:
-            raise V41WiringError(f"layer {i} uses candidates but none were published")
-        selection = select_topk(scores, visible & shared.candidates, c.index_topk)
-        return tag_selection(selection, self.execution.save_selection), shared.candidates
+        """The index source's top-k by the execution's strategy: with the candidate blocks at
+        the candidate source (from the same scores), within them at its consumers (only
+        where the filter can drop anything: with ``Nb`` at least the blocks there are, it
+        keeps every block holding a visible entry)."""
+        c, i, ex = self.config, self.layer, self.execution
+        if c.is_candidate_source(i):
+            nb, bc = c.candidate_topk_blocks, c.candidate_block_size
+            return ex.select_candidates(problem, c.index_topk, nb, bc)
+        if c.uses_candidates(i):
+            if shared.candidates is None:
+                raise V41WiringError(f"layer {i} uses candidates but none were published")
+            bc, entries = c.candidate_block_size, problem.keys.shape[1]
+            if -(-entries // bc) > c.candidate_topk_blocks:
+                problem = problem._replace(candidates=shared.candidates, candidate_block_size=bc)
+        return ex.select(problem, c.index_topk), shared.candidates
 
     @jaxtyped(typechecker=beartype)
     def __call__(

@@ -16,8 +16,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_v41_config import SIZES
 
-from csa_eqx import Execution, V4Attention, V32Attention
+from csa_eqx import (
+    Execution,
+    V4Attention,
+    V32Attention,
+    V41Attention,
+    V41AttentionConfig,
+    run_v41_stack,
+)
 from csa_eqx.presets import tiny_v4, tiny_v32
 
 B, S = 64, 8192
@@ -87,6 +95,44 @@ def test_fwd_bwd_never_forms_bst(version, stage):
 
     params, static = eqx.partition(layer, eqx.is_inexact_array)
     x = jax.ShapeDtypeStruct((B, S, layer.config.hidden_size), jnp.float32)
+    jaxpr = jax.make_jaxpr(jax.grad(objective, argnums=(0, 2)), static_argnums=1)(
+        params, static, x
+    ).jaxpr
+    values = largest_values(jaxpr)
+    assert len(values) > 100 and "while" in nested_primitives(jaxpr)  # the walk went deep
+    too_big = sorted(
+        {(n, str(shape), str(dtype), p) for n, shape, dtype, p in values if n >= bound}
+    )
+    assert not too_big, f"values with >= B*S*T/8 = {bound} elements: {too_big[-5:]}"
+
+
+# A V4.1 stack (docs/v41.md) with every role that scores: a ratio-2 KV source, a reuse layer, the
+# ratio-1 candidate source and a reindex consumer, whose filter bites (T / bc = 2048 blocks,
+# Nb = 16). The bound takes the smallest T (the ratio-2 layer's S/2); the ratio-1 layers'
+# [B, S, T] is twice as large again.
+V41_STACK = V41AttentionConfig(
+    compress_ratios=(2, 2, 1, 1),
+    kv_source_layers=(0, 2),
+    index_source_layers=(0, 2, 3),
+    candidate_source_layer=2,
+    candidate_topk_blocks=16,
+    candidate_block_size=4,
+    **SIZES,
+)
+
+
+def test_v41_stack_fwd_bwd_never_forms_bst():
+    keys = jax.random.split(jax.random.key(0), V41_STACK.num_layers)
+    layers = tuple(V41Attention(V41_STACK, i, key=k) for i, k in enumerate(keys))
+    assert [V41_STACK.role(i) for i in range(4)] == ["full", "reuse", "full", "reindex"]
+    bound = B * S * (S // 2) // 8
+
+    def objective(params, static, x):
+        ys, _ = run_v41_stack(eqx.combine(params, static), x)
+        return sum(jnp.sum(y) for y in ys)
+
+    params, static = eqx.partition(layers, eqx.is_inexact_array)
+    x = jax.ShapeDtypeStruct((B, S, V41_STACK.hidden_size), jnp.float32)
     jaxpr = jax.make_jaxpr(jax.grad(objective, argnums=(0, 2)), static_argnums=1)(
         params, static, x
     ).jaxpr

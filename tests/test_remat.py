@@ -218,3 +218,52 @@ def test_v32_saved_selection_is_not_recomputed():
         assert count_prim(jax.make_jaxpr(loss)(layer, x, seg), TOPK) == 1
         counts[save] = count_prim(jax.make_jaxpr(jax.grad(loss))(layer, x, seg), TOPK)
     assert counts == {False: 2, True: 1}
+
+
+def test_v41_stack_saves_one_selection_per_index_source():
+    """A V4.1 stack under one ``jax.checkpoint`` (docs/v41.md; the memory guard's, 0 a ratio-2
+    source, 1 reuse, 2 the candidate source, 3 its consumer, with 2 blocks of 4 kept of 6):
+    each index source computes its selection once and saves it, the backward recomputes none
+    of them (nor the candidates, which only the consumer's selection needs), and the reuse
+    layer computes none at all. Streaming with small tiles: merged row buffers, the candidate
+    source's blocks from the same buffers, the consumer's gathered candidates."""
+    import dataclasses
+
+    from test_memory_guard import V41_STACK
+
+    CONFIG = dataclasses.replace(V41_STACK, candidate_topk_blocks=2)
+
+    x = jax.random.normal(jax.random.key(1), (B, S, CONFIG.hidden_size))
+    keys = jax.random.split(jax.random.key(0), CONFIG.num_layers)
+    counts = {}
+    for save in (False, True):
+        selection = csa_eqx.StreamingSelection(key_block=4, topk_block=8)
+        execution = csa_eqx.Execution(selection=selection, save_selection=save)
+        layers = tuple(
+            csa_eqx.V41Attention(CONFIG, i, key=k, execution=execution) for i, k in enumerate(keys)
+        )
+
+        def stack(layers, x):
+            return sum(jnp.sum(y**2) for y in csa_eqx.run_v41_stack(layers, x)[0])
+
+        loss = JAX_CKPT(stack)
+        forward = count_prim(jax.make_jaxpr(loss)(layers, x), TOPK)
+        counts[save] = (forward, count_prim(jax.make_jaxpr(jax.grad(loss))(layers, x), TOPK))
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            jax.ad_checkpoint.print_saved_residuals(loss, layers, x)
+        saved = [ln.split(" from ")[0] for ln in buf.getvalue().splitlines() if " named " in ln]
+        k = CONFIG.index_topk
+        assert saved == ([f"i32[{B},{S},{k}] named '{SELECTION_NAME}'"] * 3 if save else [])
+    # per layer, on what the earlier ones publish (shapes only)
+    _, published = jax.eval_shape(csa_eqx.run_v41_stack, layers, x)
+    per_layer = [
+        count_prim(
+            jax.make_jaxpr(lambda x, s, m=m: m(x, s))(x, published[i - 1] if i else None), TOPK
+        )
+        for i, m in enumerate(layers)
+    ]
+    assert [i for i, n in enumerate(per_layer) if n] == [0, 2, 3]  # reuse: none
+    assert sum(per_layer) == counts[True][0] == counts[False][0]
+    assert counts[True][1] == counts[True][0]  # nothing recomputed
+    assert counts[False][1] == 2 * counts[False][0]  # full remat recomputes every selection

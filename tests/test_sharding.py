@@ -8,6 +8,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import multiprocess_worker as mp_worker
@@ -256,7 +257,6 @@ def test_shard_indexer_acts_with_mesh_placed_weights():
     """Weights replicated on an Explicit mesh (as multi-process runs need global arrays):
     ``shard_indexer_acts`` fails today with "context mesh ... should match the aval mesh"
     inside ``tensor_axis_auto``; ``indexer_sharded_topk`` alone works."""
-    import equinox as eqx
     from jax.sharding import NamedSharding
 
     mesh = jax.make_mesh((2, 4), ("data", "tensor"))
@@ -269,3 +269,42 @@ def test_shard_indexer_acts_with_mesh_placed_weights():
     with jax.set_mesh(mesh):
         y, _ = RUN_LAYER(layer, x, seg)
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_v41_stack_sharded_topk_bitwise():
+    """A V4.1 stack (docs/v41.md: the ratio-1 candidate source and its reindex consumer) with
+    ``indexer_sharded_topk`` on a (data 2, tensor 4) mesh, 26 rows (padded to 28): both
+    selections and the candidate blocks are bitwise the unsharded stack's; the outputs within
+    float tolerance."""
+    from test_v41_config import SIZES
+
+    import csa_eqx as ce
+
+    config = ce.V41AttentionConfig(
+        compress_ratios=(1, 1),
+        kv_source_layers=(0,),
+        index_source_layers=(0, 1),
+        candidate_source_layer=0,
+        candidate_topk_blocks=2,
+        candidate_block_size=4,
+        **SIZES,
+    )
+    keys = jax.random.split(jax.random.key(0), config.num_layers)
+
+    def stack(execution=None):
+        return [ce.V41Attention(config, i, key=k, execution=execution) for i, k in enumerate(keys)]
+
+    run = eqx.filter_jit(ce.run_v41_stack)
+    x = jax.random.normal(jax.random.key(5), (2, 26, 32))
+    want_ys, want = run(stack(), x)
+    sharded = stack(ce.Execution.from_options(indexer_sharded_topk=True))
+    with jax.set_mesh(jax.make_mesh((2, 4), ("data", "tensor"))):
+        ys, got = run(sharded, x)
+        assert count_prim(jax.make_jaxpr(lambda x: run(sharded, x))(x), "shard_map") == 2
+    for i in range(2):
+        np.testing.assert_array_equal(np.asarray(got[i].selection), np.asarray(want[i].selection))
+    np.testing.assert_array_equal(np.asarray(got[0].candidates), np.asarray(want[0].candidates))
+    # the filter bites: 7 blocks of 4 entries, 2 kept
+    assert (np.asarray(want[0].candidates) >= 0).all(-1).mean() > 0.5
+    for y, w in zip(ys, want_ys, strict=True):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(w), rtol=1e-5, atol=1e-6)

@@ -441,3 +441,73 @@ def test_v4_layer_small_blocks_match_dense():
     np.testing.assert_array_equal(sel, aux_ref["selection"])
     assert (sel >= 0).any() and (sel == -1).any()
     np.testing.assert_allclose(y, y_ref, 1e-5, 1e-6)
+
+
+def _np_candidates(scores, visible, nb, bc):
+    """numpy brute force of V4.1's candidate pre-filter (docs/v41.md, "Candidates"): block ids
+    ``[B, S, nb]``, increasing, ``-1`` past the last."""
+    b, s, t = scores.shape
+    out = np.full((b, s, nb), -1)
+    for i, j in np.ndindex(b, s):
+        vis = visible[i, j]
+        if not vis.any():
+            continue
+        best = {}
+        for blk in range(-(-t // bc)):
+            seen = vis[blk * bc : (blk + 1) * bc]
+            if seen.any():
+                best[blk] = scores[i, j, blk * bc : (blk + 1) * bc][seen].max()
+        best[np.nonzero(vis)[0].max() // bc] = np.inf
+        kept = sorted(sorted(best, key=lambda blk: (-best[blk], blk))[:nb])
+        out[i, j, : len(kept)] = kept
+    return out
+
+
+def _np_topk(scores, allowed, k):
+    """numpy brute force of the exact top-k among ``allowed`` (ties to the lower index)."""
+    b, s, _ = scores.shape
+    out = np.full((b, s, k), -1)
+    for i, j in np.ndindex(b, s):
+        idx = np.nonzero(allowed[i, j])[0]
+        picks = sorted(sorted(idx, key=lambda e: (-scores[i, j, e], e))[:k])
+        out[i, j, : len(picks)] = picks
+    return out
+
+
+def test_v41_candidates_equal_brute_force():
+    """A V4.1 candidate source's selection and blocks (``select_candidates``) and a consumer's
+    selection within them (``SelectionProblem.candidates``), dense and streaming (merged row
+    buffers, a key block rounded up to ``bc``, the consumer's gathered candidates in query
+    blocks), against numpy. Two packed documents, exact
+    small-integer scores, many ties."""
+    b, s, nb, bc, k = 2, 37, 3, 4, 5
+    r = np.random.default_rng(0)
+    seg = np.zeros((b, s), np.int32)
+    seg[:, 13:] = 1
+    layout = entry_layout(jnp.asarray(seg), 1)
+    q = jnp.asarray(r.integers(-1, 2, (b, s, 2, 4)), jnp.float32)
+    w = jnp.asarray(r.integers(0, 3, (b, s, 2)), jnp.float32)
+    keys = jnp.asarray(r.integers(-1, 2, (b, s, 4)), jnp.float32)
+    qi = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    args = (q, w, keys, qi, jnp.asarray(seg), layout)
+    scores = np.asarray(indexer_scores(q, w, keys))
+    visible = np.asarray(entry_visibility(qi, jnp.asarray(seg), layout))
+    want_cand = _np_candidates(scores, visible, nb, bc)
+    assert (want_cand >= 0).all(-1).mean() > 0.5  # the filter bites on most rows
+    in_blocks = (want_cand[..., None, :] == (np.arange(s) // bc)[:, None]).any(-1)
+    want = _np_topk(scores, visible, k), _np_topk(scores, visible & in_blocks, k)
+    assert (want[0] != want[1]).any()
+    # key tiles of 3 rounded up to 4, two tiles per row buffer, 5-query blocks
+    strategies = [ce.DenseSelection(), ce.StreamingSelection(3, query_block=5, topk_block=8)]
+    for strategy in strategies:
+
+        @jax.jit
+        def run(*args, strategy=strategy):
+            sel, cand = strategy.select_candidates(problem(*args), k, nb, bc)
+            within = problem(*args)._replace(candidates=cand, candidate_block_size=bc)
+            return sel, cand, strategy.select(within, k)
+
+        sel, cand, within = run(*args)
+        np.testing.assert_array_equal(np.asarray(cand), want_cand, err_msg=str(strategy))
+        np.testing.assert_array_equal(np.asarray(sel), want[0], err_msg=str(strategy))
+        np.testing.assert_array_equal(np.asarray(within), want[1], err_msg=str(strategy))

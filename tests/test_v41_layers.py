@@ -30,6 +30,14 @@ run_stack = eqx.filter_jit(ce.run_v41_stack)
 TOPK_PRIMITIVES = {"bitcast_convert_type", "shift_right_logical", "cumsum", "name"}
 
 
+def candidate_entries(blocks, block_size: int, entries: int) -> np.ndarray:
+    """The bool ``[B, S, T]`` entry mask of candidate block ids ``[B, S, Nb]`` (``-1`` =
+    none), in numpy: every slot of a kept block."""
+    blocks = np.asarray(blocks)
+    slot_block = np.arange(entries) // block_size
+    return (blocks[..., None, :] == slot_block[:, None]).any(-1)
+
+
 def _stack(execution=None):
     keys = jax.random.split(jax.random.key(0), CONFIG.num_layers)
     layers = [ce.V41Attention(CONFIG, i, key=k, execution=execution) for i, k in enumerate(keys)]
@@ -88,7 +96,7 @@ def test_published_state():
     assert pub[0] == ce.V41Shared()
     assert pub[1].entries.shape == (2, 12, 16) and pub[1].keys.shape == (2, 12, 16)
     assert pub[2] is pub[1]  # a reuse layer publishes nothing
-    assert pub[3].entries.shape == (2, 24, 16) and pub[3].candidates.shape == (2, 24, 24)
+    assert pub[3].entries.shape == (2, 24, 16) and pub[3].candidates.shape == (2, 24, 2)
     assert pub[4].entries is pub[3].entries and pub[4].candidates is pub[3].candidates
     assert pub[4].selection is not pub[3].selection and pub[5] is pub[4]
     # ratio 2: entry j is visible from t = 2j + 1; early rows pad with -1
@@ -115,14 +123,18 @@ def test_candidate_blocks_rules():
     # one query seeing 10 entries in blocks of 4: [0-3], [4-7], [8-9 (+2 unseen)]
     scores = jnp.array([[[5.0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 9, 9]]])
     visible = jnp.arange(12)[None, None] < 10
-    kept = np.asarray(ce.candidate_blocks(scores, visible, 2, 4))[0, 0]
+    blocks = ce.candidate_blocks(scores, visible, 2, 4)
+    assert np.asarray(blocks).tolist() == [[[0, 2]]]  # block ids, increasing
+    kept = candidate_entries(blocks, 4, 12)[0, 0]
     # the newest block is pinned (its unseen slots too), then the best other block
     assert kept.tolist() == [True] * 4 + [False] * 4 + [True] * 4
     # ties go to the lower block; nothing visible keeps nothing
-    tied = np.asarray(ce.candidate_blocks(jnp.zeros((1, 1, 12)), visible, 2, 4))[0, 0]
-    assert tied.tolist() == [True] * 4 + [False] * 4 + [True] * 4
+    tied = candidate_entries(ce.candidate_blocks(jnp.zeros((1, 1, 12)), visible, 2, 4), 4, 12)
+    assert tied[0, 0].tolist() == [True] * 4 + [False] * 4 + [True] * 4
     none = ce.candidate_blocks(scores, jnp.zeros((1, 1, 12), bool), 2, 4)
-    assert not np.asarray(none).any()
+    assert (np.asarray(none) == -1).all()
+    # fewer reachable blocks than Nb: the rest is -1
+    assert np.asarray(ce.candidate_blocks(scores, visible, 4, 4)).tolist() == [[[0, 1, 2, -1]]]
 
 
 def test_run_time_wiring_errors():

@@ -15,6 +15,7 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_v41_layers import candidate_entries
 
 import csa_eqx as ce
 from csa_eqx.hf import load_v41_attention, v41_config_from_hf, v41_parameter_names
@@ -90,9 +91,9 @@ def test_prefill_selections(reference, i):
 
 
 def test_candidates(reference):
-    fx, _, _, published = reference
+    fx, config, _, published = reference
     ref = fx["prefill_cand3"]
-    mine = np.asarray(published[3].candidates)[..., : ref.shape[-1]]
+    mine = candidate_entries(published[3].candidates, config.candidate_block_size, ref.shape[-1])
     np.testing.assert_array_equal(mine, ref)
     # the pre-filter bites: some queries have visible entries outside their candidates
     t = np.arange(ref.shape[1])
@@ -191,7 +192,10 @@ def test_transformers_selections_and_candidates(reference, hf):
         picked[b, s, sel[sel >= 0]] = True
         np.testing.assert_array_equal(picked, hf[f"hf_prefill_picked{i}"])
     cand = hf["hf_prefill_cand3"]
-    np.testing.assert_array_equal(np.asarray(published[3].candidates)[..., : cand.shape[-1]], cand)
+    bc = config.candidate_block_size
+    np.testing.assert_array_equal(
+        candidate_entries(published[3].candidates, bc, cand.shape[-1]), cand
+    )
 
 
 def test_stale_index_keys_reproduce_deepseek_decode(reference):

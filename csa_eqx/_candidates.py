@@ -1,0 +1,96 @@
+"""V4.1's candidate pre-filter as block ids (docs/v41.md, "Candidates"): the dense reference
+``candidate_blocks``, the per-buffer reduction the streaming selection shares with it, and the
+expansion of block ids to an entry mask (dense paths only).
+
+Candidates are int32 ``[B, S, Nb]``: per query the ids of the kept blocks of ``bc`` consecutive
+entry slots, in increasing order, ``-1`` past the last: 8 KiB per query at the release's
+``Nb = 2048``, where a bool ``[B, S, T]`` mask of 1M entries would take 1 MiB.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from ._layout import scatter_rows
+from ._topk import exact_topk
+
+__all__ = ["candidate_blocks", "candidate_mask", "block_top", "newest_visible"]
+
+
+def newest_visible(visible: Bool[Array, "*rows n"], first_slot=0) -> Int[Array, " *rows"]:
+    """**Arguments:** a ``visible`` buffer whose first entry is slot ``first_slot``.
+
+    **Returns:** int32 ``[*rows]``: each row's newest visible slot, ``-1`` = none."""
+    slots = first_slot + jnp.arange(visible.shape[-1], dtype=jnp.int32)
+    return jnp.max(jnp.where(visible, slots, -1), axis=-1)
+
+
+def block_top(
+    scores: Float[Array, "batch seq n"],
+    visible: Bool[Array, "batch seq n"],
+    newest: Int[Array, "batch seq"],
+    first_slot,
+    topk_blocks: int,
+    block_size: int,
+    unroll: bool = False,
+) -> tuple[Float[Array, "batch seq {topk_blocks}"], Int[Array, "batch seq {topk_blocks}"]]:
+    """The best ``topk_blocks`` blocks of a row buffer whose first slot, ``first_slot``, starts
+    a block: each block scored by its best visible entry, the one holding ``newest`` (the
+    query's newest visible slot, ``-1`` = none) at ``+inf``, never a block without a visible
+    entry; ties to the lower block (``exact_topk``).
+
+    **Arguments:** float ``scores`` and ``visible`` ``[B, S, n]``, ``newest [B, S]``, the
+    buffer's ``first_slot`` (a multiple of ``block_size``), ``Nb``, ``bc`` and ``unroll``.
+
+    **Returns:** ``(block scores, block ids)`` ``[B, S, Nb]`` in increasing id order,
+    ``(-inf, -1)`` past the last: the running list ``_selection_streaming`` merges.
+    """
+    b, s, n = scores.shape
+    nblk = -(-n // block_size)
+    masked = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
+    masked = jnp.pad(masked, [(0, 0), (0, 0), (0, nblk * block_size - n)], constant_values=-jnp.inf)
+    best = jnp.max(masked.reshape(b, s, nblk, block_size), axis=-1)
+    first = first_slot // block_size
+    ids = first + jnp.arange(nblk, dtype=jnp.int32)
+    pinned = (newest >= 0)[..., None] & (ids == (newest // block_size)[..., None])
+    best = jnp.where(pinned, jnp.inf, best)
+    val, pos = exact_topk(best, best > -jnp.inf, topk_blocks, unroll=unroll)
+    return val, jnp.where(pos >= 0, pos + first, -1)
+
+
+def candidate_blocks(
+    scores: Float[Array, "batch seq entries"],
+    visible: Bool[Array, "batch seq entries"],
+    topk_blocks: int,
+    block_size: int,
+    *,
+    unroll: bool = False,
+) -> Int[Array, "batch seq {topk_blocks}"]:
+    """V4.1's candidate pre-filter (docs/v41.md, "Candidates"), the dense reference: the entry
+    slots in blocks of ``block_size``, each block scored by its best visible entry; per query
+    the block holding its newest visible entry is always kept, then the best ``topk_blocks``
+    blocks in all (ties to the lower block), never a block without a visible entry.
+
+    **Arguments:** float index ``scores [B, S, T]``, their ``visible`` mask, ``Nb``, ``bc`` and
+    ``unroll`` (as for ``exact_topk``; same result).
+
+    **Returns:** int32 ``[B, S, Nb]``: the kept block ids in increasing order, ``-1`` past the
+    last (``candidate_mask`` expands them to entries; the pinned block's slots past the query's
+    newest visible one belong to it too, visibility still applies).
+    """
+    newest = newest_visible(visible)
+    return block_top(scores, visible, newest, 0, topk_blocks, block_size, unroll)[1]
+
+
+def candidate_mask(
+    blocks: Int[Array, "batch seq blocks"], block_size: int, entries: int
+) -> Bool[Array, "batch seq {entries}"]:
+    """**Arguments:** candidate ``blocks [B, S, Nb]`` (``-1`` = none), ``bc`` and the number
+    of ``entries`` ``T``.
+
+    **Returns:** bool ``[B, S, T]``: every slot of a kept block (dense paths only)."""
+    nblk = -(-entries // block_size)
+    index = jnp.where(blocks < 0, nblk, blocks)  # out of range: dropped
+    kept = scatter_rows(index, jnp.ones(blocks.shape, bool), nblk, False)
+    return jnp.repeat(kept, block_size, axis=-1)[..., :entries]
