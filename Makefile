@@ -61,7 +61,7 @@ unexport PYTHONDONTWRITEBYTECODE
 # summary comes last.
 test:
 	rm -rf $(REPORTS) $(CACHE)/py311 $(CACHE)/py312 && mkdir -p $(REPORTS)
-	$(MAKE) -j2 --output-sync=line test-py311 test-py312
+	$(MAKE) -j2 test-py311 test-py312
 	$(BIN)/python tools/test_timing.py $(REPORTS)/py311.xml $(REPORTS)/py312.xml
 
 test-py311: $(STAMP)
