@@ -28,6 +28,7 @@ def test_notebooks_exist():
         "selection_explorer.ipynb",
         "memory_scaling.ipynb",
         "sharded_topk.ipynb",
+        "v41_sharing.ipynb",
     } <= names
 
 
