@@ -6,8 +6,8 @@ time, test count and outcome, then the slowest tests of each run.
 Reads the JUnit XML files that ``pytest --junitxml`` writes: the ``testsuite`` element's time is
 the run's wall time (collection included) and its ``timestamp`` its start, each ``testcase``
 time one test's call, set-up and tear-down. With two workers a run's wall time is about half the
-sum of its tests' times; ``make test`` runs its two halves side by side, so the total is the
-span from the first start to the last end, not their sum.
+sum of its tests' times. The total is the span from the first run's start to the last one's end
+(runs that overlap are not counted twice).
 """
 
 import argparse
