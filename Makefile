@@ -51,9 +51,9 @@ XLA_TEST := --xla_cpu_parallel_codegen_split_count=1 --xla_backend_optimization_
 # process compiled csa_eqx from source, and under jaxtyping's import hook (which looks for its own
 # cache files while a csa_eqx module runs its imports) torch, jax and scipy as well.
 unexport PYTHONDONTWRITEBYTECODE
-# The halves run one after the other: side by side (four pytest workers on two cores) the
-# CPU time grew by ~15-20 % and the whole run took longer (docs/testing.md, "One half at a
-# time"); only the two virtual environments are built side by side.
+# The halves run one after the other: side by side (four pytest workers on two cores) they
+# took ~5 % more CPU and longer in all (docs/testing.md, "One half at a time"); only the two
+# virtual environments are built side by side.
 test:
 	$(MAKE) -j2 $(STAMP) $(STAMP312)
 	$(BIN)/ruff check csa_eqx tests benchmarks
