@@ -33,16 +33,20 @@ from csa_eqx import V4Attention, V41Attention, V41AttentionConfig, presets
 
 from . import harness
 
-MAIN = dict(
-    hidden_size=256,
-    num_heads=4,
-    head_dim=64,
-    rope_dim=64,
-    q_lora_rank=256,
-    o_groups=2,
-    o_lora_rank=128,
-    sliding_window=128,
-)
+# the main dims of the CPU pages' speed layer (hidden 256, 4 heads x 64, RoPE 64, window 128)
+MAIN = {
+    field: getattr(harness.speed_layer(), field)
+    for field in (
+        "hidden_size",
+        "num_heads",
+        "head_dim",
+        "rope_dim",
+        "q_lora_rank",
+        "o_groups",
+        "o_lora_rank",
+        "sliding_window",
+    )
+}
 V4_KINDS = ("sliding", "sliding", "csa", "hca", "csa", "hca", "csa", "hca")
 V41_CONFIG = V41AttentionConfig(
     compress_ratios=(0, 0, 2, 2, 2, 1, 1, 1),
