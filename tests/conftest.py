@@ -52,7 +52,7 @@ def pytest_ignore_collect(collection_path, config):
 
 
 # Each module's share of a run (seconds of test time on the 2-core machine, measured: the 3.11
-# half of a fresh-clone `bash .ci/run` of a14fc91;
+# half of a fresh-clone `bash .ci/run` of 71c37b4;
 # `python tools/test_timing.py build/test/py311.xml --write-weights tests/module_seconds.json`
 # refreshes them from a run's JUnit XML). `make test` hands whole modules to its two workers
 # in this order, slowest first (xdist's `--no-loadscope-reorder` keeps the collection order),
