@@ -290,6 +290,8 @@ alone (`python -m benchmarks.<name>`); the command is given in each section.
 - **GPU numbers** (an H200, fp32 and bf16) are on their own page, [Benchmarks (GPU)](
   benchmarks_gpu.md), made by `python -m benchmarks.gpu_table` on a lent machine: this command
   runs where it is started (here, the CPU).
+- **V4 against V4.1** (an eight-layer attention-only stack each: compiled memory, CPU time) is
+  in [DeepSeek-V4.1](v41.md), made by `python -m benchmarks.v41_stack`.
 
 ## Machine
 
