@@ -101,7 +101,7 @@ def kl_np(q, kv, entries, sinks, index_q, weights, keys, reads, cands) -> float:
 
 
 @pytest.mark.parametrize("stage", ["dense", "sparse"])
-def test_loss_matches_numpy_and_trains_only_the_indexers(stage):
+def test_losses_match_numpy_and_streaming_and_train_only_indexers(stage):
     """Each index source's loss against ``kl_np``: the candidate source over every visible
     entry (dense) or its picks; the consumer over its visible candidates (dense) or its picks.
     The streaming strategy gives the same loss and gradient; the gradient reaches the
