@@ -72,8 +72,12 @@ def token_rows(
     x: Float[Array, "batch seq *rest"], segment_ids: Int[Array, "batch seq"] | None
 ) -> tuple[Int[Array, "batch seq"], Int[Array, "batch seq"]]:
     """``(segment ids, row index)`` of every token, int32, laid out like ``x``'s first two axes
-    (so they carry its sharding on Explicit meshes; no segments = one segment)."""
+    (so they carry its sharding on Explicit meshes; no segments = one segment). The zeros pass
+    an optimisation barrier: without segment ids everything integer would be a constant, and
+    XLA's constant folding of the entry layout (a reduce-window over ``S`` rows) made compile
+    time grow with ``S`` (minutes at 1M tokens; docs/memory.md)."""
     base = jnp.zeros_like(x[..., 0] if x.ndim > 2 else x, dtype=jnp.int32)
+    base = jax.lax.optimization_barrier(base)
     seg = base if segment_ids is None else base + jnp.asarray(segment_ids, jnp.int32)
     return seg, base + jnp.arange(x.shape[1], dtype=jnp.int32)
 
