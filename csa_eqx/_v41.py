@@ -29,11 +29,12 @@ from ._config import YaRNScaling
 from ._decode import ChunkSource, chunk_rows
 from ._execution import Execution, checked_execution
 from ._heads import split_specs
-from ._layout import EntryLayout, Visibility, segment_positions, token_rows
+from ._layout import EntryLayout, Visibility
 from ._numerics import V41_FORMATS, DeepSeekFormats
 from ._ops import init_linear, linear, rms_norm
+from ._placement import Carried
 from ._rope import apply_rope_interleaved, rope_inv_freq
-from ._rows import whole_rows
+from ._rows import Rows
 from ._v41_config import V41AttentionConfig, V41WiringError
 
 __all__ = [
@@ -427,17 +428,20 @@ class V41Attention(AbstractIndexedAttention):
         state after this layer (``shared`` unchanged by a sliding or reuse layer).
         """
         c, ex = self.config, self.execution
-        if ex.heads is not None or ex.context is not None:  # the placement is SingleDevice
-            raise NotImplementedError("V41Attention runs on a single device only (for now)")
         if ex.indexer_loss != "off":
             raise NotImplementedError("V41Attention has no indexer loss yet (indexer_loss='off')")
         x, positions, segment_ids = checks.layer_inputs(c.hidden_size, x, positions, segment_ids)
         dtype, x = x.dtype, ex.numerics.layer_input(x)
-        seg, query_index = token_rows(x, segment_ids)
-        positions = segment_positions(seg) if positions is None else positions
-        rows = whole_rows(positions, seg, query_index, self.entry_rate)
-        y, _, _, _, shared = self.forward_rows(x, rows, "off", False, shared)
-        return y.astype(dtype), shared
+        placement = ex.placement
+        rows = self._whole_rows(placement, x, positions, segment_ids)
+        shared = V41Shared() if shared is None else shared
+        y, _, _, carried = placement.run(_body, self, x, rows, _carried(shared._asdict()))
+        published = {**carried.per_row, **carried.whole}
+        if "entries" in published:  # the sequence's slots (a placement may have padded it)
+            t = rows.layout.end.shape[1]
+            entries, keys = published["entries"][:, :t], published["keys"][:, :t]
+            published.update(entries=entries, keys=keys, layout=rows.layout)
+        return y.astype(dtype), shared._replace(**published) if published else shared
 
     def extend(
         self,
@@ -510,6 +514,26 @@ class V41Attention(AbstractIndexedAttention):
             indexer=None,
             max_length=max_length,
         )
+
+
+_PER_ROW = ("selection", "candidates")  # V41Shared's fields with a row per query
+
+
+def _carried(fields: dict) -> Carried:
+    """``V41Shared`` fields (by name) as a placement carries them: the selection and the
+    candidates per query row, the entries, keys and layout whole-sequence."""
+    per_row = {k: v for k, v in fields.items() if k in _PER_ROW}
+    return Carried(per_row, {k: v for k, v in fields.items() if k not in _PER_ROW})
+
+
+def _body(layer: V41Attention, x: Array, rows: Rows, carried: Carried) -> tuple:
+    """What the placement runs (``AbstractPlacement.run``): the layer's forward over ``rows``,
+    taking the published state and returning only the fields the layer replaced (none for a
+    sliding or reuse layer: nothing travels back), the selection among them."""
+    given = V41Shared(**carried.per_row, **carried.whole)
+    y, _, _, _, shared = layer.forward_rows(x, rows, "off", False, given)
+    published = {k: v for k, v in shared._asdict().items() if v is not getattr(given, k)}
+    return y, None, (), _carried(published)
 
 
 def run_v41_stack(

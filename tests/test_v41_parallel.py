@@ -1,0 +1,84 @@
+"""Head and context parallelism of a V4.1 stack on simulated CPU devices (docs/v41.md,
+"Scaling out"): the tiny stack of test_v41_layers.py (every role: sliding, full ratio 2, reuse,
+full ratio 1 with candidates, reindex within them, reuse after it), run layer by layer under a
+mesh, against the single-device stack: outputs and gradients (parameters and x) within 1e-5,
+every published selection and candidate block bitwise, published entries and keys bitwise
+(head parallel) or within float rounding (context parallel), packed documents in row 0."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from parallel_helpers import relative_error
+from test_v41_layers import CONFIG, _stack
+
+import csa_eqx as ce
+
+SEQ = 24
+SEGMENTS = jnp.asarray(np.repeat([[0, 1], [0, 0]], [11, 13], axis=1), jnp.int32)
+
+
+def objective(layers, x):
+    """A scalar of every layer's output, and what the stack returns."""
+    ys, published = ce.run_v41_stack(layers, x, segment_ids=SEGMENTS)
+    return sum(jnp.sum(jnp.sin(y)) for y in ys), (ys, published)
+
+
+grad = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))
+
+
+@functools.cache
+def single_device():
+    """The stack, its input and its single-device outputs, published state and gradients."""
+    layers = _stack()
+    x = jax.random.normal(jax.random.key(1), (2, SEQ, CONFIG.hidden_size))
+    (_, (ys, published)), grads = grad(layers, x)
+    return layers, x, ys, published, grads
+
+
+def assert_matches_single_device(got, entries_exact):
+    """``got`` is ``(ys, published, grads)``; selections and candidates (and, when
+    ``entries_exact``, entries and keys) bitwise, the rest within 1e-5."""
+    *_, want_ys, want_published, want_grads = single_device()
+    ys, published, grads = got
+    for i, (y, want_y) in enumerate(zip(ys, want_ys, strict=True)):
+        assert relative_error(y, want_y) < 1e-5, i
+    for i, (pub, want) in enumerate(zip(published, want_published, strict=True)):
+        for name in ("selection", "candidates", "layout", "entries", "keys"):
+            value, want_value = getattr(pub, name), getattr(want, name)
+            assert (value is None) == (want_value is None), (i, name)
+            if value is None:
+                continue
+            if name in ("entries", "keys") and not entries_exact:
+                assert relative_error(value, want_value) < 1e-5, (i, name)
+            else:
+                for a, b in zip(jax.tree.leaves(value), jax.tree.leaves(want_value), strict=True):
+                    np.testing.assert_array_equal(
+                        np.asarray(a), np.asarray(b), err_msg=f"{i} {name}"
+                    )
+    # the selections are not trivial and the candidate filter bites (6 blocks of 4, 2 kept)
+    assert (np.asarray(want_published[4].selection) >= 0).any()
+    assert (np.asarray(want_published[3].candidates) >= 0).all(-1).mean() > 0.5
+    leaves, want_leaves = jax.tree.leaves(grads), jax.tree.leaves(want_grads)
+    assert len(leaves) == len(want_leaves)
+    for leaf, want_leaf in zip(leaves, want_leaves, strict=True):
+        assert relative_error(leaf, want_leaf) < 1e-5
+
+
+def test_head_parallel_stack_matches_single_device():
+    """Every layer head-parallel on a (data 2, tensor 2) mesh (x split over data): one
+    shard_map per layer, manual over both axes; what the heads share (compressor, indexer,
+    top-k, candidates) is computed on every device, so the published state is bitwise."""
+    layers, x, *_ = single_device()
+    hp = [layer.with_execution(ce.Execution.from_options(head_parallel=True)) for layer in layers]
+    mesh = jax.make_mesh((2, 2), ("data", "tensor"))
+    with jax.set_mesh(mesh):
+        x = jax.device_put(x, NamedSharding(mesh, P("data")))
+        (_, (ys, published)), grads = grad(hp, x)
+        jaxpr = jax.make_jaxpr(objective)(hp, x)
+    assert_matches_single_device((ys, published, grads), entries_exact=True)
+    manual = [e.params["newly_manual_axes"] for e in jaxpr.eqns if e.primitive.name == "shard_map"]
+    assert manual == [{"data", "tensor"}] * CONFIG.num_layers
