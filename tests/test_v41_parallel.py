@@ -10,6 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from parallel_helpers import relative_error
@@ -21,13 +22,16 @@ SEQ = 24
 SEGMENTS = jnp.asarray(np.repeat([[0, 1], [0, 0]], [11, 13], axis=1), jnp.int32)
 
 
-def objective(layers, x):
-    """A scalar of every layer's output, and what the stack returns."""
-    ys, published = ce.run_v41_stack(layers, x, segment_ids=SEGMENTS)
-    return sum(jnp.sum(jnp.sin(y)) for y in ys), (ys, published)
+def objective(layers, x, published=True):
+    """A scalar of every layer's output, and what the stack returns (``published``: with the
+    published state, else the outputs only)."""
+    ys, states = ce.run_v41_stack(layers, x, segment_ids=SEGMENTS)
+    return sum(jnp.sum(jnp.sin(y)) for y in ys), (ys, states if published else None)
 
 
-grad = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))
+grad = jax.jit(
+    jax.value_and_grad(objective, argnums=(0, 1), has_aux=True), static_argnames="published"
+)
 
 
 @functools.cache
@@ -53,7 +57,9 @@ def assert_matches_single_device(got, entries_exact):
             if value is None:
                 continue
             if name in ("entries", "keys") and not entries_exact:
-                assert relative_error(value, want_value) < 1e-5, (i, name)
+                filled = np.asarray(want.layout.end) >= 0  # an empty slot's value is unspecified
+                got_filled, want_filled = np.asarray(value)[filled], np.asarray(want_value)[filled]
+                assert relative_error(got_filled, want_filled) < 1e-5, (i, name)
             else:
                 for a, b in zip(jax.tree.leaves(value), jax.tree.leaves(want_value), strict=True):
                     np.testing.assert_array_equal(
@@ -82,3 +88,29 @@ def test_head_parallel_stack_matches_single_device():
     assert_matches_single_device((ys, published, grads), entries_exact=True)
     manual = [e.params["newly_manual_axes"] for e in jaxpr.eqns if e.primitive.name == "shard_map"]
     assert manual == [{"data", "tensor"}] * CONFIG.num_layers
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, heads",
+    [(((4,), ("context",)), False), (((2, 2, 2), ("data", "context", "tensor")), True)],
+    ids=["context4", "data2xcontext2xtensor2-heads"],
+)
+def test_context_parallel_stack_matches_single_device(mesh_shape, heads):
+    """Every layer context-parallel, x split along the sequence: 2N zigzag chunks (context 4:
+    chunks of 4 rows at ratio 2, the sequence padded to 32, and 3 rows at ratio 1) with 3-row
+    halos; each device makes the entries its chunks close and all-gathers them, and the
+    published entries are the whole sequence's. With ``heads``, the batch is split over data
+    too and the heads over tensor inside each context shard."""
+    layers, x, *_ = single_device()
+    execution = ce.Execution.from_options(context_parallel=True, head_parallel=heads)
+    cp = [layer.with_execution(execution) for layer in layers]
+    mesh = jax.make_mesh(*mesh_shape)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(x, NamedSharding(mesh, P("data" if heads else None, "context")))
+        # XLA's Shardy partitioner (JAX 0.10.2) aborts compiling this gradient under context
+        # x tensor when it also returns the candidate source's selection (docs/v41.md): the
+        # published state from the forward alone there
+        (_, (ys, published)), grads = grad(cp, x, published=not heads)
+        if heads:
+            _, published = jax.jit(ce.run_v41_stack)(cp, x, segment_ids=SEGMENTS)
+    assert_matches_single_device((ys, published, grads), entries_exact=False)
