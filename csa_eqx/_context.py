@@ -13,7 +13,9 @@ recomputes their projections (``h / c`` extra work, none of it duplicated commun
 per-token keys). Every shard makes the entries of its own chunks (V4: the windows that close
 in them, ``S / m`` rows in all; V3.2: every token's MLA latent and indexer key) and they are
 all-gathered. Everything integer (segments, positions, the entry layout) is tiny and computed
-for the whole sequence first.
+for the whole sequence first. State a layer carries (``Carried``: V4.1's published state) is
+chunked with the rows when it has one row per token (selections, candidates) and repeated for
+each chunk when it is of the whole sequence (the gathered entries, keys and layout).
 
 Selections are bitwise equal to one device's: each query scores the same keys. The sequence is
 padded at its end to ``2N`` chunks of a multiple of ``m`` rows, each at least ``h`` rows long;

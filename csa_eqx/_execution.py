@@ -93,9 +93,9 @@ class Execution(eqx.Module):
     - ``indexer_heads_axis``: mesh axis to shard the indexer's per-head activations over
         (``None`` = off); its size must divide ``index_n_heads``.
     - ``context``: split the sequence over a mesh axis (``ContextParallel(axis)``; ``None`` =
-        off). V4 and V3.2 layers; ``extend`` ignores it (decoding runs on one device).
+        off). V4, V3.2 and V4.1 layers; ``extend`` ignores it (decoding runs on one device).
     - ``heads``: split the attention heads over a mesh axis (``HeadParallel(axis)``; ``None`` =
-        off). V4 and V3.2 layers; composes with ``context`` (one ``shard_map`` over both
+        off). V4, V3.2 and V4.1 layers; composes with ``context`` (one ``shard_map`` over both
         axes), a ``ShardedSelection`` over the same axis and the indexer loss; not with
         ``indexer_heads_axis``; ``extend`` ignores it.
     - ``indexer_loss``: the default training stage of the indexer's KL loss: ``"off"``,

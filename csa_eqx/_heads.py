@@ -10,7 +10,9 @@ up-projections and its input columns of the output projection), so its output is
 sum of the layer's; the partial outputs are summed over the axis (an all-reduce). Everything
 the heads share (the query latent, V4's shared key/value or V3.2's MLA latent, the compressed
 entries, the indexer and its top-k) is computed on every device from replicated weights, so
-the selection is the single-device one bitwise.
+the selection is the single-device one bitwise, and so is the state a layer carries to the
+next (V4.1's published entries, selections and candidates), which goes in and out replicated
+over the axis.
 """
 
 from __future__ import annotations

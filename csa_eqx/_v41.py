@@ -5,7 +5,8 @@ across the layers of a stack.
 One layer class, ``V41Attention``, whose role (sliding, full, reindex, reuse) the stack config
 resolves. The state a layer shares passes explicitly: a layer takes the published
 ``V41Shared`` as an argument and returns what it publishes; ``run_v41_stack`` threads it
-through a list of layers.
+through a list of layers. Under head or context parallelism the state crosses each layer's
+placement as its carried state (``csa_eqx._placement.Carried``).
 """
 
 from __future__ import annotations
@@ -426,6 +427,10 @@ class V41Attention(AbstractIndexedAttention):
 
         **Returns:** ``(y, shared)``: ``y [B, S, hidden]`` in ``x``'s dtype and the published
         state after this layer (``shared`` unchanged by a sliding or reuse layer).
+
+        The execution's placement runs it (``Execution.heads`` / ``context``; docs/v41.md,
+        "Scaling out"): ``shared`` crosses it as carried state, the selection and candidates
+        per query row, the entries, keys and layout whole-sequence.
         """
         c, ex = self.config, self.execution
         if ex.indexer_loss != "off":

@@ -100,9 +100,12 @@ def test_context_parallel_stack_matches_single_device(mesh_shape, heads):
     chunks of 4 rows at ratio 2, the sequence padded to 32, and 3 rows at ratio 1) with 3-row
     halos; each device makes the entries its chunks close and all-gathers them, and the
     published entries are the whole sequence's. With ``heads``, the batch is split over data
-    too and the heads over tensor inside each context shard."""
+    too, the heads over tensor inside each context shard and each shard's top-k rows over
+    tensor too (``indexer_sharded_topk``)."""
     layers, x, *_ = single_device()
-    execution = ce.Execution.from_options(context_parallel=True, head_parallel=heads)
+    execution = ce.Execution.from_options(
+        context_parallel=True, head_parallel=heads, indexer_sharded_topk=heads
+    )
     cp = [layer.with_execution(execution) for layer in layers]
     mesh = jax.make_mesh(*mesh_shape)
     with jax.set_mesh(mesh):
@@ -114,3 +117,19 @@ def test_context_parallel_stack_matches_single_device(mesh_shape, heads):
         if heads:
             _, published = jax.jit(ce.run_v41_stack)(cp, x, segment_ids=SEGMENTS)
     assert_matches_single_device((ys, published, grads), entries_exact=False)
+
+
+def test_errors_name_axis_and_sizes():
+    """A mesh without the axis, or a tensor axis that does not divide the heads: named
+    ValueErrors before anything compiles."""
+    layers = _stack()
+    x = jnp.zeros((1, 8, CONFIG.hidden_size))
+    hp = layers[1].with_execution(ce.Execution.from_options(head_parallel=True))
+    cp = layers[1].with_execution(ce.Execution.from_options(context_parallel=True))
+    for layer, mesh_shape, match in (
+        (hp, ((8,), ("tensor",)), "'tensor' has 8 devices.*divide num_heads=4"),
+        (hp, ((4,), ("tensor",)), "'tensor' has 4 devices.*divide o_groups=2"),
+        (cp, ((8,), ("tensor",)), "Execution.context needs a mesh axis named 'context'"),
+    ):
+        with jax.set_mesh(jax.make_mesh(*mesh_shape)), pytest.raises(ValueError, match=match):
+            layer(x)
