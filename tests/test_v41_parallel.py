@@ -14,9 +14,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from parallel_helpers import relative_error
+from test_v41_config import _get
 from test_v41_layers import CONFIG, _stack
 
 import csa_eqx as ce
+from csa_eqx.hf import load_v41_attention, v41_parameter_names
 
 SEQ = 24
 SEGMENTS = jnp.asarray(np.repeat([[0, 1], [0, 0]], [11, 13], axis=1), jnp.int32)
@@ -133,3 +135,17 @@ def test_errors_name_axis_and_sizes():
     ):
         with jax.set_mesh(jax.make_mesh(*mesh_shape)), pytest.raises(ValueError, match=match):
             layer(x)
+
+
+def test_loader_takes_the_execution_keywords():
+    """``load_v41_attention`` takes ``Execution.from_options``' keywords as the V4 loaders do
+    (or ``execution=``, not both); V4's ``numerics="deepseek"`` is refused by name."""
+    layer = _stack()[3]
+    names = v41_parameter_names(layer)
+    tensors = {f"layers.3.attn.{n}": _get(layer, p) for p, n in names.items()}
+    loaded = load_v41_attention(CONFIG, 3, tensors, head_parallel=True, context_parallel=True)
+    assert loaded.execution.placement == ce.ContextParallel(inner=ce.HeadParallel())
+    with pytest.raises(ValueError, match="either execution= or the execution keywords"):
+        load_v41_attention(CONFIG, 3, tensors, execution=ce.Execution(), head_parallel=True)
+    with pytest.raises(ValueError, match="use DeepSeekV41Inference for V4.1 layers"):
+        load_v41_attention(CONFIG, 3, tensors, numerics="deepseek")
