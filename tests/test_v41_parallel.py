@@ -112,9 +112,9 @@ def test_context_parallel_stack_matches_single_device(mesh_shape, heads):
     mesh = jax.make_mesh(*mesh_shape)
     with jax.set_mesh(mesh):
         x = jax.device_put(x, NamedSharding(mesh, P("data" if heads else None, "context")))
-        # XLA's Shardy partitioner (JAX 0.10.2) aborts compiling this gradient under context
-        # x tensor when it also returns the candidate source's selection (docs/v41.md): the
-        # published state from the forward alone there
+        # XLA's Shardy partitioner of JAX 0.10.2 (not 0.12) aborts compiling this gradient
+        # under context x tensor when it also returns the candidate source's selection
+        # (docs/v41.md, "Scaling out"): the published state from the forward alone there
         (_, (ys, published)), grads = grad(cp, x, published=not heads)
         if heads:
             _, published = jax.jit(ce.run_v41_stack)(cp, x, segment_ids=SEGMENTS)
