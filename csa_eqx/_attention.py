@@ -114,9 +114,22 @@ class AbstractIndexedAttention(eqx.Module):
 
     def _kl_loss(self, problem: SelectionProblem, target: AttentionTarget, selection, stage):
         """The indexer's KL distillation (docs/concepts.md, "Training the indexer") over every
-        visible entry (``"dense"`` stage) or over the selection."""
+        visible entry the problem may pick (``"dense"`` stage) or over the selection."""
         candidates = None if stage == "dense" else selection
         return self.execution.kl_loss(problem, target, candidates)
+
+    def _loss_sums(self, rows: Rows, stage: str, selection, problem, target) -> tuple:
+        """The indexer loss of a forward over ``rows`` as ``(mean x count, count)`` over the
+        queries with a candidate, so that the shards' shares sum to the mean. With the heads
+        split over devices, each device computes the loss alike from every head's target
+        (``rows.all_heads``): ``T`` equal sums over ``T`` equal counts, the same mean and
+        gradient."""
+        target = target._replace(
+            q=rows.all_heads(target.q, 2), log_normalizer=rows.all_heads(target.log_normalizer, 2)
+        )
+        loss = self._kl_loss(problem, target, selection, stage)
+        count = jnp.sum(self._has_candidates(rows, selection, stage), dtype=jnp.float32)
+        return loss * count, count
 
     @abc.abstractmethod
     def head_specs(self, axis: str) -> tuple:
@@ -133,7 +146,8 @@ class AbstractIndexedAttention(eqx.Module):
     def _has_candidates(rows: Rows, selection: Array, stage: str) -> Array:
         """Which queries of ``rows`` have a candidate in the indexer loss (``[B', L]``): a pick
         (sparse stage), else a visible entry, found 256 queries at a time (never the dense
-        ``[B', L, T]`` visibility)."""
+        ``[B', L, T]`` visibility). Within V4.1 candidates too: the block of a query's newest
+        visible entry is always kept."""
         if stage != "dense":
             return jnp.any(selection >= 0, axis=-1)
 
@@ -302,18 +316,9 @@ def _body(
     carried: Carried,
 ):
     """What every placement runs (``AbstractPlacement.run``): the layer's forward over
-    ``rows`` and, when the stage trains the indexer, its loss as ``(mean x count, count)``
-    over the queries with a candidate, so that the shards' shares sum to the mean. With the
-    heads split over devices, each device computes the loss alike from every head's target
-    (``rows.all_heads``): ``T`` equal sums over ``T`` equal counts, the same mean and gradient.
-    These layers carry no state (``carried`` is returned as it came).
-    """
+    ``rows`` and, when the stage trains the indexer, its loss sums (``_loss_sums``). These
+    layers carry no state (``carried`` is returned as it came)."""
     y, selection, (problem, target), _ = layer.forward_rows(x, rows, stage, want_loss)
     if not want_loss:
         return y, selection, (), carried
-    target = target._replace(
-        q=rows.all_heads(target.q, 2), log_normalizer=rows.all_heads(target.log_normalizer, 2)
-    )
-    loss = layer._kl_loss(problem, target, selection, stage)
-    count = jnp.sum(layer._has_candidates(rows, selection, stage), dtype=jnp.float32)
-    return y, selection, (loss * count, count), carried
+    return y, selection, layer._loss_sums(rows, stage, selection, problem, target), carried

@@ -1,6 +1,7 @@
 """V4.1's candidate pre-filter as block ids (docs/v41.md, "Candidates"): the dense reference
 ``candidate_blocks``, the per-buffer reduction the streaming selection shares with it, and the
-expansion of block ids to an entry mask (dense paths only).
+expansion of block ids to an entry mask (dense paths) or to each query's own entry slots
+(``candidate_slots``: the streaming consumer's selection and its indexer loss).
 
 Candidates are int32 ``[B, S, Nb]``: per query the ids of the kept blocks of ``bc`` consecutive
 entry slots, in increasing order, ``-1`` past the last: 8 KiB per query at the release's
@@ -12,10 +13,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._layout import scatter_rows
+from ._layout import EntryLayout, entry_visibility, scatter_rows
 from ._topk import exact_topk
 
-__all__ = ["candidate_blocks", "candidate_mask", "block_top", "newest_visible"]
+__all__ = ["candidate_blocks", "candidate_mask", "candidate_slots", "block_top", "newest_visible"]
 
 
 def newest_visible(visible: Bool[Array, "*rows n"], first_slot=0) -> Int[Array, " *rows"]:
@@ -94,3 +95,33 @@ def candidate_mask(
     index = jnp.where(blocks < 0, nblk, blocks)  # out of range: dropped
     kept = scatter_rows(index, jnp.ones(blocks.shape, bool), nblk, False)
     return jnp.repeat(kept, block_size, axis=-1)[..., :entries]
+
+
+def candidate_slots(
+    blocks: Int[Array, "batch queries blocks"],
+    block_size: int,
+    query_index: Int[Array, "batch queries"],
+    query_segment: Int[Array, "batch queries"],
+    layout: EntryLayout,
+) -> Int[Array, "batch queries n"]:
+    """Each query's own candidate entries, without the ``[B, S, T]`` mask: the slots of its
+    kept blocks in increasing order, ``-1`` where a slot is in no kept block, past the last
+    entry or invisible to the query.
+
+    **Arguments:** candidate ``blocks [B, Q, Nb]`` of a block of queries (``-1`` = none),
+    ``bc``, the queries' ``query_index`` and ``query_segment`` ``[B, Q]`` and the entries'
+    ``layout`` (``[B, T]``, ``T > 0``).
+
+    **Returns:** int32 ``[B, Q, Nb·bc]``.
+    """
+    b, q, nb = blocks.shape
+    t, n = layout.end.shape[1], nb * block_size
+    slots = blocks[..., None] * block_size + jnp.arange(block_size, dtype=jnp.int32)
+    kept = ((blocks >= 0)[..., None] & (slots < t)).reshape(b, q, n)
+    slots = jnp.where(kept, slots.reshape(b, q, n), 0)
+    # each query's own slots, as one-query rows of entry_visibility
+    end, segment = (jnp.take_along_axis(a, slots.reshape(b, -1), 1) for a in layout[:2])
+    own = EntryLayout(end.reshape(b * q, n), segment.reshape(b * q, n), None)
+    rows = (a.reshape(b * q, 1) for a in (query_index, query_segment))
+    visible = entry_visibility(*rows, own).reshape(b, q, n)
+    return jnp.where(kept & visible, slots, -1)

@@ -3,8 +3,10 @@
 The dense warm-up stage streams key blocks per query block with an online log-sum-exp,
 skipping key blocks invisible to a whole query block; its backward (``∂/∂I = (q − p)/n``,
 a ``custom_vjp``) is blockwise too. The sparse stage gathers only each query block's selected
-keys (a ``lax.scan`` with a rematerialised body). Memory is linear in ``S``; the queries are
-projected one query block at a time (``SelectionProblem.project``).
+keys (a ``lax.scan`` with a rematerialised body), and so does the warm-up of a problem
+restricted to V4.1 candidates (each query's visible candidate entries, ``candidate_slots``).
+Memory is linear in ``S``; the queries are projected one query block at a time
+(``SelectionProblem.project``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from ._blocks import block_starts, key_block_ranges, take
+from ._candidates import candidate_slots
 from ._layout import EntryLayout, entry_visibility
 from ._loss import row_kl, target_mass
 from ._problem import AbstractIndexerLoss
@@ -200,18 +203,20 @@ def _streaming_dense_bwd(project, static, res, g):
 _streaming_dense_kl.defvjp(_streaming_dense_fwd, _streaming_dense_bwd)
 
 
-def _streaming_sparse_kl(
-    project, rows, index_keys, q, entries, lse, selection, scale, head_chunk, qb, scorer
+def _streaming_gathered_kl(
+    project, rows, index_keys, q, entries, lse, picks, scale, head_chunk, qb, scorer
 ):
-    """Sparse stage by query blocks: gather each block's selected indexer keys and entries,
-    score and weigh only those (``lax.scan`` with a rematerialised body)."""
-    s = selection.shape[1]
+    """The loss over each query's own entries by query blocks: ``picks(r0, qb)`` gives the
+    ``qb`` rows from ``r0``'s entry slots ``[B, qb, n]`` (``-1`` = none: the sparse stage's
+    selection, or a consumer's visible candidates); gather those indexer keys and entries,
+    score and weigh only them (``lax.scan`` with a rematerialised body)."""
+    s = q.shape[1]
     starts = block_starts(s, qb)
 
     def body(carry, i):
         r0 = starts[i]
         qx, wx = project(*(take(r, r0, qb) for r in rows))
-        sel = take(selection, r0, qb)
+        sel = picks(r0, qb)
         candidates = (sel >= 0) & (r0 + jnp.arange(qb) >= i * qb)[:, None]
         gathered = gather_keys(index_keys, sel)
         scores = scorer.gathered_scores(qx, wx, gathered, head_chunk=head_chunk)
@@ -235,7 +240,8 @@ def _streaming_sparse_kl(
 class StreamingIndexerLoss(AbstractIndexerLoss):
     """The indexer KL loss by query blocks, never forming ``[B, S, T]`` (module docstring):
     the warm-up over ``query_block x key_block`` tiles with an online log-sum-exp and a
-    blockwise backward, the sparse stage over each query block's gathered picks. Tiles are
+    blockwise backward, the sparse stage (and the warm-up within a problem's V4.1
+    ``candidates``) over each query block's gathered picks. Tiles are
     scored by the problem's scorer; automatic sizes come from its ``tiles``.
 
     **Arguments:**
@@ -265,21 +271,33 @@ class StreamingIndexerLoss(AbstractIndexerLoss):
         )
         if t == 0 or s == 0:
             return jnp.zeros((), jnp.float32)
-        if selection is not None:
-            k = selection.shape[-1]
+        if selection is not None or problem.candidates is not None:
+            if selection is not None:
+                k = selection.shape[-1]
+                picks = partial(take, selection)
+            else:  # the warm-up within V4.1 candidates: each query's visible candidate slots
+                bc = problem.candidate_block_size
+                k = problem.candidates.shape[-1] * bc
+
+                def picks(r0, qb):
+                    blocks, qi, qs = (
+                        take(a, r0, qb) for a in (problem.candidates, query_index, query_segment)
+                    )
+                    return candidate_slots(blocks, bc, qi, qs, layout)
+
             width = index_keys.shape[-1] + entries.shape[-1]
-            qb = self.query_block or sparse_query_block(b, heads, width, k)
-            return _streaming_sparse_kl(
+            qb = max(1, min(self.query_block or sparse_query_block(b, heads, width, k), s))
+            return _streaming_gathered_kl(
                 project,
                 rows,
                 index_keys,
                 q,
                 entries,
                 lse,
-                selection,
+                picks,
                 target.scale,
                 head_chunk,
-                max(1, min(qb, s)),
+                qb,
                 problem.scorer,
             )
         qb, kb = streaming_block_sizes(

@@ -53,7 +53,7 @@ class SelectionProblem(NamedTuple):
     - ``candidates``: ``None``, or V4.1's pre-filter (docs/v41.md, "Candidates"): int32
         ``[B, S, Nb]`` ids of the blocks of ``candidate_block_size`` consecutive entry slots
         each query may pick from (increasing, ``-1`` past the last); every strategy then picks
-        only visible entries of those blocks.
+        only visible entries of those blocks, and the indexer loss' warm-up distils over them.
     - ``candidate_block_size``: the blocks' size ``bc`` (with ``candidates``).
     """
 
@@ -200,8 +200,9 @@ class AbstractIndexerLoss(eqx.Module):
         - ``problem``: the indexer side, exactly what the selection got; ``problem.head_chunk``
             also chunks the attention heads of the target.
         - ``target``: the main attention (detached), as in ``indexer_kl_loss``.
-        - ``selection``: ``None`` for the dense warm-up (candidates = every visible entry),
-            else the sparse stage's top-k ``[B, S, k]`` (``-1`` = none).
+        - ``selection``: ``None`` for the dense warm-up (candidates = every visible entry,
+            within ``problem.candidates`` when set: what a selection of the problem picks
+            from), else the sparse stage's top-k ``[B, S, k]`` (``-1`` = none).
 
         **Returns:**
 

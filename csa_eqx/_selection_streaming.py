@@ -29,9 +29,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from ._blocks import block_starts, key_block_ranges, padded_keys, take
-from ._candidates import block_top, newest_visible
+from ._candidates import block_top, candidate_slots, newest_visible
 from ._layout import EntryLayout, entry_visibility
 from ._problem import AbstractSelection, SelectionProblem
+from ._reads import gather_keys
 from ._tiles import sparse_query_block, streaming_block_sizes, topk_block_size
 from ._topk import exact_topk
 
@@ -238,18 +239,11 @@ def candidate_topk(
     def query_block_body(i, out):
         r0 = q_starts[i]
         qx, wx = project(*(take(r, r0, qb) for r in rows), *consts)
-        cand = take(problem.candidates, r0, qb)
-        slots = (cand[..., None] * bc + jnp.arange(bc, dtype=jnp.int32)).reshape(b, qb, n)
-        slots = jnp.where((cand[..., None] >= 0).repeat(bc, -1).reshape(b, qb, n), slots, t)
-        safe = jnp.minimum(slots, t - 1)
-        gathered = jax.vmap(lambda k, i: k[i])(keys, safe)  # [B, Qb, n, d]
-        # each query's own slots, as one-query rows of entry_visibility
-        end, seg = (jnp.take_along_axis(a, safe.reshape(b, -1), 1) for a in layout[:2])
-        own = EntryLayout(end.reshape(b * qb, n), seg.reshape(b * qb, n), None)
-        rows_of = (take(a, r0, qb).reshape(b * qb, 1) for a in (query_index, query_segment))
-        visible = entry_visibility(*rows_of, own).reshape(b, qb, n) & (slots < t)
+        cand, qi, qs = (take(a, r0, qb) for a in (problem.candidates, query_index, query_segment))
+        slots = candidate_slots(cand, bc, qi, qs, layout)  # [B, Qb, n], -1 = none
+        gathered = gather_keys(keys, slots)  # [B, Qb, n, d]
         _, pos = exact_topk(
-            problem.gathered_scores(qx, wx, gathered), visible, k, unroll=problem.tiles.unroll
+            problem.gathered_scores(qx, wx, gathered), slots >= 0, k, unroll=problem.tiles.unroll
         )
         picks = jnp.take_along_axis(slots, jnp.maximum(pos, 0), axis=-1)
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(pos >= 0, picks, -1), r0, 1)

@@ -12,6 +12,7 @@ placement as its carried state (``csa_eqx._placement.Carried``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import ClassVar, NamedTuple
 
 import equinox as eqx
@@ -36,6 +37,7 @@ from ._ops import init_linear, linear, rms_norm
 from ._placement import Carried
 from ._rope import apply_rope_interleaved, rope_inv_freq
 from ._rows import Rows
+from ._target import AttentionTarget
 from ._v41_config import V41AttentionConfig, V41WiringError
 
 __all__ = [
@@ -81,7 +83,9 @@ class V41Compressor(eqx.Module):
     token; ratio ``m > 1`` disjoint groups of ``m`` tokens pooled with a float32 per-channel
     softmax gate (no position bias, no overlap), then normed. Each entry is its latent roped at
     the group's first position; the index keys ``RoPE(k_norm(latent · key_projᵀ))`` come from
-    the same pre-RoPE latent.
+    the same pre-RoPE latent, detached: only the indexer loss differentiates the keys, and it
+    trains the indexer's weights (``key_proj``, ``key_norm``), never the compressor or the
+    input (as V4's indexer compresses a detached input).
 
     ``kv_proj``, ``gate_proj`` and ``kv_norm`` are DeepSeek's ``compressor.wkv``, ``.wgate``
     (absent at ratio 1) and ``.norm``; ``key_proj`` and ``key_norm`` its ``indexer.wk`` and
@@ -168,7 +172,8 @@ class V41Compressor(eqx.Module):
         first = jnp.clip(layout.end - self.compress_rate + 1, 0, positions.shape[1] - 1)
         entry_pos = jnp.take_along_axis(positions, first, axis=1)
         inv_freq = rope_inv_freq(self.rope_dim, self.rope_theta, self.rope_scaling)
-        keys = rms_norm(linear(latent, self.key_proj), self.key_norm, self.eps)
+        keys = linear(jax.lax.stop_gradient(latent), self.key_proj)
+        keys = rms_norm(keys, self.key_norm, self.eps)
         entries = apply_rope_interleaved(latent, entry_pos, inv_freq)
         keys = apply_rope_interleaved(keys, entry_pos, inv_freq)
         return jnp.concatenate([entries, keys.astype(entries.dtype)], axis=-1)
@@ -348,7 +353,10 @@ class V41Attention(AbstractIndexedAttention):
     def forward_rows(self, x, source, stage, want_loss=False, shared=None):
         """The pipeline over ``source`` (``AbstractIndexedAttention.forward_rows``), plus the
         published state: ``shared`` (``V41Shared``) in, and what this layer publishes out as a
-        fifth result. ``(y, selection, (problem, None), source, shared)``."""
+        fifth result. ``(y, selection, (problem, target), source, shared)``: the selection the
+        layer reads through (a reuse layer's is inherited; ``None`` when sliding), an index
+        source's problem (within the candidates at a consumer whose filter bites) and, with
+        ``want_loss``, the ``AttentionTarget`` over the published entries."""
         c, ex = self.config, self.execution
         shared = V41Shared() if shared is None else shared
         qr, q, kv = self.project_qkv(x, source.positions)
@@ -369,6 +377,7 @@ class V41Attention(AbstractIndexedAttention):
             if self.indexer is not None:
                 keys = shared.keys if shared.stale_keys is None else shared.stale_keys
                 problem = self.indexer_problem(x, qr, source.positions, keys, visibility)
+                problem = self._within_candidates(problem, shared)
                 selection, candidates = self._select(problem, shared)
                 shared = shared._replace(
                     selection=selection, candidates=candidates, stale_keys=None
@@ -378,8 +387,14 @@ class V41Attention(AbstractIndexedAttention):
             selection = shared.selection
             entries = shared.entries.astype(kv.dtype)
             reads = reads.join(ex.entry_reads(entries, visibility, selection, stage))
-        o = ex.attend(q, reads, self.sinks, c.head_dim**-0.5)
-        return self.project_out(o, source.positions), selection, (problem, None), source, shared
+        scale = c.head_dim**-0.5
+        o = ex.attend(q, reads, self.sinks, scale, return_lse=want_loss)
+        target = None
+        if want_loss:
+            o, lse = o
+            target = AttentionTarget(q, entries, lse, scale)
+        y = self.project_out(o, source.positions)
+        return y, selection, (problem, target), source, shared
 
     def _round_entries(self, both: Array) -> Array:
         """A KV source's entries and index keys (side by side) as the numerics round them,
@@ -389,21 +404,27 @@ class V41Attention(AbstractIndexedAttention):
         keys = nx.indexer(both[..., c.head_dim :], self.formats)
         return jnp.concatenate([entries, keys.astype(entries.dtype)], axis=-1)
 
+    def _within_candidates(self, problem, shared):
+        """A consumer's problem restricted to the published candidate blocks (only where the
+        filter can drop anything: with ``Nb`` at least the blocks there are, it keeps every
+        block holding a visible entry); any other index source's unchanged."""
+        c, i = self.config, self.layer
+        if not c.uses_candidates(i):
+            return problem
+        if shared.candidates is None:
+            raise V41WiringError(f"layer {i} uses candidates but none were published")
+        bc, entries = c.candidate_block_size, problem.keys.shape[1]
+        if -(-entries // bc) > c.candidate_topk_blocks:
+            return problem._replace(candidates=shared.candidates, candidate_block_size=bc)
+        return problem
+
     def _select(self, problem, shared):
-        """The index source's top-k by the execution's strategy: with the candidate blocks at
-        the candidate source (from the same scores), within them at its consumers (only
-        where the filter can drop anything: with ``Nb`` at least the blocks there are, it
-        keeps every block holding a visible entry)."""
-        c, i, ex = self.config, self.layer, self.execution
-        if c.is_candidate_source(i):
+        """The index source's top-k by the execution's strategy, with the candidate blocks at
+        the candidate source (from the same scores), and the candidates it publishes."""
+        c, ex = self.config, self.execution
+        if c.is_candidate_source(self.layer):
             nb, bc = c.candidate_topk_blocks, c.candidate_block_size
             return ex.select_candidates(problem, c.index_topk, nb, bc)
-        if c.uses_candidates(i):
-            if shared.candidates is None:
-                raise V41WiringError(f"layer {i} uses candidates but none were published")
-            bc, entries = c.candidate_block_size, problem.keys.shape[1]
-            if -(-entries // bc) > c.candidate_topk_blocks:
-                problem = problem._replace(candidates=shared.candidates, candidate_block_size=bc)
         return ex.select(problem, c.index_topk), shared.candidates
 
     @jaxtyped(typechecker=beartype)
@@ -413,7 +434,13 @@ class V41Attention(AbstractIndexedAttention):
         shared: V41Shared | None = None,
         positions: Int[ArrayLike, "batch seq"] | None = None,
         segment_ids: Int[ArrayLike, "batch seq"] | None = None,
-    ) -> tuple[Float[Array, "batch seq hidden"], V41Shared]:
+        return_aux: bool = False,
+        *,
+        indexer_loss: str | None = None,
+    ) -> (
+        tuple[Float[Array, "batch seq hidden"], V41Shared]
+        | tuple[Float[Array, "batch seq hidden"], V41Shared, dict]
+    ):
         """The layer's forward (docs/v41.md).
 
         **Arguments:**
@@ -424,29 +451,45 @@ class V41Attention(AbstractIndexedAttention):
         - ``positions``: RoPE positions ``[B, S]``; default the index inside each segment.
         - ``segment_ids``: packed-document ids ``[B, S]``; windows and groups restart per
             document and no token sees another document.
+        - ``return_aux``: also return the aux dict.
+        - ``indexer_loss``: the training stage of this call (docs/v41.md, "Training the
+            indexers"): ``"off"``, ``"dense"`` (every compressed layer attends every visible
+            entry; an index source distils towards that over the entries its top-k picks
+            from) or ``"sparse"`` (attend the selection, distil over it); ``None`` =
+            ``execution.indexer_loss``.
 
         **Returns:** ``(y, shared)``: ``y [B, S, hidden]`` in ``x``'s dtype and the published
-        state after this layer (``shared`` unchanged by a sliding or reuse layer).
+        state after this layer (``shared`` unchanged by a sliding or reuse layer); with
+        ``return_aux``, ``(y, shared, aux)``: ``aux["selection"]`` the int32 ``[B, S,
+        index_topk]`` entry slots the layer reads through (increasing, ``-1`` = none; a reuse
+        layer's inherited one, ``None`` for a sliding layer) and ``aux["indexer_loss"]`` a
+        float32 scalar (``None`` when the stage is ``"off"`` or the layer runs no indexer).
 
         The execution's placement runs it (``Execution.heads`` / ``context``; docs/v41.md,
         "Scaling out"): ``shared`` crosses it as carried state, the selection and candidates
         per query row, the entries, keys and layout whole-sequence.
         """
         c, ex = self.config, self.execution
-        if ex.indexer_loss != "off":
-            raise NotImplementedError("V41Attention has no indexer loss yet (indexer_loss='off')")
+        stage = self.stage(indexer_loss)
         x, positions, segment_ids = checks.layer_inputs(c.hidden_size, x, positions, segment_ids)
         dtype, x = x.dtype, ex.numerics.layer_input(x)
         placement = ex.placement
         rows = self._whole_rows(placement, x, positions, segment_ids)
+        want_loss = return_aux and self.indexer is not None and stage != "off"
         shared = V41Shared() if shared is None else shared
-        y, _, _, carried = placement.run(_body, self, x, rows, _carried(shared._asdict()))
+        body = partial(_body, stage, want_loss, return_aux)
+        y, selection, sums, carried = placement.run(body, self, x, rows, _carried(shared._asdict()))
         published = {**carried.per_row, **carried.whole}
         if "entries" in published:  # the sequence's slots (a placement may have padded it)
             t = rows.layout.end.shape[1]
             entries, keys = published["entries"][:, :t], published["keys"][:, :t]
             published.update(entries=entries, keys=keys, layout=rows.layout)
-        return y.astype(dtype), shared._replace(**published) if published else shared
+        shared = shared._replace(**published) if published else shared
+        y = y.astype(dtype)
+        if not return_aux:
+            return y, shared
+        loss = sums[0] / jnp.maximum(sums[1], 1.0) if want_loss else None
+        return y, shared, {"selection": selection, "indexer_loss": loss}
 
     def extend(
         self,
@@ -455,6 +498,8 @@ class V41Attention(AbstractIndexedAttention):
         shared: V41Shared | None = None,
         lengths: Int[ArrayLike, " batch"] | None = None,
         segment_ids: Int[ArrayLike, "batch seq"] | None = None,
+        *,
+        indexer_loss: str | None = None,
     ) -> tuple[Float[Array, "batch seq hidden"], V4Cache, V41Shared]:
         """Run the chunk ``x`` after the tokens in ``cache`` (prefill, chunked prefill or a
         decode step): equal to the forward over the whole stream (docs/v41.md, "Decoding").
@@ -468,18 +513,19 @@ class V41Attention(AbstractIndexedAttention):
         - ``shared``: what the earlier layers published for this chunk (their ``extend``);
             a KV source's entries and keys are every entry its cache holds.
         - ``lengths``, ``segment_ids``: as for ``V4Attention.extend``.
+        - ``indexer_loss``: the training stage whose attention to run (``"dense"`` reads every
+            visible entry; no loss is computed); ``None`` = ``execution.indexer_loss``.
 
         **Returns:** ``(y, cache, shared)``.
         """
-        if self.execution.indexer_loss != "off":
-            raise NotImplementedError("V41Attention has no indexer loss yet (indexer_loss='off')")
+        stage = self.stage(indexer_loss)
         x, lengths, segment_ids = checks.chunk_inputs(self, x, cache, lengths, segment_ids)
         if x.shape[1] == 0:
             raise ValueError("V41Attention.extend needs a chunk of at least one token")
         rows = chunk_rows(cache, x.shape[1], lengths, segment_ids)
         dtype, x = x.dtype, self.execution.numerics.layer_input(x)
         source = ChunkSource.start(cache, rows)
-        y, _, _, source, shared = self.forward_rows(x, source, "off", False, shared)
+        y, _, _, source, shared = self.forward_rows(x, source, stage, False, shared)
         return y.astype(dtype), source.cache_after(), shared
 
     def init_cache(self, batch_size: int, max_length: int, dtype=jnp.float32) -> V4Cache:
@@ -531,14 +577,21 @@ def _carried(fields: dict) -> Carried:
     return Carried(per_row, {k: v for k, v in fields.items() if k not in _PER_ROW})
 
 
-def _body(layer: V41Attention, x: Array, rows: Rows, carried: Carried) -> tuple:
-    """What the placement runs (``AbstractPlacement.run``): the layer's forward over ``rows``,
-    taking the published state and returning only the fields the layer replaced (none for a
-    sliding or reuse layer: nothing travels back), the selection among them."""
+def _body(
+    stage: str, want_loss: bool, aux: bool, layer: V41Attention, x: Array, rows: Rows, carried
+) -> tuple:
+    """What the placement runs (``AbstractPlacement.run``): the layer's forward over ``rows``
+    from the published state, returning ``(y, selection, sums, carried)``: the selection the
+    layer reads through when ``aux`` asks for it, the indexer loss sums when ``want_loss``
+    (``AbstractIndexedAttention._loss_sums``) and only the state fields the layer replaced
+    (none for a sliding or reuse layer: nothing travels back)."""
     given = V41Shared(**carried.per_row, **carried.whole)
-    y, _, _, _, shared = layer.forward_rows(x, rows, "off", False, given)
+    y, selection, (problem, target), _, shared = layer.forward_rows(
+        x, rows, stage, want_loss, given
+    )
+    sums = layer._loss_sums(rows, stage, selection, problem, target) if want_loss else ()
     published = {k: v for k, v in shared._asdict().items() if v is not getattr(given, k)}
-    return y, None, (), _carried(published)
+    return y, selection if aux else None, sums, _carried(published)
 
 
 def run_v41_stack(
@@ -546,7 +599,10 @@ def run_v41_stack(
     xs: Float[Array, "batch seq hidden"] | Sequence[Float[Array, "batch seq hidden"]],
     positions: Int[Array, "batch seq"] | None = None,
     segment_ids: Int[Array, "batch seq"] | None = None,
-) -> tuple[list[Array], list[V41Shared]]:
+    *,
+    return_aux: bool = False,
+    indexer_loss: str | None = None,
+) -> tuple[list[Array], list[V41Shared]] | tuple[list[Array], list[V41Shared], list[dict]]:
     """Run the attention layers of a V4.1 stack in order, threading what they publish.
 
     **Arguments:**
@@ -555,16 +611,25 @@ def run_v41_stack(
     - ``xs``: one input ``[B, S, hidden]`` for every layer (an attention-only stack feeds
         each layer its own input), or a single one fed to all.
     - ``positions``, ``segment_ids``: as for ``V41Attention.__call__``.
+    - ``return_aux``: also return each layer's aux dict.
+    - ``indexer_loss``: every layer's training stage (``None``: each layer's
+        ``execution.indexer_loss``), as for ``V41Attention.__call__``.
 
-    **Returns:** ``(ys, published)``: each layer's output and the ``V41Shared`` after it.
+    **Returns:** ``(ys, published)``: each layer's output and the ``V41Shared`` after it; with
+    ``return_aux``, ``(ys, published, auxes)``: each layer's aux (``aux["indexer_loss"]`` is
+    ``None`` but at the index sources with the loss on; the stack's indexer loss is the sum
+    of the others).
     """
     xs = _check_stack(layers, xs)
-    ys, published, shared = [], [], V41Shared()
+    ys, published, auxes, shared = [], [], [], V41Shared()
     for layer, x in zip(layers, xs, strict=True):
-        y, shared = layer(x, shared, positions, segment_ids)
+        y, shared, *aux = layer(
+            x, shared, positions, segment_ids, return_aux, indexer_loss=indexer_loss
+        )
         ys.append(y)
         published.append(shared)
-    return ys, published
+        auxes.extend(aux)
+    return (ys, published, auxes) if return_aux else (ys, published)
 
 
 def _check_stack(layers, xs) -> list:

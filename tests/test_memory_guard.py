@@ -121,15 +121,23 @@ V41_STACK = V41AttentionConfig(
 )
 
 
-def test_v41_stack_fwd_bwd_never_forms_bst():
+@pytest.mark.parametrize("stage", ["dense", "sparse"])  # "sparse" attends as "off" does
+def test_v41_stack_fwd_bwd_never_forms_bst(stage):
+    """With the indexer loss of the three index sources on: the consumer's warm-up distils
+    over its gathered candidates, the sources' over streamed key tiles."""
     keys = jax.random.split(jax.random.key(0), V41_STACK.num_layers)
-    layers = tuple(V41Attention(V41_STACK, i, key=k) for i, k in enumerate(keys))
+    execution = Execution(indexer_loss=stage)
+    layers = tuple(
+        V41Attention(V41_STACK, i, key=k, execution=execution) for i, k in enumerate(keys)
+    )
     assert [V41_STACK.role(i) for i in range(4)] == ["full", "reuse", "full", "reindex"]
     bound = B * S * (S // 2) // 8
 
     def objective(params, static, x):
-        ys, _ = run_v41_stack(eqx.combine(params, static), x)
-        return sum(jnp.sum(y) for y in ys)
+        ys, _, auxes = run_v41_stack(eqx.combine(params, static), x, return_aux=True)
+        losses = [a["indexer_loss"] for a in auxes if a["indexer_loss"] is not None]
+        assert len(losses) == 3
+        return sum(jnp.sum(y) for y in ys) + sum(losses)
 
     params, static = eqx.partition(layers, eqx.is_inexact_array)
     x = jax.ShapeDtypeStruct((B, S, V41_STACK.hidden_size), jnp.float32)

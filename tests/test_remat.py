@@ -225,8 +225,10 @@ def test_v41_stack_saves_one_selection_per_index_source():
     source, 1 reuse, 2 the candidate source, 3 its consumer, with 2 blocks of 4 kept of 6):
     each index source computes its selection once and saves it, the backward recomputes none
     of them (nor the candidates, which only the consumer's selection needs), and the reuse
-    layer computes none at all. Streaming with small tiles: merged row buffers, the candidate
-    source's blocks from the same buffers, the consumer's gathered candidates."""
+    layer computes none at all, with the indexer losses on (the sparse stage: the attention of
+    ``"off"``, plus the loss over the saved selection). Streaming with small tiles: merged row
+    buffers, the candidate source's blocks from the same buffers, the consumer's gathered
+    candidates."""
     import dataclasses
 
     from test_memory_guard import V41_STACK
@@ -238,13 +240,17 @@ def test_v41_stack_saves_one_selection_per_index_source():
     counts = {}
     for save in (False, True):
         selection = csa_eqx.StreamingSelection(key_block=4, topk_block=8)
-        execution = csa_eqx.Execution(selection=selection, save_selection=save)
+        execution = csa_eqx.Execution(
+            selection=selection, save_selection=save, indexer_loss="sparse"
+        )
         layers = tuple(
             csa_eqx.V41Attention(CONFIG, i, key=k, execution=execution) for i, k in enumerate(keys)
         )
 
         def stack(layers, x):
-            return sum(jnp.sum(y**2) for y in csa_eqx.run_v41_stack(layers, x)[0])
+            ys, _, auxes = csa_eqx.run_v41_stack(layers, x, return_aux=True)
+            losses = [a["indexer_loss"] for a in auxes if a["indexer_loss"] is not None]
+            return sum(jnp.sum(y**2) for y in ys) + sum(losses)
 
         loss = JAX_CKPT(stack)
         forward = count_prim(jax.make_jaxpr(loss)(layers, x), TOPK)

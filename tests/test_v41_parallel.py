@@ -25,10 +25,15 @@ SEGMENTS = jnp.asarray(np.repeat([[0, 1], [0, 0]], [11, 13], axis=1), jnp.int32)
 
 
 def objective(layers, x, published=True):
-    """A scalar of every layer's output, and what the stack returns (``published``: with the
-    published state, else the outputs only)."""
-    ys, states = ce.run_v41_stack(layers, x, segment_ids=SEGMENTS)
-    return sum(jnp.sum(jnp.sin(y)) for y in ys), (ys, states if published else None)
+    """A scalar of every layer's output and the index sources' indexer losses (sparse stage),
+    and what the stack returns: the outputs, the losses and (``published``) the published
+    state."""
+    ys, states, auxes = ce.run_v41_stack(
+        layers, x, segment_ids=SEGMENTS, return_aux=True, indexer_loss="sparse"
+    )
+    losses = [aux["indexer_loss"] for aux in auxes if aux["indexer_loss"] is not None]
+    value = sum(jnp.sum(jnp.sin(y)) for y in ys) + 3.0 * sum(losses)
+    return value, (ys, losses, states if published else None)
 
 
 grad = jax.jit(
@@ -41,17 +46,20 @@ def single_device():
     """The stack, its input and its single-device outputs, published state and gradients."""
     layers = _stack()
     x = jax.random.normal(jax.random.key(1), (2, SEQ, CONFIG.hidden_size))
-    (_, (ys, published)), grads = grad(layers, x)
-    return layers, x, ys, published, grads
+    (_, (ys, losses, published)), grads = grad(layers, x)
+    return layers, x, (ys, losses), published, grads
 
 
 def assert_matches_single_device(got, entries_exact):
-    """``got`` is ``(ys, published, grads)``; selections and candidates (and, when
+    """``got`` is ``((ys, losses), published, grads)``; selections and candidates (and, when
     ``entries_exact``, entries and keys) bitwise, the rest within 1e-5."""
-    *_, want_ys, want_published, want_grads = single_device()
-    ys, published, grads = got
+    *_, (want_ys, want_losses), want_published, want_grads = single_device()
+    (ys, losses), published, grads = got
     for i, (y, want_y) in enumerate(zip(ys, want_ys, strict=True)):
         assert relative_error(y, want_y) < 1e-5, i
+    assert len(want_losses) == 3 and min(want_losses) > 0  # the index sources 1, 3 and 4
+    for loss, want_loss in zip(losses, want_losses, strict=True):
+        assert relative_error(loss, want_loss) < 1e-5
     for i, (pub, want) in enumerate(zip(published, want_published, strict=True)):
         for name in ("selection", "candidates", "layout", "entries", "keys"):
             value, want_value = getattr(pub, name), getattr(want, name)
@@ -85,9 +93,9 @@ def test_head_parallel_stack_matches_single_device():
     mesh = jax.make_mesh((2, 2), ("data", "tensor"))
     with jax.set_mesh(mesh):
         x = jax.device_put(x, NamedSharding(mesh, P("data")))
-        (_, (ys, published)), grads = grad(hp, x)
+        (_, (ys, losses, published)), grads = grad(hp, x)
         jaxpr = jax.make_jaxpr(objective)(hp, x)
-    assert_matches_single_device((ys, published, grads), entries_exact=True)
+    assert_matches_single_device(((ys, losses), published, grads), entries_exact=True)
     manual = [e.params["newly_manual_axes"] for e in jaxpr.eqns if e.primitive.name == "shard_map"]
     assert manual == [{"data", "tensor"}] * CONFIG.num_layers
 
@@ -115,10 +123,10 @@ def test_context_parallel_stack_matches_single_device(mesh_shape, heads):
         # XLA's Shardy partitioner of JAX 0.10.2 (not 0.12) aborts compiling this gradient
         # under context x tensor when it also returns the candidate source's selection
         # (docs/v41.md, "Scaling out"): the published state from the forward alone there
-        (_, (ys, published)), grads = grad(cp, x, published=not heads)
+        (_, (ys, losses, published)), grads = grad(cp, x, published=not heads)
         if heads:
             _, published = jax.jit(ce.run_v41_stack)(cp, x, segment_ids=SEGMENTS)
-    assert_matches_single_device((ys, published, grads), entries_exact=False)
+    assert_matches_single_device(((ys, losses), published, grads), entries_exact=False)
 
 
 def test_errors_name_axis_and_sizes():
