@@ -58,8 +58,8 @@ def assert_matches_single_device(got, entries_exact):
     for i, (y, want_y) in enumerate(zip(ys, want_ys, strict=True)):
         assert relative_error(y, want_y) < 1e-5, i
     assert len(want_losses) == 3 and min(want_losses) > 0  # the index sources 1, 3 and 4
-    for loss, want_loss in zip(losses, want_losses, strict=True):
-        assert relative_error(loss, want_loss) < 1e-5
+    # a KL near 0 (~6e-4 here) is a small difference of O(1) terms: its rounding is absolute
+    np.testing.assert_allclose(np.asarray(losses), np.asarray(want_losses), rtol=1e-5, atol=1e-7)
     for i, (pub, want) in enumerate(zip(published, want_published, strict=True)):
         for name in ("selection", "candidates", "layout", "entries", "keys"):
             value, want_value = getattr(pub, name), getattr(want, name)
