@@ -1,9 +1,10 @@
 """Head and context parallelism of a V4.1 stack on simulated CPU devices (docs/v41.md,
 "Scaling out"): the tiny stack of test_v41_layers.py (every role: sliding, full ratio 2, reuse,
 full ratio 1 with candidates, reindex within them, reuse after it), run layer by layer under a
-mesh, against the single-device stack: outputs and gradients (parameters and x) within 1e-5,
-every published selection and candidate block bitwise, published entries and keys bitwise
-(head parallel) or within float rounding (context parallel), packed documents in row 0."""
+mesh, against the single-device stack: outputs, the index sources' indexer losses and the
+gradients (parameters and x) within 1e-5, every published selection and candidate block
+bitwise, published entries and keys bitwise (head parallel) or within float rounding (context
+parallel), packed documents in row 0; the errors and the loader's execution keywords."""
 
 import functools
 
