@@ -22,6 +22,7 @@ from ._decode import ChunkSource, chunk_rows
 from ._execution import Execution, check_stage, checked_execution
 from ._layout import Visibility, entry_visibility, segment_positions, token_rows
 from ._numerics import DeepSeekFormats
+from ._placement import Carried
 from ._problem import SelectionProblem
 from ._rows import Rows, whole_rows
 from ._target import AttentionTarget
@@ -94,15 +95,22 @@ class AbstractIndexedAttention(eqx.Module):
             return checks.empty_outputs(x, topk, selects and stage != "off", return_aux)
         dtype, x = x.dtype, ex.numerics.layer_input(x)
         placement = ex.placement
-        like, positions, segment_ids = placement.rows_inputs(x, positions, segment_ids)
-        seg, query_index = token_rows(like, segment_ids)
-        positions = segment_positions(seg) if positions is None else positions
-        rows = whole_rows(positions, seg, query_index, self.entry_rate)
+        rows = self._whole_rows(placement, x, positions, segment_ids)
         want_loss = return_aux and selects and stage != "off"
-        y, selection, sums = placement.run(partial(_body, stage, want_loss), self, x, rows)
+        body = partial(_body, stage, want_loss)
+        y, selection, sums, _ = placement.run(body, self, x, rows, Carried())
         loss = sums[0] / jnp.maximum(sums[1], 1.0) if want_loss else None
         y = y.astype(dtype)
         return (y, {"selection": selection, "indexer_loss": loss}) if return_aux else y
+
+    def _whole_rows(self, placement, x, positions, segment_ids) -> Rows:
+        """The whole sequence's ``Rows`` of a forward that ``placement`` runs, from the checked
+        ``x``, ``positions`` and ``segment_ids`` (default positions: the index inside each
+        segment)."""
+        like, positions, segment_ids = placement.rows_inputs(x, positions, segment_ids)
+        seg, query_index = token_rows(like, segment_ids)
+        positions = segment_positions(seg) if positions is None else positions
+        return whole_rows(positions, seg, query_index, self.entry_rate)
 
     def _kl_loss(self, problem: SelectionProblem, target: AttentionTarget, selection, stage):
         """The indexer's KL distillation (docs/concepts.md, "Training the indexer") over every
@@ -299,10 +307,18 @@ class AbstractIndexedAttention(eqx.Module):
         return stage
 
 
-def _body(stage: str, want_loss: bool, layer: AbstractIndexedAttention, x: Array, rows: Rows):
+def _body(
+    stage: str,
+    want_loss: bool,
+    layer: AbstractIndexedAttention,
+    x: Array,
+    rows: Rows,
+    carried: Carried,
+):
     """What every placement runs (``AbstractPlacement.run``): the layer's forward over
-    ``rows`` and, when the stage trains the indexer, its loss sums (``_loss_sums``)."""
+    ``rows`` and, when the stage trains the indexer, its loss sums (``_loss_sums``). These
+    layers carry no state (``carried`` is returned as it came)."""
     y, selection, (problem, target), _ = layer.forward_rows(x, rows, stage, want_loss)
     if not want_loss:
-        return y, selection, ()
-    return y, selection, layer._loss_sums(rows, stage, selection, problem, target)
+        return y, selection, (), carried
+    return y, selection, layer._loss_sums(rows, stage, selection, problem, target), carried

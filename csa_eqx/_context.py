@@ -13,7 +13,9 @@ recomputes their projections (``h / c`` extra work, none of it duplicated commun
 per-token keys). Every shard makes the entries of its own chunks (V4: the windows that close
 in them, ``S / m`` rows in all; V3.2: every token's MLA latent and indexer key) and they are
 all-gathered. Everything integer (segments, positions, the entry layout) is tiny and computed
-for the whole sequence first.
+for the whole sequence first. State a layer carries (``Carried``: V4.1's published state) is
+chunked with the rows when it has one row per token (selections, candidates) and repeated for
+each chunk when it is of the whole sequence (the gathered entries, keys and layout).
 
 Selections are bitwise equal to one device's: each query scores the same keys. The sequence is
 padded at its end to ``2N`` chunks of a multiple of ``m`` rows, each at least ``h`` rows long;
@@ -33,8 +35,8 @@ from jaxtyping import Array, Float
 
 from ._compat import stacked_all_gather
 from ._layout import EntryLayout, entry_layout
-from ._mesh import MeshLike, batch_axis, check_axes, mesh_with_axis, place, run_sharded
-from ._placement import AbstractPlacement, Body, SingleDevice
+from ._mesh import MeshLike, batch_axis, check_axes, each, mesh_with_axis, place, run_sharded
+from ._placement import AbstractPlacement, Body, Carried, SingleDevice
 from ._rows import Rows
 
 __all__ = ["ContextParallel"]
@@ -98,13 +100,24 @@ class ContextParallel(AbstractPlacement):
         chunks = np.stack([np.arange(n), 2 * n - 1 - np.arange(n)], axis=1)
         return _Plan(n, chunk, halo, chunks)
 
-    def run(self, body: Body, layer: eqx.Module, x: Float[Array, "batch seq hidden"], rows: Rows):
+    def run(
+        self,
+        body: Body,
+        layer: eqx.Module,
+        x: Float[Array, "batch seq hidden"],
+        rows: Rows,
+        carried: Carried,
+    ):
         """The body over this device's zigzag chunks, each with its halo (``layer.context_halo``
         rows) and the entries its rows close (``layer.entry_rate`` rows per entry), gathered
         into every slot's by ``rows.gather``; each chunk's shard runs ``inner``, with the
-        layer's tiles shared over the devices (``layer.execution.sharing``). See
-        ``AbstractPlacement.run``: ``y`` and ``selection`` come back ``[B, S, ...]`` as one
-        device returns them, the ``sums`` over each shard's own rows summed."""
+        layer's tiles shared over the devices (``layer.execution.sharing``). The ``carried``
+        state's ``per_row`` arrays are chunked as ``x`` (halo rows included) and its ``whole``
+        ones repeated for each chunk's batch row. See ``AbstractPlacement.run``: ``y``,
+        ``selection`` and ``carried.per_row`` come back ``[B, S, ...]`` as one device returns
+        them, ``carried.whole`` as the first chunk's shard returns it (padded rows included:
+        ``[B, ...]`` of the padded sequence), the ``sums`` over each shard's own rows
+        summed."""
         mesh = mesh_with_axis(self.axis, "Execution.context", self.mesh)
         axis, (b, s) = self.axis, x.shape[:2]
         halo, rate = layer.context_halo, layer.entry_rate
@@ -114,7 +127,13 @@ class ContextParallel(AbstractPlacement):
         n, c = plan.devices, plan.chunk
         pad = 2 * n * c - s
         if pad:  # padded whole, then split again (Explicit axes cannot pad a sharded axis)
-            x = jnp.pad(place(x, mesh, P()), ((0, 0), (0, pad), (0, 0)))
+            x, per_row = jax.tree.map(
+                lambda a: jnp.pad(
+                    place(a, mesh, P()), [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)
+                ),
+                (x, carried.per_row),
+            )
+            carried = carried._replace(per_row=per_row)
         segment = jnp.pad(segment, ((0, 0), (0, pad)), mode="edge")
         positions = jnp.pad(positions, ((0, 0), (0, pad)))
         index = jnp.broadcast_to(jnp.arange(2 * n * c, dtype=jnp.int32), segment.shape)
@@ -145,15 +164,26 @@ class ContextParallel(AbstractPlacement):
         params, static = eqx.partition(layer, eqx.is_array)
         sharded, batch = P(dp, axis), P(dp)
         specs = (
-            jax.tree.map(lambda _: P(), params),
+            each(params, P()),
             sharded,
             (sharded,) * 3,
             None if own is None else EntryLayout(sharded, sharded, sharded),
             None if layout is None else EntryLayout(batch, batch, batch),
+            Carried(each(carried.per_row, sharded), each(carried.whole, batch)),
         )
 
-        def local(params, x, ints, own, layout):
-            x = _with_halo(_zigzag(x, plan, axis), plan, axis)
+        def chunked(a):  # contiguous rows -> zigzag chunks with their halos
+            return _with_halo(_zigzag(a, plan, axis), plan, axis)
+
+        def joined(a):  # per-chunk rows -> this device's contiguous rows, halos dropped
+            return _unzigzag(_own_rows(a, plan), plan, axis)
+
+        def local(params, x, ints, own, layout, carried):
+            x = chunked(x)
+            carried = Carried(
+                jax.tree.map(chunked, carried.per_row),
+                jax.tree.map(lambda a: jnp.repeat(a, 2, axis=0), carried.whole),
+            )
             ints = tuple(_chunk_rows(a, 2) for a in ints)
             if own is not None:
                 own = EntryLayout(*(_chunk_rows(a, 2) for a in own))
@@ -162,20 +192,23 @@ class ContextParallel(AbstractPlacement):
             # each device's working buffers sized for its share of the rows (same results)
             shard = eqx.combine(params, static)
             shard = shard.with_execution(shard.execution.sharing(n))
-            y, selection, sums = self.inner.run(body, shard, x, rows)
-            y = _unzigzag(_own_rows(y, plan), plan, axis)
-            if selection is not None:
-                selection = _unzigzag(_own_rows(selection, plan), plan, axis)
-            return y, selection, tuple(jnp.reshape(a, (1,)) for a in sums)
+            y, selection, sums, carried = self.inner.run(body, shard, x, rows, carried)
+            y, selection, per_row = jax.tree.map(joined, (y, selection, carried.per_row))
+            # the chunks' batch rows hold the same whole-sequence state: the first chunk's
+            whole = jax.tree.map(lambda a: a[::2], carried.whole)
+            return y, selection, tuple(jnp.reshape(a, (1,)) for a in sums), Carried(per_row, whole)
 
-        # the sums leave mapped over every manual axis and are summed outside
-        out_specs = (sharded, sharded, P((axis, dp) if dp else axis))
-        args = (params, x, ints, own, layout)
-        y, selection, sums = run_sharded(local, mesh, specs, out_specs, {axis, dp}, *args)
+        # the sums leave mapped over every manual axis and are summed outside; the whole state
+        # leaves unmapped over the axis (every device holds it all)
+        out_specs = (sharded, sharded, P((axis, dp) if dp else axis), Carried(sharded, batch))
+        args = (params, x, ints, own, layout, carried)
+        y, selection, sums, carried = run_sharded(local, mesh, specs, out_specs, {axis, dp}, *args)
         if pad:
-            y = place(y, mesh, P())[:, :s]
-            selection = None if selection is None else place(selection, mesh, P())[:, :s]
-        return y, selection, tuple(jnp.sum(a) for a in sums)
+            y, selection, per_row = jax.tree.map(
+                lambda a: place(a, mesh, P())[:, :s], (y, selection, carried.per_row)
+            )
+            carried = carried._replace(per_row=per_row)
+        return y, selection, tuple(jnp.sum(a) for a in sums), carried
 
 
 def _chunk_rows(a: Array, chunks: int) -> Array:

@@ -47,7 +47,13 @@ from ._tiles import TileSizes
 from ._window import AbstractWindow, BandWindow
 from .remat import tag_selection
 
-__all__ = ["Execution", "IndexerLossStage", "INDEXER_LOSS_STAGES", "checked_execution"]
+__all__ = [
+    "Execution",
+    "IndexerLossStage",
+    "INDEXER_LOSS_STAGES",
+    "checked_execution",
+    "loader_execution",
+]
 
 IndexerLossStage = Literal["off", "dense", "sparse"]
 INDEXER_LOSS_STAGES = ("off", "dense", "sparse")
@@ -93,9 +99,9 @@ class Execution(eqx.Module):
     - ``indexer_heads_axis``: mesh axis to shard the indexer's per-head activations over
         (``None`` = off); its size must divide ``index_n_heads``.
     - ``context``: split the sequence over a mesh axis (``ContextParallel(axis)``; ``None`` =
-        off). V4 and V3.2 layers; ``extend`` ignores it (decoding runs on one device).
+        off). V4, V3.2 and V4.1 layers; ``extend`` ignores it (decoding runs on one device).
     - ``heads``: split the attention heads over a mesh axis (``HeadParallel(axis)``; ``None`` =
-        off). V4 and V3.2 layers; composes with ``context`` (one ``shard_map`` over both
+        off). V4, V3.2 and V4.1 layers; composes with ``context`` (one ``shard_map`` over both
         axes), a ``ShardedSelection`` over the same axis and the indexer loss; not with
         ``indexer_heads_axis``; ``extend`` ignores it.
     - ``indexer_loss``: the default training stage of the indexer's KL loss: ``"off"``,
@@ -478,3 +484,19 @@ def checked_execution(execution: Execution | None, config, formats: DeepSeekForm
     execution.check(config.index_n_heads, config.num_heads, execution.indexer_loss)
     execution.numerics.check(formats, config)
     return execution
+
+
+def loader_execution(execution: Execution | None, flags: dict) -> Execution:
+    """A loader's ``Execution``: its ``execution=`` or its execution keywords, not both.
+
+    **Arguments:** the loader's ``execution`` (``None``: not given) and the keywords of
+    ``Execution.from_options`` it was called with (``flags``, by name).
+
+    **Returns:** ``execution``, or ``Execution.from_options(**flags)``; a ``ValueError`` when
+    both are given.
+    """
+    if execution is not None and flags:
+        raise ValueError(
+            f"pass either execution= or the execution keywords {sorted(flags)}, not both"
+        )
+    return Execution.from_options(**flags) if execution is None else execution

@@ -10,7 +10,9 @@ up-projections and its input columns of the output projection), so its output is
 sum of the layer's; the partial outputs are summed over the axis (an all-reduce). Everything
 the heads share (the query latent, V4's shared key/value or V3.2's MLA latent, the compressed
 entries, the indexer and its top-k) is computed on every device from replicated weights, so
-the selection is the single-device one bitwise.
+the selection is the single-device one bitwise, and so is the state a layer carries to the
+next (V4.1's published entries, selections and candidates), which goes in and out replicated
+over the axis.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
-from ._mesh import MeshLike, batch_axis, check_axes, mesh_with_axis, run_sharded
-from ._placement import AbstractPlacement, Body
+from ._mesh import MeshLike, batch_axis, check_axes, each, mesh_with_axis, run_sharded
+from ._placement import AbstractPlacement, Body, Carried
 from ._rows import Rows
 
 __all__ = ["HeadParallel", "split_specs", "sum_partials"]
@@ -62,10 +64,19 @@ class HeadParallel(AbstractPlacement):
                     f"does not divide {name}={count}"
                 )
 
-    def run(self, body: Body, layer: eqx.Module, x: Float[Array, "batch seq hidden"], rows: Rows):
+    def run(
+        self,
+        body: Body,
+        layer: eqx.Module,
+        x: Float[Array, "batch seq hidden"],
+        rows: Rows,
+        carried: Carried,
+    ):
         """The body over this device's heads (``layer.head_specs(axis)`` says which arrays
         are split), its ``y`` a partial sum over them, summed over the axis here; per-head
-        arrays reach every head through ``rows.all_heads``. See ``AbstractPlacement.run``."""
+        arrays reach every head through ``rows.all_heads``. The ``carried`` state goes in and
+        comes out whole on every device (split over the batch only): the body computes it from
+        what the heads share, equal on every device. See ``AbstractPlacement.run``."""
         mesh = mesh_with_axis(self.axis, "Execution.heads", self.mesh)
         specs, counts = layer.head_specs(self.axis)
         self.check(mesh, counts)
@@ -74,20 +85,24 @@ class HeadParallel(AbstractPlacement):
         params, static = eqx.partition(layer, eqx.is_array)
         ints, fns = eqx.partition(rows, eqx.is_array)
         batch = P(dp)
-        in_specs = (specs(params), batch, jax.tree.map(lambda _: batch, ints))
+        in_specs = (specs(params), batch, each(ints, batch), each(carried, batch))
 
-        def local(params, x, ints):
+        def local(params, x, ints, carried):
             rows = eqx.combine(ints, fns)._replace(all_heads=partial(_all_heads, axis_name=axis))
-            y, selection, sums = body(eqx.combine(params, static), x, rows)
-            return y[None], selection, tuple(jnp.reshape(a, (1,)) for a in sums)
+            y, selection, sums, carried = body(eqx.combine(params, static), x, rows, carried)
+            return y[None], selection, tuple(jnp.reshape(a, (1,)) for a in sums), carried
 
         # the partial outputs leave stacked over the axis and are summed outside, so the
         # transpose hands each device the output's cotangent once and sums the replicated
-        # weights' cotangents (each device's share of the heads)
-        out_specs = (P(axis, dp), batch, P((axis, dp) if dp else axis))
-        args = (params, x, ints)
-        y, selection, sums = run_sharded(local, mesh, in_specs, out_specs, {axis, dp}, *args)
-        return sum_partials(y, x.dtype), selection, tuple(jnp.sum(a) for a in sums)
+        # weights' cotangents (each device's share of the heads); the carried state leaves
+        # unmapped over the axis (equal on every device), so the transpose hands each device
+        # 1 / T of its cotangent
+        out_specs = (P(axis, dp), batch, P((axis, dp) if dp else axis), batch)
+        args = (params, x, ints, carried)
+        y, selection, sums, carried = run_sharded(
+            local, mesh, in_specs, out_specs, {axis, dp}, *args
+        )
+        return sum_partials(y, x.dtype), selection, tuple(jnp.sum(a) for a in sums), carried
 
 
 def _all_heads(a: Array, axis: int, *, axis_name: str) -> Array:
@@ -109,7 +124,7 @@ def split_specs(split: dict[str, P]) -> Callable:
     """
 
     def specs(params):
-        whole = jax.tree.map(lambda _: P(), params)
+        whole = each(params, P())
         return eqx.tree_at(
             lambda p: [getattr(p, name) for name in split], whole, list(split.values())
         )

@@ -22,6 +22,7 @@ __all__ = [
     "place",
     "row_spec",
     "batch_axis",
+    "each",
     "run_sharded",
 ]
 
@@ -99,6 +100,12 @@ def batch_axis(mesh: MeshLike, data_axis: str, batch: int) -> str | None:
     if data_axis not in names or is_manual(jax.sharding.get_abstract_mesh(), data_axis):
         return None
     return data_axis if batch % mesh.shape[data_axis] == 0 else None
+
+
+def each(tree, spec: P):
+    """**Returns:** ``spec`` for every array of ``tree`` (a ``PartitionSpec`` tree of its
+    structure: ``run_sharded`` places its arguments by one)."""
+    return jax.tree.map(lambda _: spec, tree)
 
 
 def run_sharded(fn: Callable, mesh: MeshLike, in_specs, out_specs, axes: set, *args) -> object:

@@ -5,12 +5,14 @@ across the layers of a stack.
 One layer class, ``V41Attention``, whose role (sliding, full, reindex, reuse) the stack config
 resolves. The state a layer shares passes explicitly: a layer takes the published
 ``V41Shared`` as an argument and returns what it publishes; ``run_v41_stack`` threads it
-through a list of layers.
+through a list of layers. Under head or context parallelism the state crosses each layer's
+placement as its carried state (``csa_eqx._placement.Carried``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import ClassVar, NamedTuple
 
 import equinox as eqx
@@ -29,11 +31,12 @@ from ._config import YaRNScaling
 from ._decode import ChunkSource, chunk_rows
 from ._execution import Execution, checked_execution
 from ._heads import split_specs
-from ._layout import EntryLayout, Visibility, segment_positions, token_rows
+from ._layout import EntryLayout, Visibility
 from ._numerics import V41_FORMATS, DeepSeekFormats
 from ._ops import init_linear, linear, rms_norm
+from ._placement import Carried
 from ._rope import apply_rope_interleaved, rope_inv_freq
-from ._rows import Rows, whole_rows
+from ._rows import Rows
 from ._target import AttentionTarget
 from ._v41_config import V41AttentionConfig, V41WiringError
 
@@ -461,18 +464,27 @@ class V41Attention(AbstractIndexedAttention):
         index_topk]`` entry slots the layer reads through (increasing, ``-1`` = none; a reuse
         layer's inherited one, ``None`` for a sliding layer) and ``aux["indexer_loss"]`` a
         float32 scalar (``None`` when the stage is ``"off"`` or the layer runs no indexer).
+
+        The execution's placement runs it (``Execution.heads`` / ``context``; docs/v41.md,
+        "Scaling out"): ``shared`` crosses it as carried state, the selection and candidates
+        per query row, the entries, keys and layout whole-sequence.
         """
         c, ex = self.config, self.execution
-        if ex.heads is not None or ex.context is not None:  # the placement is SingleDevice
-            raise NotImplementedError("V41Attention runs on a single device only (for now)")
         stage = self.stage(indexer_loss)
         x, positions, segment_ids = checks.layer_inputs(c.hidden_size, x, positions, segment_ids)
         dtype, x = x.dtype, ex.numerics.layer_input(x)
-        seg, query_index = token_rows(x, segment_ids)
-        positions = segment_positions(seg) if positions is None else positions
-        rows = whole_rows(positions, seg, query_index, self.entry_rate)
+        placement = ex.placement
+        rows = self._whole_rows(placement, x, positions, segment_ids)
         want_loss = return_aux and self.indexer is not None and stage != "off"
-        y, selection, sums, shared = _body(stage, want_loss, self, x, rows, shared)
+        shared = V41Shared() if shared is None else shared
+        body = partial(_body, stage, want_loss, return_aux)
+        y, selection, sums, carried = placement.run(body, self, x, rows, _carried(shared._asdict()))
+        published = {**carried.per_row, **carried.whole}
+        if "entries" in published:  # the sequence's slots (a placement may have padded it)
+            t = rows.layout.end.shape[1]
+            entries, keys = published["entries"][:, :t], published["keys"][:, :t]
+            published.update(entries=entries, keys=keys, layout=rows.layout)
+        shared = shared._replace(**published) if published else shared
         y = y.astype(dtype)
         if not return_aux:
             return y, shared
@@ -555,15 +567,31 @@ class V41Attention(AbstractIndexedAttention):
         )
 
 
-def _body(stage, want_loss, layer: V41Attention, x: Array, rows: Rows, shared):
-    """A V4.1 layer's forward over ``rows`` from the published ``shared`` and, when the stage
-    trains its indexer, the loss sums (``AbstractIndexedAttention._loss_sums``):
-    ``(y, selection, sums, shared)``."""
+_PER_ROW = ("selection", "candidates")  # V41Shared's fields with a row per query
+
+
+def _carried(fields: dict) -> Carried:
+    """``V41Shared`` fields (by name) as a placement carries them: the selection and the
+    candidates per query row, the entries, keys and layout whole-sequence."""
+    per_row = {k: v for k, v in fields.items() if k in _PER_ROW}
+    return Carried(per_row, {k: v for k, v in fields.items() if k not in _PER_ROW})
+
+
+def _body(
+    stage: str, want_loss: bool, aux: bool, layer: V41Attention, x: Array, rows: Rows, carried
+) -> tuple:
+    """What the placement runs (``AbstractPlacement.run``): the layer's forward over ``rows``
+    from the published state, returning ``(y, selection, sums, carried)``: the selection the
+    layer reads through when ``aux`` asks for it, the indexer loss sums when ``want_loss``
+    (``AbstractIndexedAttention._loss_sums``) and only the state fields the layer replaced
+    (none for a sliding or reuse layer: nothing travels back)."""
+    given = V41Shared(**carried.per_row, **carried.whole)
     y, selection, (problem, target), _, shared = layer.forward_rows(
-        x, rows, stage, want_loss, shared
+        x, rows, stage, want_loss, given
     )
     sums = layer._loss_sums(rows, stage, selection, problem, target) if want_loss else ()
-    return y, selection, sums, shared
+    published = {k: v for k, v in shared._asdict().items() if v is not getattr(given, k)}
+    return y, selection if aux else None, sums, _carried(published)
 
 
 def run_v41_stack(

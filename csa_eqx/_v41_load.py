@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ._execution import loader_execution
 from ._hf_checkpoint import load_tree, read_config, read_layer, strip_prefix
 from ._hf_config import block_size
 from ._v41 import V41Attention
@@ -203,6 +204,7 @@ def load_v41_attention(
     dtype=jnp.float32,
     execution=None,
     block: tuple[int, int] = V41_BLOCK,
+    **options,
 ) -> V41Attention:
     """Layer ``layer_idx`` of a V4.1 stack from a state dict under DeepSeek's names (docs/v41.md,
     "Loading").
@@ -217,6 +219,10 @@ def load_v41_attention(
         checkpoints add ``model.``); keys without it are ignored.
     - ``dtype``: the parameters' dtype (norms and sinks stay float32); ``execution``: as for
         ``V41Attention``; ``block``: the FP8 tile (the release's 32 x 32).
+    - ``options``: instead of ``execution=``, the keywords of ``csa_eqx.Execution.from_options``
+        (``head_parallel=True``, ``context_parallel=True``, ``indexer_sharded_topk=True``, ...;
+        docs/v41.md, "Scaling out"); ``numerics=`` names V4's numerics, so
+        ``DeepSeekV41Inference`` goes in as ``execution=``.
 
     **Returns:** the ``V41Attention``, the FP8 weights multiplied by their tiles' scales.
 
@@ -227,6 +233,7 @@ def load_v41_attention(
     prefix = f"layers.{layer_idx}.attn." if prefix is None else prefix
     given = {_internal(k): v for k, v in strip_prefix(tensors, prefix).items()}
     where = f"state dict of layer {layer_idx}"
+    execution = loader_execution(execution, options)
     return _load(
         config, layer_idx, given, where, lambda n: prefix + _native(n), dtype, execution, block
     )
@@ -238,6 +245,7 @@ def load_v41_attention_from_safetensors(
     *,
     dtype=jnp.float32,
     execution=None,
+    **options,
 ) -> V41Attention:
     """Layer ``layer_idx`` of a V4.1 checkpoint folder in the released layout (docs/v41.md,
     "Loading").
@@ -251,7 +259,7 @@ def load_v41_attention_from_safetensors(
         ``.scale`` tiles of ``quantization_config.weight_block_size`` (default 32 x 32, as
         DeepSeek's inference code), BF16 and F32 tensors as released.
     - ``layer_idx``: the layer; only its attention tensors are read.
-    - ``dtype``, ``execution``: as for ``load_v41_attention``.
+    - ``dtype``, ``execution``, ``options``: as for ``load_v41_attention``.
 
     **Returns:** the ``V41Attention``.
 
@@ -273,6 +281,7 @@ def load_v41_attention_from_safetensors(
     prefixes = {
         p: _internal for p in (f"layers.{layer_idx}.attn.", f"model.layers.{layer_idx}.attn.")
     }
+    execution = loader_execution(execution, options)
     tensors, origin = read_layer(folder, prefixes)
     where = f"{folder}, layer {layer_idx}"
     return _load(

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from ._config import V4AttentionConfig
 from ._deepseek_numerics import DeepSeekInference
-from ._execution import Execution
+from ._execution import Execution, loader_execution
 from ._hf_checkpoint import load_tree, read_config, read_layer, rename, strip_prefix
 from ._hf_config import (
     as_dict,
@@ -125,12 +125,7 @@ def _split_options(options: dict, scale_fmt=None) -> tuple[dict, Execution]:
     flags = {k: v for k, v in options.items() if k in _EXECUTION_OPTIONS}
     if flags.get("numerics") == "deepseek":
         flags["numerics"] = DeepSeekInference(scale_fmt=scale_fmt)
-    execution = options.get("execution")
-    if execution is not None and flags:
-        raise ValueError(
-            f"pass either execution= or the execution keywords {sorted(flags)}, not both"
-        )
-    return overrides, Execution.from_options(**flags) if execution is None else execution
+    return overrides, loader_execution(options.get("execution"), flags)
 
 
 class _Family(NamedTuple):
