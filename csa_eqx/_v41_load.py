@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ._deepseek_numerics import DeepSeekV41Inference
 from ._execution import loader_execution
 from ._hf_checkpoint import load_tree, read_config, read_layer, strip_prefix
 from ._hf_config import block_size
@@ -221,8 +222,8 @@ def load_v41_attention(
         ``V41Attention``; ``block``: the FP8 tile (the release's 32 x 32).
     - ``options``: instead of ``execution=``, the keywords of ``csa_eqx.Execution.from_options``
         (``head_parallel=True``, ``context_parallel=True``, ``indexer_sharded_topk=True``, ...;
-        docs/v41.md, "Scaling out"); ``numerics=`` names V4's numerics, so
-        ``DeepSeekV41Inference`` goes in as ``execution=``.
+        docs/v41.md, "Scaling out"); ``numerics="deepseek"`` is ``DeepSeekV41Inference()``
+        (DeepSeek's V4.1 inference numerics, docs/v41.md "Quantised inference").
 
     **Returns:** the ``V41Attention``, the FP8 weights multiplied by their tiles' scales.
 
@@ -233,7 +234,7 @@ def load_v41_attention(
     prefix = f"layers.{layer_idx}.attn." if prefix is None else prefix
     given = {_internal(k): v for k, v in strip_prefix(tensors, prefix).items()}
     where = f"state dict of layer {layer_idx}"
-    execution = loader_execution(execution, options)
+    execution = _execution(execution, options)
     return _load(
         config, layer_idx, given, where, lambda n: prefix + _native(n), dtype, execution, block
     )
@@ -281,7 +282,7 @@ def load_v41_attention_from_safetensors(
     prefixes = {
         p: _internal for p in (f"layers.{layer_idx}.attn.", f"model.layers.{layer_idx}.attn.")
     }
-    execution = loader_execution(execution, options)
+    execution = _execution(execution, options)
     tensors, origin = read_layer(folder, prefixes)
     where = f"{folder}, layer {layer_idx}"
     return _load(
@@ -294,6 +295,14 @@ def load_v41_attention_from_safetensors(
         execution,
         block,
     )
+
+
+def _execution(execution, options: dict):
+    """The loaders' ``Execution`` (``_execution.loader_execution``), with ``numerics="deepseek"``
+    naming V4.1's ``DeepSeekV41Inference`` (``Execution.from_options`` would name V4's)."""
+    if options.get("numerics") == "deepseek":
+        options = {**options, "numerics": DeepSeekV41Inference()}
+    return loader_execution(execution, options)
 
 
 def _internal(name: str) -> str:

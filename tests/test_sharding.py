@@ -273,9 +273,10 @@ def test_shard_indexer_acts_with_mesh_placed_weights():
 
 def test_v41_stack_sharded_topk_bitwise():
     """A V4.1 stack (docs/v41.md: the ratio-1 candidate source and its reindex consumer) with
-    ``indexer_sharded_topk`` on a (data 2, tensor 4) mesh, 26 rows (padded to 28): both
-    selections and the candidate blocks are bitwise the unsharded stack's; the outputs within
-    float tolerance."""
+    ``indexer_sharded_topk`` and ``shard_indexer_acts`` (the index heads' activations placed on
+    the tensor axis) on a (data 2, tensor 4) mesh, 26 rows (padded to 28): both selections and
+    the candidate blocks are bitwise the unsharded stack's; the outputs within float
+    tolerance."""
     from test_v41_config import SIZES
 
     import csa_eqx as ce
@@ -287,7 +288,7 @@ def test_v41_stack_sharded_topk_bitwise():
         candidate_source_layer=0,
         candidate_topk_blocks=2,
         candidate_block_size=4,
-        **SIZES,
+        **{**SIZES, "index_n_heads": 4},  # the index heads split over the 4 tensor devices
     )
     keys = jax.random.split(jax.random.key(0), config.num_layers)
 
@@ -297,10 +298,17 @@ def test_v41_stack_sharded_topk_bitwise():
     run = eqx.filter_jit(ce.run_v41_stack)
     x = jax.random.normal(jax.random.key(5), (2, 26, 32))
     want_ys, want = run(stack(), x)
-    sharded = stack(ce.Execution.from_options(indexer_sharded_topk=True))
+    sharded = stack(ce.Execution.from_options(indexer_sharded_topk=True, shard_indexer_acts=True))
     with jax.set_mesh(jax.make_mesh((2, 4), ("data", "tensor"))):
         ys, got = run(sharded, x)
-        assert count_prim(jax.make_jaxpr(lambda x: run(sharded, x))(x), "shard_map") == 2
+        jaxpr = jax.make_jaxpr(lambda x: run(sharded, x))(x)
+    assert count_prim(jaxpr, "shard_map") == 2
+    specs = {
+        str(e.params["sharding"].spec)
+        for e in walk_eqns(jaxpr)
+        if e.primitive.name == "sharding_constraint"
+    }
+    assert specs == {str(P(None, None, "tensor", None)), str(P(None, None, "tensor"))}
     for i in range(2):
         np.testing.assert_array_equal(np.asarray(got[i].selection), np.asarray(want[i].selection))
     np.testing.assert_array_equal(np.asarray(got[0].candidates), np.asarray(want[0].candidates))

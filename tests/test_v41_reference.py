@@ -374,16 +374,20 @@ def quantised(reference):
     weights = {k: v if k.endswith(":attn_sink") else _bf16(v) for k, v in fx.items() if k[0] == "l"}
     xs = [_bf16(fx[f"x{i}"]) for i in range(config.num_layers)]
     runs = {}
-    for name, numerics in [("deepseek", ce.DeepSeekV41Inference()), ("exact", None)]:
-        ex = ce.Execution() if numerics is None else ce.Execution(numerics=numerics)
+    for numerics in ("deepseek", "exact"):  # the loaders' keyword: DeepSeekV41Inference()
         layers = [
-            load_v41_attention(config, i, weights, f"l{i}:", execution=ex)
+            load_v41_attention(config, i, weights, f"l{i}:", numerics=numerics)
             for i in range(config.num_layers)
         ]
+        deepseek = numerics == "deepseek"
+        assert (
+            all(isinstance(y.execution.numerics, ce.DeepSeekV41Inference) for y in layers)
+            == deepseek
+        )
         # bf16 inputs under DeepSeek's numerics; the exact path on the same values in float32
-        inputs = [jnp.asarray(x, jnp.bfloat16 if numerics else jnp.float32) for x in xs]
-        runs[name] = run_stack(layers, inputs)
-        if numerics is not None:
+        inputs = [jnp.asarray(x, jnp.bfloat16 if deepseek else jnp.float32) for x in xs]
+        runs[numerics] = run_stack(layers, inputs)
+        if deepseek:
             runs["layers"], runs["inputs"] = layers, inputs
     return q, config, runs
 
