@@ -75,7 +75,7 @@ def token_rows(
     (so they carry its sharding on Explicit meshes; no segments = one segment). The zeros pass
     an optimisation barrier: without segment ids everything integer would be a constant, and
     XLA's constant folding of the entry layout (a reduce-window over ``S`` rows) made compile
-    time grow with ``S`` (minutes at 1M tokens; docs/memory.md)."""
+    time grow with ``S`` (docs/v41.md, "V4 against V4.1": the 1M-token compile never ended)."""
     base = jnp.zeros_like(x[..., 0] if x.ndim > 2 else x, dtype=jnp.int32)
     base = jax.lax.optimization_barrier(base)
     seg = base if segment_ids is None else base + jnp.asarray(segment_ids, jnp.int32)
