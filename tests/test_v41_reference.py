@@ -25,10 +25,10 @@ FIXTURE = Path(__file__).parent / "fixtures" / "deepseek" / "v41_stack.npz"
 run_stack = eqx.filter_jit(ce.run_v41_stack)
 
 
-def _layer(config, i: int, fx: dict) -> ce.V41Attention:
+def _layer(config, i: int, fx: dict, **options) -> ce.V41Attention:
     prefix = f"l{i}:"
     return load_v41_attention(
-        config, i, {k: v for k, v in fx.items() if k.startswith(prefix)}, prefix
+        config, i, {k: v for k, v in fx.items() if k.startswith(prefix)}, prefix, **options
     )
 
 
@@ -103,6 +103,24 @@ def test_candidates(reference):
     sel = np.asarray(published[4].selection)
     picked = np.take_along_axis(ref, np.maximum(sel, 0), axis=-1)
     assert np.all(picked | (sel < 0))
+
+
+def test_head_chunked_streaming_prefill_matches_reference(reference):
+    """The indexers scored two heads at a time (``qk_head_chunk_size``) and the top-k streamed
+    over key tiles of 8 entries (two candidate blocks; the ratio-1 rows hold 24 entries, so
+    three tiles merge per query), loaded through the loader's keywords: DeepSeek's outputs
+    within 1e-5, and the selections and candidates of the default path bitwise (ties go to the
+    lower entry in every path)."""
+    fx, config, _, published = reference
+    options = dict(qk_head_chunk_size=2, indexer_key_block=8)
+    layers = [_layer(config, i, fx, **options) for i in range(config.num_layers)]
+    assert isinstance(layers[3].execution.selection, ce.StreamingSelection)
+    ys, chunked = run_stack(layers, [jnp.asarray(fx[f"x{i}"]) for i in range(6)])
+    for i in range(config.num_layers):
+        assert _rel(ys[i], fx[f"prefill_y{i}"]) < 1e-5, i
+    for i in (1, 3, 4):
+        np.testing.assert_array_equal(chunked[i].selection, published[i].selection)
+    np.testing.assert_array_equal(chunked[3].candidates, published[3].candidates)
 
 
 def test_prefilter_is_load_bearing(reference):
