@@ -52,6 +52,8 @@ INDEPENDENT = {
         "DeepSeek's quantised inference code (fixtures)"
     ),
     "tests/test_formats.py": "numpy reference of the formats",
+    "tests/test_v41_loss.py": "numpy KL formula (float64)",
+    "tests/test_v41_reference.py": "DeepSeek's V4.1 inference code (fixtures)",
 }
 
 
@@ -131,6 +133,22 @@ MUTATIONS = [
         "    norm = jax.nn.logsumexp(log_p, axis=-1, keepdims=True)\n"
         "    log_p = log_p - jnp.where(jnp.isfinite(norm), norm, 0.0)\n",
         ("tests/test_loss.py::test_layer_loss_matches_hf_probabilities",),
+    ),
+    Mutation(
+        "v41_warmup_loss_ignores_candidates",
+        "V4.1 consumer's dense-stage KL over every visible entry, not only its candidates",
+        "csa_eqx/_loss_dense.py",
+        "                candidates &= candidate_mask(problem.candidates, bc, keys.shape[1])\n",
+        "                candidates &= candidate_mask(problem.candidates, bc, keys.shape[1]) | True\n",
+        ("tests/test_v41_loss.py",),
+    ),
+    Mutation(
+        "v41_candidates_not_pinned",
+        "V4.1 candidate filter without the block of the query's newest visible entry pinned",
+        "csa_eqx/_candidates.py",
+        "    best = jnp.where(pinned, jnp.inf, best)\n",
+        "    best = jnp.where(pinned, best, best)\n",
+        ("tests/test_v41_reference.py",),
     ),
     Mutation(
         "selection_never_streams",
