@@ -58,9 +58,9 @@ def selection_stage(layer, x):
     b, s, _ = x.shape
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     segment = jnp.zeros((b, s), jnp.int32)
-    qr, _, _ = layer.project_qkv(x, positions)
+    qr, _, _ = layer.block.project_qkv(x, positions)
     layout = entry_layout(segment, layer.config.compress_rate)
-    keys = layer.indexer.compressor(x, positions, layout)
+    keys = layer.index_compressor(x, positions, layout)
     visibility = Visibility(positions, segment, layout)
     problem = layer.indexer_problem(x, qr, positions, keys, visibility)
     return layer.execution.select(problem, layer.config.index_topk)

@@ -24,7 +24,7 @@ __all__ = ["naive_v4_csa"]
 def _naive_selection(layer: V4Attention, x: Array, qr: Array, positions: Array, layout) -> Array:
     """Indexer top-k from the full ``[B, H_I, S, T]`` score tensor and a dense causal mask."""
     c, ix = layer.config, layer.indexer
-    keys = ix.compressor(x, positions, layout)
+    keys = layer.index_compressor(x, positions, layout)
     q = ix.queries(qr, positions)
     w = ix.head_weights(x) * c.index_head_dim**-0.5
     per_head = jax.nn.relu(jnp.einsum("bshd,btd->bhst", q, keys))  # [B, H_I, S, T]
@@ -45,13 +45,13 @@ def naive_v4_csa(
     c = layer.config
     b, s, _ = x.shape
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    qr = rms_norm(linear(x, layer.q_a_proj), layer.q_a_norm, c.rms_norm_eps)
-    q = linear(qr, layer.q_b_proj).reshape(b, s, c.num_heads, c.head_dim)
+    qr = rms_norm(linear(x, layer.block.q_a_proj), layer.block.q_a_norm, c.rms_norm_eps)
+    q = linear(qr, layer.block.q_b_proj).reshape(b, s, c.num_heads, c.head_dim)
     q = apply_rope_interleaved(
-        rms_norm(q, None, c.rms_norm_eps), positions[..., None], layer.inv_freq
+        rms_norm(q, None, c.rms_norm_eps), positions[..., None], layer.block.inv_freq
     )
-    kv = rms_norm(linear(x, layer.kv_proj), layer.kv_norm, c.rms_norm_eps)
-    kv = apply_rope_interleaved(kv, positions, layer.inv_freq)
+    kv = rms_norm(linear(x, layer.block.kv_proj), layer.block.kv_norm, c.rms_norm_eps)
+    kv = apply_rope_interleaved(kv, positions, layer.block.inv_freq)
 
     layout = entry_layout(jnp.zeros((b, s), jnp.int32), c.compress_rate)
     entries = layer.compressor(x, positions, layout)
@@ -67,13 +67,13 @@ def naive_v4_csa(
     keys = jnp.concatenate([kv, entries.astype(kv.dtype)], axis=1)
     logits = jnp.einsum("bshd,bnd->bhsn", q, keys) * c.head_dim**-0.5
     logits = jnp.where(mask[:, None], logits, -jnp.inf)
-    sink = jnp.broadcast_to(layer.sinks[None, :, None, None], (b, c.num_heads, s, 1))
+    sink = jnp.broadcast_to(layer.block.sinks[None, :, None, None], (b, c.num_heads, s, 1))
     probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
     o = jnp.einsum("bhsn,bnd->bshd", probs, keys)
-    o = apply_rope_interleaved(o, -positions[..., None], layer.inv_freq)
+    o = apply_rope_interleaved(o, -positions[..., None], layer.block.inv_freq)
     o = o.reshape(b, s, c.o_groups, -1)
-    w_a = layer.o_a_proj.reshape(c.o_groups, c.o_lora_rank, -1)
-    return linear(jnp.einsum("bsgi,goi->bsgo", o, w_a).reshape(b, s, -1), layer.o_b_proj)
+    w_a = layer.block.o_a_proj.reshape(c.o_groups, c.o_lora_rank, -1)
+    return linear(jnp.einsum("bsgi,goi->bsgo", o, w_a).reshape(b, s, -1), layer.block.o_b_proj)
 
 
 def main() -> None:

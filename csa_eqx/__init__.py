@@ -9,9 +9,12 @@ from ._auto import AutoSelection as AutoSelection
 from ._cache import CompressorState as CompressorState
 from ._cache import V4Cache as V4Cache
 from ._cache import V32Cache as V32Cache
+from ._candidates import CandidateVisibility as CandidateVisibility
 from ._candidates import candidate_blocks as candidate_blocks
+from ._compressor import AbstractCompressor as AbstractCompressor
 from ._compressor import Compressor as Compressor
 from ._compressor import pool_windows as pool_windows
+from ._compressor_v41 import V41Compressor as V41Compressor
 from ._config import V4AttentionConfig as V4AttentionConfig
 from ._config import V32AttentionConfig as V32AttentionConfig
 from ._config import YaRNScaling as YaRNScaling
@@ -20,8 +23,10 @@ from ._deepseek_numerics import DeepSeekInference as DeepSeekInference
 from ._deepseek_numerics import DeepSeekV41Inference as DeepSeekV41Inference
 from ._execution import Execution as Execution
 from ._execution import IndexerLossStage as IndexerLossStage
+from ._forward import V41Shared as V41Shared
 from ._generate import generate as generate
 from ._heads import HeadParallel as HeadParallel
+from ._indexer_heads import IndexerHeads as IndexerHeads
 from ._layout import EntryLayout as EntryLayout
 from ._layout import Visibility as Visibility
 from ._layout import entry_layout as entry_layout
@@ -29,6 +34,7 @@ from ._layout import entry_visibility as entry_visibility
 from ._layout import segment_positions as segment_positions
 from ._loss import indexer_kl_loss as indexer_kl_loss
 from ._loss_dense import DenseIndexerLoss as DenseIndexerLoss
+from ._loss_gathered import GatheredIndexerLoss as GatheredIndexerLoss
 from ._loss_streaming import StreamingIndexerLoss as StreamingIndexerLoss
 from ._numerics import AbstractNumerics as AbstractNumerics
 from ._numerics import ExactNumerics as ExactNumerics
@@ -50,20 +56,20 @@ from ._scorer import XlaScorer as XlaScorer
 from ._scorer import indexer_scores as indexer_scores
 from ._scorer_blocked import BlockedScorer as BlockedScorer
 from ._selection_dense import DenseSelection as DenseSelection
+from ._selection_gathered import GatheredSelection as GatheredSelection
 from ._selection_sharded import ShardedSelection as ShardedSelection
 from ._selection_streaming import StreamingSelection as StreamingSelection
 from ._sparse import sparse_attention as sparse_attention
+from ._stack import extend_stack as extend_stack
+from ._stack import run_stack as run_stack
 from ._target import AttentionTarget as AttentionTarget
 from ._tiles import TileSizes as TileSizes
 from ._topk import select_topk as select_topk
-from ._v4 import Indexer as Indexer
 from ._v4 import V4Attention as V4Attention
+from ._v4_block import V4Block as V4Block
 from ._v32 import V32Attention as V32Attention
 from ._v32 import V32Indexer as V32Indexer
 from ._v41 import V41Attention as V41Attention
-from ._v41 import V41Compressor as V41Compressor
-from ._v41 import V41Indexer as V41Indexer
-from ._v41 import V41Shared as V41Shared
 from ._v41 import extend_v41_stack as extend_v41_stack
 from ._v41 import run_v41_stack as run_v41_stack
 from ._v41_config import V41AttentionConfig as V41AttentionConfig
@@ -106,7 +112,6 @@ __all__ = [
     "GatheredPicks",
     "GatheredRows",
     "GatheredWindow",
-    "Indexer",
     "IndexerLossStage",
     "MaskedPicks",
     "Reads",
@@ -127,7 +132,6 @@ __all__ = [
     "V41Attention",
     "V41AttentionConfig",
     "V41Compressor",
-    "V41Indexer",
     "V41Shared",
     "V41WiringError",
     "Visibility",
@@ -148,4 +152,12 @@ __all__ = [
     "segment_positions",
     "select_topk",
     "sparse_attention",
+    "CandidateVisibility",
+    "AbstractCompressor",
+    "GatheredIndexerLoss",
+    "GatheredSelection",
+    "IndexerHeads",
+    "extend_stack",
+    "run_stack",
+    "V4Block",
 ]

@@ -1,7 +1,9 @@
-"""What the attention layers with a lightning indexer share (``V4Attention``,
-``V32Attention``): construction, the public forward (input checks, positions, context
-parallelism, the indexer loss and the aux contract), the indexer's selection problem, the
-per-call training stage, switching execution, and ``extend``'s entry point."""
+"""The one protocol of every attention layer (``V4Attention``, ``V41Attention``,
+``V32Attention``): construction, the public forward and ``extend`` (input checks, the empty-input
+rule, positions, the placement, the indexer loss, the aux contract and the state a layer
+passes on to the later layers of a stack), the indexer's selection problem, the per-call
+training stage and switching execution. A layer kind writes only its pipeline
+(``forward_rows``) and its cache."""
 
 from __future__ import annotations
 
@@ -18,11 +20,12 @@ from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped
 
 from . import _checks as checks
 from ._cache import AbstractCache
+from ._candidates import CandidateVisibility
 from ._decode import ChunkSource, chunk_rows
 from ._execution import Execution, check_stage, checked_execution
+from ._forward import Forward, V41Shared, carried, published
 from ._layout import Visibility, entry_visibility, segment_positions, token_rows
 from ._numerics import DeepSeekFormats
-from ._placement import Carried
 from ._problem import SelectionProblem
 from ._rows import Rows, whole_rows
 from ._target import AttentionTarget
@@ -31,9 +34,10 @@ __all__ = ["AbstractIndexedAttention"]
 
 
 class AbstractIndexedAttention(eqx.Module):
-    """What the attention layers with a lightning indexer share: their ``indexer`` (with
+    """What every attention layer shares: its ``indexer`` (``None``, or with
     ``queries(qr, positions)`` and ``head_weights(x)``), architecture ``config`` and
-    ``execution``, and how those make the indexer's selection problem.
+    ``execution``, how those make the indexer's selection problem, and one call protocol
+    (``__call__`` and ``extend``, the same for every layer kind).
 
     Layers are built as ``Layer(config, *, key, dtype=jnp.float32, execution=None)``:
 
@@ -46,8 +50,14 @@ class AbstractIndexedAttention(eqx.Module):
 
     A layer implements ``forward_rows`` (its pipeline, written once against a source of the
     keys seen so far: the forward's ``Rows`` or ``extend``'s ``ChunkSource``), ``init_cache``,
-    ``entry_rate``, ``context_halo`` and ``head_specs``, and says in the class variable
-    ``formats`` what DeepSeek's inference quantises in its family.
+    ``entry_rate``, ``context_halo``, ``head_specs`` and ``selects``, and says in the class
+    variable ``formats`` what DeepSeek's inference quantises in its family.
+
+    State shared across the layers of a stack (``csa_eqx.V41Shared``: V4.1's published
+    entries, index keys, selections and candidates) is an optional keyword of both calls,
+    ``shared=``: when given it comes back after ``y`` (and the cache), with what the layer
+    published (V4 and V3.2 layers publish nothing); without it the layer starts from nothing
+    published.
     """
 
     formats: ClassVar[DeepSeekFormats]
@@ -61,10 +71,11 @@ class AbstractIndexedAttention(eqx.Module):
         return_aux: bool = False,
         *,
         indexer_loss: str | None = None,
-    ) -> Float[Array, "batch seq hidden"] | tuple[Float[Array, "batch seq hidden"], dict]:
+        shared: V41Shared | None = None,
+    ):
         """The layer's forward (docs/concepts.md, "The DeepSeek-V4 attention block": the
         sliding window plus the compressed entries; "DeepSeek-V3.2 DSA": sparse MLA over the
-        tokens the indexer selects).
+        tokens the indexer selects; docs/v41.md: V4.1's shared entries and selections).
 
         **Arguments:**
 
@@ -77,31 +88,47 @@ class AbstractIndexedAttention(eqx.Module):
         - ``indexer_loss``: the indexer's training stage for this call (``"off"``, ``"dense"``:
             attend to every visible entry and distil towards that, ``"sparse"``: attend to
             the selection and distil over it); ``None`` = ``execution.indexer_loss``.
+        - ``shared``: what the earlier layers of a stack published (``csa_eqx.V41Shared``);
+            ``None``: nothing (and nothing is returned). A V4.1 reindex or reuse layer needs
+            its sources' entries, keys and selection.
 
         **Returns:**
 
-        ``y`` ``[B, S, hidden]`` in ``x``'s dtype; with ``return_aux``, ``(y, aux)`` with
-        ``aux["selection"]`` int32 ``[B, S, index_topk]`` in increasing order (V4: entry
-        slots, V3.2: token indices; ``-1`` = none; ``None`` for a V4 layer without an
-        indexer) and ``aux["indexer_loss"]`` a float32 scalar (``None`` when the stage is
-        ``"off"`` or the layer has no indexer).
+        ``y`` ``[B, S, hidden]`` in ``x``'s dtype; then, when ``shared`` is given, the state
+        after this layer; then, with ``return_aux``, the aux dict: ``aux["selection"]`` int32
+        ``[B, S, index_topk]`` in increasing order (V4 / V4.1: entry slots, V3.2: token
+        indices; ``-1`` = none; a V4.1 reuse layer's is the one it inherits; ``None`` for a
+        layer that reads no selection) and ``aux["indexer_loss"]`` a float32 scalar (``None``
+        when the stage is ``"off"`` or the layer runs no indexer of its own).
+
+        The execution's placement runs it (``Execution.heads`` / ``context``): ``shared``
+        crosses it as carried state, the selection and candidates per query row, the entries,
+        keys and layout whole-sequence.
+
+        An empty ``x`` (no rows or no tokens) gives zeros, an empty selection, a zero loss and
+        ``shared`` unchanged, before any compute.
         """
         c, ex = self.config, self.execution
         stage = self.stage(indexer_loss)
         x, positions, segment_ids = checks.layer_inputs(c.hidden_size, x, positions, segment_ids)
-        selects = self.indexer is not None
+        trains = self.indexer is not None and stage != "off"
         if x.size == 0:
-            topk = c.index_topk if selects else None
-            return checks.empty_outputs(x, topk, selects and stage != "off", return_aux)
+            topk = c.index_topk if self.selects else None
+            y, aux = checks.empty_outputs(x, topk, trains, True)
+            return _outputs((y,), shared, aux if return_aux else None)
         dtype, x = x.dtype, ex.numerics.layer_input(x)
         placement = ex.placement
         rows = self._whole_rows(placement, x, positions, segment_ids)
-        want_loss = return_aux and selects and stage != "off"
-        body = partial(_body, stage, want_loss)
-        y, selection, sums, _ = placement.run(body, self, x, rows, Carried())
-        loss = sums[0] / jnp.maximum(sums[1], 1.0) if want_loss else None
+        want_loss = return_aux and trains
+        given = V41Shared() if shared is None else shared
+        body = partial(_body, stage, want_loss, return_aux)
+        y, selection, sums, state = placement.run(body, self, x, rows, carried(given._asdict()))
         y = y.astype(dtype)
-        return (y, {"selection": selection, "indexer_loss": loss}) if return_aux else y
+        aux = None
+        if return_aux:
+            loss = sums[0] / jnp.maximum(sums[1], 1.0) if want_loss else None
+            aux = {"selection": selection, "indexer_loss": loss}
+        return _outputs((y,), None if shared is None else published(given, state), aux)
 
     def _whole_rows(self, placement, x, positions, segment_ids) -> Rows:
         """The whole sequence's ``Rows`` of a forward that ``placement`` runs, from the checked
@@ -171,6 +198,12 @@ class AbstractIndexedAttention(eqx.Module):
         """**Returns:** rows before a chunk of the sequence that its forward needs besides the
         entries (context parallelism's halo)."""
 
+    @property
+    @abc.abstractmethod
+    def selects(self) -> bool:
+        """**Returns:** whether the layer's attention reads through a selection (its own or an
+        inherited one): whether ``aux["selection"]`` is an array."""
+
     @abc.abstractmethod
     def forward_rows(
         self,
@@ -178,7 +211,8 @@ class AbstractIndexedAttention(eqx.Module):
         source: Rows | ChunkSource,
         stage: str,
         want_loss: bool,
-    ) -> tuple:
+        shared: V41Shared,
+    ) -> Forward:
         """The layer's pipeline after ``__call__``'s or ``extend``'s checks, over ``source``:
         the forward's ``Rows`` (all of a sequence, or one device's chunks with their halos
         under context parallelism) or ``extend``'s ``ChunkSource`` (the cache, then the
@@ -186,14 +220,13 @@ class AbstractIndexedAttention(eqx.Module):
         forward over ``[cache ; chunk]``.
 
         **Arguments:** hidden states ``x [B', L, hidden]``, their source, the checked training
-        ``stage`` and whether the indexer loss' inputs are wanted.
+        ``stage``, whether the indexer loss' inputs are wanted and the state published so far
+        (``V41Shared()``: nothing).
 
-        **Returns:**
-
-        ``(y, selection or None, (problem, target), source)``: the indexer's
-        ``SelectionProblem`` (``None`` without an indexer), the ``AttentionTarget``
-        (``None`` unless ``want_loss``) and the source after the reads
-        (``source.cache_after()``: ``extend``'s new cache).
+        **Returns:** a ``Forward``: ``y``, the selection, the indexer's ``SelectionProblem``
+        (``None`` without an indexer), the ``AttentionTarget`` (``None`` unless
+        ``want_loss``), the source after the reads (``source.cache_after()``: ``extend``'s
+        new cache) and the fields the layer publishes.
         """
 
     def indexer_problem(
@@ -202,7 +235,7 @@ class AbstractIndexedAttention(eqx.Module):
         qr: Float[Array, "batch seq q_lora"],
         positions: Int[Array, "batch seq"],
         keys: Float[Array, "batch entries index_dim"],
-        visibility: Visibility,
+        visibility: Visibility | CandidateVisibility,
     ) -> SelectionProblem:
         """The indexer's side of "what a query reads", shared by the selection, the KL loss and
         ``extend``.
@@ -214,7 +247,8 @@ class AbstractIndexedAttention(eqx.Module):
         - ``keys``: the indexer keys of the entries (V4: compressed entries, V3.2: tokens), as
             the numerics round them (``execution.numerics.indexer``); the queries are
             rounded here.
-        - ``visibility``: which entries each query may see.
+        - ``visibility``: which entries each query may see (and pick: within V4.1's
+            candidates, a ``CandidateVisibility``).
 
         **Returns:**
 
@@ -240,13 +274,15 @@ class AbstractIndexedAttention(eqx.Module):
         return_aux: bool = False,
         *,
         indexer_loss: str | None = None,
+        shared: V41Shared | None = None,
     ):
         """Run the chunk ``x`` after the tokens in ``cache``: equal to the full forward over the
         whole stream (prefill, chunked prefill or a decode step; docs/concepts.md, "Decoding:
         prefill and decode with a cache"). The indexer runs the forward's selection strategy
         and the chunk reads what the forward reads: the entries through
         ``Execution.entry_reads`` and V4's sliding window through ``Execution.window`` over
-        ``[ring ; chunk]`` rows (``BandRows(history=...)``).
+        ``[ring ; chunk]`` rows (``BandRows(history=...)``). It runs on one device: an
+        execution with head or context parallelism is refused (``ValueError``).
 
         **Arguments:**
 
@@ -257,27 +293,33 @@ class AbstractIndexedAttention(eqx.Module):
             row's last segment.
         - ``return_aux``: also return ``{"selection": ...}``.
         - ``indexer_loss``: the training stage whose attention to run (``"dense"`` reads every
-            visible entry); ``None`` = ``execution.indexer_loss``.
+            visible entry; no loss is computed); ``None`` = ``execution.indexer_loss``.
+        - ``shared``: what the earlier layers published for this chunk (their ``extend``; a
+            V4.1 KV source's entries and keys are every entry its cache holds); ``None``:
+            nothing (and nothing is returned).
 
         **Returns:**
 
-        ``(y, cache)``: outputs ``[B, T, hidden]`` and the updated cache; with
-        ``return_aux``, ``(y, cache, {"selection": ...})``: int32 ``[B, T, index_topk]``
-        (V4: cache entry slots in closing order; V3.2: stream indices; ``-1`` = none;
-        ``None`` for a V4 layer without an indexer).
+        ``(y, cache)``: outputs ``[B, T, hidden]`` and the updated cache; then the state after
+        this layer when ``shared`` is given; then, with ``return_aux``, ``{"selection": ...}``:
+        int32 ``[B, T, index_topk]`` (V4 / V4.1: cache entry slots in closing order; V3.2:
+        stream indices; ``-1`` = none; ``None`` for a layer that reads no selection). An
+        empty chunk returns ``[B, 0, hidden]``, the cache and ``shared`` unchanged.
         """
         stage = self.stage(indexer_loss)
+        self.execution.check_one_device("extend")
         x, lengths, segment_ids = checks.chunk_inputs(self, x, cache, lengths, segment_ids)
         if x.shape[1] == 0:  # an empty chunk: nothing to attend to, nothing to write
-            topk = None if self.indexer is None else self.config.index_topk
+            topk = self.config.index_topk if self.selects else None
             y, aux = checks.empty_outputs(x, topk, None, True)
-            return (y, cache, aux) if return_aux else (y, cache)
+            return _outputs((y, cache), shared, aux if return_aux else None)
         rows = chunk_rows(cache, x.shape[1], lengths, segment_ids)
         dtype, x = x.dtype, self.execution.numerics.layer_input(x)
-        source = ChunkSource.start(cache, rows)
-        y, selection, _, source = self.forward_rows(x, source, stage, False)
-        y, cache = y.astype(dtype), source.cache_after()
-        return (y, cache, {"selection": selection}) if return_aux else (y, cache)
+        given = V41Shared() if shared is None else shared
+        f = self.forward_rows(x, ChunkSource.start(cache, rows), stage, False, given)
+        after = None if shared is None else given._replace(**f.published)
+        aux = {"selection": f.selection} if return_aux else None
+        return _outputs((f.y.astype(dtype), f.source.cache_after()), after, aux)
 
     def with_execution(self, execution: Execution):
         """The same parameters, run as ``execution`` says (e.g. another selection strategy).
@@ -310,15 +352,24 @@ class AbstractIndexedAttention(eqx.Module):
 def _body(
     stage: str,
     want_loss: bool,
+    aux: bool,
     layer: AbstractIndexedAttention,
     x: Array,
     rows: Rows,
-    carried: Carried,
-):
-    """What every placement runs (``AbstractPlacement.run``): the layer's forward over
-    ``rows`` and, when the stage trains the indexer, its loss sums (``_loss_sums``). These
-    layers carry no state (``carried`` is returned as it came)."""
-    y, selection, (problem, target), _ = layer.forward_rows(x, rows, stage, want_loss)
-    if not want_loss:
-        return y, selection, (), carried
-    return y, selection, layer._loss_sums(rows, stage, selection, problem, target), carried
+    state,
+) -> tuple:
+    """What every placement runs (``AbstractPlacement.run``): the layer's forward over ``rows``
+    from the published state (a ``Carried`` of ``V41Shared`` fields), returning ``(y,
+    selection, sums, carried)``: the selection when ``aux`` asks for it, the indexer loss sums
+    when ``want_loss`` (``_loss_sums``) and only the state fields the layer published."""
+    given = V41Shared(**state.per_row, **state.whole)
+    f = layer.forward_rows(x, rows, stage, want_loss, given)
+    sums = layer._loss_sums(rows, stage, f.selection, f.problem, f.target) if want_loss else ()
+    return f.y, f.selection if aux else None, sums, carried(f.published)
+
+
+def _outputs(head: tuple, shared: V41Shared | None, aux: dict | None):
+    """A call's results: ``head`` (``y``, and ``extend``'s cache), then ``shared`` when given,
+    then ``aux`` when asked for; a lone ``y`` alone."""
+    out = head + (() if shared is None else (shared,)) + (() if aux is None else (aux,))
+    return out[0] if len(out) == 1 else out

@@ -2,14 +2,16 @@
 here.
 
 ``backend_tiles`` sizes the selection's and the indexer loss' tiles for the backend (and says
-whether the radix select unrolls); ``AutoSelection`` picks the dense or the streaming top-k,
-``AutoIndexerLoss`` the dense or the streaming KL loss, both by one rule (``streams``), and
+whether the radix select unrolls); ``AutoSelection`` picks the dense, the streaming or the
+gathered top-k, ``AutoIndexerLoss`` the dense, the streaming or the gathered KL loss, both by
+one size rule (``streams``) and one rule for V4.1's pre-filter (``filter_bites``), and
 ``AutoPicks`` a masked matmul or a gather for the attention over each query's picked entries
 (docs/memory.md, "Streaming top-k" and "Masked picks"). Force a path by passing a concrete
-strategy instead (``DenseSelection()``, ``StreamingSelection(...)``, ``DenseIndexerLoss()``,
-``StreamingIndexerLoss(...)``, ``MaskedPicks()``, ``GatheredPicks()``) and tile sizes by
-``Execution(tiles=TileSizes(...))``. ``attention_query_block`` sizes the attention kernel's
-query blocks (``Execution(query_block=...)`` forces one).
+strategy instead (``DenseSelection()``, ``StreamingSelection(...)``, ``GatheredSelection()``,
+``DenseIndexerLoss()``, ``StreamingIndexerLoss(...)``, ``GatheredIndexerLoss()``,
+``MaskedPicks()``, ``GatheredPicks()``) and tile sizes by ``Execution(tiles=TileSizes(...))``.
+``attention_query_block`` sizes the attention kernel's query blocks (``Execution(query_block=...)``
+forces one).
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Int
 
+from ._candidates import CandidateVisibility
 from ._loss_dense import DenseIndexerLoss
+from ._loss_gathered import GatheredIndexerLoss
 from ._loss_streaming import StreamingIndexerLoss
 from ._picks import AbstractPicks, GatheredPicks, MaskedPicks
 from ._problem import AbstractIndexerLoss, AbstractSelection, SelectionProblem
 from ._reads import Reads
 from ._selection_dense import DenseSelection
+from ._selection_gathered import GatheredSelection
 from ._selection_streaming import StreamingSelection
 from ._tiles import TileSizes, power_of_two_block, sparse_query_block
 
@@ -37,6 +42,7 @@ __all__ = [
     "tile_elements",
     "shared_tiles",
     "streams",
+    "filter_bites",
     "CPU_TILES",
     "ACCELERATOR_TILES",
     "attention_query_block",
@@ -99,9 +105,35 @@ def streams(batch: int, seq: int, entries: int, heads: int, tiles: TileSizes) ->
     return batch * seq * entries * max(heads, 1) > tiles.elements
 
 
+def filter_bites(visibility, entries: int) -> bool:
+    """The one rule for V4.1's pre-filter (docs/v41.md, "Candidates").
+
+    **Arguments:** a problem's ``visibility`` and its number of ``entries`` ``T``.
+
+    **Returns:** whether it is a ``CandidateVisibility`` whose filter can drop a visible entry:
+    with ``Nb`` at least the ``ceil(T / bc)`` blocks there are, the filter keeps every block
+    holding a visible entry, and the plain visibility picks the same.
+    """
+    if not isinstance(visibility, CandidateVisibility):
+        return False
+    return -(-entries // visibility.block_size) > visibility.candidates.shape[-1]
+
+
+def _unfiltered(problem: SelectionProblem) -> SelectionProblem:
+    """``problem`` with a pre-filter that cannot bite dropped (same answers, cheaper paths)."""
+    visibility = problem.visibility
+    if isinstance(visibility, CandidateVisibility) and not filter_bites(
+        visibility, problem.keys.shape[1]
+    ):
+        return problem._replace(visibility=visibility.base)
+    return problem
+
+
 class _DenseOrStreaming(eqx.Module):
     """What ``AutoSelection`` and ``AutoIndexerLoss`` share: the strategy ``dense()`` while
-    ``streams`` says the problem fits one tile, else ``streaming(query_block=query_block)``.
+    ``streams`` says the problem fits one tile, else ``gathered(query_block=query_block)``
+    where V4.1's pre-filter bites (``filter_bites``: each query's candidates are far fewer
+    than the entries) and ``streaming(query_block=query_block)`` otherwise.
 
     **Arguments:**
 
@@ -111,26 +143,37 @@ class _DenseOrStreaming(eqx.Module):
     query_block: int = 0
     dense: ClassVar[type]
     streaming: ClassVar[type]
+    gathered: ClassVar[type]
 
-    def choose(self, batch: int, seq: int, entries: int, heads: int, tiles: TileSizes = CPU_TILES):
+    def choose(
+        self,
+        batch: int,
+        seq: int,
+        entries: int,
+        heads: int,
+        tiles: TileSizes = CPU_TILES,
+        filtered: bool = False,
+    ):
         """**Arguments:** the sizes (``SelectionProblem.sizes``; for the loss
-        ``AbstractIndexerLoss.sizes``) and the ``tiles``.
+        ``AbstractIndexerLoss.sizes``), the ``tiles`` and whether a pre-filter bites
+        (``filtered``).
 
-        **Returns:** ``streaming(query_block=query_block)`` (``StreamingSelection`` /
-        ``StreamingIndexerLoss``) when ``streams``, else ``dense()`` (``DenseSelection()`` /
-        ``DenseIndexerLoss()``).
+        **Returns:** ``dense()`` (``DenseSelection()`` / ``DenseIndexerLoss()``) unless
+        ``streams``; else ``gathered(query_block=query_block)`` when ``filtered``
+        (``GatheredSelection`` / ``GatheredIndexerLoss``), ``streaming(query_block=...)``
+        (``StreamingSelection`` / ``StreamingIndexerLoss``) otherwise.
         """
-        if streams(batch, seq, entries, heads, tiles):
-            return self.streaming(query_block=self.query_block)
-        return self.dense()
+        if not streams(batch, seq, entries, heads, tiles):
+            return self.dense()
+        return (self.gathered if filtered else self.streaming)(query_block=self.query_block)
 
 
 class AutoSelection(_DenseOrStreaming, AbstractSelection):
     """Dense while the largest score tensor ``[B, S, heads at once, T]`` fits one automatic
     tile (``SelectionProblem.tiles.elements``: 2^24 elements on CPU, 2^26 on accelerators),
-    streaming beyond (``streams``): ``DenseSelection`` or ``StreamingSelection`` (for a V4.1
-    candidate source both answers, ``select_candidates``; for a consumer with
-    ``candidates``, streaming scores only each query's gathered candidates).
+    beyond it streaming (``streams``), or gathered where a V4.1 consumer's pre-filter bites
+    (``filter_bites``): ``DenseSelection``, ``StreamingSelection`` or ``GatheredSelection``.
+    A pre-filter that cannot bite is dropped first (the same picks).
 
     **Arguments:**
 
@@ -139,27 +182,39 @@ class AutoSelection(_DenseOrStreaming, AbstractSelection):
 
     dense = DenseSelection
     streaming = StreamingSelection
+    gathered = GatheredSelection
+
+    def _method(self, problem: SelectionProblem) -> tuple[AbstractSelection, SelectionProblem]:
+        problem = _unfiltered(problem)
+        filtered = filter_bites(problem.visibility, problem.keys.shape[1])
+        return self.choose(*problem.sizes(), problem.tiles, filtered), problem
 
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
-        return self.choose(*problem.sizes(), problem.tiles).select(problem, k)
+        method, problem = self._method(problem)
+        return method.select(problem, k)
 
     def select_candidates(self, problem, k, topk_blocks, block_size):
-        method = self.choose(*problem.sizes(), problem.tiles)
+        method, problem = self._method(problem)
         return method.select_candidates(problem, k, topk_blocks, block_size)
 
 
 class AutoIndexerLoss(_DenseOrStreaming, AbstractIndexerLoss):
     """The dense KL loss while its largest tensor ``[B, S, heads at once, T]`` fits one tile,
-    streaming beyond: the rule of ``AutoSelection`` (``streams``), with the heads at once
-    counting the attention's heads too (``AbstractIndexerLoss.sizes``): ``DenseIndexerLoss``
-    or ``StreamingIndexerLoss``. **Arguments:** as for ``AutoSelection``.
+    beyond it streaming, or gathered where a V4.1 consumer's pre-filter bites: the rules of
+    ``AutoSelection`` (``streams``, ``filter_bites``), with the heads at once counting the
+    attention's heads too (``AbstractIndexerLoss.sizes``): ``DenseIndexerLoss``,
+    ``StreamingIndexerLoss`` or ``GatheredIndexerLoss``. **Arguments:** as for
+    ``AutoSelection``.
     """
 
     dense = DenseIndexerLoss
     streaming = StreamingIndexerLoss
+    gathered = GatheredIndexerLoss
 
     def loss(self, problem, target, selection=None):
-        method = self.choose(*self.sizes(problem, target), problem.tiles)
+        problem = _unfiltered(problem)
+        filtered = filter_bites(problem.visibility, problem.keys.shape[1])
+        method = self.choose(*self.sizes(problem, target), problem.tiles, filtered)
         return method.loss(problem, target, selection)
 
 

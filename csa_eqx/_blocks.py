@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from ._layout import EntryLayout
+from ._layout import EntryLayout, take
+from ._tiles import block_starts
 
 __all__ = ["block_starts", "key_block_ranges", "padded_keys", "take"]
 
 _BIG = jnp.iinfo(jnp.int32).max
-
-
-def take(x: Array, start: Array, size: int) -> Array:
-    """Rows ``start .. start + size`` of ``x`` along axis 1."""
-    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
-
-
-def block_starts(n: int, block: int) -> Array:
-    """Start of each block; the last one is pulled back to end at ``n`` (no padding copies)."""
-    return jnp.minimum(jnp.arange(-(-n // block), dtype=jnp.int32) * block, n - block)
 
 
 def key_block_ranges(

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ._compressor import Compressor
+from ._compressor import AbstractCompressor
 
 __all__ = [
     "AbstractCache",
@@ -139,17 +139,16 @@ def check_cache_size(batch_size: int, max_length: int) -> None:
 
 
 def compressor_state(
-    compressor: Compressor | None, batch: int, slots: int, dtype
+    compressor: AbstractCompressor | None, batch: int, slots: int, dtype
 ) -> CompressorState | None:
-    """An empty state of ``compressor`` with ``slots`` entry slots (``None`` for no compressor)."""
+    """An empty state of ``compressor`` with ``slots`` entry slots (``None`` for no compressor):
+    its ``ring`` of projected tokens and its entries (``AbstractCompressor.widths``)."""
     if compressor is None:
         return None
-    m = compressor.compress_rate
-    width, dim = compressor.kv_proj.shape[0], compressor.kv_norm.shape[0]
-    ring = 2 * m if compressor.overlap else m
+    width, dim = compressor.widths()
     return CompressorState(
-        jnp.zeros((batch, ring, width), dtype),
-        jnp.zeros((batch, ring, width), dtype),
+        jnp.zeros((batch, compressor.ring, width), dtype),
+        jnp.zeros((batch, compressor.ring, width), dtype),
         jnp.zeros((batch, slots, dim), dtype),
     )
 

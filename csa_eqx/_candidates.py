@@ -10,13 +10,21 @@ entry slots, in increasing order, ``-1`` past the last: 8 KiB per query at the r
 
 from __future__ import annotations
 
+import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._layout import EntryLayout, entry_visibility, scatter_rows
+from ._layout import EntryLayout, Visibility, entry_visibility, scatter_rows, take
 from ._topk import exact_topk
 
-__all__ = ["candidate_blocks", "candidate_mask", "candidate_slots", "block_top", "newest_visible"]
+__all__ = [
+    "CandidateVisibility",
+    "candidate_blocks",
+    "candidate_mask",
+    "candidate_slots",
+    "block_top",
+    "newest_visible",
+]
 
 
 def newest_visible(visible: Bool[Array, "*rows n"], first_slot=0) -> Int[Array, " *rows"]:
@@ -125,3 +133,81 @@ def candidate_slots(
     rows = (a.reshape(b * q, 1) for a in (query_index, query_segment))
     visible = entry_visibility(*rows, own).reshape(b, q, n)
     return jnp.where(kept & visible, slots, -1)
+
+
+class CandidateVisibility(eqx.Module):
+    """What a V4.1 consumer's queries may pick from (docs/v41.md, "Candidates"): the entries
+    ``base`` shows them, within each query's candidate blocks. It answers what a strategy asks
+    of a ``csa_eqx.Visibility`` (``mask``, ``rows``, ``tile``, ``slots``, ...), so the
+    selection and the indexer loss need no candidate path of their own; ``slots`` lists each
+    query's candidate entries (``Nb·bc`` per query, never ``[B, S, T]``), which is what
+    ``csa_eqx.GatheredSelection`` scores.
+
+    **Arguments:**
+
+    - ``base``: the queries' ``Visibility``.
+    - ``candidates``: int32 ``[B, S, Nb]`` kept block ids per query, increasing, ``-1`` past
+        the last (``candidate_blocks``).
+    - ``block_size``: the blocks' size ``bc``.
+    """
+
+    base: Visibility
+    candidates: Int[Array, "batch seq blocks"]
+    block_size: int = eqx.field(static=True)
+
+    @property
+    def query_index(self) -> Int[Array, "batch seq"]:
+        """**Returns:** the queries' stream indices (``base``'s)."""
+        return self.base.query_index
+
+    @property
+    def query_segment(self) -> Int[Array, "batch seq"]:
+        """**Returns:** the queries' segments (``base``'s)."""
+        return self.base.query_segment
+
+    @property
+    def layout(self) -> EntryLayout:
+        """**Returns:** the entries' layout (``base``'s)."""
+        return self.base.layout
+
+    def mask(self) -> Bool[Array, "batch seq entries"]:
+        """**Returns:** bool ``[B, S, T]``: visible and in a kept block (dense paths only)."""
+        visible = self.base.mask()
+        return visible & candidate_mask(self.candidates, self.block_size, visible.shape[-1])
+
+    def rows(self, start, size: int) -> CandidateVisibility:
+        """As ``Visibility.rows``: query rows ``start .. start + size``, with their blocks."""
+        rows = take(self.candidates, start, size)
+        return CandidateVisibility(self.base.rows(start, size), rows, self.block_size)
+
+    def pad_rows(self, n: int) -> CandidateVisibility:
+        """As ``Visibility.pad_rows``: ``n`` more rows that see no entry (and keep no block)."""
+        pad = [(0, 0), (0, n), (0, 0)]
+        blocks = jnp.pad(self.candidates, pad, constant_values=-1)
+        return CandidateVisibility(self.base.pad_rows(n), blocks, self.block_size)
+
+    def with_layout(self, layout: EntryLayout) -> CandidateVisibility:
+        """As ``Visibility.with_layout``."""
+        return CandidateVisibility(self.base.with_layout(layout), self.candidates, self.block_size)
+
+    def tile(self, start, width: int) -> Bool[Array, "batch seq {width}"]:
+        """As ``Visibility.tile``, within the kept blocks: the blocks that slots ``start ..
+        start + width`` touch are marked per query (``[B, S, ~width / bc]``, no ``[B, S, T]``
+        mask)."""
+        bc = self.block_size
+        first, n = start // bc, -(-(width + bc - 1) // bc)
+        local = self.candidates - first
+        local = jnp.where((self.candidates >= 0) & (local >= 0) & (local < n), local, n)
+        kept = scatter_rows(local, jnp.ones(local.shape, bool), n, False)
+        block = (start - first * bc + jnp.arange(width, dtype=jnp.int32)) // bc
+        shape = (*kept.shape[:-1], width)
+        return self.base.tile(start, width) & jnp.take_along_axis(
+            kept, jnp.broadcast_to(block, shape), axis=-1
+        )
+
+    def slots(self) -> Int[Array, "batch seq n"]:
+        """**Returns:** int32 ``[B, S, Nb·bc]``: each query's visible candidate slots
+        (``candidate_slots``), ``-1`` elsewhere."""
+        return candidate_slots(
+            self.candidates, self.block_size, self.query_index, self.query_segment, self.layout
+        )

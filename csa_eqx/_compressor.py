@@ -1,5 +1,6 @@
-"""Token compressors: CSA's overlapping windows and HCA's disjoint windows (docs/concepts.md,
-"Compressed entries").
+"""Token compressors: the seam (``AbstractCompressor``) and V4's compressor, CSA's overlapping
+windows and HCA's disjoint windows (docs/concepts.md, "Compressed entries"); V4.1's groups are
+``csa_eqx._compressor_v41``'s.
 
 Compressed entries live in *slots*: entry ``j`` is the window whose last token has row index
 ``end[j]`` with ``end[j] // m == j``. Windows are aligned to the start of each segment, so a
@@ -9,6 +10,8 @@ does not close inside the row is empty (``end = -1``). Without segments this is 
 """
 
 from __future__ import annotations
+
+import abc
 
 import equinox as eqx
 import jax
@@ -22,6 +25,7 @@ from ._rope import apply_rope_interleaved, rope_inv_freq
 
 __all__ = [
     "pool_windows",
+    "AbstractCompressor",
     "Compressor",
 ]
 
@@ -72,8 +76,91 @@ def pool_windows(
     return jnp.sum(weights * upcast(vals), axis=2).astype(kv.dtype)
 
 
-class Compressor(eqx.Module):
-    """Learned compressor producing one RMS-normed, RoPE'd entry per closed window
+class AbstractCompressor(eqx.Module):
+    """What a layer's compressor does, for the forward and the decode cache alike
+    (``csa_eqx._decode.compress_chunk`` pools a chunk's closing windows through the same
+    calls): project each token (``project``), pool the tokens of each slot's window
+    (``pool``), then make the entries of the pooled windows (``finish``).
+
+    An implementation holds ``compress_rate`` (tokens per window ``m``), ``overlap`` (CSA's
+    windows also pool the previous window's other half), ``position_bias`` (``[m, width]``,
+    added to the gates) and its entries' RoPE (``rope_dim``, ``rope_theta``, ``rope_scaling``:
+    ``roped``), and says its widths (``widths``).
+    """
+
+    compress_rate: eqx.AbstractVar[int]
+    overlap: eqx.AbstractVar[bool]
+    position_bias: eqx.AbstractVar[Float[Array, "m width"]]
+    rope_dim: eqx.AbstractVar[int]
+    rope_theta: eqx.AbstractVar[float]
+    rope_scaling: eqx.AbstractVar[YaRNScaling | None]
+
+    @abc.abstractmethod
+    def project(self, x: Float[Array, "batch seq hidden"]) -> tuple[Array, Array]:
+        """**Arguments:** ``x [B, S, hidden]``.
+
+        **Returns:** per-token ``(C, Z)``, each ``[B, S, width]``, before pooling (what the
+        decode cache keeps for open windows).
+        """
+
+    @abc.abstractmethod
+    def finish(
+        self, pooled: Array, positions: Int[Array, "batch seq"], layout: EntryLayout, dtype=None
+    ) -> Array:
+        """**Arguments:** the pooled windows ``[B, T, dim]``, the tokens' ``positions [B, S]``,
+        the ``EntryLayout`` and the ``dtype`` to cast the windows to first (``None``: as
+        pooled).
+
+        **Returns:** the entries ``[B, T, entry width]``.
+        """
+
+    @abc.abstractmethod
+    def widths(self) -> tuple[int, int]:
+        """**Returns:** ``(width, entry width)``: of the per-token projections and of the
+        entries ``finish`` makes."""
+
+    def pool(self, kv: Array, gate: Array, layout: EntryLayout) -> Array:
+        """**Arguments:** per-token ``kv`` and ``gate`` ``[B, S, width]`` and the slots' layout.
+
+        **Returns:** each slot's pooled window ``[B, T, dim]`` (``pool_windows``)."""
+        return pool_windows(kv, gate, self.position_bias, layout, self.overlap)
+
+    def roped(self, x: Array, positions: Int[Array, "batch seq"], layout: EntryLayout) -> Array:
+        """**Arguments:** per-slot values ``x [B, T, d]``, the tokens' ``positions [B, S]`` and the
+        slots' layout.
+
+        **Returns:** ``x`` roped at the position of each slot's window's first token."""
+        first = jnp.clip(layout.end - self.compress_rate + 1, 0, positions.shape[1] - 1)
+        entry_pos = jnp.take_along_axis(positions, first, axis=1)
+        inv_freq = rope_inv_freq(self.rope_dim, self.rope_theta, self.rope_scaling)
+        return apply_rope_interleaved(x, entry_pos, inv_freq)
+
+    @property
+    def ring(self) -> int:
+        """**Returns:** the tokens a decode cache keeps projected: ``2m`` with ``overlap`` (the
+        open window and the previous window's halves), else ``m``."""
+        return 2 * self.compress_rate if self.overlap else self.compress_rate
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq hidden"],
+        positions: Int[Array, "batch seq"],
+        layout: EntryLayout,
+        dtype=None,
+    ) -> Float[Array, "batch slots dim"]:
+        """**Arguments:** ``x [B, S, hidden]``, int32 RoPE ``positions [B, S]``, the slots'
+        ``EntryLayout`` and the ``dtype`` the pooled windows are cast to before their norm
+        (``None``: as pooled).
+
+        **Returns:** the entries ``[B, T, entry width]``; empty slots (``end = -1``) are never
+        visible, whatever they hold.
+        """
+        kv, gate = self.project(x)
+        return self.finish(self.pool(kv, gate, layout), positions, layout, dtype)
+
+
+class Compressor(AbstractCompressor):
+    """V4's learned compressor producing one RMS-normed, RoPE'd entry per closed window
     (docs/concepts.md, "Compressed entries").
 
     **Arguments:**
@@ -124,43 +211,15 @@ class Compressor(eqx.Module):
         self.eps = eps
 
     def project(self, x: Float[Array, "batch seq hidden"]) -> tuple[Array, Array]:
-        """**Arguments:** ``x [B, S, hidden]``.
-
-        **Returns:** per-token ``(C, Z)``, each ``[B, S, width]``, before pooling (what the decode
-        cache keeps for open windows).
-        """
         return linear(x, self.kv_proj), linear(x, self.gate_proj)
 
-    def __call__(
-        self,
-        x: Float[Array, "batch seq hidden"],
-        positions: Int[Array, "batch seq"],
-        layout: EntryLayout,
-        dtype=None,
-    ) -> Float[Array, "batch slots dim"]:
-        """**Arguments:** ``x [B, S, hidden]``, int32 RoPE ``positions [B, S]``, the slots'
-        ``EntryLayout`` and the ``dtype`` the pooled windows are cast to before their norm
-        (``None``: ``x``'s).
-
-        **Returns:** the entries ``[B, T, dim]`` in that dtype; empty slots (``end = -1``) are
-        never visible, whatever they hold.
-        """
-        kv, gate = self.project(x)
-        pooled = pool_windows(kv, gate, self.position_bias, layout, self.overlap)
-        return self.finish(pooled, positions, layout, dtype)
+    def widths(self) -> tuple[int, int]:
+        return self.kv_proj.shape[0], self.kv_norm.shape[0]
 
     def finish(
         self, pooled: Array, positions: Int[Array, "batch seq"], layout: EntryLayout, dtype=None
     ):
-        """RMSNorm, then RoPE at the position of each window's first token.
-
-        **Arguments:** ``pooled [B, T, dim]`` windows, the tokens' ``positions [B, S]``, the
-        ``EntryLayout`` and the ``dtype`` to cast the windows to first (``None``: as pooled).
-
-        **Returns:** the entries ``[B, T, dim]``.
-        """
+        """RMSNorm, then RoPE at the position of each window's first token (see
+        ``AbstractCompressor.finish``)."""
         pooled = pooled if dtype is None else pooled.astype(dtype)
-        first = jnp.clip(layout.end - self.compress_rate + 1, 0, positions.shape[1] - 1)
-        entry_pos = jnp.take_along_axis(positions, first, axis=1)
-        inv_freq = rope_inv_freq(self.rope_dim, self.rope_theta, self.rope_scaling)
-        return apply_rope_interleaved(rms_norm(pooled, self.kv_norm, self.eps), entry_pos, inv_freq)
+        return self.roped(rms_norm(pooled, self.kv_norm, self.eps), positions, layout)

@@ -13,6 +13,7 @@ from typing import Literal
 __all__ = [
     "SHARED_SIZES",
     "YaRNScaling",
+    "V4FamilyConfig",
     "V4AttentionConfig",
     "V32AttentionConfig",
 ]
@@ -156,18 +157,17 @@ def _check_shared_fields(config) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class V4AttentionConfig:
-    """One DeepSeek-V4 attention layer's architecture (docs/concepts.md, "The DeepSeek-V4
-    attention block"). Field names follow the HF config; how the layer runs is
-    ``csa_eqx.Execution``.
+class V4FamilyConfig:
+    """The sizes every layer of the DeepSeek-V4 family holds (``V4AttentionConfig``,
+    ``V41AttentionConfig``), with their checks: the attention block (docs/concepts.md, "The
+    DeepSeek-V4 attention block": q-LoRA, one shared key/value per token, the sliding window,
+    the grouped output LoRA) and the lightning indexer's heads. Field names follow the HF
+    config; ``index_*`` are the indexer's heads, head dim and ``k``, ``o_groups`` /
+    ``o_lora_rank`` the grouped output LoRA.
 
-    ``compress_rate`` picks the layer type: 0 sliding window only, 4 CSA (overlapping
-    compressor + lightning indexer), any other value > 4 HCA (all visible compressed entries).
-
-    **Arguments:** the fields below (HF names; ``index_*`` are the lightning indexer's heads,
-    head dim and ``k``; ``o_groups`` / ``o_lora_rank`` the grouped output LoRA). Every
-    field is checked in ``__post_init__``: a ``ValueError`` names the field, the rule and the
-    value.
+    **Arguments:** the fields below; a subclass adds its own (and may change the defaults).
+    Every field is checked in ``__post_init__``: a ``ValueError`` names the field, the rule and
+    the value.
     """
 
     hidden_size: int = 4096
@@ -178,7 +178,6 @@ class V4AttentionConfig:
     o_groups: int = 8
     o_lora_rank: int = 1024
     sliding_window: int = 128
-    compress_rate: int = 4
     index_n_heads: int = 64
     index_head_dim: int = 128
     index_topk: int = 512
@@ -190,18 +189,12 @@ class V4AttentionConfig:
     def __post_init__(self):
         _check_shared_fields(self)
         _positive(self, "head_dim", "o_groups", "o_lora_rank", "sliding_window")
-        _non_negative(self, "rope_dim", "compress_rate")
+        _non_negative(self, "rope_dim")
         _require(
             self.rope_dim % 2 == 0 and self.rope_dim <= min(self.head_dim, self.index_head_dim),
             "rope_dim",
             "must be even and at most head_dim and index_head_dim",
             self.rope_dim,
-        )
-        _require(
-            self.compress_rate == 0 or self.compress_rate >= 4,
-            "compress_rate",
-            "must be 0 (sliding), 4 (CSA) or > 4 (HCA)",
-            self.compress_rate,
         )
         _require(
             self.num_heads % self.o_groups == 0,
@@ -213,6 +206,33 @@ class V4AttentionConfig:
         _even_unrotated(self, "index_head_dim", "rope_dim")
         _finite_positive(self, "compress_rope_theta")
         _rope_scaling(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class V4AttentionConfig(V4FamilyConfig):
+    """One DeepSeek-V4 attention layer's architecture (docs/concepts.md, "The DeepSeek-V4
+    attention block"). Field names follow the HF config; how the layer runs is
+    ``csa_eqx.Execution``.
+
+    ``compress_rate`` picks the layer type: 0 sliding window only, 4 CSA (overlapping
+    compressor + lightning indexer), any other value > 4 HCA (all visible compressed entries).
+
+    **Arguments:** ``compress_rate`` and the sizes of ``V4FamilyConfig`` (HF names). Every
+    field is checked in ``__post_init__``: a ``ValueError`` names the field, the rule and the
+    value.
+    """
+
+    compress_rate: int = 4
+
+    def __post_init__(self):
+        super().__post_init__()
+        _non_negative(self, "compress_rate")
+        _require(
+            self.compress_rate == 0 or self.compress_rate >= 4,
+            "compress_rate",
+            "must be 0 (sliding), 4 (CSA) or > 4 (HCA)",
+            self.compress_rate,
+        )
 
     @property
     def layer_type(self) -> Literal["sliding", "csa", "hca"]:

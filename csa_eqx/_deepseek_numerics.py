@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from ._formats import fp4_e2m1_round_trip, fp8_e4m3_round_trip, hadamard
 from ._numerics import V41_FORMATS, AbstractNumerics, DeepSeekFormats
+from ._ops import upcast
 
 __all__ = ["DeepSeekInference", "DeepSeekV41Inference"]
 
@@ -101,8 +102,8 @@ class DeepSeekV41Inference(AbstractNumerics):
     "Quantised inference"):
 
     - bf16 activations, as ``DeepSeekInference`` (norms, RoPE and softmax in float32, cast
-        back); the ratio-2 compressor projects and pools in float32 and casts its groups to
-        bf16 before their norm (``V41Compressor`` does so for any numerics);
+        back); the ratio-2 compressor projects and pools in float32 (``compressor_input``)
+        and casts its groups to bf16 before their norm (``entry_dtype``);
     - the window rows after RoPE round-tripped through FP8 E4M3 over the whole vector, RoPE
         channels included, in 32-blocks with power-of-two scales (``act_quant(kv, 32, "ue8m0")``);
     - the compressed entries after RoPE through FP4 E2M1 in 16-blocks with E4M3 scales
@@ -119,7 +120,7 @@ class DeepSeekV41Inference(AbstractNumerics):
         return x.astype(jnp.bfloat16)
 
     def compressor_input(self, x):
-        return x
+        return upcast(x)  # the pooled groups project and pool in float32
 
     def entry_dtype(self, x):
         return x.dtype

@@ -29,6 +29,7 @@ from ._auto import (
     backend_tiles,
     shared_tiles,
 )
+from ._candidates import CandidateVisibility
 from ._context import ContextParallel
 from ._deepseek_numerics import DeepSeekInference
 from ._heads import HeadParallel
@@ -99,11 +100,12 @@ class Execution(eqx.Module):
     - ``indexer_heads_axis``: mesh axis to shard the indexer's per-head activations over
         (``None`` = off); its size must divide ``index_n_heads``.
     - ``context``: split the sequence over a mesh axis (``ContextParallel(axis)``; ``None`` =
-        off). V4, V3.2 and V4.1 layers; ``extend`` ignores it (decoding runs on one device).
+        off). V4, V3.2 and V4.1 layers; ``extend`` refuses it (decoding runs on one device:
+        ``check_one_device``).
     - ``heads``: split the attention heads over a mesh axis (``HeadParallel(axis)``; ``None`` =
         off). V4, V3.2 and V4.1 layers; composes with ``context`` (one ``shard_map`` over both
         axes), a ``ShardedSelection`` over the same axis and the indexer loss; not with
-        ``indexer_heads_axis``; ``extend`` ignores it.
+        ``indexer_heads_axis``; ``extend`` refuses it.
     - ``indexer_loss``: the default training stage of the indexer's KL loss: ``"off"``,
         ``"dense"`` (warm-up: all visible entries, attended densely too) or ``"sparse"``
         (the selected entries). A call can override it (``layer(x, indexer_loss=...)``).
@@ -218,6 +220,19 @@ class Execution(eqx.Module):
             "must be None when context already wraps an inner placement",
             self.context,
         )
+
+    def check_one_device(self, what: str) -> None:
+        """``ValueError`` naming ``what`` (e.g. ``"extend"``, which decodes on one device) when
+        the execution asks for head or context parallelism; the message says how to run it
+        without."""
+        asked = [name for name in ("heads", "context") if getattr(self, name) is not None]
+        if asked:
+            raise ValueError(
+                f"{what} runs on one device, but this layer's execution splits it "
+                f"(Execution.{' and Execution.'.join(asked)}): decode with "
+                f"layer.with_execution(dataclasses.replace(layer.execution, "
+                f"{', '.join(f'{name}=None' for name in asked)})), which shares the weights"
+            )
 
     def sharing(self, devices: int) -> Execution:
         """**Arguments:** the number of ``devices`` that share the sequence (context parallelism).
@@ -395,7 +410,7 @@ class Execution(eqx.Module):
         project: Callable[..., tuple[Array, Array]],
         rows: tuple[Array, ...],
         keys: Float[Array, "batch entries dim"],
-        visibility: Visibility,
+        visibility: Visibility | CandidateVisibility,
         score_dtype: str | None = None,
     ) -> SelectionProblem:
         """The ``SelectionProblem`` this execution runs: ``qk_head_chunk_size``, ``scorer``
@@ -450,15 +465,13 @@ class Execution(eqx.Module):
         """``run(problem)`` (a tuple of ``[B, S, n]``), under ``indexer_heads_axis`` Auto when
         that is set."""
 
-        def stage(rows, keys, visibility, candidates):
-            return run(
-                problem._replace(rows=rows, keys=keys, visibility=visibility, candidates=candidates)
-            )
+        def stage(rows, keys, visibility):
+            return run(problem._replace(rows=rows, keys=keys, visibility=visibility))
 
         if self.indexer_heads_axis is not None:
             like = problem.visibility.query_index
             stage = tensor_axis_auto(stage, self.indexer_heads_axis, like)
-        return stage(problem.rows, problem.keys, problem.visibility, problem.candidates)
+        return stage(problem.rows, problem.keys, problem.visibility)
 
 
 def _numerics(numerics: str | AbstractNumerics) -> AbstractNumerics:

@@ -116,7 +116,8 @@ def sum_partials(partials: Float[Array, "devices batch *rest"], dtype) -> Array:
 
 
 def split_specs(split: dict[str, P]) -> Callable:
-    """**Arguments:** the per-head weights, by attribute name, with their ``PartitionSpec``.
+    """**Arguments:** the per-head weights, by attribute path (``"block.q_b_proj"``), with their
+    ``PartitionSpec``.
 
     **Returns:** a function from a layer's arrays (``eqx.partition(layer, eqx.is_array)[0]``) to a
     ``PartitionSpec`` per array: ``split``'s for those weights, ``P()`` (replicated) for the
@@ -125,8 +126,12 @@ def split_specs(split: dict[str, P]) -> Callable:
 
     def specs(params):
         whole = each(params, P())
-        return eqx.tree_at(
-            lambda p: [getattr(p, name) for name in split], whole, list(split.values())
-        )
+        return eqx.tree_at(lambda p: [_at(p, path) for path in split], whole, list(split.values()))
 
     return specs
+
+
+def _at(tree, path: str):
+    for name in path.split("."):
+        tree = getattr(tree, name)
+    return tree

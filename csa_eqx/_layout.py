@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, Shaped
 
 __all__ = [
     "EntryLayout",
@@ -28,6 +28,8 @@ __all__ = [
     "Visibility",
     "entry_visibility",
     "scatter_rows",
+    "gather_keys",
+    "take",
 ]
 
 
@@ -136,6 +138,16 @@ def entry_visibility(
     )
 
 
+def gather_keys(kv: Shaped[Array, "batch keys dim"], indices: Int[Array, "batch seq k"]) -> Array:
+    """**Arguments:** ``kv [B, N, dim]`` and int32 ``indices [B, S, k]``.
+
+    **Returns:** ``kv[b, indices[b, s, i]]`` as ``[B, S, k, dim]`` (``-1`` reads row 0; mask it).
+    """
+    b, s, k = indices.shape
+    flat = jnp.clip(indices, 0, kv.shape[1] - 1).reshape(b, s * k)
+    return jnp.take_along_axis(kv, flat[..., None], axis=1).reshape(b, s, k, kv.shape[-1])
+
+
 def scatter_rows(index: Int[Array, "*rows n"], updates: Array, width: int, fill) -> Array:
     """``out[..., index[..., i]] = updates[..., i]`` in a new ``[*rows, width]`` array of
     ``fill``; indices outside ``[0, width)`` are dropped. Under an Explicit mesh the result's
@@ -159,6 +171,11 @@ class Visibility(NamedTuple):
     """Which entries each query may see (docs/concepts.md, "Visibility"): an entry is visible
     when it closed at or before the query, in the query's segment.
 
+    What a selection or loss strategy asks of a visibility (``csa_eqx.CandidateVisibility``,
+    V4.1's pre-filter, answers the same calls): ``mask()``, ``rows`` / ``pad_rows`` /
+    ``with_layout`` (the same visibility over other query rows or entries), ``tile`` (a
+    block of entries) and ``slots`` (each query's own entries, for gathering).
+
     **Arguments:**
 
     - ``query_index``: int32 ``[B, S]`` stream index of each query.
@@ -174,3 +191,47 @@ class Visibility(NamedTuple):
         """**Returns:** the dense bool ``[B, S, T]`` mask (``entry_visibility``); only dense
         paths form it."""
         return entry_visibility(self.query_index, self.query_segment, self.layout)
+
+    def rows(self, start: Int[Array, ""] | int, size: int) -> Visibility:
+        """**Arguments:** the first query row ``start`` and the number of rows ``size``.
+
+        **Returns:** the visibility of query rows ``start .. start + size``."""
+        qi, qs = (take(a, start, size) for a in (self.query_index, self.query_segment))
+        return self._replace(query_index=qi, query_segment=qs)
+
+    def pad_rows(self, n: int) -> Visibility:
+        """**Arguments:** a number of rows ``n``.
+
+        **Returns:** the visibility with ``n`` query rows appended that see no entry."""
+        pad = [(0, 0), (0, n)]
+        return self._replace(
+            query_index=jnp.pad(self.query_index, pad, constant_values=-1),
+            query_segment=jnp.pad(self.query_segment, pad),
+        )
+
+    def with_layout(self, layout: EntryLayout) -> Visibility:
+        """**Arguments:** another ``layout`` of the same entries (e.g. padded with empty slots).
+
+        **Returns:** the visibility over it."""
+        return self._replace(layout=layout)
+
+    def tile(self, start: Int[Array, ""] | int, width: int) -> Bool[Array, "batch seq {width}"]:
+        """**Arguments:** the first entry slot ``start`` and the number of slots ``width``
+        (within the layout).
+
+        **Returns:** bool ``[B, S, width]``: which of slots ``start .. start + width`` each
+        query sees."""
+        end = take(self.layout.end, start, width)
+        tile = EntryLayout(end, take(self.layout.segment, start, width), end >= 0)
+        return entry_visibility(self.query_index, self.query_segment, tile)
+
+    def slots(self) -> Int[Array, "batch seq n"]:
+        """**Returns:** int32 ``[B, S, T]``: each query's own entry slots in increasing order,
+        ``-1`` where it does not see one (every slot is a query's own here)."""
+        t = self.layout.end.shape[1]
+        return jnp.where(self.mask(), jnp.arange(t, dtype=jnp.int32), -1)
+
+
+def take(x: Array, start: Int[Array, ""] | int, size: int) -> Array:
+    """Rows ``start .. start + size`` of ``x`` along axis 1."""
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)

@@ -23,13 +23,16 @@ stage gathers each query block's selected keys; memory is linear in ``S``);
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._layout import scatter_rows
+from ._layout import gather_keys, scatter_rows, take
 from ._scorer import sum_head_chunks
 from ._target import AttentionTarget
+from ._tiles import block_starts, sparse_query_block
 
 __all__ = [
     "indexer_kl_loss",
@@ -153,3 +156,64 @@ def indexer_kl_loss(
     mass = target_mass(q, keys, log_normalizer, candidates, scale, head_chunk)
     kl, has = row_kl(mass, scores, candidates)
     return jnp.sum(kl) / jnp.maximum(jnp.sum(has), 1)
+
+
+def gathered_kl(
+    problem,
+    target: AttentionTarget,
+    selection: Int[Array, "batch seq k"] | None,
+    sizes: tuple[int, int, int, int],
+    query_block: int = 0,
+) -> Float[Array, ""]:
+    """The indexer loss over each query's own entries, gathered per query block
+    (``csa_eqx.GatheredIndexerLoss``): ``selection``'s picks (``-1`` = none), or with
+    ``selection=None`` each query's visible slots (``problem.visibility.slots()``); their
+    indexer keys and main-attention entries are scored and weighed there only, in a
+    ``lax.scan`` with a rematerialised body.
+
+    **Arguments:** the ``SelectionProblem`` and ``target`` (as ``AbstractIndexerLoss.loss``),
+    the ``selection``, the problem's ``sizes`` (``AbstractIndexerLoss.sizes``) and the
+    ``query_block`` (0 = automatic, ``csa_eqx._tiles.sparse_query_block``).
+
+    **Returns:** a float32 scalar, the mean over queries with a candidate (0 without).
+    """
+    b, s, t, heads = sizes
+    if t == 0 or s == 0:
+        return jnp.zeros((), jnp.float32)
+    visibility = problem.visibility
+    if selection is None:
+        n = jax.eval_shape(lambda v: v.rows(0, 1).slots(), visibility).shape[-1]
+        picks = lambda r0, qb: visibility.rows(r0, qb).slots()  # noqa: E731
+    else:
+        n, picks = selection.shape[-1], partial(take, selection)
+    index_keys = problem.keys
+    q, entries, lse = jax.lax.stop_gradient(
+        (target.q, target.keys, target.log_normalizer.astype(jnp.float32))
+    )
+    width = index_keys.shape[-1] + entries.shape[-1]
+    qb = max(1, min(query_block or sparse_query_block(b, heads, width, n), s))
+    rows = jax.lax.stop_gradient(problem.rows)
+    starts = block_starts(s, qb)
+
+    def body(carry, i):
+        r0 = starts[i]
+        qx, wx = problem.project(*(take(r, r0, qb) for r in rows))
+        sel = picks(r0, qb)
+        candidates = (sel >= 0) & (r0 + jnp.arange(qb) >= i * qb)[:, None]
+        gathered = gather_keys(index_keys, sel)
+        scores = problem.scorer.gathered_scores(qx, wx, gathered, head_chunk=problem.head_chunk)
+        mass = target_mass(
+            take(q, r0, qb),
+            gather_keys(entries, sel),
+            take(lse, r0, qb),
+            candidates,
+            target.scale,
+            problem.head_chunk,
+            "bshd,bskd->bshk",
+        )
+        kl, has = row_kl(mass, scores, candidates)
+        return (carry[0] + jnp.sum(kl), carry[1] + jnp.sum(has)), None
+
+    init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+    (kl, count), _ = jax.lax.scan(jax.checkpoint(body), init, jnp.arange(starts.shape[0]))
+    return kl / jnp.maximum(count, 1)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax
 
-from ._candidates import candidate_mask
 from ._loss import indexer_kl_loss, selection_mask
 from ._problem import AbstractIndexerLoss
 
@@ -13,8 +12,8 @@ __all__ = ["DenseIndexerLoss"]
 
 class DenseIndexerLoss(AbstractIndexerLoss):
     """Score every query against every entry (the problem's scorer, float32 ``[B, S, T]``),
-    then ``indexer_kl_loss`` over the visible (warm-up; within the problem's V4.1
-    ``candidates`` when set) or selected candidates. Fastest while those tensors are small;
+    then ``indexer_kl_loss`` over the visible (warm-up: ``visibility.mask()``) or selected
+    candidates. Fastest while those tensors are small;
     see ``csa_eqx.AutoIndexerLoss``.
 
     **Arguments:** none.
@@ -23,12 +22,9 @@ class DenseIndexerLoss(AbstractIndexerLoss):
     def loss(self, problem, target, selection=None):
         rows = jax.lax.stop_gradient(problem.rows)
         keys, head_chunk = problem.keys, problem.head_chunk
-        if selection is not None:
-            candidates = selection_mask(selection, keys.shape[1])
-        else:
+        if selection is None:
             candidates = problem.visibility.mask()
-            if problem.candidates is not None:
-                bc = problem.candidate_block_size
-                candidates &= candidate_mask(problem.candidates, bc, keys.shape[1])
+        else:
+            candidates = selection_mask(selection, keys.shape[1])
         scores = problem.scorer.scores(*problem.project(*rows), keys, head_chunk=head_chunk)
         return indexer_kl_loss(*target[:3], scores, candidates, target.scale, head_chunk=head_chunk)

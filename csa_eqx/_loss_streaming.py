@@ -2,11 +2,10 @@
 
 The dense warm-up stage streams key blocks per query block with an online log-sum-exp,
 skipping key blocks invisible to a whole query block; its backward (``∂/∂I = (q − p)/n``,
-a ``custom_vjp``) is blockwise too. The sparse stage gathers only each query block's selected
-keys (a ``lax.scan`` with a rematerialised body), and so does the warm-up of a problem
-restricted to V4.1 candidates (each query's visible candidate entries, ``candidate_slots``).
-Memory is linear in ``S``; the queries are projected one query block at a time
-(``SelectionProblem.project``).
+a ``custom_vjp``) is blockwise too. Each tile's visibility is the problem's
+(``visibility.tile``). The sparse stage gathers only each query block's selected keys
+(``csa_eqx._loss.gathered_kl``). Memory is linear in ``S``; the queries are projected
+one query block at a time (``SelectionProblem.project``).
 """
 
 from __future__ import annotations
@@ -20,12 +19,10 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from ._blocks import block_starts, key_block_ranges, take
-from ._candidates import candidate_slots
-from ._layout import EntryLayout, entry_visibility
-from ._loss import row_kl, target_mass
+from ._layout import Visibility
+from ._loss import gathered_kl, target_mass
 from ._problem import AbstractIndexerLoss
-from ._reads import gather_keys
-from ._tiles import sparse_query_block, streaming_block_sizes
+from ._tiles import streaming_block_sizes
 
 __all__ = ["StreamingIndexerLoss"]
 
@@ -83,9 +80,7 @@ class _Fixed(NamedTuple):
     q: Array
     entries: Array
     lse: Array
-    query_index: Array
-    query_segment: Array
-    layout: EntryLayout
+    visibility: Visibility  # or any visibility (``Visibility``'s calls)
 
 
 def _dense_tiles(static, index_keys, fx: _Fixed, init, query_block_body):
@@ -93,23 +88,22 @@ def _dense_tiles(static, index_keys, fx: _Fixed, init, query_block_body):
     ``fresh`` are new: the last block is pulled back), ``query_block_body`` gets a per key
     block ``tile(j) -> (scores_fn, mass, visible)`` over the visible key-block range."""
     scale, head_chunk, qb, kb, _ = static
-    s, t = fx.query_index.shape[1], index_keys.shape[1]
-    lo, hi = key_block_ranges(fx.query_index, fx.query_segment, fx.layout, qb, kb)
+    vis = fx.visibility
+    s, t = vis.query_index.shape[1], index_keys.shape[1]
+    lo, hi = key_block_ranges(vis.query_index, vis.query_segment, vis.layout, qb, kb)
     q_starts, k_starts = block_starts(s, qb), block_starts(t, kb)
 
     def body(i, carry):
         r0 = q_starts[i]
         fresh = r0 + jnp.arange(qb) >= i * qb
-        qi, qs = take(fx.query_index, r0, qb), take(fx.query_segment, r0, qb)
+        seen = vis.rows(r0, qb)
         qm, lm = take(fx.q, r0, qb), take(fx.lse, r0, qb)
         rows = tuple(take(r, r0, qb) for r in fx.rows)
 
         def tile(j):
             c0 = k_starts[j]
-            end = take(fx.layout.end, c0, kb)
-            layout = EntryLayout(end, take(fx.layout.segment, c0, kb), end >= 0)
             # a pulled-back last key block re-reads entries already counted: hide them
-            visible = entry_visibility(qi, qs, layout) & (c0 + jnp.arange(kb) >= j * kb)
+            visible = seen.tile(c0, kb) & (c0 + jnp.arange(kb) >= j * kb)
             mass = target_mass(qm, take(fx.entries, c0, kb), lm, visible, scale, head_chunk)
             return c0, mass, visible
 
@@ -134,7 +128,7 @@ def _streaming_dense_kl(project, static, consts, index_keys, fx: _Fixed) -> Arra
 
 
 def _streaming_dense_fwd(project, static, consts, index_keys, fx: _Fixed):
-    kb, b = static[3], fx.query_index.shape[0]
+    kb, b = static[3], fx.visibility.query_index.shape[0]
     score = _block_scores(static)
 
     def query_block_body(stats, r0, fresh, rows, tile, lo, hi):
@@ -153,7 +147,7 @@ def _streaming_dense_fwd(project, static, consts, index_keys, fx: _Fixed):
             for a, n in zip(stats, new, strict=True)
         )
 
-    s = fx.query_index.shape[1]
+    s = fx.visibility.query_index.shape[1]
     zeros = jnp.zeros((b, s), jnp.float32)
     init = (zeros, jnp.zeros((b, s), bool), zeros, zeros)
     kl, has, lse_i, total = _dense_tiles(static, index_keys, fx, init, query_block_body)
@@ -203,46 +197,12 @@ def _streaming_dense_bwd(project, static, res, g):
 _streaming_dense_kl.defvjp(_streaming_dense_fwd, _streaming_dense_bwd)
 
 
-def _streaming_gathered_kl(
-    project, rows, index_keys, q, entries, lse, picks, scale, head_chunk, qb, scorer
-):
-    """The loss over each query's own entries by query blocks: ``picks(r0, qb)`` gives the
-    ``qb`` rows from ``r0``'s entry slots ``[B, qb, n]`` (``-1`` = none: the sparse stage's
-    selection, or a consumer's visible candidates); gather those indexer keys and entries,
-    score and weigh only them (``lax.scan`` with a rematerialised body)."""
-    s = q.shape[1]
-    starts = block_starts(s, qb)
-
-    def body(carry, i):
-        r0 = starts[i]
-        qx, wx = project(*(take(r, r0, qb) for r in rows))
-        sel = picks(r0, qb)
-        candidates = (sel >= 0) & (r0 + jnp.arange(qb) >= i * qb)[:, None]
-        gathered = gather_keys(index_keys, sel)
-        scores = scorer.gathered_scores(qx, wx, gathered, head_chunk=head_chunk)
-        mass = target_mass(
-            take(q, r0, qb),
-            gather_keys(entries, sel),
-            take(lse, r0, qb),
-            candidates,
-            scale,
-            head_chunk,
-            "bshd,bskd->bshk",
-        )
-        kl, has = row_kl(mass, scores, candidates)
-        return (carry[0] + jnp.sum(kl), carry[1] + jnp.sum(has)), None
-
-    init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-    (kl, count), _ = jax.lax.scan(jax.checkpoint(body), init, jnp.arange(starts.shape[0]))
-    return kl / jnp.maximum(count, 1)
-
-
 class StreamingIndexerLoss(AbstractIndexerLoss):
     """The indexer KL loss by query blocks, never forming ``[B, S, T]`` (module docstring):
     the warm-up over ``query_block x key_block`` tiles with an online log-sum-exp and a
-    blockwise backward, the sparse stage (and the warm-up within a problem's V4.1
-    ``candidates``) over each query block's gathered picks. Tiles are
-    scored by the problem's scorer; automatic sizes come from its ``tiles``.
+    blockwise backward, the sparse stage over each query block's gathered picks
+    (``csa_eqx.GatheredIndexerLoss``'s). Tiles are scored by the problem's scorer; automatic
+    sizes come from its ``tiles``.
 
     **Arguments:**
 
@@ -262,49 +222,20 @@ class StreamingIndexerLoss(AbstractIndexerLoss):
                 raise ValueError(f"StreamingIndexerLoss.{name} must be an int >= 0 (got {value!r})")
 
     def loss(self, problem, target, selection=None):
-        b, s, t, heads = self.sizes(problem, target)
-        project, head_chunk, index_keys = problem.project, problem.head_chunk, problem.keys
-        query_index, query_segment, layout = problem.visibility
+        b, s, t, heads = sizes = self.sizes(problem, target)
+        if selection is not None:
+            return gathered_kl(problem, target, selection, sizes, self.query_block)
+        if t == 0 or s == 0:
+            return jnp.zeros((), jnp.float32)
         rows = jax.lax.stop_gradient(problem.rows)
         q, entries, lse = jax.lax.stop_gradient(
             (target.q, target.keys, target.log_normalizer.astype(jnp.float32))
         )
-        if t == 0 or s == 0:
-            return jnp.zeros((), jnp.float32)
-        if selection is not None or problem.candidates is not None:
-            if selection is not None:
-                k = selection.shape[-1]
-                picks = partial(take, selection)
-            else:  # the warm-up within V4.1 candidates: each query's visible candidate slots
-                bc = problem.candidate_block_size
-                k = problem.candidates.shape[-1] * bc
-
-                def picks(r0, qb):
-                    blocks, qi, qs = (
-                        take(a, r0, qb) for a in (problem.candidates, query_index, query_segment)
-                    )
-                    return candidate_slots(blocks, bc, qi, qs, layout)
-
-            width = index_keys.shape[-1] + entries.shape[-1]
-            qb = max(1, min(self.query_block or sparse_query_block(b, heads, width, k), s))
-            return _streaming_gathered_kl(
-                project,
-                rows,
-                index_keys,
-                q,
-                entries,
-                lse,
-                picks,
-                target.scale,
-                head_chunk,
-                qb,
-                problem.scorer,
-            )
         qb, kb = streaming_block_sizes(
             b, s, t, heads, self.key_block, self.query_block, problem.tiles
         )
         block = [jax.ShapeDtypeStruct((r.shape[0], qb, *r.shape[2:]), r.dtype) for r in rows]
-        project, consts = jax.closure_convert(project, *block)
-        fixed = _Fixed(rows, q, entries, lse, query_index, query_segment, layout)
-        static = (target.scale, head_chunk, qb, kb, problem.scorer)
-        return _streaming_dense_kl(project, static, tuple(consts), index_keys, fixed)
+        project, consts = jax.closure_convert(problem.project, *block)
+        fixed = _Fixed(rows, q, entries, lse, problem.visibility)
+        static = (target.scale, problem.head_chunk, qb, kb, problem.scorer)
+        return _streaming_dense_kl(project, static, tuple(consts), problem.keys, fixed)

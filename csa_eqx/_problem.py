@@ -42,7 +42,9 @@ class SelectionProblem(NamedTuple):
         ``[B, S, H, d]`` queries). Must be hashable (a lambda, not a bound Module method).
     - ``rows``: per-token inputs of ``project``, each ``[B, S, ...]``.
     - ``keys``: the entries' indexer keys ``[B, T, d]``.
-    - ``visibility``: query indices / segments and the entries' layout.
+    - ``visibility``: which entries each query may pick: a ``Visibility`` (query indices /
+        segments and the entries' layout) or a ``CandidateVisibility`` (V4.1's pre-filter
+        on top of one; docs/v41.md, "Candidates").
     - ``head_chunk``: indexer heads scored at once (0 = all; must divide ``H``).
     - ``score_dtype``: the dtype scores are rounded to (``None``: float32; see
         ``csa_eqx.indexer_scores``), as the layer's numerics say.
@@ -50,23 +52,16 @@ class SelectionProblem(NamedTuple):
         reference), as ``Execution.scorer`` says.
     - ``tiles``: the backend's tile sizes (``TileSizes``; default the CPU sizes), as
         ``Execution.tiles`` resolves them.
-    - ``candidates``: ``None``, or V4.1's pre-filter (docs/v41.md, "Candidates"): int32
-        ``[B, S, Nb]`` ids of the blocks of ``candidate_block_size`` consecutive entry slots
-        each query may pick from (increasing, ``-1`` past the last); every strategy then picks
-        only visible entries of those blocks, and the indexer loss' warm-up distils over them.
-    - ``candidate_block_size``: the blocks' size ``bc`` (with ``candidates``).
     """
 
     project: Callable[..., tuple[Array, Array]]
     rows: tuple[Array, ...]
     keys: Float[Array, "batch entries dim"]
-    visibility: Visibility
+    visibility: Visibility  # or a csa_eqx.CandidateVisibility
     head_chunk: int = 0
     score_dtype: str | None = None
     scorer: AbstractScorer = _REFERENCE
     tiles: TileSizes = _CPU_TILES
-    candidates: Int[Array, "batch seq blocks"] | None = None
-    candidate_block_size: int = 0
 
     @classmethod
     def from_queries(
@@ -151,10 +146,11 @@ def _identity(q: Array, w: Array) -> tuple[Array, Array]:
 
 class AbstractSelection(eqx.Module):
     """How the indexer's top-k is computed. Every strategy returns the same selection bitwise:
-    the ``k`` best visible entries per query (within its ``problem.candidates`` when set; ties
-    to the lower index), in increasing index order, ``-1`` past the visible count. A strategy
-    scores through ``problem.scores`` (the problem's scorer) and sizes its tiles by
-    ``problem.tiles``."""
+    the ``k`` best entries per query that ``problem.visibility`` lets it pick (ties to the
+    lower index), in increasing index order, ``-1`` past the visible count. A strategy scores
+    through ``problem.scores`` (the problem's scorer), sizes its tiles by ``problem.tiles``
+    and asks the visibility only through its calls (``mask``, ``rows``, ``tile``, ``slots``,
+    ...), so a V4.1 consumer's pre-filter needs no path of its own."""
 
     @abc.abstractmethod
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
@@ -163,21 +159,18 @@ class AbstractSelection(eqx.Module):
         **Returns:** int32 ``[B, S, k]`` entry indices, ``-1`` = none.
         """
 
+    @abc.abstractmethod
     def select_candidates(
         self, problem: SelectionProblem, k: int, topk_blocks: int, block_size: int
     ) -> tuple[Int[Array, "batch seq {k}"], Int[Array, "batch seq {topk_blocks}"]]:
         """A V4.1 candidate source's two answers from one scoring of the problem: the top-k
-        and the candidate blocks (``csa_eqx.candidate_blocks``'s, bitwise; docs/v41.md,
-        "Candidates").
+        and the best blocks of ``block_size`` entries (``csa_eqx.candidate_blocks``'
+        rule, bitwise; docs/v41.md, "Candidates").
 
-        **Arguments:** the ``problem`` (without ``candidates``), ``k > 0``, ``Nb`` and ``bc``.
+        **Arguments:** the ``problem``, ``k > 0``, ``Nb`` and ``bc``.
 
-        **Returns:** ``(selection [B, S, k], candidates [B, S, Nb])``, int32, ``-1`` = none.
+        **Returns:** ``(selection [B, S, k], blocks [B, S, Nb])``, int32, ``-1`` = none.
         """
-        raise NotImplementedError(
-            f"{type(self).__name__} does not compute V4.1's candidate blocks (a candidate "
-            "source needs DenseSelection, StreamingSelection, AutoSelection or ShardedSelection)"
-        )
 
 
 class AbstractIndexerLoss(eqx.Module):
@@ -200,8 +193,8 @@ class AbstractIndexerLoss(eqx.Module):
         - ``problem``: the indexer side, exactly what the selection got; ``problem.head_chunk``
             also chunks the attention heads of the target.
         - ``target``: the main attention (detached), as in ``indexer_kl_loss``.
-        - ``selection``: ``None`` for the dense warm-up (candidates = every visible entry,
-            within ``problem.candidates`` when set: what a selection of the problem picks
+        - ``selection``: ``None`` for the dense warm-up (candidates = every entry
+            ``problem.visibility`` lets a query pick: what a selection of the problem picks
             from), else the sparse stage's top-k ``[B, S, k]`` (``-1`` = none).
 
         **Returns:**

@@ -19,9 +19,9 @@ from typing import NamedTuple
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, Shaped
+from jaxtyping import Array, Bool, Float, Int
 
-from ._layout import EntryLayout, scatter_rows
+from ._layout import EntryLayout, gather_keys, scatter_rows
 
 __all__ = [
     "Reads",
@@ -134,16 +134,6 @@ class Reads(eqx.Module):
             other.band if self.band is None else self.band,
             other.dense if self.dense is None else self.dense,
         )
-
-
-def gather_keys(kv: Shaped[Array, "batch keys dim"], indices: Int[Array, "batch seq k"]) -> Array:
-    """**Arguments:** ``kv [B, N, dim]`` and int32 ``indices [B, S, k]``.
-
-    **Returns:** ``kv[b, indices[b, s, i]]`` as ``[B, S, k, dim]`` (``-1`` reads row 0; mask it).
-    """
-    b, s, k = indices.shape
-    flat = jnp.clip(indices, 0, kv.shape[1] - 1).reshape(b, s * k)
-    return jnp.take_along_axis(kv, flat[..., None], axis=1).reshape(b, s, k, kv.shape[-1])
 
 
 def picked_mask(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from jaxtyping import Array, Int
 
-from ._candidates import candidate_blocks, candidate_mask
+from ._candidates import candidate_blocks
 from ._problem import AbstractSelection, SelectionProblem
 from ._topk import select_topk
 
@@ -14,20 +14,16 @@ __all__ = [
 
 
 class DenseSelection(AbstractSelection):
-    """Score every query against every entry (``[B, S, T]`` float32), then one exact top-k
-    (within the ``candidates`` when the problem has them). Fastest while that tensor is small;
-    see ``csa_eqx.AutoSelection``.
+    """Score every query against every entry (``[B, S, T]`` float32), then one exact top-k over
+    the visible ones (``visibility.mask()``). Fastest while that tensor is small; see
+    ``csa_eqx.AutoSelection``.
 
     **Arguments:** none. ``select`` returns int32 ``[B, S, k]``, ``-1`` = none.
     """
 
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
         scores = problem.scores(*problem.queries(), problem.keys)
-        visible = problem.visibility.mask()
-        if problem.candidates is not None:
-            bc = problem.candidate_block_size
-            visible &= candidate_mask(problem.candidates, bc, visible.shape[-1])
-        return select_topk(scores, visible, k, unroll=problem.tiles.unroll)
+        return select_topk(scores, problem.visibility.mask(), k, unroll=problem.tiles.unroll)
 
     def select_candidates(self, problem, k, topk_blocks, block_size):
         scores = problem.scores(*problem.queries(), problem.keys)

@@ -20,15 +20,14 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Int
 
 from ._auto import AutoSelection
-from ._layout import EntryLayout, Visibility
 from ._mesh import MeshLike, batch_axis, is_manual, mesh_with_axis, place, row_spec, run_sharded
 from ._problem import AbstractSelection, SelectionProblem
 
 __all__ = ["ShardedSelection"]
 
 
-def _pad_rows(x: Array, pad: int, value: int | float = 0) -> Array:
-    return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
+def _pad_rows(x: Array, pad: int) -> Array:
+    return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
 
 
 class ShardedSelection(AbstractSelection):
@@ -51,7 +50,7 @@ class ShardedSelection(AbstractSelection):
     that see no entry, and the padding is sliced off. The gathered ``[B, S, k]`` result comes
     back in the ``[B, S]`` layout the query indices came in, and equals the unsharded
     selection bitwise; so do a V4.1 candidate source's blocks (``select_candidates``) and a
-    consumer's selection (its ``candidates`` are split with the rows).
+    consumer's selection (its visibility is split with the rows, ``visibility.rows``).
     """
 
     inner: AbstractSelection = AutoSelection()
@@ -70,38 +69,32 @@ class ShardedSelection(AbstractSelection):
 
     def _rows(self, problem: SelectionProblem, run: Callable) -> tuple[Array, ...]:
         """``run``'s ``[B, S, n]`` results (a tuple), each shard running it on its rows of the
-        problem (their queries, visibility and candidates) and the shards all-gathered."""
+        problem (their queries and visibility) and the shards all-gathered."""
         mesh = mesh_with_axis(self.tensor_axis, "indexer_sharded_topk", self.mesh)
         tensor_axis = self.tensor_axis
         q, weights = problem.queries()  # projected here: each shard gets its rows' queries
-        query_index, query_segment, layout = problem.visibility
-        b, s = query_index.shape
+        visibility = problem.visibility
+        b, s = visibility.query_index.shape
         if s == 1:  # a single query row (decode) is not split
             return run(problem.with_queries(q, weights))
-        out_layout = P(*row_spec(query_index), None)
+        out_layout = P(*row_spec(visibility.query_index), None)
         tp = mesh.shape[tensor_axis]
         rows, pad = -(-s // tp), -s % tp
-        # per-row inputs, padded with rows that see no entry (query index -1, no candidates)
-        per_row = (q, weights) + (() if problem.candidates is None else (problem.candidates,))
+        # padded with rows that see no entry
+        per_row = (q, weights)
         if pad:
-            per_row = tuple(_pad_rows(a, pad, -1 if a.dtype == jnp.int32 else 0) for a in per_row)
-            query_segment = _pad_rows(query_segment, pad)
-            query_index = _pad_rows(query_index, pad, -1)  # index -1 sees no entry
+            per_row = tuple(_pad_rows(a, pad) for a in per_row)
+            visibility = visibility.pad_rows(pad)
 
-        def local(per_row, keys, query_index, query_segment, layout):
-            # The [B, S] int rows are tiny: pass them whole and slice this shard's rows here.
-            # (Resharding them by rows outside made XLA's CPU SPMD partitioner emit invalid
-            # HLO when the layer also shifts the same segment ids; jax 0.10.2.)
+        def local(per_row, keys, visibility):
+            # The visibility's per-row arrays are tiny beside the queries: pass them whole and
+            # slice this shard's rows here. (Resharding the [B, S] int rows by rows outside made
+            # XLA's CPU SPMD partitioner emit invalid HLO when the layer also shifts the same
+            # segment ids; jax 0.10.2.)
             start = jax.lax.axis_index(tensor_axis) * rows
-            query_index, query_segment = (
-                jax.lax.dynamic_slice_in_dim(a, start, rows, axis=1)
-                for a in (query_index, query_segment)
-            )
-            q, weights, *candidates = per_row
+            q, weights = per_row
             shard = problem.with_queries(q, weights)._replace(
-                keys=keys,
-                visibility=Visibility(query_index, query_segment, layout),
-                candidates=candidates[0] if candidates else None,
+                keys=keys, visibility=visibility.rows(start, rows)
             )
             gather = partial(jax.lax.all_gather, axis_name=tensor_axis, axis=1, tiled=True)
             return tuple(gather(out) for out in run(shard))
@@ -113,7 +106,7 @@ class ShardedSelection(AbstractSelection):
             per_row = tuple(jax.lax.dynamic_slice_in_dim(a, start, rows, axis=1) for a in per_row)
             return local(per_row, *rest)
 
-        args = (per_row, problem.keys, query_index, query_segment, layout)
+        args = (per_row, problem.keys, visibility)
         # where the shards run: inside a shard_map already manual over the axis, each device
         # takes its slice of the rows; else a shard_map of our own splits them
         if is_manual(jax.sharding.get_abstract_mesh(), tensor_axis):
@@ -127,9 +120,9 @@ class ShardedSelection(AbstractSelection):
         """``local`` in a ``shard_map``: query rows over ``tensor_axis``, the batch over
         ``data_axis`` when that is free and divides it (``csa_eqx._mesh.batch_axis``)."""
         dp = batch_axis(mesh, self.data_axis, batch)
-        shared = P(dp, None)
         per_row = tuple(P(dp, self.tensor_axis, *[None] * (a.ndim - 2)) for a in args[0])
-        specs = (per_row, P(dp, None, None), shared, shared, EntryLayout(shared, shared, shared))
+        whole = jax.tree.map(lambda a: P(dp, *[None] * (a.ndim - 1)), args[2])
+        specs = (per_row, P(dp, None, None), whole)
         # nothing here is differentiated, and the all-gather makes the result replicated over
         # ``tensor_axis``
         return run_sharded(local, mesh, specs, P(dp, None, None), set(mesh.axis_names), *args)

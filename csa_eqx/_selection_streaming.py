@@ -14,7 +14,8 @@ the ``[B, S, H, d]`` queries (the largest remaining tensor at V4 sizes) never ex
 
 Given the same scores this is exactly :func:`csa_eqx.select_topk`: buffers are merged in
 increasing order with the running list first, so ties keep the lower index and picks stay in
-increasing index order; invisible picks become ``-1``. A V4.1 candidate source also reduces
+increasing index order; invisible picks become ``-1``. Each tile's visibility is the problem's
+(``visibility.tile``: within V4.1 candidates too). A V4.1 candidate source also reduces
 each buffer to its best blocks (``csa_eqx._candidates.block_top``, after an integer-only pass
 for each query's newest visible slot), merged the same way: exactly
 :func:`csa_eqx.candidate_blocks`, with key tiles a multiple of the block size. The selection
@@ -29,17 +30,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from ._blocks import block_starts, key_block_ranges, padded_keys, take
-from ._candidates import block_top, candidate_slots, newest_visible
-from ._layout import EntryLayout, entry_visibility
+from ._candidates import block_top, newest_visible
 from ._problem import AbstractSelection, SelectionProblem
-from ._reads import gather_keys
-from ._tiles import sparse_query_block, streaming_block_sizes, topk_block_size
+from ._tiles import streaming_block_sizes, topk_block_size
 from ._topk import exact_topk
 
-__all__ = [
-    "StreamingSelection",
-    "candidate_topk",
-]
+__all__ = ["StreamingSelection"]
 
 
 def _top_of(scores: Array, visible: Array, offset: Array, k: int, unroll: bool):
@@ -64,8 +60,7 @@ class StreamingSelection(AbstractSelection):
 
     Tiles are scored by the problem's scorer (``SelectionProblem.scores``); automatic sizes
     come from its ``tiles``. A V4.1 candidate source's blocks come from the same buffers
-    (``select_candidates``); a problem with ``candidates`` scores only each query's candidate
-    entries (``candidate_topk``).
+    (``select_candidates``).
 
     **Arguments:**
 
@@ -88,8 +83,6 @@ class StreamingSelection(AbstractSelection):
                 raise ValueError(f"StreamingSelection.{name} must be an int >= 0 (got {value!r})")
 
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
-        if problem.candidates is not None:
-            return candidate_topk(problem, k, self.query_block)
         return self._stream(problem, k)[0]
 
     def select_candidates(self, problem, k, topk_blocks, block_size):
@@ -100,20 +93,15 @@ class StreamingSelection(AbstractSelection):
         return _stream_topk(problem, k, *sizes, blocks)
 
 
-def _visible(qi: Array, qs: Array, layout: EntryLayout, c0: Array, width: int) -> Array:
-    """``[B, Qb, width]`` visibility of the queries to slots ``c0 .. c0 + width``."""
-    end = take(layout.end, c0, width)
-    return entry_visibility(qi, qs, EntryLayout(end, take(layout.segment, c0, width), end >= 0))
-
-
-def _newest(qi, qs, layout, tiles: tuple[Array, Array], kb: int) -> Array:
-    """``[B, Qb]`` each query's newest visible slot (``-1`` = none), over the key tiles
-    ``tiles = (lo, hi)`` (integers only: no scores)."""
+def _newest(visibility, tiles: tuple[Array, Array], kb: int) -> Array:
+    """``[B, Qb]`` each query's newest visible slot (``-1`` = none) of a query block's
+    ``visibility``, over the key tiles ``tiles = (lo, hi)`` (integers only: no scores)."""
 
     def tile(j, newest):
-        return jnp.maximum(newest, newest_visible(_visible(qi, qs, layout, j * kb, kb), j * kb))
+        return jnp.maximum(newest, newest_visible(visibility.tile(j * kb, kb), j * kb))
 
-    return jax.lax.fori_loop(*tiles, tile, jnp.full(qi.shape, -1, jnp.int32))
+    init = jnp.full(visibility.query_index.shape, -1, jnp.int32)
+    return jax.lax.fori_loop(*tiles, tile, init)
 
 
 def _stream_topk(
@@ -126,8 +114,12 @@ def _stream_topk(
 ) -> tuple[Array, ...]:
     """``(selection,)``, or with ``blocks = (Nb, bc)`` ``(selection, candidate blocks)`` from
     the same row buffers (``block_top`` on each, merged like the entries)."""
-    project, rows, keys = problem.project, problem.rows, problem.keys
-    query_index, query_segment, layout = problem.visibility
+    project, rows, keys, visibility = (
+        problem.project,
+        problem.rows,
+        problem.keys,
+        problem.visibility,
+    )
     sizes, unroll = problem.tiles, problem.tiles.unroll
     if k <= 0:
         raise ValueError(f"k must be positive (got {k})")
@@ -144,16 +136,17 @@ def _stream_topk(
     block = [jax.ShapeDtypeStruct((r.shape[0], qb, *r.shape[2:]), r.dtype) for r in rows]
     project, consts = jax.closure_convert(project, *block)
     rows, consts, keys = jax.lax.stop_gradient((rows, consts, keys))
-    keys, layout = padded_keys(keys, layout, group)
+    keys, layout = padded_keys(keys, visibility.layout, group)
+    visibility = visibility.with_layout(layout)
     tiles_per_group, last_group = group // kb, keys.shape[1] // group - 1
-    lo, hi = key_block_ranges(query_index, query_segment, layout, qb, kb)
+    lo, hi = key_block_ranges(visibility.query_index, visibility.query_segment, layout, qb, kb)
     q_starts = block_starts(s, qb)
 
     def query_block_body(i, outs):
         r0 = q_starts[i]
-        qi, qs = take(query_index, r0, qb), take(query_segment, r0, qb)
+        seen = visibility.rows(r0, qb)
         qx, wx = project(*(take(r, r0, qb) for r in rows), *consts)
-        newest = None if blocks is None else _newest(qi, qs, layout, (lo[i], hi[i]), kb)
+        newest = None if blocks is None else _newest(seen, (lo[i], hi[i]), kb)
 
         def group_top(g):
             """Score the needed key tiles of group ``g`` into one row buffer, then its top-k
@@ -167,7 +160,7 @@ def _stream_topk(
             tiles = (jnp.maximum(lo[i], first), jnp.minimum(hi[i], first + tiles_per_group))
             buffer = jax.lax.fori_loop(*tiles, tile, jnp.zeros((b, qb, group), jnp.float32))
             c0 = first * kb
-            visible = _visible(qi, qs, layout, c0, group)
+            visible = seen.tile(c0, group)
             tops = (_top_of(buffer, visible, c0, k, unroll),)
             if blocks is None:
                 return tops
@@ -190,63 +183,3 @@ def _stream_topk(
 
     outs = tuple(jnp.full((b, s, w), -1, jnp.int32) for w in widths)
     return jax.lax.fori_loop(0, q_starts.shape[0], query_block_body, outs)
-
-
-def candidate_topk(
-    problem: SelectionProblem, k: int, query_block: int = 0
-) -> Int[Array, "batch seq {k}"]:
-    """The ``k`` best visible entries per query among its ``problem.candidates``' blocks
-    (docs/v41.md, "Memory"): per query block, each query's own candidate entries are
-    gathered and scored, never the ``[B, S, T]`` scores.
-
-    Why gather rather than stream every key tile with a per-tile candidate mask: a query has
-    at most ``Nb·bc`` candidates (the release: 2048 blocks of 8, 16,384 entries), while the
-    key tiles would score all ``T`` visible entries (up to 1M at the release's context): 64x
-    the flops there (``2·T·H·d`` against ``2·Nb·bc·H·d`` per query, 8.6 against 0.13 GFLOP
-    with the release's 32 index heads of 128) and a radix select over 64x the entries.
-    Gathering reads ``Nb·bc·d`` key values per query (8 MiB in float32); a query block holds
-    its ``[B, Qb, Nb·bc, d]`` keys and ``[B, Qb, H, Nb·bc]`` head logits within the tile
-    budget (``TileSizes.elements``; ``Qb`` from ``sparse_query_block``, 16 at the release's
-    sizes on an accelerator). Up to ``Nb·bc`` entries the filter keeps every block holding a
-    visible entry and ``V41Attention`` does not restrict at all, so short rows never gather.
-    Slots are gathered in increasing block order, so ties go to the lower entry: the picks
-    of ``select_topk`` on the scores masked to the candidates, bitwise given the same
-    scores.
-
-    **Arguments:** the ``problem`` (with ``candidates`` and ``candidate_block_size``),
-    ``k > 0`` and the ``query_block`` (0 = automatic: the gathered keys and head logits of a
-    block within ``problem.tiles.elements``).
-
-    **Returns:** int32 ``[B, S, k]`` entry slots in increasing order, ``-1`` = none.
-    """
-    if k <= 0:
-        raise ValueError(f"k must be positive (got {k})")
-    project, rows, keys = problem.project, problem.rows, problem.keys
-    query_index, query_segment, layout = problem.visibility
-    bc = problem.candidate_block_size
-    b, s, h, d = jax.eval_shape(project, *rows)[0].shape
-    t, n = keys.shape[1], problem.candidates.shape[-1] * bc
-    if t == 0 or s == 0:
-        return jnp.full((b, s, k), -1, jnp.int32)
-    heads = problem.head_chunk or h
-    qb = min(query_block or sparse_query_block(b, heads, d, n, 0, problem.tiles.elements), s)
-    # Integer output: nothing here is differentiated (closed-over parameters included).
-    block = [jax.ShapeDtypeStruct((r.shape[0], qb, *r.shape[2:]), r.dtype) for r in rows]
-    project, consts = jax.closure_convert(project, *block)
-    rows, consts, keys = jax.lax.stop_gradient((rows, consts, keys))
-    q_starts = block_starts(s, qb)
-
-    def query_block_body(i, out):
-        r0 = q_starts[i]
-        qx, wx = project(*(take(r, r0, qb) for r in rows), *consts)
-        cand, qi, qs = (take(a, r0, qb) for a in (problem.candidates, query_index, query_segment))
-        slots = candidate_slots(cand, bc, qi, qs, layout)  # [B, Qb, n], -1 = none
-        gathered = gather_keys(keys, slots)  # [B, Qb, n, d]
-        _, pos = exact_topk(
-            problem.gathered_scores(qx, wx, gathered), slots >= 0, k, unroll=problem.tiles.unroll
-        )
-        picks = jnp.take_along_axis(slots, jnp.maximum(pos, 0), axis=-1)
-        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(pos >= 0, picks, -1), r0, 1)
-
-    out = jnp.full((b, s, k), -1, jnp.int32)
-    return jax.lax.fori_loop(0, q_starts.shape[0], query_block_body, out)

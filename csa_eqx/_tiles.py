@@ -6,8 +6,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax.numpy as jnp
+from jaxtyping import Array
+
 __all__ = [
     "TileSizes",
+    "block_starts",
     "streaming_block_sizes",
     "topk_block_size",
     "sparse_query_block",
@@ -122,3 +126,8 @@ def power_of_two_block(batch: int, per_row: int, elements: int = 1 << 24) -> int
     within ``elements`` (at least 1)."""
     rows = max(elements // max(batch * per_row, 1), 1)
     return 1 << (rows.bit_length() - 1)
+
+
+def block_starts(n: int, block: int) -> Array:
+    """Start of each block; the last one is pulled back to end at ``n`` (no padding copies)."""
+    return jnp.minimum(jnp.arange(-(-n // block), dtype=jnp.int32) * block, n - block)

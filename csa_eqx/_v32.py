@@ -23,6 +23,7 @@ from ._attention import AbstractIndexedAttention
 from ._cache import V32Cache, check_cache_size, empty_rows
 from ._config import V32AttentionConfig, YaRNScaling
 from ._execution import Execution, checked_execution
+from ._forward import Forward
 from ._heads import split_specs
 from ._layout import Visibility
 from ._numerics import V32_FORMATS, DeepSeekFormats
@@ -246,6 +247,11 @@ class V32Attention(AbstractIndexedAttention):
         return specs, {"num_heads": self.config.num_heads}
 
     @property
+    def selects(self) -> bool:
+        """**Returns:** ``True``: the MLA reads the tokens its indexer selects."""
+        return True
+
+    @property
     def entry_rate(self) -> int:
         """**Returns:** 1 (every token is an entry the indexer selects among)."""
         return 1
@@ -256,13 +262,13 @@ class V32Attention(AbstractIndexedAttention):
         which context parallelism all-gathers (``Rows.gather``)."""
         return 0
 
-    def forward_rows(self, x, source, stage, want_loss=False):
+    def forward_rows(self, x, source, stage, want_loss=False, shared=None):
         """The pipeline over ``source`` (see ``AbstractIndexedAttention.forward_rows``): sparse
         MLA over the tokens the indexer selects (docs/concepts.md, "DeepSeek-V3.2 DSA"); in
         the ``"dense"`` stage, the warm-up: plain causal MLA over every earlier token of the
         segment. Every token is its own entry: under context parallelism the rows' MLA latents
         and indexer keys are all-gathered into the whole sequence's; ``extend`` appends them
-        to the cache's."""
+        to the cache's. It publishes nothing (``shared`` is not read)."""
         positions = source.positions
         qr, queries, keys = self.project_qkv(x, positions)
         # the selection ignores gradients and the loss must train the indexer only, never x
@@ -280,7 +286,7 @@ class V32Attention(AbstractIndexedAttention):
         if want_loss:  # KL distillation against the absorbed MLA queries and keys attended
             o, lse = o
             target = AttentionTarget(queries, keys, lse, self.softmax_scale)
-        return self.project_out(o), selection, (problem, target), source
+        return Forward(self.project_out(o), selection, problem, target, source, {})
 
     def init_cache(self, batch_size: int, max_length: int, dtype=jnp.float32) -> V32Cache:
         """An empty decode cache of fixed-size buffers.

@@ -1,5 +1,6 @@
 """DeepSeek-V4 attention layer: sliding window, CSA and HCA (docs/concepts.md, "The DeepSeek-V4
-attention block")."""
+attention block"), composed of the V4 family's parts: the attention block (``V4Block``), V4's
+compressor(s) and, for CSA, the indexer heads with their own key compressor."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from typing import ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from . import _checks as checks
@@ -17,97 +17,68 @@ from ._cache import V4Cache, check_cache_size, compressor_state, empty_rows
 from ._compressor import Compressor
 from ._config import V4AttentionConfig
 from ._execution import Execution, checked_execution
-from ._heads import split_specs
-from ._layout import Visibility, segment_positions, token_rows
+from ._forward import V41Shared
+from ._indexer_heads import IndexerHeads
+from ._layout import segment_positions, token_rows
 from ._loss import attention_target
 from ._numerics import V4_FORMATS, DeepSeekFormats
-from ._ops import init_linear, linear, rms_norm
-from ._rope import apply_rope_interleaved, rope_inv_freq
 from ._rows import whole_rows
-from ._target import AttentionTarget
+from ._sources import (
+    AbstractEntries,
+    AbstractSelectionSource,
+    AllEntries,
+    Compressed,
+    OwnEntries,
+    OwnSelection,
+)
+from ._v4_block import V4Block
+from ._v4_family import v4_forward, v4_head_specs
 
-__all__ = ["V4Attention", "Indexer"]
+__all__ = ["V4Attention"]
+
+_NOTHING = V41Shared()  # nothing published
 
 
-class Indexer(eqx.Module):
-    """V4 lightning indexer (docs/concepts.md, "The lightning indexer"): its own CSA
-    compressor at ``index_head_dim`` plus query heads.
-
-    **Arguments:**
-
-    - ``config``: the layer's ``V4AttentionConfig`` (a CSA layer).
-    - ``key``: PRNG key for the random initial weights; dtype: their dtype.
-    """
-
-    compressor: Compressor
-    q_b_proj: Float[Array, "heads_x_dim q_lora"]
-    weights_proj: Float[Array, "heads hidden"]
-    config: V4AttentionConfig = eqx.field(static=True)
-
-    def __init__(self, config: V4AttentionConfig, *, key: Array, dtype=jnp.float32):
-        c = config
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.compressor = Compressor(
-            c.hidden_size,
-            c.index_head_dim,
-            c.compress_rate,
-            True,
-            c.rope_dim,
-            c.compress_rope_theta,
-            c.rope_scaling,
-            c.rms_norm_eps,
-            key=k1,
-            dtype=dtype,
-        )
-        self.q_b_proj = init_linear(k2, c.index_n_heads * c.index_head_dim, c.q_lora_rank, dtype)
-        self.weights_proj = init_linear(k3, c.index_n_heads, c.hidden_size, dtype)
-        self.config = config
-
-    def queries(
-        self, qr: Float[Array, "batch seq q_lora"], positions: Int[Array, "batch seq"]
-    ) -> Float[Array, "batch seq heads dim"]:
-        """**Arguments:** the query latent ``qr [B, S, q_lora_rank]`` and int32 ``positions``
-        ``[B, S]``.
-
-        **Returns:** roped per-head queries ``[B, S, H_I, d_I]``.
-        """
-        c = self.config
-        b, s, _ = qr.shape
-        q = linear(qr, self.q_b_proj).reshape(b, s, c.index_n_heads, c.index_head_dim)
-        inv_freq = rope_inv_freq(c.rope_dim, c.compress_rope_theta, c.rope_scaling)
-        return apply_rope_interleaved(q, positions[..., None], inv_freq)
-
-    def head_weights(self, x: Float[Array, "batch seq hidden"]) -> Float[Array, "batch seq heads"]:
-        """**Arguments:** the layer input ``x [B, S, hidden]``.
-
-        **Returns:** float32 per-head weights ``[B, S, H_I]``, ``H_I^-1/2`` included.
-        """
-        c = self.config
-        return linear(x, self.weights_proj).astype(jnp.float32) * c.index_n_heads**-0.5
+def _compressor(config: V4AttentionConfig, dim: int, overlap: bool, key: Array, dtype):
+    c = config
+    return Compressor(
+        c.hidden_size,
+        dim,
+        c.compress_rate,
+        overlap,
+        c.rope_dim,
+        c.compress_rope_theta,
+        c.rope_scaling,
+        c.rms_norm_eps,
+        key=key,
+        dtype=dtype,
+    )
 
 
 class V4Attention(AbstractIndexedAttention):
-    """One DeepSeek-V4 attention layer; the type follows ``config.compress_rate``.
+    """One DeepSeek-V4 attention layer; the type follows ``config.compress_rate``:
 
-    Parameters use the HF module's names and torch's ``[out, in]`` layout, so
-    ``csa_eqx.hf.load_v4_attention`` is a plain copy.
+    - sliding: the ``block`` only (RoPE ``rope_theta``);
+    - HCA: plus a ``compressor`` (disjoint windows) whose every visible entry is attended;
+    - CSA: plus an overlapping ``compressor``, the ``indexer`` heads and their own key
+        compressor ``index_compressor`` (at ``index_head_dim``), whose top-k is attended.
+
+    Parameters use the HF module's names and torch's ``[out, in]`` layout
+    (``csa_eqx.hf.v4_parameter_names``: ``block.q_a_proj`` is ``q_a_proj.weight``,
+    ``index_compressor.kv_proj`` is ``compressor.indexer.kv_proj.weight``, ...).
 
     **Arguments:** ``config`` (a ``V4AttentionConfig``), ``key``, ``dtype``, ``execution``, as in
     ``csa_eqx.AbstractIndexedAttention``.
     """
 
-    q_a_proj: Float[Array, "q_lora hidden"]
-    q_a_norm: Float[Array, " q_lora"]
-    q_b_proj: Float[Array, "heads_x_dim q_lora"]
-    kv_proj: Float[Array, "dim hidden"]
-    kv_norm: Float[Array, " dim"]
-    o_a_proj: Float[Array, "groups_x_rank group_in"]
-    o_b_proj: Float[Array, "hidden groups_x_rank"]
-    sinks: Float[Array, " heads"]
+    block: V4Block
     compressor: Compressor | None
-    indexer: Indexer | None
+    index_compressor: Compressor | None
+    indexer: IndexerHeads | None
     config: V4AttentionConfig = eqx.field(static=True)
     execution: Execution = eqx.field(static=True)
+    entry_source: AbstractEntries | None = eqx.field(static=True)
+    selection_source: AbstractSelectionSource = eqx.field(static=True)
     formats: ClassVar[DeepSeekFormats] = V4_FORMATS
 
     def __init__(self, config: V4AttentionConfig, *, key: Array, dtype=jnp.float32, execution=None):
@@ -116,87 +87,26 @@ class V4Attention(AbstractIndexedAttention):
         automatic), as ``AbstractIndexedAttention`` says."""
         c = config
         execution = checked_execution(execution, c, V4_FORMATS)
-        ks = jax.random.split(key, 7)
-        self.q_a_proj = init_linear(ks[0], c.q_lora_rank, c.hidden_size, dtype)
-        self.q_a_norm = jnp.ones((c.q_lora_rank,), jnp.float32)
-        self.q_b_proj = init_linear(ks[1], c.num_heads * c.head_dim, c.q_lora_rank, dtype)
-        self.kv_proj = init_linear(ks[2], c.head_dim, c.hidden_size, dtype)
-        self.kv_norm = jnp.ones((c.head_dim,), jnp.float32)
-        group_in = c.num_heads * c.head_dim // c.o_groups
-        self.o_a_proj = init_linear(ks[3], c.o_groups * c.o_lora_rank, group_in, dtype)
-        self.o_b_proj = init_linear(ks[4], c.hidden_size, c.o_groups * c.o_lora_rank, dtype)
-        self.sinks = jnp.zeros((c.num_heads,), jnp.float32)
-        self.compressor = None
-        self.indexer = None
-        if c.layer_type != "sliding":
-            self.compressor = Compressor(
-                c.hidden_size,
-                c.head_dim,
-                c.compress_rate,
-                c.layer_type == "csa",
-                c.rope_dim,
-                c.compress_rope_theta,
-                c.rope_scaling,
-                c.rms_norm_eps,
-                key=ks[5],
-                dtype=dtype,
-            )
-        if c.has_indexer:
-            self.indexer = Indexer(c, key=ks[6], dtype=dtype)
+        ks = jax.random.split(key, 4)
+        kind = c.layer_type
+        self.block = V4Block(
+            c, compressed=kind != "sliding", query_norm=True, key=ks[0], dtype=dtype
+        )
+        csa, sliding = kind == "csa", kind == "sliding"
+        self.compressor = None if sliding else _compressor(c, c.head_dim, csa, ks[1], dtype)
+        self.index_compressor = (
+            _compressor(c, c.index_head_dim, True, ks[2], dtype) if csa else None
+        )
+        self.indexer = IndexerHeads(c, key=ks[3], dtype=dtype) if csa else None
+        self.entry_source = None if sliding else OwnEntries()
+        self.selection_source = OwnSelection() if csa else AllEntries()
         self.config = config
         self.execution = execution
 
     @property
-    def inv_freq(self):
-        """**Returns:** the RoPE inverse frequencies ``[rope_dim // 2]`` (float32 numpy): plain
-        ``rope_theta`` for sliding layers, YaRN-scaled ``compress_rope_theta`` otherwise."""
-        c = self.config
-        if c.layer_type == "sliding":
-            return rope_inv_freq(c.rope_dim, c.rope_theta)
-        return rope_inv_freq(c.rope_dim, c.compress_rope_theta, c.rope_scaling)
-
-    def project_qkv(
-        self, x: Float[Array, "batch seq hidden"], positions: Int[Array, "batch seq"]
-    ) -> tuple[
-        Float[Array, "batch seq q_lora"],
-        Float[Array, "batch seq heads dim"],
-        Float[Array, "batch seq dim"],
-    ]:
-        """**Arguments:** ``x [B, S, hidden]`` and int32 RoPE ``positions [B, S]``.
-
-        **Returns:** the query latent ``qr [B, S, q_lora_rank]``, roped per-head queries
-        ``[B, S, H, head_dim]`` and the roped shared key/value ``[B, S, head_dim]`` (as the
-        numerics round it).
-        """
-        c = self.config
-        b, s, _ = x.shape
-        qr = rms_norm(linear(x, self.q_a_proj), self.q_a_norm, c.rms_norm_eps)
-        # heads from the weights, not the config: under head parallelism a device holds some
-        q = linear(qr, self.q_b_proj).reshape(b, s, -1, c.head_dim)
-        q = apply_rope_interleaved(
-            rms_norm(q, None, c.rms_norm_eps), positions[..., None], self.inv_freq
-        )
-        kv = rms_norm(linear(x, self.kv_proj), self.kv_norm, c.rms_norm_eps)
-        kv = apply_rope_interleaved(kv, positions, self.inv_freq)
-        return qr, q, self.execution.numerics.kv(kv, c.rope_dim, self.formats)
-
-    def project_out(
-        self, o: Float[Array, "batch seq heads dim"], positions: Int[Array, "batch seq"]
-    ) -> Float[Array, "batch seq hidden"]:
-        """De-rotate the attention output (RoPE at ``-t``), then the grouped output projection
-        (docs/concepts.md, "The DeepSeek-V4 attention block").
-
-        **Arguments:** ``o [B, S, H, head_dim]`` and the queries' ``positions [B, S]``.
-
-        **Returns:** ``[B, S, hidden]``.
-        """
-        c = self.config
-        b, s = o.shape[:2]
-        o = apply_rope_interleaved(o, -positions[..., None], self.inv_freq)
-        groups = self.o_a_proj.shape[0] // c.o_lora_rank  # this device's, under head parallelism
-        o = o.reshape(b, s, groups, -1, c.head_dim).reshape(b, s, groups, -1)
-        w_a = self.o_a_proj.reshape(groups, c.o_lora_rank, -1).astype(o.dtype)
-        return linear(jnp.einsum("bsgi,goi->bsgo", o, w_a).reshape(b, s, -1), self.o_b_proj)
+    def selects(self) -> bool:
+        """**Returns:** whether the layer selects entries (CSA)."""
+        return self.indexer is not None
 
     @property
     def entry_rate(self) -> int:
@@ -214,61 +124,41 @@ class V4Attention(AbstractIndexedAttention):
         return max(c.sliding_window - 1, windows)
 
     def head_specs(self, axis: str) -> tuple:
-        """Head parallelism over ``axis``: the query projection's rows, the sinks, the grouped
-        ``o_a_proj``'s rows and ``o_b_proj``'s input columns are split (heads and groups are
-        contiguous blocks, so each device's heads feed its groups); every other array is
-        replicated. See ``AbstractIndexedAttention.head_specs``."""
-        specs = split_specs(
-            {
-                "q_b_proj": P(axis, None),
-                "sinks": P(axis),
-                "o_a_proj": P(axis, None),
-                "o_b_proj": P(None, axis),
-            }
+        """Head parallelism over ``axis``: the block's per-head arrays split
+        (``V4Block.head_specs``), every other array replicated. See
+        ``AbstractIndexedAttention.head_specs``."""
+        return v4_head_specs(self.config, axis)
+
+    def forward_rows(self, x, source, stage, want_loss=False, shared=_NOTHING):
+        """The V4 family's pipeline over ``source`` (``csa_eqx._v4_family.v4_forward``; see
+        ``AbstractIndexedAttention.forward_rows``)."""
+        return v4_forward(self, x, source, stage, want_loss, shared)
+
+    def compress(self, x: Array, source) -> tuple[Compressed, object]:
+        """The layer's compressed entries and (CSA) their index keys, each made by its own
+        compressor as the numerics say (the precision they pool in, the cast before the norm,
+        the rounding): ``OwnEntries``' call. The index keys compress a detached input: the
+        selection ignores gradients and the loss must train the indexer's compressor only."""
+        nx, c = self.execution.numerics, self.config
+        dtype = nx.entry_dtype(x)
+
+        def round_kv(e):
+            return nx.kv(e, c.rope_dim, self.formats)
+
+        entries, layout, source = source.entries(
+            "compressor", self.compressor, nx.compressor_input(x), dtype, round_kv
         )
-        return specs, {"num_heads": self.config.num_heads, "o_groups": self.config.o_groups}
-
-    def forward_rows(self, x, source, stage, want_loss=False):
-        """The pipeline over ``source`` (see ``AbstractIndexedAttention.forward_rows``): the
-        sliding window plus this layer's compressed entries (docs/concepts.md, "The
-        DeepSeek-V4 attention block"), for the forward and ``extend`` alike."""
-        c, ex = self.config, self.execution
-        nx = ex.numerics
-        qr, q, kv = self.project_qkv(x, source.positions)
-        reads, source = source.window_reads(ex.window, kv, c.sliding_window)
-        selection, problem, entries = None, None, None
-        if self.compressor is not None:
-            dtype = nx.entry_dtype(x)
-            entries, layout, source = source.entries(
-                "compressor", self.compressor, nx.compressor_input(x), dtype, self._round_kv
+        keys = None
+        if self.index_compressor is not None:
+            index_input = nx.compressor_input(jax.lax.stop_gradient(x))
+            keys, _, source = source.entries(
+                "indexer",
+                self.index_compressor,
+                index_input,
+                dtype,
+                lambda k: nx.indexer(k, self.formats),
             )
-            entries = entries.astype(kv.dtype)
-            visibility = Visibility(source.query_index, source.segment, layout)
-            if self.indexer is not None:
-                # the selection ignores gradients and the loss must train the indexer's
-                # compressor only, never x
-                index_input = nx.compressor_input(jax.lax.stop_gradient(x))
-                keys, _, source = source.entries(
-                    "indexer", self.indexer.compressor, index_input, dtype, self._round_index
-                )
-                problem = self.indexer_problem(x, qr, source.positions, keys, visibility)
-                selection = ex.select(problem, c.index_topk)
-            reads = reads.join(ex.entry_reads(entries, visibility, selection, stage))
-
-        o = ex.attend(q, reads, self.sinks, c.head_dim**-0.5, return_lse=want_loss)
-        target = None
-        if want_loss:
-            o, lse = o
-            target = AttentionTarget(q, entries, lse, c.head_dim**-0.5)
-        return self.project_out(o, source.positions), selection, (problem, target), source
-
-    def _round_kv(self, entries: Array) -> Array:
-        """The compressed entries as the numerics round the KV."""
-        return self.execution.numerics.kv(entries, self.config.rope_dim, self.formats)
-
-    def _round_index(self, keys: Array) -> Array:
-        """The indexer's keys as the numerics round them."""
-        return self.execution.numerics.indexer(keys, self.formats)
+        return Compressed(entries, keys, layout), source
 
     def entry_attention(
         self,
@@ -296,9 +186,10 @@ class V4Attention(AbstractIndexedAttention):
         seg, query_index = token_rows(x, segment_ids)
         rows = whole_rows(segment_positions(seg), seg, query_index, c.compress_rate)
         # the window and every visible entry: the dense stage's reads
-        _, selection, (problem, target), _ = self.forward_rows(x, rows, "dense", True)
-        visible = problem.visibility.mask()
-        return attention_target(target, visible, head_chunk=ex.qk_head_chunk_size), selection
+        f = self.forward_rows(x, rows, "dense", True)
+        visible = f.problem.visibility.mask()
+        target = attention_target(f.target, visible, head_chunk=ex.qk_head_chunk_size)
+        return target, f.selection
 
     def init_cache(self, batch_size: int, max_length: int, dtype=jnp.float32) -> V4Cache:
         """An empty decode cache of fixed-size buffers.
@@ -319,19 +210,15 @@ class V4Attention(AbstractIndexedAttention):
         slots = max_length // c.compress_rate if c.compress_rate else 0
         length, position, segment = empty_rows(batch_size)
         empty = jnp.full((batch_size, slots), -1, jnp.int32)  # copied below: distinct buffers
-        ring = c.sliding_window - 1
         return V4Cache(
             length=length,
             position=position,
             segment=segment,
-            window_kv=jnp.zeros((batch_size, ring, c.head_dim), dtype),
-            window_segment=jnp.full((batch_size, ring), -1, jnp.int32),
+            **self.block.window_cache(batch_size, c.sliding_window, dtype),
             entry_end=empty,
             entry_segment=jnp.copy(empty),
             entry_count=jnp.zeros((batch_size,), jnp.int32),
             compressor=compressor_state(self.compressor, batch_size, slots, dtype),
-            indexer=None
-            if self.indexer is None
-            else compressor_state(self.indexer.compressor, batch_size, slots, dtype),
+            indexer=compressor_state(self.index_compressor, batch_size, slots, dtype),
             max_length=max_length,
         )

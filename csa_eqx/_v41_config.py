@@ -14,16 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from ._config import (
-    YaRNScaling,
-    _check_shared_fields,
-    _even_unrotated,
-    _finite_positive,
-    _non_negative,
-    _positive,
-    _require,
-    _rope_scaling,
-)
+from ._config import V4FamilyConfig, _non_negative, _require
 
 __all__ = ["V41AttentionConfig", "V41WiringError", "V41Role"]
 
@@ -52,9 +43,10 @@ def _layer_ids(cfg, field: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class V41AttentionConfig:
+class V41AttentionConfig(V4FamilyConfig):
     """A DeepSeek-V4.1 attention stack's architecture (docs/v41.md): the per-layer sizes, all
-    equal across layers, and the sharing schedule. How a layer runs is ``csa_eqx.Execution``.
+    equal across layers (``V4FamilyConfig``'s, with the release's defaults), and the sharing
+    schedule. How a layer runs is ``csa_eqx.Execution``.
 
     Field names follow csa_eqx's V4 config (``hidden_size``, ``num_heads``, ...); the schedule
     uses DeepSeek's names (HF: ``kv_source_layer_ids``, ``index_source_layer_ids``,
@@ -71,54 +63,26 @@ class V41AttentionConfig:
         (``-1``: no pre-filter); every later index source selects among them.
     - ``candidate_topk_blocks`` (``Nb``), ``candidate_block_size`` (``bc``): the pre-filter keeps
         ``Nb`` blocks of ``bc`` entries per query; ``Nb·bc >= index_topk`` is required.
-    - the sizes: as in ``V4AttentionConfig`` (``index_*``: the indexer's heads, head dim, ``k``).
+    - the sizes: as in ``V4FamilyConfig`` (``index_*``: the indexer's heads, head dim, ``k``).
 
     Every field is checked in ``__post_init__``: a ``ValueError`` names the field, the rule and the
     value; a wiring error is a ``V41WiringError`` naming the layer.
     """
 
+    hidden_size: int = 5120
+    q_lora_rank: int = 1280
+    index_n_heads: int = 32
+    rms_norm_eps: float = 1e-20
     compress_ratios: tuple[int, ...] | list[int] = (0, 2, 2, 1, 1, 1)
     kv_source_layers: tuple[int, ...] | list[int] = (1, 3)
     index_source_layers: tuple[int, ...] | list[int] = (1, 3, 4)
     candidate_source_layer: int = -1
     candidate_topk_blocks: int = 0
     candidate_block_size: int = 0
-    hidden_size: int = 5120
-    num_heads: int = 64
-    head_dim: int = 512
-    rope_dim: int = 64
-    q_lora_rank: int = 1280
-    o_groups: int = 8
-    o_lora_rank: int = 1024
-    sliding_window: int = 128
-    index_n_heads: int = 32
-    index_head_dim: int = 128
-    index_topk: int = 512
-    rope_theta: float = 10000.0
-    compress_rope_theta: float = 160000.0
-    rope_scaling: YaRNScaling | dict | None = None  # a dict of YaRNScaling's fields is converted
-    rms_norm_eps: float = 1e-20
 
     def __post_init__(self):
-        _check_shared_fields(self)
-        _positive(self, "head_dim", "o_groups", "o_lora_rank", "sliding_window")
-        _non_negative(self, "rope_dim", "candidate_topk_blocks", "candidate_block_size")
-        _require(
-            self.rope_dim % 2 == 0 and self.rope_dim <= min(self.head_dim, self.index_head_dim),
-            "rope_dim",
-            "must be even and at most head_dim and index_head_dim",
-            self.rope_dim,
-        )
-        _require(
-            self.num_heads % self.o_groups == 0,
-            "o_groups",
-            f"must divide num_heads={self.num_heads}",
-            self.o_groups,
-        )
-        _even_unrotated(self, "head_dim", "rope_dim")
-        _even_unrotated(self, "index_head_dim", "rope_dim")
-        _finite_positive(self, "compress_rope_theta")
-        _rope_scaling(self)
+        super().__post_init__()
+        _non_negative(self, "candidate_topk_blocks", "candidate_block_size")
         if isinstance(self.compress_ratios, list):
             object.__setattr__(self, "compress_ratios", tuple(self.compress_ratios))
         self._check_schedule()

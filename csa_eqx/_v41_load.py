@@ -165,14 +165,14 @@ def v41_config_from_hf(config: Any, source: str = "config") -> V41AttentionConfi
 
 # V41Attention's attribute path -> the checkpoint's name after ``layers.{i}.attn.``
 _NAMES = {
-    ("q_a_proj",): "wq_a.weight",
-    ("q_a_norm",): "q_norm.weight",
-    ("q_b_proj",): "wq_b.weight",
-    ("kv_proj",): "wkv.weight",
-    ("kv_norm",): "kv_norm.weight",
-    ("o_a_proj",): "wo_a.weight",
-    ("o_b_proj",): "wo_b.weight",
-    ("sinks",): "attn_sink",
+    ("block", "q_a_proj"): "wq_a.weight",
+    ("block", "q_a_norm"): "q_norm.weight",
+    ("block", "q_b_proj"): "wq_b.weight",
+    ("block", "kv_proj"): "wkv.weight",
+    ("block", "kv_norm"): "kv_norm.weight",
+    ("block", "o_a_proj"): "wo_a.weight",
+    ("block", "o_b_proj"): "wo_b.weight",
+    ("block", "sinks"): "attn_sink",
     ("compressor", "kv_proj"): "compressor.wkv.weight",
     ("compressor", "gate_proj"): "compressor.wgate.weight",
     ("compressor", "kv_norm"): "compressor.norm.weight",
@@ -192,8 +192,9 @@ def _get(module, path):
 def v41_parameter_names(layer: V41Attention) -> dict[str, str]:
     """**Arguments:** a ``V41Attention`` (its role decides what it holds).
 
-    **Returns:** its attribute path (``"compressor.key_proj"``) -> the checkpoint's tensor
-    name after ``layers.{i}.attn.`` (``"indexer.wk.weight"``), for the arrays it holds."""
+    **Returns:** its attribute path (``"compressor.key_proj"``, ``"block.q_a_proj"``) -> the
+    checkpoint's tensor name after ``layers.{i}.attn.`` (``"indexer.wk.weight"``), for the
+    arrays it holds."""
     return {".".join(p): n for p, n in _NAMES.items() if _get(layer, p) is not None}
 
 

@@ -72,16 +72,9 @@ def v4_parameter_names(config: V4AttentionConfig) -> dict[str, str]:
 
     **Returns:** module attribute path -> HF parameter name, for one V4 layer.
     """
-    names = {
-        "q_a_proj": "q_a_proj.weight",
-        "q_a_norm": "q_a_norm.weight",
-        "q_b_proj": "q_b_proj.weight",
-        "kv_proj": "kv_proj.weight",
-        "kv_norm": "kv_norm.weight",
-        "o_a_proj": "o_a_proj.weight",
-        "o_b_proj": "o_b_proj.weight",
-        "sinks": "sinks",
-    }
+    block = ("q_a_proj", "q_a_norm", "q_b_proj", "kv_proj", "kv_norm", "o_a_proj", "o_b_proj")
+    names = {f"block.{n}": f"{n}.weight" for n in block}
+    names["block.sinks"] = "sinks"
     compressor = {
         "kv_proj": "kv_proj.weight",
         "gate_proj": "gate_proj.weight",
@@ -92,7 +85,7 @@ def v4_parameter_names(config: V4AttentionConfig) -> dict[str, str]:
         names.update({f"compressor.{k}": f"compressor.{v}" for k, v in compressor.items()})
     if config.has_indexer:
         names.update(
-            {f"indexer.compressor.{k}": f"compressor.indexer.{v}" for k, v in compressor.items()}
+            {f"index_compressor.{k}": f"compressor.indexer.{v}" for k, v in compressor.items()}
         )
         names["indexer.q_b_proj"] = "compressor.indexer.q_b_proj.weight"
         names["indexer.weights_proj"] = "compressor.indexer.scorer.weights_proj.weight"

@@ -91,8 +91,8 @@ def layer_results(layer, x, seg, cotangent) -> dict:
             y=y,
             selection=sel,
             grad_x=g_x,
-            grad_q_a_proj=g_layer.q_a_proj,
-            grad_kv_proj=g_layer.kv_proj,
+            grad_q_a_proj=g_layer.block.q_a_proj,
+            grad_kv_proj=g_layer.block.kv_proj,
         )
 
     return run(layer, x, seg, cotangent)

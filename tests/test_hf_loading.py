@@ -99,8 +99,8 @@ def test_bf16_checkpoint_upcasts(checkpoint, tmp_path):
     model.to(torch.float32)
     layer = load_v4_attention_from_safetensors(tmp_path, 1)
     want = model.model.layers[1].self_attn.q_a_proj.weight.detach().to(torch.bfloat16).float()
-    assert layer.q_a_proj.dtype == np.float32
-    np.testing.assert_array_equal(np.asarray(layer.q_a_proj), want.numpy())
+    assert layer.block.q_a_proj.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(layer.block.q_a_proj), want.numpy())
 
 
 def _sd(cfg):
@@ -119,7 +119,7 @@ def test_fp8_with_block_scale_dequantises():
     layer = load_v4_attention(sd, cfg, 0)
     rows, cols = np.arange(32)[:, None] // 24, np.arange(64)[None, :] // 48
     expect = sd["q_a_proj.weight"].astype(np.float32) * scale[rows, cols]
-    np.testing.assert_array_equal(np.asarray(layer.q_a_proj), expect)
+    np.testing.assert_array_equal(np.asarray(layer.block.q_a_proj), expect)
 
 
 def test_e8m0_bytes_are_powers_of_two():
@@ -141,7 +141,7 @@ def test_fp8_with_e8m0_scale_from_a_state_dict():
     ):
         sd["q_b_proj.weight_scale_inv"] = scale
         layer = load_v4_attention(sd, cfg, 0)
-        np.testing.assert_array_equal(np.asarray(layer.q_b_proj), w8.astype(np.float32) / 8)
+        np.testing.assert_array_equal(np.asarray(layer.block.q_b_proj), w8.astype(np.float32) / 8)
 
 
 def test_scale_without_fp8_weight_is_an_error():
@@ -217,7 +217,7 @@ def test_prefix_ignores_other_layers():
     full["model.layers.1.self_attn.q_a_proj.weight"] = np.zeros(3, np.float32)
     full["model.embed_tokens.weight"] = np.zeros(3, np.float32)
     layer = load_v4_attention(full, cfg, 0, prefix="model.layers.0.self_attn.")
-    np.testing.assert_array_equal(np.asarray(layer.q_a_proj), sd["q_a_proj.weight"])
+    np.testing.assert_array_equal(np.asarray(layer.block.q_a_proj), sd["q_a_proj.weight"])
     full["model.layers.0.self_attn.stray"] = np.zeros(3, np.float32)
     with pytest.raises(ValueError, match=r"unexpected.*model.layers.0.self_attn.stray"):
         load_v4_attention(full, cfg, 0, prefix="model.layers.0.self_attn.")

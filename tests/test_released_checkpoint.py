@@ -309,8 +309,8 @@ def test_v4_release_matches_the_dequantised_layer(v4_release, layer_idx):
     layer = load_v4_attention_from_safetensors(folder, layer_idx)
     assert layer.config == v4_layer_config(layer_idx)  # native keys read as intended
     # FP8 x E8M0 tiles are applied exactly (powers of two): bitwise equal to the formula
-    np.testing.assert_array_equal(np.asarray(layer.q_b_proj), exact["q_b_proj.weight"])
-    np.testing.assert_array_equal(np.asarray(layer.o_b_proj), exact["o_b_proj.weight"])
+    np.testing.assert_array_equal(np.asarray(layer.block.q_b_proj), exact["q_b_proj.weight"])
+    np.testing.assert_array_equal(np.asarray(layer.block.o_b_proj), exact["o_b_proj.weight"])
     x = np.random.default_rng(layer_idx).normal(size=(2, 40, 160)).astype(np.float32)
     want = run_hf_v4(hf_layer, hf_cfg, x)[0]
     got = np.asarray(jax.jit(lambda m, x: m(x))(layer, x))

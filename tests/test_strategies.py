@@ -50,7 +50,7 @@ def reference_selection(layer, x, seg):
     """The selection from the layer's own projections scored in numpy, top-k by brute force."""
     c, ix = layer.config, layer.indexer
     positions = ce.segment_positions(seg)
-    qr = layer.project_qkv(x, positions)[0]
+    qr = layer.block.project_qkv(x, positions)[0]
     layout = ce.entry_layout(seg, c.compress_rate)
     q = np.asarray(ix.queries(qr, positions), np.float64)
     w = np.asarray(ix.head_weights(x), np.float64) * c.index_head_dim**-0.5

@@ -498,13 +498,18 @@ def test_v41_candidates_equal_brute_force():
     want = _np_topk(scores, visible, k), _np_topk(scores, visible & in_blocks, k)
     assert (want[0] != want[1]).any()
     # key tiles of 3 rounded up to 4, two tiles per row buffer, 5-query blocks
-    strategies = [ce.DenseSelection(), ce.StreamingSelection(3, query_block=5, topk_block=8)]
+    strategies = [
+        ce.DenseSelection(),
+        ce.StreamingSelection(3, query_block=5, topk_block=8),
+        ce.GatheredSelection(query_block=5),
+    ]
     for strategy in strategies:
 
         @jax.jit
         def run(*args, strategy=strategy):
             sel, cand = strategy.select_candidates(problem(*args), k, nb, bc)
-            within = problem(*args)._replace(candidates=cand, candidate_block_size=bc)
+            p = problem(*args)
+            within = p._replace(visibility=ce.CandidateVisibility(p.visibility, cand, bc))
             return sel, cand, strategy.select(within, k)
 
         sel, cand, within = run(*args)

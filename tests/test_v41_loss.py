@@ -34,7 +34,7 @@ def _stack(indexer_kl):
     execution = ce.Execution(indexer_kl=indexer_kl)
     layers = [ce.V41Attention(CONFIG, i, key=k, execution=execution) for i, k in enumerate(keys)]
     layers = [
-        eqx.tree_at(lambda m: m.sinks, layer, 0.5 * jax.random.normal(k, layer.sinks.shape))
+        eqx.tree_at(lambda m: m.block.sinks, layer, 0.5 * jax.random.normal(k, layer.block.sinks.shape))
         for layer, k in zip(layers, keys, strict=True)
     ]
     for i in INDEX_SOURCES:
@@ -52,12 +52,12 @@ def stack_loss(inputs, stage):
     parts = []
     for i in INDEX_SOURCES:
         layer = layers[i]
-        qr, q, kv = layer.project_qkv(x, positions)
+        qr, q, kv = layer.block.project_qkv(x, positions)
         parts.append(
             dict(
                 q=q,
                 kv=kv,
-                sinks=layer.sinks,
+                sinks=layer.block.sinks,
                 index_q=layer.indexer.queries(qr, positions),
                 weights=layer.indexer.head_weights(x),
                 entries=published[i].entries,

@@ -143,7 +143,7 @@ _EXTEND = ce.V41Attention.extend
 
 @eqx.filter_jit
 def _extend(layer, x, cache, shared):
-    return layer.extend(x, cache, shared)
+    return layer.extend(x, cache, shared=shared)
 
 
 def _stream(layers, xs, chunks):
@@ -152,7 +152,7 @@ def _stream(layers, xs, chunks):
     xs = [np.asarray(x) for x in xs]  # numpy slices: no program per chunk shape
     ys = [[] for _ in layers]
     for s0, s1 in chunks:
-        shared = None
+        shared = ce.V41Shared()
         for i, layer in enumerate(layers):
             y, caches[i], shared = _extend(layer, xs[i][:, s0:s1], caches[i], shared)
             ys[i].append(y)
@@ -329,7 +329,7 @@ def test_release_state_dict_and_its_errors(release, reference):
     config = reference[1]
     tensors = _release_tensors(folder, 1)
     layer = load_v41_attention(config, 1, tensors)
-    np.testing.assert_array_equal(np.asarray(layer.o_a_proj), fx["deq:1:wo_a.weight"])
+    np.testing.assert_array_equal(np.asarray(layer.block.o_a_proj), fx["deq:1:wo_a.weight"])
     hf = load_v41_attention(  # transformers' module names: the same under ``model.``
         config, 1, {"model." + k: v for k, v in tensors.items()}, "model.layers.1.attn."
     )

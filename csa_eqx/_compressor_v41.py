@@ -1,0 +1,98 @@
+"""V4.1's compressor (docs/v41.md, "Compressor"), behind the compressor seam
+(``csa_eqx._compressor.AbstractCompressor``): disjoint groups of ``m`` tokens, each entry
+published with its index key."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from ._compressor import AbstractCompressor
+from ._config import V4FamilyConfig, YaRNScaling
+from ._layout import EntryLayout
+from ._ops import init_linear, linear, rms_norm
+
+__all__ = ["V41Compressor"]
+
+
+class V41Compressor(AbstractCompressor):
+    """A V4.1 KV source's compressor: ratio 1 one normed latent per token; ratio ``m > 1``
+    disjoint groups of ``m`` tokens pooled with a float32 per-channel softmax gate (no position
+    bias, no overlap), then normed. Each entry is its latent roped at the group's first
+    position; the index keys ``RoPE(k_norm(latent · key_projᵀ))`` come from the same pre-RoPE
+    latent, detached: only the indexer loss differentiates the keys, and it trains the
+    indexer's weights (``key_proj``, ``key_norm``), never the compressor or the input (as V4's
+    indexer compresses a detached input). Its entries are ``[entry ; index key]`` side by side
+    (``widths``), which the layer splits.
+
+    ``kv_proj``, ``gate_proj`` and ``kv_norm`` are DeepSeek's ``compressor.wkv``, ``.wgate``
+    (absent at ratio 1) and ``.norm``; ``key_proj`` and ``key_norm`` its ``indexer.wk`` and
+    ``indexer.k_norm``.
+
+    **Arguments:** the layer's sizes (a ``V4FamilyConfig``), its ``ratio``, ``key`` and
+    ``dtype``.
+    """
+
+    kv_proj: Float[Array, "dim hidden"]
+    gate_proj: Float[Array, "dim hidden"] | None
+    kv_norm: Float[Array, " dim"]
+    key_proj: Float[Array, "index_dim dim"]
+    key_norm: Float[Array, " index_dim"]
+    compress_rate: int = eqx.field(static=True)
+    overlap: bool = eqx.field(static=True)
+    rope_dim: int = eqx.field(static=True)
+    rope_theta: float = eqx.field(static=True)
+    rope_scaling: YaRNScaling | None = eqx.field(static=True)
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, config: V4FamilyConfig, ratio: int, *, key: Array, dtype=jnp.float32):
+        c = config
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.kv_proj = init_linear(k1, c.head_dim, c.hidden_size, dtype)
+        self.gate_proj = init_linear(k2, c.head_dim, c.hidden_size, dtype) if ratio > 1 else None
+        self.kv_norm = jnp.ones((c.head_dim,), jnp.float32)
+        self.key_proj = init_linear(k3, c.index_head_dim, c.head_dim, dtype)
+        self.key_norm = jnp.ones((c.index_head_dim,), jnp.float32)
+        self.compress_rate, self.overlap = ratio, False
+        self.rope_dim, self.rope_theta = c.rope_dim, c.compress_rope_theta
+        self.rope_scaling, self.eps = c.rope_scaling, c.rms_norm_eps
+
+    @property
+    def position_bias(self) -> Array:
+        """**Returns:** zeros ``[m, dim]``: V4.1 has no learned position bias."""
+        return jnp.zeros((self.compress_rate, self.kv_proj.shape[0]), jnp.float32)
+
+    def project(self, x: Float[Array, "batch seq hidden"]) -> tuple[Array, Array]:
+        """**Arguments:** ``x [B, S, hidden]`` (in the precision the numerics pool in).
+
+        **Returns:** per-token ``(kv, gate)`` ``[B, S, dim]`` before pooling (the gate is zeros
+        at ratio 1)."""
+        kv = linear(x, self.kv_proj)
+        return kv, jnp.zeros_like(kv) if self.gate_proj is None else linear(x, self.gate_proj)
+
+    def pool(self, kv: Array, gate: Array, layout: EntryLayout) -> Array:
+        """Ratio 1: each slot's own token (nothing to pool); else the gated groups (see
+        ``AbstractCompressor.pool``)."""
+        if self.compress_rate > 1:
+            return super().pool(kv, gate, layout)
+        rows = jnp.clip(layout.end, 0, kv.shape[1] - 1)
+        return jnp.take_along_axis(kv, rows[..., None], axis=1)
+
+    def widths(self) -> tuple[int, int]:
+        return self.kv_proj.shape[0], self.kv_proj.shape[0] + self.key_proj.shape[0]
+
+    def finish(
+        self, pooled: Array, positions: Int[Array, "batch seq"], layout: EntryLayout, dtype=None
+    ):
+        """The latent (RMSNorm of the pooled groups), then the entries and index keys roped at
+        each group's first position (see ``AbstractCompressor.finish``).
+
+        **Returns:** ``[B, T, dim + index_dim]`` (entries, then keys)."""
+        pooled = pooled if dtype is None else pooled.astype(dtype)
+        latent = rms_norm(pooled, self.kv_norm, self.eps)
+        keys = linear(jax.lax.stop_gradient(latent), self.key_proj)
+        keys = rms_norm(keys, self.key_norm, self.eps)
+        entries, keys = (self.roped(a, positions, layout) for a in (latent, keys))
+        return jnp.concatenate([entries, keys.astype(entries.dtype)], axis=-1)
