@@ -145,30 +145,27 @@ class CandidateVisibility(eqx.Module):
 
     **Arguments:**
 
-    - ``base``: the queries' ``Visibility``.
+    - ``query_index``, ``query_segment``, ``layout``: the queries' ``Visibility`` (``base``).
     - ``candidates``: int32 ``[B, S, Nb]`` kept block ids per query, increasing, ``-1`` past
         the last (``candidate_blocks``).
     - ``block_size``: the blocks' size ``bc``.
     """
 
-    base: Visibility
+    query_index: Int[Array, "batch seq"]
+    query_segment: Int[Array, "batch seq"]
+    layout: EntryLayout
     candidates: Int[Array, "batch seq blocks"]
     block_size: int = eqx.field(static=True)
 
-    @property
-    def query_index(self) -> Int[Array, "batch seq"]:
-        """**Returns:** the queries' stream indices (``base``'s)."""
-        return self.base.query_index
+    @classmethod
+    def within(cls, base: Visibility, candidates, block_size: int) -> CandidateVisibility:
+        """**Returns:** what ``base`` shows, within the ``candidates``' blocks of ``block_size``."""
+        return cls(*base, candidates, block_size)
 
     @property
-    def query_segment(self) -> Int[Array, "batch seq"]:
-        """**Returns:** the queries' segments (``base``'s)."""
-        return self.base.query_segment
-
-    @property
-    def layout(self) -> EntryLayout:
-        """**Returns:** the entries' layout (``base``'s)."""
-        return self.base.layout
+    def base(self) -> Visibility:
+        """**Returns:** the visibility without the pre-filter."""
+        return Visibility(self.query_index, self.query_segment, self.layout)
 
     def mask(self) -> Bool[Array, "batch seq entries"]:
         """**Returns:** bool ``[B, S, T]``: visible and in a kept block (dense paths only)."""
@@ -178,17 +175,17 @@ class CandidateVisibility(eqx.Module):
     def rows(self, start, size: int) -> CandidateVisibility:
         """As ``Visibility.rows``: query rows ``start .. start + size``, with their blocks."""
         rows = take(self.candidates, start, size)
-        return CandidateVisibility(self.base.rows(start, size), rows, self.block_size)
+        return self.within(self.base.rows(start, size), rows, self.block_size)
 
     def pad_rows(self, n: int) -> CandidateVisibility:
         """As ``Visibility.pad_rows``: ``n`` more rows that see no entry (and keep no block)."""
         pad = [(0, 0), (0, n), (0, 0)]
         blocks = jnp.pad(self.candidates, pad, constant_values=-1)
-        return CandidateVisibility(self.base.pad_rows(n), blocks, self.block_size)
+        return self.within(self.base.pad_rows(n), blocks, self.block_size)
 
     def with_layout(self, layout: EntryLayout) -> CandidateVisibility:
         """As ``Visibility.with_layout``."""
-        return CandidateVisibility(self.base.with_layout(layout), self.candidates, self.block_size)
+        return self.within(self.base.with_layout(layout), self.candidates, self.block_size)
 
     def tile(self, start, width: int) -> Bool[Array, "batch seq {width}"]:
         """As ``Visibility.tile``, within the kept blocks: the blocks that slots ``start ..

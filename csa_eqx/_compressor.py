@@ -21,7 +21,7 @@ from jaxtyping import Array, Float, Int
 from ._config import YaRNScaling
 from ._layout import EntryLayout
 from ._ops import init_linear, linear, rms_norm, upcast
-from ._rope import apply_rope_interleaved, rope_inv_freq
+from ._rope import Rope
 
 __all__ = [
     "pool_windows",
@@ -82,18 +82,17 @@ class AbstractCompressor(eqx.Module):
     calls): project each token (``project``), pool the tokens of each slot's window
     (``pool``), then make the entries of the pooled windows (``finish``).
 
-    An implementation holds ``compress_rate`` (tokens per window ``m``), ``overlap`` (CSA's
-    windows also pool the previous window's other half), ``position_bias`` (``[m, width]``,
-    added to the gates) and its entries' RoPE (``rope_dim``, ``rope_theta``, ``rope_scaling``:
-    ``roped``), and says its widths (``widths``).
+    Every compressor holds ``compress_rate`` (tokens per window ``m``), ``overlap`` (CSA's
+    windows also pool the previous window's other half), its entries' RoPE table (``rope``:
+    ``roped``) and its RMSNorm epsilon ``eps``; an implementation adds its weights and
+    ``position_bias`` (``[m, width]``, added to the gates) and says its widths (``widths``).
     """
 
-    compress_rate: eqx.AbstractVar[int]
-    overlap: eqx.AbstractVar[bool]
+    compress_rate: int = eqx.field(static=True)
+    overlap: bool = eqx.field(static=True)
+    rope: Rope = eqx.field(static=True)
+    eps: float = eqx.field(static=True)
     position_bias: eqx.AbstractVar[Float[Array, "m width"]]
-    rope_dim: eqx.AbstractVar[int]
-    rope_theta: eqx.AbstractVar[float]
-    rope_scaling: eqx.AbstractVar[YaRNScaling | None]
 
     @abc.abstractmethod
     def project(self, x: Float[Array, "batch seq hidden"]) -> tuple[Array, Array]:
@@ -131,9 +130,7 @@ class AbstractCompressor(eqx.Module):
 
         **Returns:** ``x`` roped at the position of each slot's window's first token."""
         first = jnp.clip(layout.end - self.compress_rate + 1, 0, positions.shape[1] - 1)
-        entry_pos = jnp.take_along_axis(positions, first, axis=1)
-        inv_freq = rope_inv_freq(self.rope_dim, self.rope_theta, self.rope_scaling)
-        return apply_rope_interleaved(x, entry_pos, inv_freq)
+        return self.rope.interleaved(x, jnp.take_along_axis(positions, first, axis=1))
 
     @property
     def ring(self) -> int:
@@ -176,12 +173,6 @@ class Compressor(AbstractCompressor):
     gate_proj: Float[Array, "width hidden"]
     position_bias: Float[Array, "m width"]
     kv_norm: Float[Array, " dim"]
-    compress_rate: int = eqx.field(static=True)
-    overlap: bool = eqx.field(static=True)
-    rope_dim: int = eqx.field(static=True)
-    rope_theta: float = eqx.field(static=True)
-    rope_scaling: YaRNScaling | None = eqx.field(static=True)
-    eps: float = eqx.field(static=True)
 
     def __init__(
         self,
@@ -203,12 +194,8 @@ class Compressor(AbstractCompressor):
         self.gate_proj = init_linear(k2, width, hidden_size, dtype)
         self.position_bias = jnp.zeros((compress_rate, width), jnp.float32)
         self.kv_norm = jnp.ones((dim,), jnp.float32)
-        self.compress_rate = compress_rate
-        self.overlap = overlap
-        self.rope_dim = rope_dim
-        self.rope_theta = rope_theta
-        self.rope_scaling = rope_scaling
-        self.eps = eps
+        self.compress_rate, self.overlap = compress_rate, overlap
+        self.rope, self.eps = Rope(rope_dim, rope_theta, rope_scaling), eps
 
     def project(self, x: Float[Array, "batch seq hidden"]) -> tuple[Array, Array]:
         return linear(x, self.kv_proj), linear(x, self.gate_proj)

@@ -4,15 +4,15 @@ published with its index key."""
 
 from __future__ import annotations
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ._compressor import AbstractCompressor
-from ._config import V4FamilyConfig, YaRNScaling
+from ._config import V4FamilyConfig
 from ._layout import EntryLayout
 from ._ops import init_linear, linear, rms_norm
+from ._rope import Rope
 
 __all__ = ["V41Compressor"]
 
@@ -40,12 +40,6 @@ class V41Compressor(AbstractCompressor):
     kv_norm: Float[Array, " dim"]
     key_proj: Float[Array, "index_dim dim"]
     key_norm: Float[Array, " index_dim"]
-    compress_rate: int = eqx.field(static=True)
-    overlap: bool = eqx.field(static=True)
-    rope_dim: int = eqx.field(static=True)
-    rope_theta: float = eqx.field(static=True)
-    rope_scaling: YaRNScaling | None = eqx.field(static=True)
-    eps: float = eqx.field(static=True)
 
     def __init__(self, config: V4FamilyConfig, ratio: int, *, key: Array, dtype=jnp.float32):
         c = config
@@ -56,8 +50,8 @@ class V41Compressor(AbstractCompressor):
         self.key_proj = init_linear(k3, c.index_head_dim, c.head_dim, dtype)
         self.key_norm = jnp.ones((c.index_head_dim,), jnp.float32)
         self.compress_rate, self.overlap = ratio, False
-        self.rope_dim, self.rope_theta = c.rope_dim, c.compress_rope_theta
-        self.rope_scaling, self.eps = c.rope_scaling, c.rms_norm_eps
+        self.rope = Rope(c.rope_dim, c.compress_rope_theta, c.rope_scaling)
+        self.eps = c.rms_norm_eps
 
     @property
     def position_bias(self) -> Array:

@@ -115,9 +115,10 @@ class ContextParallel(AbstractPlacement):
         state's ``per_row`` arrays are chunked as ``x`` (halo rows included) and its ``whole``
         ones repeated for each chunk's batch row. See ``AbstractPlacement.run``: ``y``,
         ``selection`` and ``carried.per_row`` come back ``[B, S, ...]`` as one device returns
-        them, ``carried.whole`` as the first chunk's shard returns it (padded rows included:
-        ``[B, ...]`` of the padded sequence), the ``sums`` over each shard's own rows
-        summed."""
+        them, ``carried.whole`` (of the entry slots, ``[B, T, ...]``) as the first chunk's
+        shard returns it, cut to the sequence's ``T`` slots (the padding's are dropped; the
+        queries see only the sequence's own slots, so the layout comes back as ``rows.layout``),
+        the ``sums`` over each shard's own rows summed."""
         mesh = mesh_with_axis(self.axis, "Execution.context", self.mesh)
         axis, (b, s) = self.axis, x.shape[:2]
         halo, rate = layer.context_halo, layer.entry_rate
@@ -152,15 +153,17 @@ class ContextParallel(AbstractPlacement):
         )
         own = layout = None
         if rate:
-            layout = entry_layout(segment, rate)
+            padded = entry_layout(segment, rate)  # the slots each chunk compresses
             per = c // rate
             slots = (plan.chunks[..., None] * per + np.arange(per)).reshape(-1)
             offset = np.repeat((plan.chunks * c - halo).reshape(-1), per)
-            end = jnp.take(layout.end, slots, axis=1)
+            end = jnp.take(padded.end, slots, axis=1)
             own = EntryLayout(
                 jnp.where(end >= 0, end - offset, -1),
-                *(jnp.take(a, slots, axis=1) for a in layout[1:]),
+                *(jnp.take(a, slots, axis=1) for a in padded[1:]),
             )
+            # what the queries see: the sequence's own slots, empty past them
+            layout = _with_empty_slots(rows.layout, padded.end.shape[1])
         params, static = eqx.partition(layer, eqx.is_array)
         sharded, batch = P(dp, axis), P(dp)
         specs = (
@@ -207,8 +210,19 @@ class ContextParallel(AbstractPlacement):
             y, selection, per_row = jax.tree.map(
                 lambda a: place(a, mesh, P())[:, :s], (y, selection, carried.per_row)
             )
-            carried = carried._replace(per_row=per_row)
+            # the whole state is of the entry slots: the sequence's, without the padding's
+            t = 0 if rows.layout is None else rows.layout.end.shape[1]
+            whole = jax.tree.map(lambda a: place(a, mesh, P())[:, :t], carried.whole)
+            carried = Carried(per_row, whole)
         return y, selection, tuple(jnp.sum(a) for a in sums), carried
+
+
+def _with_empty_slots(layout: EntryLayout, slots: int) -> EntryLayout:
+    """``layout`` with empty slots (``end = -1``, no segment, no prior) appended up to ``slots``."""
+    pad = [(0, 0), (0, slots - layout.end.shape[1])]
+    return EntryLayout(
+        *(jnp.pad(a, pad, constant_values=v) for a, v in zip(layout, (-1, -1, False), strict=True))
+    )
 
 
 def _chunk_rows(a: Array, chunks: int) -> Array:

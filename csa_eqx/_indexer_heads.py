@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ._config import V4FamilyConfig, YaRNScaling
+from ._config import V4FamilyConfig
 from ._ops import init_linear, linear
-from ._rope import apply_rope_interleaved, rope_inv_freq
+from ._rope import Rope
 
 __all__ = ["IndexerHeads"]
 
@@ -29,17 +29,15 @@ class IndexerHeads(eqx.Module):
     weights_proj: Float[Array, "heads hidden"]
     heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
-    rope_dim: int = eqx.field(static=True)
-    rope_theta: float = eqx.field(static=True)
-    rope_scaling: YaRNScaling | None = eqx.field(static=True)
+    rope: Rope = eqx.field(static=True)
 
     def __init__(self, config: V4FamilyConfig, *, key: Array, dtype=jnp.float32):
         c = config
         k1, k2 = jax.random.split(key)
         self.q_b_proj = init_linear(k1, c.index_n_heads * c.index_head_dim, c.q_lora_rank, dtype)
         self.weights_proj = init_linear(k2, c.index_n_heads, c.hidden_size, dtype)
-        self.heads, self.head_dim, self.rope_dim = c.index_n_heads, c.index_head_dim, c.rope_dim
-        self.rope_theta, self.rope_scaling = c.compress_rope_theta, c.rope_scaling
+        self.heads, self.head_dim = c.index_n_heads, c.index_head_dim
+        self.rope = Rope(c.rope_dim, c.compress_rope_theta, c.rope_scaling)
 
     def queries(
         self, qr: Float[Array, "batch seq q_lora"], positions: Int[Array, "batch seq"]
@@ -51,8 +49,7 @@ class IndexerHeads(eqx.Module):
         """
         b, s, _ = qr.shape
         q = linear(qr, self.q_b_proj).reshape(b, s, self.heads, self.head_dim)
-        inv_freq = rope_inv_freq(self.rope_dim, self.rope_theta, self.rope_scaling)
-        return apply_rope_interleaved(q, positions[..., None], inv_freq)
+        return self.rope.interleaved(q, positions[..., None])
 
     def head_weights(self, x: Float[Array, "batch seq hidden"]) -> Float[Array, "batch seq heads"]:
         """**Arguments:** the layer input ``x [B, S, hidden]``.

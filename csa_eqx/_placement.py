@@ -35,10 +35,11 @@ class Carried(NamedTuple):
 
     - ``per_row``: a pytree of ``[B, S, ...]`` arrays, one row per token row (e.g. a
         selection): split, chunked and joined along the sequence as ``x`` and ``y`` are.
-    - ``whole``: a pytree of ``[B, ...]`` arrays of the whole sequence (e.g. compressed
-        entries): split over the batch only, every shard of a row holds all of it. A body
-        returns them equal on every device that shares the row (computed from the same
-        inputs, or all-gathered).
+    - ``whole``: a pytree of ``[B, T, ...]`` arrays of the whole sequence's entry slots (e.g.
+        compressed entries and their layout): split over the batch only, every shard of a row
+        holds all of it. A body returns them equal on every device that shares the row
+        (computed from the same inputs, or all-gathered), over the slots of the ``Rows`` it
+        got; the placement returns them over the sequence's own slots (``rows.layout``'s).
     """
 
     per_row: Any = ()

@@ -8,6 +8,7 @@ are computed in numpy at trace time and the rotation runs in (at least) float32.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +17,13 @@ from jaxtyping import Array, Float, Int
 from ._config import YaRNScaling
 from ._ops import upcast
 
-__all__ = ["rope_inv_freq", "yarn_mscale", "apply_rope_interleaved", "apply_rope_half_split"]
+__all__ = [
+    "Rope",
+    "rope_inv_freq",
+    "yarn_mscale",
+    "apply_rope_interleaved",
+    "apply_rope_half_split",
+]
 
 
 def rope_inv_freq(rope_dim: int, theta: float, scaling: YaRNScaling | None = None) -> np.ndarray:
@@ -40,6 +47,28 @@ def rope_inv_freq(rope_dim: int, theta: float, scaling: YaRNScaling | None = Non
     keep = 1.0 - ramp  # 1 = extrapolate (high frequency), 0 = interpolate
     scaled = inv_freq / scaling.factor * ramp + inv_freq * keep
     return scaled.astype(np.float32)
+
+
+class Rope(NamedTuple):
+    """A RoPE table, as a module's static field holds it.
+
+    **Arguments:** the rotated channels ``dim``, the base ``theta`` and the YaRN ``scaling``
+    (``None``: plain RoPE).
+    """
+
+    dim: int
+    theta: float
+    scaling: YaRNScaling | None = None
+
+    def inv_freq(self) -> np.ndarray:
+        """**Returns:** the inverse frequencies ``[dim // 2]`` (``rope_inv_freq``)."""
+        return rope_inv_freq(self.dim, self.theta, self.scaling)
+
+    def interleaved(self, x: Array, positions: Array) -> Array:
+        """**Arguments:** ``x [..., d]`` and integer ``positions`` broadcastable to ``x[..., 0]``.
+
+        **Returns:** ``x`` with its last ``dim`` channels rotated (``apply_rope_interleaved``)."""
+        return apply_rope_interleaved(x, positions, self.inv_freq())
 
 
 def yarn_mscale(scaling: YaRNScaling | None) -> float:

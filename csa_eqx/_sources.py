@@ -122,7 +122,7 @@ class CandidateRule(eqx.Module):
             return visibility
         if shared.candidates is None:
             raise V41WiringError(f"{self.who} uses candidates but none were published")
-        return CandidateVisibility(visibility, shared.candidates, self.block_size)
+        return CandidateVisibility.within(visibility, shared.candidates, self.block_size)
 
     def select(self, execution, problem, k: int) -> tuple[Array, dict]:
         """**Returns:** the top-k of ``problem`` by ``execution`` and the fields published

@@ -11,18 +11,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from . import _checks as checks
 from ._attention import AbstractIndexedAttention
-from ._cache import V4Cache, check_cache_size, compressor_state, empty_rows
+from ._cache import V4Cache
 from ._compressor import Compressor
 from ._config import V4AttentionConfig
 from ._execution import Execution, checked_execution
 from ._forward import V41Shared
 from ._indexer_heads import IndexerHeads
-from ._layout import segment_positions, token_rows
-from ._loss import attention_target
 from ._numerics import V4_FORMATS, DeepSeekFormats
-from ._rows import whole_rows
 from ._sources import (
     AbstractEntries,
     AbstractSelectionSource,
@@ -32,7 +28,7 @@ from ._sources import (
     OwnSelection,
 )
 from ._v4_block import V4Block
-from ._v4_family import v4_forward, v4_head_specs
+from ._v4_family import v4_cache, v4_entry_attention, v4_forward, v4_head_specs
 
 __all__ = ["V4Attention"]
 
@@ -165,7 +161,8 @@ class V4Attention(AbstractIndexedAttention):
         x: Float[Array, "batch seq hidden"],
         segment_ids: Int[Array, "batch seq"] | None = None,
     ) -> tuple[Float[Array, "batch seq slots"], Int[Array, "batch seq k"]]:
-        """Where *dense* attention looks, next to what the indexer picks (CSA layers).
+        """Where *dense* attention looks, next to what the indexer picks (CSA layers;
+        ``csa_eqx._v4_family.v4_entry_attention``).
 
         **Arguments:**
 
@@ -179,17 +176,7 @@ class V4Attention(AbstractIndexedAttention):
         L1-normalised over entries: the dense-stage KL target), and the indexer's
         selection int32 ``[B, S, index_topk]`` (``-1`` = none), as the forward makes it.
         """
-        c, ex = self.config, self.execution
-        if self.indexer is None:
-            raise ValueError(f"entry_attention needs a CSA layer (this one is {c.layer_type})")
-        x, _, segment_ids = checks.layer_inputs(c.hidden_size, x, None, segment_ids)
-        seg, query_index = token_rows(x, segment_ids)
-        rows = whole_rows(segment_positions(seg), seg, query_index, c.compress_rate)
-        # the window and every visible entry: the dense stage's reads
-        f = self.forward_rows(x, rows, "dense", True)
-        visible = f.problem.visibility.mask()
-        target = attention_target(f.target, visible, head_chunk=ex.qk_head_chunk_size)
-        return target, f.selection
+        return v4_entry_attention(self, x, segment_ids, _NOTHING)
 
     def init_cache(self, batch_size: int, max_length: int, dtype=jnp.float32) -> V4Cache:
         """An empty decode cache of fixed-size buffers.
@@ -205,20 +192,4 @@ class V4Attention(AbstractIndexedAttention):
 
         A ``csa_eqx.V4Cache`` (``length`` 0 in every row).
         """
-        c = self.config
-        check_cache_size(batch_size, max_length)
-        slots = max_length // c.compress_rate if c.compress_rate else 0
-        length, position, segment = empty_rows(batch_size)
-        empty = jnp.full((batch_size, slots), -1, jnp.int32)  # copied below: distinct buffers
-        return V4Cache(
-            length=length,
-            position=position,
-            segment=segment,
-            **self.block.window_cache(batch_size, c.sliding_window, dtype),
-            entry_end=empty,
-            entry_segment=jnp.copy(empty),
-            entry_count=jnp.zeros((batch_size,), jnp.int32),
-            compressor=compressor_state(self.compressor, batch_size, slots, dtype),
-            indexer=compressor_state(self.index_compressor, batch_size, slots, dtype),
-            max_length=max_length,
-        )
+        return v4_cache(self, batch_size, max_length, dtype, self.index_compressor)

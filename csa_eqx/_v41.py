@@ -20,7 +20,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from ._attention import AbstractIndexedAttention
-from ._cache import V4Cache, check_cache_size, compressor_state, empty_rows
+from ._cache import V4Cache
 from ._compressor_v41 import V41Compressor
 from ._execution import Execution, checked_execution
 from ._forward import V41Shared
@@ -39,7 +39,7 @@ from ._sources import (
 )
 from ._stack import extend_stack, run_stack, stack_inputs
 from ._v4_block import V4Block
-from ._v4_family import v4_forward, v4_head_specs
+from ._v4_family import v4_cache, v4_entry_attention, v4_forward, v4_head_specs
 from ._v41_config import V41AttentionConfig, V41WiringError
 
 __all__ = ["V41Attention", "run_v41_stack", "extend_v41_stack"]
@@ -151,6 +151,17 @@ class V41Attention(AbstractIndexedAttention):
         shared = V41Shared() if shared is None else shared
         return v4_forward(self, x, source, stage, want_loss, shared)
 
+    def entry_attention(
+        self,
+        x: Float[Array, "batch seq hidden"],
+        segment_ids: Int[Array, "batch seq"] | None = None,
+        shared: V41Shared | None = None,
+    ) -> tuple[Float[Array, "batch seq slots"], Int[Array, "batch seq k"]]:
+        """As ``V4Attention.entry_attention``, for an index source (full or reindex), from the
+        state ``shared`` published before it (a consumer's mass is over its candidates)."""
+        shared = V41Shared() if shared is None else shared
+        return v4_entry_attention(self, x, segment_ids, shared)
+
     def compress(self, x: Array, source) -> tuple[Compressed, object]:
         """A KV source's entries and index keys, from its ``V41Compressor``, rounded once as
         they are written (``OwnEntries``' call). The groups pool in the numerics' compressor
@@ -177,22 +188,7 @@ class V41Attention(AbstractIndexedAttention):
 
         **Returns:** a ``csa_eqx.V4Cache`` (``length`` 0 in every row).
         """
-        check_cache_size(batch_size, max_length)
-        slots = max_length // self.entry_rate if self.compressor is not None else 0
-        length, position, segment = empty_rows(batch_size)
-        empty = jnp.full((batch_size, slots), -1, jnp.int32)
-        return V4Cache(
-            length=length,
-            position=position,
-            segment=segment,
-            **self.block.window_cache(batch_size, self.config.sliding_window, dtype),
-            entry_end=empty,
-            entry_segment=jnp.copy(empty),
-            entry_count=jnp.zeros((batch_size,), jnp.int32),
-            compressor=compressor_state(self.compressor, batch_size, slots, dtype),
-            indexer=None,
-            max_length=max_length,
-        )
+        return v4_cache(self, batch_size, max_length, dtype)
 
 
 def _check_stack(layers: Sequence[V41Attention], xs) -> list:

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from ._config import V4FamilyConfig, YaRNScaling
+from ._config import V4FamilyConfig
 from ._ops import init_linear, linear, rms_norm
-from ._rope import apply_rope_interleaved, rope_inv_freq
+from ._rope import Rope
 
 __all__ = ["V4Block"]
 
@@ -46,12 +46,10 @@ class V4Block(eqx.Module):
     o_b_proj: Float[Array, "hidden groups_x_rank"]
     sinks: Float[Array, " heads"]
     head_dim: int = eqx.field(static=True)
-    rope_dim: int = eqx.field(static=True)
     o_lora_rank: int = eqx.field(static=True)
     eps: float = eqx.field(static=True)
     query_norm: bool = eqx.field(static=True)
-    rope_theta: float = eqx.field(static=True)
-    rope_scaling: YaRNScaling | None = eqx.field(static=True)
+    rope: Rope = eqx.field(static=True)
 
     def __init__(
         self,
@@ -73,17 +71,17 @@ class V4Block(eqx.Module):
         self.o_a_proj = init_linear(ks[3], c.o_groups * c.o_lora_rank, group_in, dtype)
         self.o_b_proj = init_linear(ks[4], c.hidden_size, c.o_groups * c.o_lora_rank, dtype)
         self.sinks = jnp.zeros((c.num_heads,), jnp.float32)
-        self.head_dim, self.rope_dim, self.o_lora_rank = c.head_dim, c.rope_dim, c.o_lora_rank
+        self.head_dim, self.o_lora_rank = c.head_dim, c.o_lora_rank
         self.eps, self.query_norm = c.rms_norm_eps, query_norm
-        self.rope_theta = c.compress_rope_theta if compressed else c.rope_theta
-        self.rope_scaling = c.rope_scaling if compressed else None
+        plain = Rope(c.rope_dim, c.rope_theta)
+        self.rope = Rope(c.rope_dim, c.compress_rope_theta, c.rope_scaling) if compressed else plain
 
     @property
     def inv_freq(self):
         """**Returns:** the RoPE inverse frequencies ``[rope_dim // 2]`` (float32 numpy): plain
         ``rope_theta`` for a sliding layer, the YaRN-scaled ``compress_rope_theta`` for one
         that reads compressed entries."""
-        return rope_inv_freq(self.rope_dim, self.rope_theta, self.rope_scaling)
+        return self.rope.inv_freq()
 
     @property
     def scale(self) -> float:
@@ -109,9 +107,9 @@ class V4Block(eqx.Module):
         q = linear(qr, self.q_b_proj).reshape(b, s, -1, self.head_dim)
         if self.query_norm:
             q = rms_norm(q, None, self.eps)
-        q = apply_rope_interleaved(q, positions[..., None], self.inv_freq)
+        q = self.rope.interleaved(q, positions[..., None])
         kv = rms_norm(linear(x, self.kv_proj), self.kv_norm, self.eps)
-        return qr, q, apply_rope_interleaved(kv, positions, self.inv_freq)
+        return qr, q, self.rope.interleaved(kv, positions)
 
     def project_out(
         self, o: Float[Array, "batch seq heads dim"], positions: Int[Array, "batch seq"]
@@ -124,7 +122,7 @@ class V4Block(eqx.Module):
         **Returns:** ``[B, S, hidden]``.
         """
         b, s = o.shape[:2]
-        o = apply_rope_interleaved(o, -positions[..., None], self.inv_freq)
+        o = self.rope.interleaved(o, -positions[..., None])
         groups = self.o_a_proj.shape[0] // self.o_lora_rank  # this device's, under head parallelism
         o = o.reshape(b, s, groups, -1, self.head_dim).reshape(b, s, groups, -1)
         w_a = self.o_a_proj.reshape(groups, self.o_lora_rank, -1).astype(o.dtype)

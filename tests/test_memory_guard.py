@@ -79,6 +79,22 @@ def nested_primitives(jaxpr, seen=None):
     return seen
 
 
+def assert_no_value_reaches(objective, model, hidden: int, bound: int) -> None:
+    """No value of ``jax.grad(objective)``'s jaxpr (nested ones included) over ``model``'s
+    float arrays and an ``[B, S, hidden]`` input has ``bound`` elements or more."""
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    x = jax.ShapeDtypeStruct((B, S, hidden), jnp.float32)
+    jaxpr = jax.make_jaxpr(jax.grad(objective, argnums=(0, 2)), static_argnums=1)(
+        params, static, x
+    ).jaxpr
+    values = largest_values(jaxpr)
+    assert len(values) > 100 and "while" in nested_primitives(jaxpr)  # the walk went deep
+    too_big = sorted(
+        {(n, str(shape), str(dtype), p) for n, shape, dtype, p in values if n >= bound}
+    )
+    assert not too_big, f"values with >= B*S*T/8 = {bound} elements: {too_big[-5:]}"
+
+
 # V3.2's KL loss streams over the same SelectionProblem as V4's (it scored every token against
 # every token, [B, S, H, S], before the redesign).
 CASES = [("v4", "dense"), ("v4", "sparse"), ("v32", "off"), ("v32", "dense"), ("v32", "sparse")]
@@ -93,17 +109,7 @@ def test_fwd_bwd_never_forms_bst(version, stage):
         y, aux = eqx.combine(params, static)(x, return_aux=True)
         return jnp.sum(y) + (0.0 if stage == "off" else aux["indexer_loss"])
 
-    params, static = eqx.partition(layer, eqx.is_inexact_array)
-    x = jax.ShapeDtypeStruct((B, S, layer.config.hidden_size), jnp.float32)
-    jaxpr = jax.make_jaxpr(jax.grad(objective, argnums=(0, 2)), static_argnums=1)(
-        params, static, x
-    ).jaxpr
-    values = largest_values(jaxpr)
-    assert len(values) > 100 and "while" in nested_primitives(jaxpr)  # the walk went deep
-    too_big = sorted(
-        {(n, str(shape), str(dtype), p) for n, shape, dtype, p in values if n >= bound}
-    )
-    assert not too_big, f"values with >= B*S*T/8 = {bound} elements: {too_big[-5:]}"
+    assert_no_value_reaches(objective, layer, layer.config.hidden_size, bound)
 
 
 # A V4.1 stack (docs/v41.md) with every role that scores: a ratio-2 KV source, a reuse layer, the
@@ -139,17 +145,7 @@ def test_v41_stack_fwd_bwd_never_forms_bst(stage):
         assert len(losses) == 3
         return sum(jnp.sum(y) for y in ys) + sum(losses)
 
-    params, static = eqx.partition(layers, eqx.is_inexact_array)
-    x = jax.ShapeDtypeStruct((B, S, V41_STACK.hidden_size), jnp.float32)
-    jaxpr = jax.make_jaxpr(jax.grad(objective, argnums=(0, 2)), static_argnums=1)(
-        params, static, x
-    ).jaxpr
-    values = largest_values(jaxpr)
-    assert len(values) > 100 and "while" in nested_primitives(jaxpr)  # the walk went deep
-    too_big = sorted(
-        {(n, str(shape), str(dtype), p) for n, shape, dtype, p in values if n >= bound}
-    )
-    assert not too_big, f"values with >= B*S*T/8 = {bound} elements: {too_big[-5:]}"
+    assert_no_value_reaches(objective, layers, V41_STACK.hidden_size, bound)
 
 
 def test_guard_sees_a_materialised_score_matrix():

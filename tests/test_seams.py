@@ -84,3 +84,99 @@ def test_no_strategy_isinstance_outside_the_choosers():
         and _names(node.args[1]) & strategies
     ]
     assert hits == [], f"strategy isinstance checks outside {sorted(CHOOSERS)}: {hits}"
+
+
+# --- presence-dispatch: a strategy never asks whether an optional input is there ------------
+
+STRATEGY_MODULES = ("_selection_", "_loss")  # the selection and indexer-loss strategies
+VISIBILITIES = {"Visibility", "CandidateVisibility"}
+
+
+def _dotted(node: ast.AST) -> str:
+    """``a.b.c`` of a name / attribute chain ('' for anything else)."""
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+def _presence_tests(test: ast.AST) -> list[str]:
+    """The ``x is None`` / ``x is not None`` comparisons of a condition whose ``x`` names a
+    candidate filter (``...candidates``, ``candidate_*``)."""
+    hits = []
+    for node in ast.walk(test):
+        if not isinstance(node, ast.Compare) or len(node.ops) != 1:
+            continue
+        if not isinstance(node.ops[0], ast.Is | ast.IsNot):
+            continue
+        sides = (node.left, node.comparators[0])
+        if any(isinstance(s, ast.Constant) and s.value is None for s in sides):
+            named = " ".join(_dotted(s) for s in sides)
+            if "candidate" in named:
+                hits.append(named.strip())
+    return hits
+
+
+def presence_dispatches(tree: ast.AST, strategy_module: bool) -> list[str]:
+    """Path choices on whether V4.1's candidate filter is present, in one module's ``tree``:
+
+    - a branch (``if``, conditional expression) on ``... candidates is (not) None`` whose body
+      does more than raise (a check that refuses bad wiring is not a path choice);
+    - ``isinstance`` against a visibility class (which visibility a problem has is the
+      choosers' business);
+    - in a selection or loss strategy module (``strategy_module``), any access to a
+      ``.candidates`` / ``.candidate_block_size`` attribute: the filter reaches a strategy only
+      through the visibility's calls.
+    """
+    hits = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If | ast.IfExp):
+            body = node.body if isinstance(node, ast.If) else [node.body]
+            refuses = all(isinstance(b, ast.Raise) for b in body)
+            if not refuses:
+                hits += [f"{node.lineno}: branch on {h}" for h in _presence_tests(node.test)]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "isinstance"
+            and len(node.args) == 2
+            and _names(node.args[1]) & VISIBILITIES
+        ):
+            hits.append(f"{node.lineno}: isinstance against a visibility")
+        elif (
+            strategy_module
+            and isinstance(node, ast.Attribute)
+            and node.attr in ("candidates", "candidate_block_size")
+        ):
+            hits.append(f"{node.lineno}: .{node.attr} in a strategy")
+    return hits
+
+
+def test_no_presence_dispatch_outside_the_choosers():
+    hits = [
+        f"{rel}:{hit}"
+        for rel, tree in library_sources().items()
+        for hit in presence_dispatches(tree, rel.startswith(STRATEGY_MODULES))
+    ]
+    assert hits == [], f"candidate presence-dispatch outside {sorted(CHOOSERS)}: {hits}"
+
+
+def test_the_presence_guard_catches_a_deliberate_dispatch():
+    """The guard is not vacuous: the dispatch the candidate filter used to need in every
+    strategy (and its visibility form) is caught, a refusing check is not."""
+    dense = (PACKAGE_ROOT / "_selection_dense.py").read_text()
+    dispatch = dense.replace(
+        "scores = problem.scores(*problem.queries(), problem.keys)\n",
+        "scores = problem.scores(*problem.queries(), problem.keys)\n"
+        "        if problem.visibility.candidates is not None:\n"
+        "            scores = scores + 0\n",
+        1,
+    )
+    assert dispatch != dense
+    assert presence_dispatches(ast.parse(dense), True) == []
+    caught = presence_dispatches(ast.parse(dispatch), True)
+    assert any("branch on problem.visibility.candidates" in h for h in caught), caught
+    assert any(".candidates in a strategy" in h for h in caught), caught
+    layer = "def f(shared, v):\n    if isinstance(v, CandidateVisibility):\n        return 1\n"
+    assert presence_dispatches(ast.parse(layer), False) == ["2: isinstance against a visibility"]
+    check = "def f(shared):\n    if shared.candidates is None:\n        raise ValueError\n"
+    assert presence_dispatches(ast.parse(check), False) == []

@@ -509,7 +509,7 @@ def test_v41_candidates_equal_brute_force():
         def run(*args, strategy=strategy):
             sel, cand = strategy.select_candidates(problem(*args), k, nb, bc)
             p = problem(*args)
-            within = p._replace(visibility=ce.CandidateVisibility(p.visibility, cand, bc))
+            within = p._replace(visibility=ce.CandidateVisibility.within(p.visibility, cand, bc))
             return sel, cand, strategy.select(within, k)
 
         sel, cand, within = run(*args)

@@ -481,7 +481,7 @@ def test_quantised_extend_equals_the_forward(quantised):
         layer, x = runs["layers"][i], np.asarray(runs["inputs"][i])
         cache, outs, picks = layer.init_cache(2, 24), [], []
         for s0 in range(0, 24, 3):
-            y, cache, shared = _extend(layer, x[:, s0 : s0 + 3], cache, None)
+            y, cache, shared = _extend(layer, x[:, s0 : s0 + 3], cache, ce.V41Shared())
             outs.append(np.asarray(y, np.float32))
             picks.append(np.asarray(shared.selection))
         n = shared.entries.shape[1]

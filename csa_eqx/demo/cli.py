@@ -10,7 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .config import CONTROLS, LOSS_WINDOW, TARGETS, TrainConfig, check_learning_rate, check_run_name
+from .config import (
+    CONTROLS,
+    LOSS_WINDOW,
+    SCHEDULES,
+    TARGETS,
+    TrainConfig,
+    check_learning_rate,
+    check_run_name,
+)
 
 
 def _simulated_devices(n: int) -> None:
@@ -53,6 +61,12 @@ def _run_name(text: str) -> str:
         return check_run_name(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _family(text: str) -> str:
+    if text not in SCHEDULES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(SCHEDULES)} (got {text!r})")
+    return text
 
 
 def _layers(text: str) -> tuple[str, ...]:
@@ -100,7 +114,19 @@ TRAIN_FLAGS = [  # flag, TrainConfig field, parser, help
     ("--topk", "index_topk", _positive, "indexer top-k"),
     ("--window", "sliding_window", _positive, "sliding window"),
     ("--hidden", "hidden_size", _positive, "model width"),
-    ("--layers", "layers", _layers, "attention schedule, comma-separated sliding/csa/hca/dsa"),
+    (
+        "--family",
+        "family",
+        _family,
+        "attention family: v4 (V4 / V3.2 layers) or v41 (a V4.1 stack)",
+    ),
+    (
+        "--layers",
+        "layers",
+        _layers,
+        "attention schedule, comma-separated sliding/csa/hca/dsa (v4) or sliding/full/reindex/"
+        "reuse (v41); none = the family's",
+    ),
     ("--eval-every", "eval_every", _positive, "steps between evaluations"),
     ("--eval-batches", "eval_batches", _positive, "held-out batches per evaluation"),
     ("--checkpoint-every", "checkpoint_every", _positive, "steps between checkpoints"),

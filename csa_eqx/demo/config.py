@@ -15,6 +15,7 @@ __all__ = [
     "CONTROLS",
     "LOSS_WINDOW",
     "PHASES",
+    "SCHEDULES",
     "TARGETS",
     "TrainConfig",
     "check_run_name",
@@ -26,6 +27,9 @@ PHASES = ("dense", "warmup", "sparse")
 # every layer a sliding-window layer (cannot see the stored pair: near chance), or the CSA
 # layers attending to every visible compressed entry in every phase (the upper bound).
 VARIANTS = ("csa", "sliding", "dense")
+# each family's default schedule: a CSA layer, a sliding one, an HCA one (V4); a V4.1 KV source
+# (the candidate source), a sliding layer, and a reindex layer within its candidates
+SCHEDULES = {"v4": ("csa", "sliding", "hca"), "v41": ("full", "sliding", "reindex")}
 CONTROLS = VARIANTS[1:]
 TARGETS = {"retrieval_accuracy": 0.9, "indexer_recall": 0.9}  # what `make demo` must reach
 LOSS_WINDOW = 5  # steps averaged for the answer loss at the end of a phase (one batch is noisy)
@@ -76,7 +80,10 @@ class TrainConfig:
     index_topk: int = 8
     sliding_window: int = 16
     hidden_size: int = 128
-    layers: tuple[str, ...] = ("csa", "sliding", "hca")
+    # the attention schedule: V4 / V3.2 layer kinds, or V4.1 roles (``family="v41"``); () = the
+    # family's default (SCHEDULES)
+    layers: tuple[str, ...] = ()
+    family: str = "v4"
     mesh: tuple[int, int] = (0, 0)  # (data, tensor); (0, 0) = automatic over local devices
     eval_every: int = 50
     eval_batches: int = 4  # held-out batches per evaluation (4 x 32 queries by default)
@@ -130,6 +137,11 @@ class TrainConfig:
                 raise ValueError(
                     f"start_seq_len={self.start_seq_len} is too short: {err}"
                 ) from None
+
+    @property
+    def schedule(self) -> tuple[str, ...]:
+        """**Returns:** the attention schedule: ``layers``, or the family's default."""
+        return self.layers or SCHEDULES.get(self.family, ())
 
     @property
     def total_steps(self) -> int:
@@ -206,7 +218,8 @@ class TrainConfig:
         """The ``DecoderLM`` this run trains (sharded top-k, selection saved for backward)."""
         d = self.hidden_size
         base = LMConfig(vocab_size=self.task().vocab_size)
-        layers = self.layers if self.variant != "sliding" else ("sliding",) * len(self.layers)
+        layers = self.schedule
+        layers = layers if self.variant != "sliding" else ("sliding",) * len(layers)
         attention = dataclasses.replace(
             base.attention,
             hidden_size=d,
@@ -215,4 +228,6 @@ class TrainConfig:
         )
         selection = ShardedSelection(tensor_axis=mesh_axes[1], data_axis=mesh_axes[0])
         execution = Execution(selection=selection, save_selection=True)
-        return dataclasses.replace(base, layers=layers, attention=attention, execution=execution)
+        return dataclasses.replace(
+            base, layers=layers, family=self.family, attention=attention, execution=execution
+        )

@@ -6,19 +6,22 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from ..._forward import V41Shared
 from ..._ops import rms_norm
 from ..._v4 import V4Attention
+from ..._v41 import V41Attention
 from .lm import DecoderLM
 
 __all__ = ["indexer_recall", "layer_inputs"]
 
 
-def layer_inputs(model: DecoderLM, tokens: Int[Array, "batch seq"]) -> list[Array]:
-    """The normalised hidden states each block's attention receives."""
-    h, inputs = model.embed[tokens], []
+def layer_inputs(model: DecoderLM, tokens: Int[Array, "batch seq"]) -> list[tuple]:
+    """The normalised hidden states each block's attention receives, with the state the
+    earlier layers published (``V41Shared``; nothing before V4 / V3.2 layers)."""
+    h, inputs, shared = model.embed[tokens], [], V41Shared()
     for block in model.blocks:
-        inputs.append(rms_norm(h, block.attn_norm, 1e-6))
-        h, _ = block(h, None, False)
+        inputs.append((rms_norm(h, block.attn_norm, 1e-6), shared))
+        h, _, shared = block(h, None, False, shared=shared)
     return inputs
 
 
@@ -28,18 +31,22 @@ def indexer_recall(
     tokens: Int[Array, "batch seq"],
     where: Bool[Array, "batch seq"] | None = None,
 ) -> Float[Array, ""]:
-    """Fraction of (query, CSA layer) pairs whose most-attended compressed entry under *dense*
-    attention (all visible entries, summed over heads) is among the indexer's top-k.
+    """Fraction of (query, indexing layer) pairs whose most-attended compressed entry under
+    *dense* attention (all the entries its indexer may pick, summed over heads) is among the
+    indexer's top-k. Indexing layers: V4's CSA layers, V4.1's index sources (full and reindex).
 
     ``where`` restricts the queries (e.g. the task's answer positions); queries with no visible
-    entry never count. NaN when no CSA layer exists.
+    entry never count. NaN when no indexing layer exists.
     """
     hits, total = jnp.zeros(()), jnp.zeros(())
-    for block, x in zip(model.blocks, layer_inputs(model, tokens), strict=True):
+    for block, (x, shared) in zip(model.blocks, layer_inputs(model, tokens), strict=True):
         layer = block.attn
-        if not (isinstance(layer, V4Attention) and layer.indexer is not None):
+        if isinstance(layer, V41Attention) and layer.indexer is not None:
+            mass, selection = layer.entry_attention(x, shared=shared)
+        elif isinstance(layer, V4Attention) and layer.indexer is not None:
+            mass, selection = layer.entry_attention(x)
+        else:
             continue
-        mass, selection = layer.entry_attention(x)
         best = jnp.argmax(mass, axis=-1)
         has = jnp.max(mass, axis=-1) > 0
         if where is not None:
