@@ -1,5 +1,7 @@
 """Bad input to the layers' public calls gets an error naming the argument, the expected and the
-actual value, before any compute; empty inputs get empty outputs (``csa_eqx._checks``).
+actual value, before any compute; empty inputs get empty outputs (``csa_eqx._checks``). Every
+layer kind behaves alike (one protocol): V4, V3.2 and V4.1 layers (a KV source, a reuse layer,
+a sliding one), the V4.1 ones also with the published state (``shared=``).
 
 The test session type-checks every ``csa_eqx`` function (``--jaxtyping-packages``); users get
 that only on ``__call__`` (``@jaxtyped``), so the ``extend`` tests switch it off to see what a
@@ -21,10 +23,30 @@ import csa_eqx
 from csa_eqx.presets import tiny_v4, tiny_v32
 
 CONFIGS = {"csa": tiny_v4("csa"), "sliding": tiny_v4("sliding"), "v32": tiny_v32()}
+# a V4.1 stack at the tiny layers' sizes: a KV source, a reuse layer, a sliding layer
+V41 = csa_eqx.V41AttentionConfig(
+    compress_ratios=(2, 2, 0),
+    kv_source_layers=(0,),
+    index_source_layers=(0,),
+    **{k: getattr(tiny_v4("csa"), k) for k in ("hidden_size", "num_heads", "head_dim")},
+    rope_dim=8,
+    q_lora_rank=32,
+    o_groups=2,
+    o_lora_rank=16,
+    sliding_window=8,
+    index_n_heads=2,
+    index_head_dim=32,
+    index_topk=4,
+)
+V41_LAYERS = {"v41": 0, "v41-reuse": 1, "v41-sliding": 2}
+NAMES = [*CONFIGS, *V41_LAYERS]
+SLIDING = ("sliding", "v41-sliding")
 
 
 @functools.cache
 def _layer(name):
+    if name in V41_LAYERS:
+        return csa_eqx.V41Attention(V41, V41_LAYERS[name], key=jax.random.key(0))
     cls = csa_eqx.V32Attention if name == "v32" else csa_eqx.V4Attention
     return cls(CONFIGS[name], key=jax.random.key(0))
 
@@ -39,7 +61,7 @@ def _raises(error, *fragments):
     return pytest.raises(error, match="(?s)" + ".*".join(re.escape(f) for f in fragments))
 
 
-@pytest.fixture(params=["csa", "v32"])
+@pytest.fixture(params=["csa", "v32", "v41"])
 def layer(request):
     return _layer(request.param)
 
@@ -85,13 +107,16 @@ def test_forward_segment_checks_run_inside_jit(layer):
     assert call(layer, X, ok).shape == X.shape
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("shape", [(2, 0, 64), (0, 8, 64)], ids=["no-tokens", "no-rows"])
 def test_forward_empty_input_gives_empty_output(name, shape):
     layer = _layer(name)
     y, aux = layer(jnp.zeros(shape), return_aux=True)
     assert y.shape == shape and y.dtype == jnp.float32
-    if name == "sliding":
+    published = csa_eqx.V41Shared(selection=jnp.zeros((2, 8, 4), jnp.int32))
+    y_shared, back = layer(jnp.zeros(shape), shared=published)  # the state comes back as it was
+    assert back is published and y_shared.shape == shape
+    if name in SLIDING:
         assert aux["selection"] is None
     else:
         assert aux["selection"].shape == (*shape[:2], layer.config.index_topk)
@@ -163,14 +188,32 @@ def test_extend_segment_ids(layer, no_hook):
         EXTEND(layer, X[:, :1], cache, segment_ids=jnp.zeros((2, 1), jnp.int32))
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", NAMES)
 def test_extend_empty_chunk_changes_nothing(name, no_hook):
     layer = _layer(name)
-    cache = EXTEND(layer, X, layer.init_cache(2, 32))[1]
+    if name == "v41-reuse":  # its source's chunk first: it reads what that publishes
+        source = _layer("v41")
+        _, _, shared = source.extend(X, source.init_cache(2, 32), shared=csa_eqx.V41Shared())
+        cache = layer.extend(X, layer.init_cache(2, 32), shared=shared)[1]
+    else:
+        cache = EXTEND(layer, X, layer.init_cache(2, 32))[1]
     y, after, aux = layer.extend(X[:, :0], cache, return_aux=True)
     assert y.shape == (2, 0, 64)
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), cache, after))
-    if name == "sliding":
+    given = csa_eqx.V41Shared()
+    assert layer.extend(X[:, :0], cache, shared=given)[2] is given
+    if name in SLIDING:
         assert aux["selection"] is None
     else:
         assert aux["selection"].shape == (2, 0, layer.config.index_topk)
+
+
+@pytest.mark.parametrize("name", ["csa", "v32", "v41"])
+def test_extend_refuses_a_split_execution(name):
+    """``extend`` decodes on one device: an execution with head or context parallelism is
+    refused with the way out, not silently run on one device."""
+    layer = _layer(name)
+    for split in (dict(heads=csa_eqx.HeadParallel()), dict(context=csa_eqx.ContextParallel())):
+        split_layer = layer.with_execution(csa_eqx.Execution(**split))
+        with _raises(ValueError, "extend runs on one device", "=None"):
+            split_layer.extend(X, split_layer.init_cache(2, 32))

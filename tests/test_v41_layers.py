@@ -43,7 +43,9 @@ def _stack(execution=None):
     layers = [ce.V41Attention(CONFIG, i, key=k, execution=execution) for i, k in enumerate(keys)]
     # non-trivial norms and sinks, so that nothing is accidentally symmetric
     return [
-        eqx.tree_at(lambda m: m.block.sinks, layer, 0.5 * jax.random.normal(k, layer.block.sinks.shape))
+        eqx.tree_at(
+            lambda m: m.block.sinks, layer, 0.5 * jax.random.normal(k, layer.block.sinks.shape)
+        )
         for layer, k in zip(layers, keys, strict=True)
     ]
 
@@ -173,3 +175,97 @@ def test_extend_packed_chunks_equal_forward():
     for i in range(CONFIG.num_layers):
         got = np.concatenate(outs[i], axis=1)
         np.testing.assert_allclose(got, full[i], rtol=1e-5, atol=1e-6)
+
+
+def _np_topk(scores, allowed, k):
+    """numpy brute force of the exact top-k among ``allowed`` (ties to the lower index)."""
+    out = np.full((*scores.shape[:2], k), -1)
+    for i, j in np.ndindex(*scores.shape[:2]):
+        idx = np.nonzero(allowed[i, j])[0]
+        picks = sorted(sorted(idx, key=lambda e: (-scores[i, j, e], e))[:k])
+        out[i, j, : len(picks)] = picks
+    return out
+
+
+def _consumer_case(nb: int, bc: int, k: int, selection: ce.AbstractSelection, s: int = 23):
+    """A ratio-1 candidate source (layer 0) and its reindex consumer (layer 1) over ``s``
+    tokens: the consumer's selection, and a numpy top-k within the published candidates' mask
+    over the scores of the consumer's own queries against the published keys."""
+    config = ce.V41AttentionConfig(
+        compress_ratios=(1, 1),
+        kv_source_layers=(0,),
+        index_source_layers=(0, 1),
+        candidate_source_layer=0,
+        candidate_topk_blocks=nb,
+        candidate_block_size=bc,
+        **{**SIZES, "index_topk": k},
+    )
+    execution = ce.Execution(selection=selection)
+    layers = [
+        ce.V41Attention(config, i, key=jax.random.key(i), execution=execution) for i in (0, 1)
+    ]
+    x = jax.random.normal(jax.random.key(7), (2, s, SIZES["hidden_size"]))
+    _, published, auxes = run_stack(layers, x, return_aux=True)
+    consumer, source = layers[1], published[0]
+    positions = jnp.broadcast_to(jnp.arange(s), (2, s))
+    qr = consumer.block.project_qkv(x, positions)[0]
+    q, w = consumer.indexer.queries(qr, positions), consumer.indexer.head_weights(x)
+    scores = np.asarray(ce.indexer_scores(q, w, source.keys))
+    visible = np.asarray(
+        ce.entry_visibility(positions, jnp.zeros((2, s), jnp.int32), source.layout)
+    )
+    allowed = visible & candidate_entries(source.candidates, bc, s)
+    return np.asarray(auxes[1]["selection"]), _np_topk(scores, allowed, k), allowed
+
+
+@pytest.mark.parametrize(
+    "selection",
+    [
+        ce.DenseSelection(),
+        ce.StreamingSelection(key_block=3, query_block=5),
+        ce.GatheredSelection(5),
+    ],
+    ids=["dense", "streaming", "gathered"],
+)
+def test_consumer_within_a_partial_last_candidate_block(selection):
+    """23 entries in blocks of 4 (the last block holds 3), Nb·bc = 8 of them kept: each forced
+    strategy's consumer selection equals a numpy top-k within the candidates, on queries whose
+    kept blocks include the partial one and on queries that see more than Nb·bc entries."""
+    got, want, allowed = _consumer_case(2, 4, 4, selection)
+    np.testing.assert_array_equal(got, want)
+    assert (allowed[:, 20:, 20:].any(-1)).all()  # the late queries keep the partial block
+    assert (allowed.sum(-1) < np.arange(1, 24)).any()  # the filter drops visible entries
+
+
+def test_capacity_at_its_boundary():
+    """``Nb·bc == index_topk`` builds and runs: a query that sees more than ``k`` entries picks
+    exactly its kept candidates (all of them); one slot less is refused when built."""
+    got, want, allowed = _consumer_case(2, 2, 4, ce.AutoSelection())
+    np.testing.assert_array_equal(got, want)
+    late = allowed[:, 8:]  # every query from the 9th on sees more entries than Nb·bc
+    assert (late.sum(-1) == 4).all()
+    np.testing.assert_array_equal(np.sort(got[:, 8:], -1), np.nonzero(late)[2].reshape(2, -1, 4))
+    with pytest.raises(ValueError, match="at least index_topk=4"):
+        ce.V41AttentionConfig(
+            compress_ratios=(1, 1),
+            kv_source_layers=(0,),
+            index_source_layers=(0, 1),
+            candidate_source_layer=0,
+            candidate_topk_blocks=3,
+            candidate_block_size=1,
+            **SIZES,
+        )
+
+
+def test_a_mixed_stack_runs_through_one_protocol():
+    """``run_stack`` runs any layers in order: a V4 CSA layer and a V3.2 layer between V4.1
+    layers pass the published state on untouched, and each layer gives what it gives alone."""
+    v4 = ce.V4Attention(tiny_v4("csa", hidden_size=32), key=jax.random.key(3))
+    layers = _stack()
+    mixed = [layers[0], layers[1], v4, layers[2]]
+    x = jax.random.normal(jax.random.key(5), (1, 24, 32))
+    ys, published = ce.run_stack(mixed, x)
+    np.testing.assert_array_equal(np.asarray(ys[2]), np.asarray(v4(x)))
+    assert published[2] is published[1]  # the V4 layer publishes nothing
+    y_reuse = layers[2](x, shared=published[1])[0]
+    np.testing.assert_allclose(np.asarray(ys[3]), np.asarray(y_reuse), rtol=1e-6, atol=1e-7)
