@@ -20,6 +20,7 @@ from ._deepseek_numerics import DeepSeekInference as DeepSeekInference
 from ._deepseek_numerics import DeepSeekV41Inference as DeepSeekV41Inference
 from ._execution import Execution as Execution
 from ._execution import IndexerLossStage as IndexerLossStage
+from ._fp8_linear import Fp8Weight as Fp8Weight
 from ._generate import generate as generate
 from ._heads import HeadParallel as HeadParallel
 from ._layout import EntryLayout as EntryLayout
@@ -100,6 +101,7 @@ __all__ = [
     "DeepSeekV41Inference",
     "EntryLayout",
     "ExactNumerics",
+    "Fp8Weight",
     "Execution",
     "ContextParallel",
     "HeadParallel",

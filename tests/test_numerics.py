@@ -53,10 +53,11 @@ NUMERICS = ce.DeepSeekInference(kv_fp8=True)
 
 def numerics_layer(kind: str, **options):
     """A tiny random layer whose sizes DeepSeek's formats take (indexer 32 / 128 wide, 64
-    non-rotary KV channels), run with ``NUMERICS`` and the ``Execution.from_options``."""
+    non-rotary KV channels, V3.2's latent 128 wide), run with ``NUMERICS`` and the
+    ``Execution.from_options``."""
     ex = ce.Execution.from_options(numerics=NUMERICS, **options)
     if kind == "v32":
-        cfg = tiny_v32(index_head_dim=128)
+        cfg = tiny_v32(index_head_dim=128, kv_lora_rank=128)
         return randomise(ce.V32Attention(cfg, key=jax.random.key(0), execution=ex))
     cfg = tiny(kind, head_dim=72, index_head_dim=32, sliding_window=6, index_topk=4)
     return randomise(ce.V4Attention(cfg, key=jax.random.key(0), execution=ex))
