@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from ._formats import fp4_e2m1_round_trip, fp8_e4m3_round_trip, hadamard
@@ -74,6 +75,19 @@ class DeepSeekInference(AbstractNumerics):
         if ratio is not None and formats is not None and ratio < formats.compressor_float32_ratio:
             return x
         return x.astype(jnp.float32)
+
+    def head_norm(self, q, eps):
+        # torch's bf16 ops, each result rounded: square, mean (float32 sum), + eps, rsqrt, product
+        def bf16(v):
+            return round_to(v, jnp.bfloat16).astype(jnp.float32)
+
+        q32 = bf16(q)
+        mean = bf16(jnp.mean(bf16(q32 * q32), axis=-1, keepdims=True))
+        return round_to(q32 * bf16(jax.lax.rsqrt(bf16(mean + eps))), q.dtype)
+
+    def attention_weights(self, p, denominator):
+        # DeepSeek's sparse_attn: bf16 probabilities (before the division) into a float32 P.V
+        return round_to(p, jnp.bfloat16), denominator
 
     def entry_dtype(self, x):
         return x.dtype

@@ -119,6 +119,21 @@ class AbstractNumerics(eqx.Module):
         compressor projects and pools."""
 
     @abc.abstractmethod
+    def head_norm(self, q: Array, eps: float) -> Array:
+        """**Arguments:** per-head queries ``q [..., d]`` and the epsilon. **Returns:** their
+        weightless RMS norm (V4's ``q · rsqrt(mean(q²) + eps)``), in ``q``'s dtype."""
+
+    @abc.abstractmethod
+    def attention_weights(self, p: Array, denominator: Array) -> tuple[Array, Array | None]:
+        """How the attention turns its softmax into the weights of the values.
+
+        **Arguments:** ``p = exp(logits - max)`` ``[..., n]`` (float32) and the softmax's
+        ``denominator [...]`` (the sink's term included).
+
+        **Returns:** ``(weights, divisor)``: the attention output is ``(weights · V) /
+        divisor`` (``divisor`` ``None``: no division)."""
+
+    @abc.abstractmethod
     def entry_dtype(self, x: Array):
         """**Arguments:** the activations ``x``. Returns: the dtype pooled compressor windows are
         cast to before their norm (``None``: kept as pooled)."""
@@ -169,6 +184,12 @@ class ExactNumerics(AbstractNumerics):
 
     def compressor_input(self, x, ratio=None, formats=None):
         return x
+
+    def head_norm(self, q, eps):
+        return _ops.rms_norm(q, None, eps)
+
+    def attention_weights(self, p, denominator):
+        return p / denominator[..., None], None
 
     def entry_dtype(self, x):
         return None
