@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float
 
+from ._ops import round_to
+
 __all__ = [
     "FP8_E4M3_MAX",
     "FP4_E2M1_MAX",
@@ -192,10 +194,11 @@ def _hadamard_matrix(n: int) -> np.ndarray:
 
 def hadamard(x: Float[Array, "... n"]) -> Float[Array, "... n"]:
     """The orthonormal Walsh-Hadamard rotation of the last axis (``n`` a power of two),
-    computed in float32 and returned in ``x``'s dtype (``fast_hadamard_transform`` with
-    scale ``n^-1/2``)."""
+    computed in float32 and rounded to ``x``'s dtype, also under ``jit`` (``round_to``; DeepSeek's
+    ``fast_hadamard_transform`` with scale ``n^-1/2`` returns bf16)."""
     n = x.shape[-1]
     if n & (n - 1):
         raise ValueError(f"the Hadamard rotation needs a power-of-two last axis (got {n})")
     h = jnp.asarray(_hadamard_matrix(n))
-    return jnp.einsum("...i,ji->...j", x.astype(jnp.float32), h).astype(x.dtype)
+    rotated = jnp.einsum("...i,ji->...j", x.astype(jnp.float32), h, precision="highest")
+    return round_to(rotated, x.dtype)  # DeepSeek's rotation returns bf16: a rounding to keep
