@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from ._formats import fp4_e2m1_round_trip, fp8_e4m3_round_trip, hadamard
 from ._fp8_linear import Fp8Weight, fp8_linear
 from ._numerics import V41_FORMATS, AbstractNumerics, DeepSeekFormats, ExactNumerics
-from ._ops import linear, round_to
+from ._ops import round_to
 
 __all__ = ["DeepSeekInference", "DeepSeekV41Inference", "named_numerics"]
 
@@ -37,7 +37,9 @@ class DeepSeekInference(AbstractNumerics):
       through FP8 in 32-blocks and its compressed entries through FP4 in 16-blocks with E4M3
       scales;
     - the compressor in float32 (V4; V4.1 from ratio 2), its windows cast to bf16 before their
-      norm.
+      norm;
+    - V4's per-head query norm in bf16 arithmetic (``head_norm``) and its sparse attention's
+      bf16 probabilities, divided by their sum after ``P·V`` (``attention_weights``).
 
     Quantisation passes gradients straight through (quantisation-aware training); an
     ``Fp8Weight`` gets none.
@@ -69,7 +71,10 @@ class DeepSeekInference(AbstractNumerics):
     def linear(self, x, weight):
         if isinstance(weight, Fp8Weight):
             return fp8_linear(x, weight, self._pow2)
-        return round_to(linear(x, weight), x.dtype)
+        # float32 accumulation, then one rounding to x's dtype that jit keeps (round_to)
+        acc = jnp.promote_types(x.dtype, jnp.float32)
+        y = jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype), preferred_element_type=acc)
+        return round_to(y, x.dtype)
 
     def compressor_input(self, x, ratio=None, formats=None):
         if ratio is not None and formats is not None and ratio < formats.compressor_float32_ratio:

@@ -123,7 +123,7 @@ def fp8_product(
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _fp8_linear(x, weight, pow2):
     q, scale = act_quant(x, weight.block[1], pow2)
-    return fp8_product(q, scale, weight).astype(jnp.bfloat16)
+    return round_to(fp8_product(q, scale, weight), jnp.bfloat16)
 
 
 def _fp8_linear_fwd(x, weight, pow2):
