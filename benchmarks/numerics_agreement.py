@@ -1,11 +1,11 @@
 """Agreement with DeepSeek's quantised inference code: the exact path and ``DeepSeekInference``.
 
-Reads the ``q_*`` fixtures of ``tests/fixtures/deepseek/`` (DeepSeek's inference code in bf16
-with ports of its kernels; how they were made: the ``README.md`` there), loads each layer's
-bf16 weights as a native checkpoint and prints, per fixture and numerics, the mean selection
-overlap with DeepSeek's top-k, the share of rows whose selection is equal and the largest
-output error on those rows relative to DeepSeek's largest output. docs/numerics.md holds the
-table.
+Reads the ``q_*`` (bf16 weights) and ``q8_*`` (FP8 checkpoints) fixtures of
+``tests/fixtures/deepseek/`` (DeepSeek's inference code in bf16 with ports of its kernels; how
+they were made: the ``README.md`` there), loads each layer's weights as a native checkpoint
+folder stores them and prints, per case and numerics, the mean selection overlap with
+DeepSeek's top-k, the share of rows whose selection is equal and the largest output error on
+those rows relative to DeepSeek's largest output. docs/numerics.md holds the table.
 
     python -m benchmarks.numerics_agreement
 """
@@ -25,11 +25,26 @@ import csa_eqx as ce
 from csa_eqx.hf import load_v4_attention_from_safetensors, load_v32_attention_from_safetensors
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "deepseek"
-QUANTISED = {  # fixture: (what it is, layer index, DeepSeek-V4-Pro's FP8 KV round trip)
-    "q_v32": ("V3.2 DSA (FP8 indexer)", 0, False),
-    "q_v4_csa_flash": ("V4 CSA, V4-Flash kernels", 1, False),
-    "q_v4_csa_pro": ("V4 CSA, V4-Pro kernels (FP8 KV)", 1, True),
-    "q_v4_hca_pro": ("V4 HCA, V4-Pro kernels (FP8 KV)", 2, True),
+_FLASH, _PRO = "V4-Flash kernels", "V4-Pro kernels (FP8 KV)"  # Flash / Pro below too
+_V32_KEYS, _V4_KEYS = "config_671B_v3.2.json's keys", "V4-Flash config.json's keys"
+# case: (fixture file, what it is, layer index, V4-Pro's FP8 KV round trip, output key)
+QUANTISED = {
+    "q_v32": ("q_v32", "V3.2 DSA, bf16 weights", 0, False, "out_bf16"),
+    "q_v4_csa_flash": ("q_v4_csa_flash", f"V4 CSA, bf16 weights, {_FLASH}", 1, False, "out_bf16"),
+    "q_v4_csa_pro": ("q_v4_csa_pro", f"V4 CSA, bf16 weights, {_PRO}", 1, True, "out_bf16"),
+    "q_v4_hca_pro": ("q_v4_hca_pro", f"V4 HCA, bf16 weights, {_PRO}", 2, True, "out_bf16"),
+    "q8_v32": ("q8_v32", f"V3.2 DSA, FP8 checkpoint, {_V32_KEYS}", 0, False, "out_bf16"),
+    "q8_v4_csa_flash": ("q8_v4_csa", f"V4 CSA, FP8, {_V4_KEYS}, Flash", 2, False, "out_bf16_flash"),
+    "q8_v4_csa_pro": ("q8_v4_csa", f"V4 CSA, FP8, {_V4_KEYS}, Pro", 2, True, "out_bf16_pro"),
+    "q8_v4_hca_flash": ("q8_v4_hca", f"V4 HCA, FP8, {_V4_KEYS}, Flash", 3, False, "out_bf16_flash"),
+    "q8_v4_hca_pro": ("q8_v4_hca", f"V4 HCA, FP8, {_V4_KEYS}, Pro", 3, True, "out_bf16_pro"),
+}
+# the fixtures' tensors by key prefix: how the checkpoint stores them
+_DTYPES = {
+    "w": torch.bfloat16,
+    "f32": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+    "e8m0": torch.float8_e8m0fnu,
 }
 
 
@@ -38,13 +53,18 @@ def _bf16(a: np.ndarray) -> torch.Tensor:
 
 
 def load(name: str, **options):
-    """Returns: (the fixture's layer loaded from a native checkpoint folder with ``options``,
-    the fixture's arrays)."""
-    with np.load(FIXTURES / f"{name}.npz") as f:
+    """Returns: (case ``name``'s layer loaded from a native checkpoint folder holding the
+    fixture's tensors as stored (bf16, float32, FP8 E4M3 with E8M0 or float32 tile scales)
+    with ``options``, the fixture's arrays)."""
+    fixture, _, lid, _, _ = QUANTISED[name]
+    with np.load(FIXTURES / f"{fixture}.npz") as f:
         fx = {k: f[k] for k in f.files}
-    lid = QUANTISED[name][1]
     folder = Path(tempfile.mkdtemp())
-    tensors = {f"layers.{lid}.attn.{k[2:]}": _bf16(v) for k, v in fx.items() if k[:2] == "w:"}
+    tensors = {}
+    for key, value in fx.items():
+        kind, _, tensor = key.partition(":")
+        if kind in _DTYPES:
+            tensors[f"layers.{lid}.attn.{tensor}"] = torch.from_numpy(value).view(_DTYPES[kind])
     save_file(tensors, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(str(fx["config_json"]))
     v32 = json.loads(str(fx["numerics_json"]))["family"] == "v32"
@@ -75,10 +95,15 @@ def compare(y, sel, want_y, want_sel) -> tuple[float, float, float]:
     return overlap, float(equal.mean()), err
 
 
+def deepseek(name: str, fx: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Returns: DeepSeek's output ``[S, hidden]`` (float32) and selection of case ``name``."""
+    return _bf16(fx[QUANTISED[name][4]]).float().numpy()[0], fx["selection"][0]
+
+
 def agreement(name: str, numerics) -> tuple[float, float, float]:
     """``compare`` of the layer with ``numerics`` against DeepSeek's quantised fixture."""
     y, sel, fx = run(name, numerics)
-    return compare(y, sel, _bf16(fx["out_bf16"]).float().numpy()[0], fx["selection"][0])
+    return compare(y, sel, *deepseek(name, fx))
 
 
 def table() -> str:
@@ -89,11 +114,10 @@ def table() -> str:
         "| output error |",
         "|---|---|---|---|---|---|",
     ]
-    for name, (what, _, kv_fp8) in QUANTISED.items():
-        deepseek = ce.DeepSeekInference(kv_fp8=kv_fp8)
-        runs = {label: run(name, n) for label, n in [("exact", "exact"), ("deepseek", deepseek)]}
-        fx = runs["exact"][2]
-        ref = (_bf16(fx["out_bf16"]).float().numpy()[0], fx["selection"][0])
+    for name, (_, what, _, kv_fp8, _) in QUANTISED.items():
+        numerics = ce.DeepSeekInference(kv_fp8=kv_fp8)
+        runs = {label: run(name, n) for label, n in [("exact", "exact"), ("deepseek", numerics)]}
+        ref = deepseek(name, runs["exact"][2])
         rows = [
             ("exact (default)", "DeepSeek's quantised code", runs["exact"][:2], ref),
             (f"DeepSeekInference(kv_fp8={kv_fp8})", "DeepSeek's quantised code",

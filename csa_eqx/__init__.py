@@ -24,6 +24,7 @@ from ._deepseek_numerics import DeepSeekV41Inference as DeepSeekV41Inference
 from ._execution import Execution as Execution
 from ._execution import IndexerLossStage as IndexerLossStage
 from ._forward import V41Shared as V41Shared
+from ._fp8_linear import Fp8Weight as Fp8Weight
 from ._generate import generate as generate
 from ._heads import HeadParallel as HeadParallel
 from ._indexer_heads import IndexerHeads as IndexerHeads
@@ -106,6 +107,7 @@ __all__ = [
     "DeepSeekV41Inference",
     "EntryLayout",
     "ExactNumerics",
+    "Fp8Weight",
     "Execution",
     "ContextParallel",
     "HeadParallel",

@@ -31,7 +31,7 @@ from ._auto import (
 )
 from ._candidates import CandidateVisibility
 from ._context import ContextParallel
-from ._deepseek_numerics import DeepSeekInference
+from ._deepseek_numerics import named_numerics
 from ._heads import HeadParallel
 from ._layout import Visibility
 from ._loss_streaming import StreamingIndexerLoss
@@ -475,14 +475,10 @@ class Execution(eqx.Module):
 
 
 def _numerics(numerics: str | AbstractNumerics) -> AbstractNumerics:
-    """The numerics a loader keyword names (``"exact"``, ``"deepseek"``) or the object."""
-    named = {"exact": ExactNumerics, "deepseek": DeepSeekInference}
-    if isinstance(numerics, str):
-        _require(
-            numerics in named, "numerics", "must be 'exact', 'deepseek' or an object", numerics
-        )
-        return named[numerics]()
-    return numerics
+    """The numerics a loader keyword names (``"exact"``, ``"deepseek"``) or the object
+    (``named_numerics``, the one mapping; a loader that read the checkpoint's ``scale_fmt``
+    passes the object it made)."""
+    return named_numerics(numerics)
 
 
 def checked_execution(execution: Execution | None, config, formats: DeepSeekFormats) -> Execution:

@@ -12,6 +12,13 @@ the scale. Results are float32; callers cast to their activation dtype. ``hadama
 orthonormal Walsh-Hadamard rotation DeepSeek applies before quantising the indexer
 (``rotate_activation``; V3.2 and V4, not V4.1).
 
+Every quotient is the correctly rounded one, eager and under ``jit``: XLA rewrites a division
+by a broadcast or a constant as a multiplication by its (rounded) reciprocal, which moves
+quotients that land on a rounding midpoint (``x / s == 1.25`` became ``1.2500001`` and rounded
+up). A power-of-two divisor is applied as the exact power-of-two reciprocal built from its
+bits; any other divisor is divided at the full shape behind an optimisation barrier, which
+XLA cannot rewrite.
+
 The round trips pass gradients straight through (the forward value is ``q(x)`` exactly, the
 backward pass sees the identity), as quantisation-aware training does.
 """
@@ -23,12 +30,16 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float
+from jaxtyping import Array, ArrayLike, Float
+
+from ._ops import round_to
 
 __all__ = [
     "FP8_E4M3_MAX",
     "FP4_E2M1_MAX",
     "pow2_scale",
+    "exact_divide",
+    "act_quant",
     "fp8_e4m3_round_trip",
     "fp4_e2m1_round_trip",
     "hadamard",
@@ -36,6 +47,7 @@ __all__ = [
 
 FP8_E4M3_MAX = 448.0
 FP4_E2M1_MAX = 6.0
+_FP8_FLOOR = 1e-4  # DeepSeek's act_quant floors amax at 1e-4
 
 
 def pow2_scale(v: Float[Array, "..."]) -> Float[Array, "..."]:
@@ -48,22 +60,75 @@ def pow2_scale(v: Float[Array, "..."]) -> Float[Array, "..."]:
     return jax.lax.bitcast_convert_type((exponent + up) << 23, jnp.float32)
 
 
-def _round_trip(x, block, fmt, fmt_max, amax_floor, scales, inner=None):
-    """Blockwise quantise-dequantise of the last axis of ``x`` (float32 result); ``scales``:
-    ``"pow2"``, ``"amax"`` (``amax`` times the reciprocal of ``fmt_max``) or ``"e4m3"``."""
+def _pow2_reciprocal(s: Array) -> Array:
+    """``1 / s`` of float32 powers of two ``2^-126 <= s <= 2^126``, exactly (from the bits)."""
+    bits = jax.lax.bitcast_convert_type(s, jnp.int32)
+    return jax.lax.bitcast_convert_type((254 - ((bits >> 23) & 0xFF)) << 23, jnp.float32)
+
+
+def exact_divide(
+    a: Float[ArrayLike, "..."], b: Float[ArrayLike, "..."] | float
+) -> Float[Array, "..."]:
+    """The correctly rounded float32 quotient ``a / b``, eager and under ``jit``.
+
+    **Arguments:** ``a`` and a divisor ``b`` that broadcasts to it (an array or a number).
+
+    **Returns:** ``a / b``, each element rounded once (XLA would multiply by ``1 / b`` were
+    ``b`` a broadcast or a constant: the divisor is materialised at ``a``'s shape behind an
+    optimisation barrier).
+    """
+    a = jnp.asarray(a, jnp.float32)
+    divisor = jnp.broadcast_to(jnp.asarray(b, jnp.float32), a.shape)
+    return a / jax.lax.optimization_barrier(divisor)
+
+
+def _blocks(x: Array, block: int) -> Array:
     *lead, n = x.shape
     if n % block:
         raise ValueError(f"the last axis ({n}) must be a multiple of the block ({block})")
-    xb = x.astype(jnp.float32).reshape(*lead, n // block, block)
+    return x.astype(jnp.float32).reshape(*lead, n // block, block)
+
+
+def _quantise(xb, fmt, fmt_max, amax_floor, scales, inner=None):
+    """Blocks ``xb [..., nb, block]`` (float32) in ``fmt`` (or cast through ``inner``) and their
+    float32 scales ``[..., nb, 1]``; ``scales``: ``"pow2"``, ``"amax"`` (``amax`` times the
+    reciprocal of ``fmt_max``) or ``"e4m3"``."""
     amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), amax_floor)
     if scales == "e4m3":  # DeepSeek's port divides, and its cast saturates
-        scaled = jnp.minimum(amax / np.float32(fmt_max), FP8_E4M3_MAX)
+        scaled = jnp.minimum(exact_divide(amax, fmt_max), FP8_E4M3_MAX)
         scale = scaled.astype(jnp.float8_e4m3fn).astype(jnp.float32)
     else:
         scaled = amax * np.float32(1.0 / fmt_max)
         scale = pow2_scale(scaled) if scales == "pow2" else scaled
-    q = jnp.clip(xb / scale, -fmt_max, fmt_max).astype(inner or fmt).astype(jnp.float32)
-    return (q * scale).reshape(x.shape)
+    quotient = xb * _pow2_reciprocal(scale) if scales == "pow2" else exact_divide(xb, scale)
+    return jnp.clip(quotient, -fmt_max, fmt_max).astype(inner or fmt), scale
+
+
+def _round_trip(x, block, fmt, fmt_max, amax_floor, scales, inner=None):
+    """Blockwise quantise-dequantise of the last axis of ``x`` (float32 result)."""
+    q, scale = _quantise(_blocks(x, block), fmt, fmt_max, amax_floor, scales, inner)
+    return (q.astype(jnp.float32) * scale).reshape(x.shape)
+
+
+def act_quant(
+    x: Float[Array, "... n"], block: int, pow2: bool
+) -> tuple[Array, Float[Array, "... blocks"]]:
+    """DeepSeek's ``act_quant``: FP8 E4M3 values and float32 scales per block of ``block``
+    values of the last axis (``amax`` floored at 1e-4; the scale ``amax / 448`` or its
+    power-of-two ceiling; quotients clamped to ``±448``, rounded to nearest even).
+
+    **Arguments:**
+
+    - ``x``: values ``[..., n]`` (``n`` a multiple of ``block``; DeepSeek quantises bf16).
+    - ``block``: values per scale.
+    - ``pow2``: power-of-two scales (DeepSeek's ``scale_fmt="ue8m0"``), else ``amax / 448``.
+
+    **Returns:** ``(q, scale)``: ``q`` ``float8_e4m3fn [..., n]`` and ``scale`` float32
+    ``[..., n // block]``, so that ``x ≈ q · scale`` block by block.
+    """
+    scales = "pow2" if pow2 else "amax"
+    q, scale = _quantise(_blocks(x, block), jnp.float8_e4m3fn, FP8_E4M3_MAX, _FP8_FLOOR, scales)
+    return q.reshape(x.shape), scale[..., 0]
 
 
 def _straight_through(fn):
@@ -80,7 +145,7 @@ def _straight_through(fn):
 def fp8_e4m3_round_trip(
     x: Float[Array, "... n"], block: int, pow2: bool, *, cast_to=None
 ) -> Float[Array, "... n"]:
-    """FP8 E4M3 blocks of ``block`` values (``act_quant``; ``amax`` floored at 1e-4).
+    """FP8 E4M3 blocks of ``block`` values (``act_quant`` and back; ``amax`` floored at 1e-4).
 
     **Arguments:**
 
@@ -93,7 +158,7 @@ def fp8_e4m3_round_trip(
     **Returns:** float32 ``[..., n]``, the dequantised values.
     """
     scales = "pow2" if pow2 else "amax"
-    return _round_trip(x, block, jnp.float8_e4m3fn, FP8_E4M3_MAX, 1e-4, scales, cast_to)
+    return _round_trip(x, block, jnp.float8_e4m3fn, FP8_E4M3_MAX, _FP8_FLOOR, scales, cast_to)
 
 
 @_straight_through
@@ -129,10 +194,11 @@ def _hadamard_matrix(n: int) -> np.ndarray:
 
 def hadamard(x: Float[Array, "... n"]) -> Float[Array, "... n"]:
     """The orthonormal Walsh-Hadamard rotation of the last axis (``n`` a power of two),
-    computed in float32 and returned in ``x``'s dtype (``fast_hadamard_transform`` with
-    scale ``n^-1/2``)."""
+    computed in float32 and rounded to ``x``'s dtype, also under ``jit`` (``round_to``; DeepSeek's
+    ``fast_hadamard_transform`` with scale ``n^-1/2`` returns bf16)."""
     n = x.shape[-1]
     if n & (n - 1):
         raise ValueError(f"the Hadamard rotation needs a power-of-two last axis (got {n})")
     h = jnp.asarray(_hadamard_matrix(n))
-    return jnp.einsum("...i,ji->...j", x.astype(jnp.float32), h).astype(x.dtype)
+    rotated = jnp.einsum("...i,ji->...j", x.astype(jnp.float32), h, precision="highest")
+    return round_to(rotated, x.dtype)  # DeepSeek's rotation returns bf16: a rounding to keep

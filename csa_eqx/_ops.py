@@ -6,12 +6,39 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-__all__ = ["linear", "rms_norm", "init_linear", "upcast"]
+__all__ = ["linear", "rms_norm", "init_linear", "upcast", "round_to"]
 
 
 def linear(x: Float[Array, "*batch d_in"], weight: Float[Array, "d_out d_in"]) -> Array:
     """``x @ weight.T`` in the input's dtype (weights use torch's ``[out, in]`` layout)."""
     return jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype))
+
+
+def round_to(x: Array, dtype) -> Array:
+    """``x`` rounded to ``dtype`` (round-to-nearest-even) and returned in it, also under ``jit``.
+
+    A plain ``x.astype(dtype)`` whose result is upcast again is not a rounding XLA must keep:
+    fused into a reduction or an elementwise chain it may be removed (CPU's bf16 normalisation
+    keeps the float32 value, ~27 % of a normed latent one bf16 step off in a test); the
+    rounding DeepSeek's code performs has to happen whatever follows. ``reduce_precision`` is
+    never removed, and the cast after it is then exact.
+
+    **Arguments:** ``x`` (floating) and a floating ``dtype`` with IEEE semantics (bfloat16,
+    float16, float32, float64: what ``lax.reduce_precision`` models; the FP8 / FP4 formats
+    round through ``csa_eqx._formats``).
+
+    **Returns:** ``x`` rounded, in ``dtype`` (``x`` unchanged when it is no wider).
+    """
+    dtype = jnp.dtype(dtype)
+    if dtype not in _IEEE:
+        raise ValueError(f"round_to rounds to bfloat16, float16, float32 or float64 (got {dtype})")
+    if jnp.finfo(x.dtype).nmant > jnp.finfo(dtype).nmant:
+        info = jnp.finfo(dtype)
+        x = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    return x.astype(dtype)
+
+
+_IEEE = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
 
 
 def upcast(x: Array) -> Array:

@@ -119,9 +119,9 @@ class V32Indexer(eqx.Module):
         return self._rope(k, positions)
 
     def head_weights(self, x: Float[Array, "batch seq hidden"]) -> Float[Array, "batch seq heads"]:
-        """As ``csa_eqx.Indexer.head_weights``."""
-        c = self.config  # the factor in x's dtype, as DeepSeek's bf16 inference rounds it
-        return (linear(x, self.weights_proj) * c.index_n_heads**-0.5).astype(jnp.float32)
+        """As ``csa_eqx.Indexer.head_weights``, in float32 whatever ``x``'s dtype (DeepSeek's
+        code projects ``x.float()`` with a float32 weight: nothing rounded to bf16)."""
+        return linear(upcast(x), self.weights_proj) * self.config.index_n_heads**-0.5
 
 
 class V32Attention(AbstractIndexedAttention):
@@ -196,7 +196,7 @@ class V32Attention(AbstractIndexedAttention):
         **Returns:** the query latent ``qr [B, S, q_lora_rank]``, absorbed per-head queries
         ``[q_nope·W_kb ; q_rope]`` ``[B, S, H, latent]`` and the shared per-token key
         ``[c_kv ; k_rope]`` ``[B, S, latent]`` (its first ``kv_lora_rank`` channels are the
-        value), ``latent = kv_lora_rank + qk_rope_head_dim``.
+        value; as the numerics round it), ``latent = kv_lora_rank + qk_rope_head_dim``.
         """
         c = self.config
         b, s, _ = x.shape
@@ -211,6 +211,8 @@ class V32Attention(AbstractIndexedAttention):
         c_kv = rms_norm(latent[..., : c.kv_lora_rank], self.kv_a_layernorm, c.rms_norm_eps)
         k_rope = apply_rope_interleaved(latent[..., c.kv_lora_rank :], positions, inv_freq)
         keys = jnp.concatenate([c_kv, (k_rope * rope_factor).astype(c_kv.dtype)], axis=-1)
+        # the latent as the numerics round it before it is cached and read (DeepSeek's FP8 KV)
+        keys = self.execution.numerics.kv(keys, c.qk_rope_head_dim, self.formats)
 
         q_latent = jnp.einsum("bshn,hnc->bshc", q_nope, self._kv_up()[0].astype(q.dtype))
         return qr, jnp.concatenate([q_latent, q_rope.astype(q.dtype)], axis=-1), keys

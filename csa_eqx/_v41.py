@@ -165,9 +165,9 @@ class V41Attention(AbstractIndexedAttention):
     def compress(self, x: Array, source) -> tuple[Compressed, object]:
         """A KV source's entries and index keys, from its ``V41Compressor``, rounded once as
         they are written (``OwnEntries``' call). The groups pool in the numerics' compressor
-        precision; ratio 1 pools nothing and projects in the activations' dtype."""
+        precision (``compressor_input``, which knows DeepSeek's bf16 ratio-1 compressor)."""
         c, nx = self.config, self.execution.numerics
-        pooled_input = nx.compressor_input(x) if self.entry_rate > 1 else x
+        pooled_input = nx.compressor_input(x, self.entry_rate, self.formats)
 
         def rounded(both):
             entries = nx.entries(both[..., : c.head_dim], c.rope_dim, self.formats)

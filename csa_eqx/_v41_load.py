@@ -15,10 +15,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._deepseek_numerics import DeepSeekV41Inference
+from ._deepseek_numerics import named_numerics
 from ._execution import loader_execution
 from ._hf_checkpoint import load_tree, read_config, read_layer, strip_prefix
 from ._hf_config import block_size
+from ._numerics import V41_FORMATS
 from ._v41 import V41Attention
 from ._v41_config import V41AttentionConfig
 
@@ -224,7 +225,7 @@ def load_v41_attention(
     - ``options``: instead of ``execution=``, the keywords of ``csa_eqx.Execution.from_options``
         (``head_parallel=True``, ``context_parallel=True``, ``indexer_sharded_topk=True``, ...;
         docs/v41.md, "Scaling out"); ``numerics="deepseek"`` is ``DeepSeekV41Inference()``
-        (DeepSeek's V4.1 inference numerics, docs/v41.md "Quantised inference").
+        (DeepSeek's inference numerics on V4.1's formats, docs/v41.md "Quantised inference").
 
     **Returns:** the ``V41Attention``, the FP8 weights multiplied by their tiles' scales.
 
@@ -299,10 +300,12 @@ def load_v41_attention_from_safetensors(
 
 
 def _execution(execution, options: dict):
-    """The loaders' ``Execution`` (``_execution.loader_execution``), with ``numerics="deepseek"``
-    naming V4.1's ``DeepSeekV41Inference`` (``Execution.from_options`` would name V4's)."""
-    if options.get("numerics") == "deepseek":
-        options = {**options, "numerics": DeepSeekV41Inference()}
+    """The loaders' ``Execution`` (``_execution.loader_execution``); ``numerics=`` names its
+    numerics through ``named_numerics`` for V4.1's formats (``"deepseek"``: the release's
+    ``ue8m0`` scales)."""
+    if "numerics" in options:
+        numerics = named_numerics(options["numerics"], formats=V41_FORMATS)
+        options = {**options, "numerics": numerics}
     return loader_execution(execution, options)
 
 

@@ -1,5 +1,6 @@
 """V4.1 stack configs: role resolution and the build-time wiring errors (docs/v41.md)."""
 
+import numpy as np
 import pytest
 
 import csa_eqx as ce
@@ -166,3 +167,86 @@ def _get(module, path):
     for p in path.split("."):
         module = getattr(module, p)
     return module
+
+
+# a small stack's keys that DeepSeek's ModelArgs has no default for in csa_eqx's reading
+_NATIVE_SMALL = {
+    "dim": 64, "n_layers": 4, "n_heads": 2, "q_lora_rank": 32, "head_dim": 64,
+    "rope_head_dim": 16, "o_groups": 2, "o_lora_rank": 16, "window_size": 8,
+    "compress_ratios": [0, 2, 1, 1, 0], "kv_source_layers": [1, 2],
+    "index_source_layers": [1, 2, 3], "index_n_heads": 2, "index_head_dim": 32, "index_topk": 4,
+}  # fmt: skip
+_HF_SMALL = {
+    "model_type": "deepseek_v41_text", "hidden_size": 64, "num_hidden_layers": 4,
+    "num_attention_heads": 2, "q_lora_rank": 32, "head_dim": 64, "qk_rope_head_dim": 16,
+    "o_groups": 2, "o_lora_rank": 16, "sliding_window": 8, "compress_ratios": [0, 2, 1, 1, 0],
+    "kv_source_layer_ids": [1, 2], "index_source_layer_ids": [1, 2, 3], "index_n_heads": 2,
+    "index_head_dim": 32, "index_topk": 4,
+}  # fmt: skip
+
+
+def test_native_config_takes_modelargs_defaults():
+    """DeepSeek's ``inference/config.json`` may omit the keys its ``ModelArgs`` defaults:
+    ``compress_rope_theta`` 40000, ``rope_theta`` 10000, ``norm_eps`` 1e-20, no YaRN
+    (``original_seq_len`` 0), no candidate pre-filter; transformers' spelling of the same model
+    (every key given) is the same stack."""
+    from csa_eqx.hf import v41_config_from_hf
+
+    native = v41_config_from_hf(_NATIVE_SMALL)
+    assert native.rope_scaling is None and native.compress_rope_theta == 40000.0
+    assert (native.rope_theta, native.rms_norm_eps, native.candidate_source_layer) == (
+        10000.0,
+        1e-20,
+        -1,
+    )
+    hf = dict(
+        _HF_SMALL,
+        rope_theta=10000,
+        compress_rope_theta=40000,
+        rms_norm_eps=1e-20,
+        candidate_source_layer_id=-1,
+        candidate_topk_blocks=0,
+        candidate_block_size=0,
+    )
+    assert v41_config_from_hf(hf) == native
+    assert v41_config_from_hf({"model_type": "deepseek_v41", "text_config": hf}) == native
+
+
+def test_both_spellings_read_non_default_yarn_betas():
+    """YaRN with ``beta_fast`` 24 and ``beta_slow`` 2 (not the defaults 32 / 1): DeepSeek's
+    ``original_seq_len`` / ``rope_factor`` / ``beta_*`` keys and transformers' ``rope_scaling``
+    give the same config, and the compressed layers' RoPE frequencies differ from the default
+    betas' (the keys are read, not dropped)."""
+    from csa_eqx._rope import rope_inv_freq
+    from csa_eqx.hf import v41_config_from_hf
+
+    yarn = {"original_seq_len": 4096, "rope_factor": 8, "beta_fast": 24, "beta_slow": 2}
+    native = v41_config_from_hf({**_NATIVE_SMALL, **yarn, "compress_rope_theta": 160000})
+    scaling = {
+        "rope_type": "yarn",
+        "factor": 8,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 24,
+        "beta_slow": 2,
+    }
+    hf = dict(
+        _HF_SMALL,
+        rope_theta=10000,
+        compress_rope_theta=160000,
+        rms_norm_eps=1e-20,
+        candidate_source_layer_id=-1,
+        candidate_topk_blocks=0,
+        candidate_block_size=0,
+        rope_scaling=scaling,
+    )
+    assert v41_config_from_hf(hf) == native
+    s = native.rope_scaling
+    assert (s.factor, s.original_max_position_embeddings, s.beta_fast, s.beta_slow) == (
+        8.0,
+        4096,
+        24.0,
+        2.0,
+    )
+    default = v41_config_from_hf({**_NATIVE_SMALL, **yarn, "beta_fast": 32, "beta_slow": 1})
+    freqs = [rope_inv_freq(16, 160000.0, c.rope_scaling) for c in (native, default)]
+    assert not np.array_equal(*freqs)

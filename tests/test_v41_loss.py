@@ -34,7 +34,9 @@ def _stack(indexer_kl):
     execution = ce.Execution(indexer_kl=indexer_kl)
     layers = [ce.V41Attention(CONFIG, i, key=k, execution=execution) for i, k in enumerate(keys)]
     layers = [
-        eqx.tree_at(lambda m: m.block.sinks, layer, 0.5 * jax.random.normal(k, layer.block.sinks.shape))
+        eqx.tree_at(
+            lambda m: m.block.sinks, layer, 0.5 * jax.random.normal(k, layer.block.sinks.shape)
+        )
         for layer, k in zip(layers, keys, strict=True)
     ]
     for i in INDEX_SOURCES:
