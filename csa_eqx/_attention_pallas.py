@@ -42,10 +42,9 @@ from ._pallas import (
     count,
     dot_t,
     feature_parts,
-    interpreted,
     next_pow2,
     pad_axis,
-    pallas_call,
+    run_kernel,
     sum_in_order,
 )
 from ._reads import GatheredRows, Reads, gather_keys
@@ -61,32 +60,31 @@ class PallasAttention(AbstractAttentionKernel):
 
     **Arguments:**
 
-    - ``query_block``: query rows per program (0 = automatic: 16).
+    - ``query_block``: query rows per program.
     - ``key_block``: rows per tile of gathered indices, window rows and dense entries (a power
-        of two; 0 = automatic: 64; at least 16 on a GPU).
+        of two; at least 16 on a GPU; fewer rows take the least power of two, at least 16,
+        that holds them).
     """
 
-    query_block: int = 0
-    key_block: int = 0
+    query_block: int = 16
+    key_block: int = 64
 
     def __check_init__(self):
         for name in ("query_block", "key_block"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"PallasAttention.{name} must be an int >= 0 (got {v!r})")
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"PallasAttention.{name} must be an int >= 1 (got {v!r})")
         if self.key_block & (self.key_block - 1):
-            raise ValueError(f"PallasAttention.key_block must be 0 or a power of two (got {v})")
+            raise ValueError(
+                f"PallasAttention.key_block must be a power of two (got {self.key_block})"
+            )
 
     def attend(self, q, reads: Reads, sinks, scale, *, return_lse=False, query_block):
         del query_block  # rows run one at a time; programs take self.query_block rows
         if not (reads.gathered or reads.band is not None or reads.dense is not None):
             raise ValueError("reads must hold at least one key set (gathered, band or dense)")
-        interpret = interpreted("PallasAttention")
         b, s, h, d = q.shape
-        kt = self.key_block or 64
-        if not interpret and kt < MIN_DOT:
-            raise ValueError(f"PallasAttention needs key tiles of at least {MIN_DOT} on a GPU")
-        sources, floats, ints = _sources(reads, q.dtype, kt)
+        sources, floats, ints = _sources(reads, q.dtype, self.key_block)
         if s == 0:
             dv = _value_width(floats, sources, d)
             out = jnp.zeros((b, s, h, dv), q.dtype)
@@ -97,11 +95,10 @@ class PallasAttention(AbstractAttentionKernel):
             seq=s,
             heads=heads,
             scale=float(scale),
-            rows=self.query_block or 16,
+            rows=self.query_block,
             dk=d,
             dv=_value_width(floats, sources, d),
             has_sinks=sinks is not None,
-            interpret=interpret,
         )
         qp = pad_axis(q, 2, heads)
         sink = jnp.zeros((heads,), jnp.float32)
@@ -133,7 +130,6 @@ class _Config(NamedTuple):
     dk: int
     dv: int
     has_sinks: bool
-    interpret: bool
 
 
 def _value_width(floats, sources, d: int) -> int:
@@ -154,7 +150,7 @@ def _sources(reads: Reads, dtype, kt: int):
         gathered.append(GatheredRows(dense.keys, jnp.where(seen, dense.picks, -1), dense.values))
         dense = None
     for g in gathered:
-        tile = min(kt, next_pow2(g.indices.shape[-1]))
+        tile = min(kt, next_pow2(g.indices.shape[-1], MIN_DOT))
         n = -(-g.indices.shape[-1] // tile) * tile
         sources.append(_Source("gathered", g.values is not None, tile, g.keys.shape[1]))
         floats.append((g.keys.astype(dtype), g.values))
@@ -165,8 +161,7 @@ def _sources(reads: Reads, dtype, kt: int):
         key_segment = band.segment
         if before:
             key_segment = jnp.concatenate([band.history, band.segment], axis=1)
-        span = next_pow2(band.window)
-        tile = min(kt, span)
+        tile = min(kt, _span(band.window))
         sources.append(
             _Source("band", band.values is not None, tile, band.keys.shape[1], band.window, before)
         )
@@ -174,7 +169,7 @@ def _sources(reads: Reads, dtype, kt: int):
         ints.append((key_segment.astype(jnp.int32), band.segment.astype(jnp.int32)))
     if dense is not None:
         t = dense.keys.shape[1]
-        tile = min(kt, next_pow2(t))
+        tile = min(kt, next_pow2(t, MIN_DOT))
         tp = -(-t // tile) * tile
         values = None if dense.values is None else pad_axis(dense.values, 1, tp)
         sources.append(_Source("dense", values is not None, tile, t))
@@ -183,6 +178,11 @@ def _sources(reads: Reads, dtype, kt: int):
         segment = pad_axis(dense.layout.segment.astype(jnp.int32), 1, tp, -1)
         ints.append((end, segment, dense.query_index, dense.query_segment))
     return tuple(sources), tuple(floats), tuple(ints)
+
+
+def _span(window: int) -> int:
+    """Rows a band tile set covers per query: the window, as a power of two of at least 16."""
+    return next_pow2(window, MIN_DOT)
 
 
 def _picks_visible(picks, query_index, query_segment, layout: EntryLayout):
@@ -226,7 +226,7 @@ def _tile_of(src: _Source, refs, config: _Config, bi, r, c) -> _Tile:
         grad_rows = jnp.where(mask, rows, src.rows + lane)
     elif src.kind == "band":
         key_segment_ref, segment_ref = ints
-        span = next_pow2(src.window)
+        span = _span(src.window)
         raw = src.before + r - (span - 1) + c * src.tile + lane  # may precede row 0
         inside = (raw >= 0) & (src.before + r - raw < src.window)
         rows = jnp.maximum(raw, 0)
@@ -254,7 +254,7 @@ def _n_tiles(src: _Source, ints) -> int:
     if src.kind == "gathered":
         return ints[0].shape[-1] // src.tile
     if src.kind == "band":
-        return next_pow2(src.window) // src.tile
+        return _span(src.window) // src.tile
     return ints[0].shape[1] // src.tile
 
 
@@ -317,7 +317,7 @@ def _forward(config: _Config, q, sink, floats, ints):
     inputs = [q, sink, *_flat_inputs(floats, ints)]
     out_dtype = q.dtype
 
-    def kernel(q_ref, sink_ref, *refs):
+    def kernel(q_ref, sink_ref, *refs):  # the same body interpreted or compiled
         *refs, out_ref, lse_ref = refs
         per_source, _ = _split_refs(config, refs)
         bi = pl.program_id(0)
@@ -377,7 +377,7 @@ def _forward(config: _Config, q, sink, floats, ints):
         jax.ShapeDtypeStruct((b, s, h), jnp.float32),
     )
     grid = (b, -(-s // config.rows))
-    out, lse = pallas_call(kernel, out_shape, grid, "sparse_attention", config.interpret)(*inputs)
+    out, lse = run_kernel(lambda _: kernel, out_shape, grid, "sparse_attention", *inputs)
     return out[..., : config.dv], lse
 
 
@@ -397,7 +397,7 @@ def _backward(config: _Config, q, sink, floats, ints, out, lse, g_out, g_lse):
     # zero tables for the atomic adds: rows a lane without a read adds to lie past the end
     tables = []
     for src, (keys, values) in zip(config.sources, padded, strict=True):
-        extra = {"gathered": src.tile, "band": next_pow2(src.window) - 1, "dense": 0}[src.kind]
+        extra = {"gathered": src.tile, "band": _span(src.window) - 1, "dense": 0}[src.kind]
         front = extra if src.kind == "band" else 0
         rows = keys.shape[1] + extra
         shapes = [(b, rows, dk)] + ([(b, rows, dv)] if values is not None else [])
@@ -466,10 +466,9 @@ def _backward(config: _Config, q, sink, floats, ints, out, lse, g_out, g_lse):
     out_shape += [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in flat_tables]
     aliases = {n_in - len(flat_tables) + i: 1 + i for i in range(len(flat_tables))}
     grid = (b, -(-s // config.rows))
-    call = pallas_call(
-        kernel, tuple(out_shape), grid, "sparse_attention_bwd", config.interpret, aliases
+    dq, dsink, *flat = run_kernel(
+        lambda _: kernel, tuple(out_shape), grid, "sparse_attention_bwd", *inputs, aliases=aliases
     )
-    dq, dsink, *flat = call(*inputs)
     d_floats = []
     for (front, _), (k_in, v_in) in zip(tables, floats, strict=True):
         n = k_in.shape[1]

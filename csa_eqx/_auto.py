@@ -2,12 +2,15 @@
 here.
 
 ``backend_tiles`` sizes the selection's and the indexer loss' tiles for the backend (and says
-whether the radix select unrolls); ``AutoSelection`` picks the dense or the streaming top-k,
-``AutoIndexerLoss`` the dense or the streaming KL loss, both by one rule (``streams``), and
-``AutoPicks`` a masked matmul or a gather for the attention over each query's picked entries
-(docs/memory.md, "Streaming top-k" and "Masked picks"). Force a path by passing a concrete
-strategy instead (``DenseSelection()``, ``StreamingSelection(...)``, ``DenseIndexerLoss()``,
-``StreamingIndexerLoss(...)``, ``MaskedPicks()``, ``GatheredPicks()``) and tile sizes by
+whether the radix select unrolls); ``AutoSelection`` picks the fused Pallas indexer on a GPU
+(``uses_kernels``) and elsewhere the dense or the streaming top-k, ``AutoIndexerLoss`` the
+dense or the streaming KL loss, both by one rule (``streams``), ``AutoPicks`` a masked matmul
+or a gather for the attention over each query's picked entries (docs/memory.md, "Streaming
+top-k" and "Masked picks") and ``AutoAttention`` the Pallas attention kernel on a GPU, XLA's
+elsewhere (docs/kernels.md). Force a path by passing a concrete strategy instead
+(``DenseSelection()``, ``StreamingSelection(...)``, ``PallasSelection(...)``,
+``DenseIndexerLoss()``, ``StreamingIndexerLoss(...)``, ``MaskedPicks()``, ``GatheredPicks()``,
+``XlaAttention()``, ``PallasAttention(...)``) and tile sizes by
 ``Execution(tiles=TileSizes(...))``. ``attention_query_block`` sizes the attention kernel's
 query blocks (``Execution(query_block=...)`` forces one).
 """
@@ -20,16 +23,21 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Int
 
+from ._attention_kernel import AbstractAttentionKernel
+from ._attention_pallas import PallasAttention
+from ._attention_xla import XlaAttention
 from ._loss_dense import DenseIndexerLoss
 from ._loss_streaming import StreamingIndexerLoss
 from ._picks import AbstractPicks, GatheredPicks, MaskedPicks
 from ._problem import AbstractIndexerLoss, AbstractSelection, SelectionProblem
 from ._reads import Reads
 from ._selection_dense import DenseSelection
+from ._selection_pallas import PallasSelection
 from ._selection_streaming import StreamingSelection
 from ._tiles import TileSizes, power_of_two_block, sparse_query_block
 
 __all__ = [
+    "AutoAttention",
     "AutoSelection",
     "AutoIndexerLoss",
     "AutoPicks",
@@ -37,6 +45,7 @@ __all__ = [
     "tile_elements",
     "shared_tiles",
     "streams",
+    "uses_kernels",
     "CPU_TILES",
     "ACCELERATOR_TILES",
     "attention_query_block",
@@ -79,6 +88,14 @@ def shared_tiles(tiles: TileSizes, devices: int) -> TileSizes:
         elements=share(tiles.elements, devices**2, 1 << 18),
         attention_elements=share(tiles.attention_elements, devices, 1 << 20),
     )
+
+
+def uses_kernels() -> bool:
+    """**Returns:** whether the automatic choices run the Pallas kernels (``PallasSelection``,
+    ``PallasAttention``): on a GPU (Triton), for the backend the computation is traced for. Not
+    on the CPU, where they run only in interpret mode (proven there, far slower than XLA), nor
+    on a TPU, which their design does not carry (docs/kernels.md)."""
+    return jax.default_backend() == "gpu"
 
 
 def tile_elements() -> int:
@@ -126,11 +143,14 @@ class _DenseOrStreaming(eqx.Module):
 
 
 class AutoSelection(_DenseOrStreaming, AbstractSelection):
-    """Dense while the largest score tensor ``[B, S, heads at once, T]`` fits one automatic
-    tile (``SelectionProblem.tiles.elements``: 2^24 elements on CPU, 2^26 on accelerators),
-    streaming beyond (``streams``): ``DenseSelection`` or ``StreamingSelection`` (for a V4.1
-    candidate source both answers, ``select_candidates``; for a consumer with
-    ``candidates``, streaming scores only each query's gathered candidates).
+    """On a GPU (``uses_kernels``) the fused Pallas indexer, ``PallasSelection()``, for a
+    problem without V4.1 ``candidates``. Otherwise dense while the largest score tensor
+    ``[B, S, heads at once, T]`` fits one automatic tile (``SelectionProblem.tiles.elements``:
+    2^24 elements on CPU, 2^26 on accelerators), streaming beyond (``streams``):
+    ``DenseSelection`` or ``StreamingSelection`` (for a V4.1 candidate source both answers,
+    ``select_candidates``; for a consumer with ``candidates``, streaming scores only each
+    query's gathered candidates). Every choice selects the same entries (bitwise where the
+    scores are).
 
     **Arguments:**
 
@@ -140,8 +160,18 @@ class AutoSelection(_DenseOrStreaming, AbstractSelection):
     dense = DenseSelection
     streaming = StreamingSelection
 
+    def strategy(self, problem: SelectionProblem) -> AbstractSelection:
+        """**Arguments:** the ``problem``.
+
+        **Returns:** ``PallasSelection()`` on a GPU for a problem without ``candidates``, else
+        ``choose`` of its sizes and tiles.
+        """
+        if problem.candidates is None and uses_kernels():
+            return PallasSelection()
+        return self.choose(*problem.sizes(), problem.tiles)
+
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
-        return self.choose(*problem.sizes(), problem.tiles).select(problem, k)
+        return self.strategy(problem).select(problem, k)
 
     def select_candidates(self, problem, k, topk_blocks, block_size):
         method = self.choose(*problem.sizes(), problem.tiles)
@@ -184,6 +214,20 @@ class AutoPicks(AbstractPicks):
 
     def reads(self, keys, visibility, picks, values=None):
         return self.choose(keys.shape[1], picks.shape[-1]).reads(keys, visibility, picks, values)
+
+
+class AutoAttention(AbstractAttentionKernel):
+    """The attention kernel for the backend: ``PallasAttention()`` on a GPU (``uses_kernels``;
+    it reads every kind of ``Reads``), ``XlaAttention()`` elsewhere. The same outputs either
+    way up to float32 rounding. **Arguments:** none."""
+
+    def choose(self) -> AbstractAttentionKernel:
+        """**Returns:** ``PallasAttention()`` on a GPU, else ``XlaAttention()``."""
+        return PallasAttention() if uses_kernels() else XlaAttention()
+
+    def attend(self, q, reads, sinks, scale, *, return_lse=False, query_block):
+        kernel = self.choose()
+        return kernel.attend(q, reads, sinks, scale, return_lse=return_lse, query_block=query_block)
 
 
 def attention_query_block(batch: int, heads: int, reads: Reads, elements: int = 1 << 24) -> int:

@@ -15,12 +15,17 @@ still lowers), so the kernels are the ones to port when it goes. TPU (Mosaic) do
 the design: it has no masked pointer gathers or scatters, so TPU stays on the XLA paths.
 
 Every ``pallas_call`` passes Triton's ``CompilerParams`` (JAX 0.10 may otherwise pick Mosaic
-GPU). Triton needs power-of-two block shapes and dots of at least 16 x 16 x 16: feature widths
-are split into power-of-two parts of at least 16 (``feature_parts``; zero padding leaves dots
-unchanged), head counts padded to a power of two of at least 16.
+GPU) and runs in interpret mode when lowered for the CPU (``run_kernel``: a per-platform
+choice at lowering, so no module outside ``_auto.py`` asks for the backend). Triton needs
+power-of-two block shapes and dots of at least 16 x 16 x 16: feature widths are split into
+power-of-two parts of at least 16 (``feature_parts``; zero padding leaves dots unchanged), head
+counts padded to a power of two of at least 16, and automatic tiles are at least 16 (tiles
+forced smaller run in interpret mode only).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 __all__ = [
-    "interpreted",
-    "pallas_call",
+    "run_kernel",
     "barrier",
     "next_pow2",
     "floor_pow2",
@@ -42,36 +46,35 @@ __all__ = [
 ]
 
 MIN_DOT = 16  # Triton's smallest dot side
-_GPU_BACKENDS = ("gpu", "cuda", "rocm")
 
 
-def interpreted(name: str) -> bool:
-    """**Arguments:** the kernel's ``name`` (for the error).
+def run_kernel(make_kernel, out_shape, grid, name: str, *args, aliases=None):
+    """Run a kernel over ``grid`` with whole-array refs: interpret mode when the program is
+    lowered for the CPU, Triton (its ``CompilerParams``) for any other platform, chosen per
+    platform at lowering (``jax.lax.platform_dependent``; both versions are traced).
 
-    **Returns:** ``True`` on the CPU (Pallas interpret mode), ``False`` on a GPU (Triton); a
-    ``ValueError`` on any other backend (TPU: use the XLA strategies there)."""
-    backend = jax.default_backend()
-    if backend == "cpu":
-        return True
-    if backend in _GPU_BACKENDS:
-        return False
-    raise ValueError(
-        f"{name} runs on a GPU (Pallas Triton) or in interpret mode on the CPU, not on "
-        f"{backend!r}: use the XLA strategies (XlaAttention, StreamingSelection) there"
-    )
+    **Arguments:** ``make_kernel(interpret)`` returning the kernel body, the ``out_shape``
+    (``jax.ShapeDtypeStruct`` pytree), the ``grid``, the kernel's ``name``, its ``args`` and
+    ``aliases`` (``input_output_aliases``).
 
+    **Returns:** the kernel's outputs.
+    """
 
-def pallas_call(kernel, out_shape, grid, name: str, interpret: bool, aliases=None, warps=4):
-    """``pl.pallas_call`` with whole-array refs, the grid, Triton's compiler parameters and
-    ``interpret`` (the CPU)."""
-    return pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid=grid,
-        interpret=interpret,
-        name=name,
-        input_output_aliases=aliases or {},
-        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=2),
+    def call(*args, interpret: bool):
+        return pl.pallas_call(
+            make_kernel(interpret),
+            out_shape=out_shape,
+            grid=grid,
+            interpret=interpret,
+            name=name,
+            input_output_aliases=aliases or {},
+            compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        )(*args)
+
+    return jax.lax.platform_dependent(
+        *args,
+        cpu=functools.partial(call, interpret=True),
+        default=functools.partial(call, interpret=False),
     )
 
 

@@ -10,15 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ._pallas import (
-    MIN_DOT,
-    feature_parts,
-    interpreted,
-    next_pow2,
-    pad_axis,
-    pallas_call,
-    tile_scores,
-)
+from ._pallas import MIN_DOT, feature_parts, next_pow2, pad_axis, run_kernel, tile_scores
 from ._scorer import AbstractScorer, XlaScorer, indexer_scores
 
 __all__ = ["PallasScorer"]
@@ -41,7 +33,8 @@ class PallasScorer(AbstractScorer):
 
     **Arguments:**
 
-    - ``query_block``, ``key_block``: the tile (powers of two; at least 16 on a GPU).
+    - ``query_block``, ``key_block``: the tile (powers of two; at least 16 on a GPU; a shorter
+        sequence or fewer keys take the least power of two, at least 16, that holds them).
     """
 
     query_block: int = eqx.field(default=64, static=True)
@@ -85,15 +78,12 @@ _kernel_scores.defvjp(_fwd, _bwd)
 def _forward(blocks, head_chunk, score_dtype, q, weights, keys):
     """``[B, S, T]`` float32 scores by the tile kernel (rows and entries padded to whole
     tiles, the padding sliced off)."""
-    interpret = interpreted("PallasScorer")
     b, s, h, d = q.shape
     t = keys.shape[1]
     if s == 0 or t == 0:
         return jnp.zeros((b, s, t), jnp.float32)
-    qb = min(blocks[0], next_pow2(s))
-    kb = min(blocks[1], next_pow2(t))
-    if not interpret and min(qb, kb) < MIN_DOT:
-        raise ValueError(f"PallasScorer needs tiles of at least {MIN_DOT} on a GPU (got {qb, kb})")
+    qb = min(blocks[0], next_pow2(s, MIN_DOT))
+    kb = min(blocks[1], next_pow2(t, MIN_DOT))
     parts = feature_parts(d)
     width = sum(size for _, size in parts)
     dtype = jnp.promote_types(q.dtype, keys.dtype)
@@ -103,13 +93,16 @@ def _forward(blocks, head_chunk, score_dtype, q, weights, keys):
     keys = pad_axis(pad_axis(keys.astype(dtype), 2, width), 1, tp)
     chunk = head_chunk or h
 
-    def kernel(q_ref, w_ref, k_ref, o_ref):
-        bi, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        tile = [k_ref[bi, pl.ds(j * kb, kb), pl.ds(start, size)] for start, size in parts]
-        scores = tile_scores(q_ref, w_ref, bi, i * qb, qb, tile, parts, h, chunk, score_dtype)
-        o_ref[bi, pl.ds(i * qb, qb), pl.ds(j * kb, kb)] = scores
+    def make_kernel(interpret):
+        def kernel(q_ref, w_ref, k_ref, o_ref):
+            bi, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+            tile = [k_ref[bi, pl.ds(j * kb, kb), pl.ds(start, size)] for start, size in parts]
+            scores = tile_scores(q_ref, w_ref, bi, i * qb, qb, tile, parts, h, chunk, score_dtype)
+            o_ref[bi, pl.ds(i * qb, qb), pl.ds(j * kb, kb)] = scores
+
+        return kernel
 
     out = jax.ShapeDtypeStruct((b, sp, tp), jnp.float32)
     grid = (b, sp // qb, tp // kb)
-    scores = pallas_call(kernel, out, grid, "indexer_scores", interpret)(q, w, keys)
+    scores = run_kernel(make_kernel, out, grid, "indexer_scores", q, w, keys)
     return scores[:, :s, :t]
