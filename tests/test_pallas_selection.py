@@ -22,6 +22,7 @@ import csa_eqx as ce
 from csa_eqx import _auto
 
 REFERENCE = ce.XlaScorer()
+TRITON_DEPRECATED = "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
 # (name, k, PallasSelection fields): every branch of the kernel
 BLOCKS = {
     "compacting": (3, dict(query_block=4, key_block=2)),  # a compaction every other tile
@@ -132,6 +133,7 @@ def test_no_score_matrix_in_the_program():
     assert largest(ce.DenseSelection()) >= b * s * t
 
 
+@pytest.mark.filterwarnings(TRITON_DEPRECATED)
 def test_lowers_to_triton():
     """At a GPU's sizes (bf16, 64 heads x 128, k = 512, head chunks) the kernel lowers through
     Pallas' Triton backend for CUDA (no GPU needed; compiling it needs one)."""
