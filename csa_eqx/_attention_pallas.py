@@ -89,11 +89,10 @@ class PallasAttention(AbstractAttentionKernel):
             dv = _value_width(floats, sources, d)
             out = jnp.zeros((b, s, h, dv), q.dtype)
             return (out, jnp.zeros((b, s, h), jnp.float32)) if return_lse else out
-        heads = next_pow2(h, MIN_DOT)
+        heads = next_pow2(h, MIN_DOT)  # Triton's dots: at least 16 rows
         config = _Config(
             sources=sources,
             seq=s,
-            heads=heads,
             scale=float(scale),
             rows=self.query_block,
             dk=d,
@@ -122,9 +121,11 @@ class _Source(NamedTuple):
 
 
 class _Config(NamedTuple):
+    """The static side of a call: the read sets, the query rows, the softmax scale, rows per
+    program, key and value widths, whether there are sinks."""
+
     sources: tuple[_Source, ...]
     seq: int
-    heads: int
     scale: float
     rows: int
     dk: int
@@ -133,6 +134,7 @@ class _Config(NamedTuple):
 
 
 def _value_width(floats, sources, d: int) -> int:
+    """The output width: the first set with values of its own gives it, else the keys' ``d``."""
     for (_, values), src in zip(floats, sources, strict=True):
         if src.values:
             return values.shape[-1]
@@ -251,6 +253,7 @@ def _tile_of(src: _Source, refs, config: _Config, bi, r, c) -> _Tile:
 
 
 def _n_tiles(src: _Source, ints) -> int:
+    """Tiles of ``src`` each row reads (from its int arrays' static shapes)."""
     if src.kind == "gathered":
         return ints[0].shape[-1] // src.tile
     if src.kind == "band":
@@ -285,6 +288,7 @@ def _split_refs(config: _Config, refs):
 
 
 def _flat_inputs(floats, ints):
+    """The kernels' array inputs after ``q`` and the sinks, in ``_split_refs``' order."""
     arrays = []
     for keys, values in floats:
         arrays += [keys] if values is None else [keys, values]
@@ -294,6 +298,7 @@ def _flat_inputs(floats, ints):
 
 
 def _q_parts(q_ref, bi, r, width: int):
+    """Row ``r``'s ``[H, size]`` queries, per feature part."""
     return [q_ref[bi, r, :, pl.ds(st, sz)] for st, sz in feature_parts(width)]
 
 
@@ -306,14 +311,21 @@ def _row_range(config: _Config):
 # --- forward ------------------------------------------------------------------------------
 
 
-def _forward(config: _Config, q, sink, floats, ints):
-    b, s, h, _ = q.shape
-    dk_parts, dv_parts = feature_parts(config.dk), feature_parts(config.dv)
-    dk, dv = sum(sz for _, sz in dk_parts), sum(sz for _, sz in dv_parts)
-    q = pad_axis(q, 3, dk)
+def _padded(config: _Config, q, floats):
+    """``(q, floats, key width, value width)``: the queries and the read sets' keys and values
+    zero-padded to the widths of their feature parts."""
+    dk = sum(sz for _, sz in feature_parts(config.dk))
+    dv = sum(sz for _, sz in feature_parts(config.dv))
     floats = tuple(
         (pad_axis(k, 2, dk), None if v is None else pad_axis(v, 2, dv)) for k, v in floats
     )
+    return pad_axis(q, 3, dk), floats, dk, dv
+
+
+def _forward(config: _Config, q, sink, floats, ints):
+    b, s, h, _ = q.shape
+    dv_parts = feature_parts(config.dv)
+    q, floats, _, dv = _padded(config, q, floats)
     inputs = [q, sink, *_flat_inputs(floats, ints)]
     out_dtype = q.dtype
 
@@ -387,13 +399,9 @@ def _forward(config: _Config, q, sink, floats, ints):
 def _backward(config: _Config, q, sink, floats, ints, out, lse, g_out, g_lse):
     b, s, h, _ = q.shape
     dk_parts, dv_parts = feature_parts(config.dk), feature_parts(config.dv)
-    dk, dv = sum(sz for _, sz in dk_parts), sum(sz for _, sz in dv_parts)
     delta = jnp.sum(g_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    qp = pad_axis(q, 3, dk)
+    qp, padded, dk, dv = _padded(config, q, floats)
     g_out = pad_axis(g_out, 3, dv)
-    padded = tuple(
-        (pad_axis(k, 2, dk), None if v is None else pad_axis(v, 2, dv)) for k, v in floats
-    )
     # zero tables for the atomic adds: rows a lane without a read adds to lie past the end
     tables = []
     for src, (keys, values) in zip(config.sources, padded, strict=True):
