@@ -21,6 +21,7 @@ from typing import ClassVar
 
 import equinox as eqx
 import jax
+from jax.sharding import AxisType
 from jaxtyping import Array, Int
 
 from ._attention_kernel import AbstractAttentionKernel
@@ -92,10 +93,14 @@ def shared_tiles(tiles: TileSizes, devices: int) -> TileSizes:
 
 def uses_kernels() -> bool:
     """**Returns:** whether the automatic choices run the Pallas kernels (``PallasSelection``,
-    ``PallasAttention``): on a GPU (Triton), for the backend the computation is traced for. Not
-    on the CPU, where they run only in interpret mode (proven there, far slower than XLA), nor
-    on a TPU, which their design does not carry (docs/kernels.md)."""
-    return jax.default_backend() == "gpu"
+    ``PallasAttention``): on a GPU (Triton), for the backend the computation is traced for,
+    where no mesh axis in context is sharded by the compiler (none, or all ``Manual``: inside
+    the placements' ``shard_map``; a kernel is one device's program). Not on the CPU, where
+    they run only in interpret mode (proven there, far slower than XLA), nor on a TPU, which
+    their design does not carry (docs/kernels.md)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    local = all(t == AxisType.Manual for t in getattr(mesh, "axis_types", ()))
+    return jax.default_backend() == "gpu" and local
 
 
 def tile_elements() -> int:

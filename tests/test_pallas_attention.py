@@ -242,6 +242,18 @@ def test_auto_attention_runs_the_kernel_on_a_gpu_only(monkeypatch):
     assert ce.AutoAttention().choose() == ce.XlaAttention()  # CPU: the reference
     monkeypatch.setattr(_auto.jax, "default_backend", lambda: "gpu")
     assert ce.AutoAttention().choose() == ce.PallasAttention()
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"))
+    with jax.set_mesh(mesh):  # Explicit axes: XLA, unless inside a shard_map over all of them
+        assert ce.AutoAttention().choose() == ce.XlaAttention()
+        chosen = []
+
+        def local(x):
+            chosen.append(ce.AutoAttention().choose())
+            return x
+
+        x = jax.device_put(jnp.zeros((8, 4)), jax.NamedSharding(mesh, jax.P("data")))
+        jax.jit(jax.shard_map(local, in_specs=jax.P("data"), out_specs=jax.P("data")))(x)
+        assert chosen == [ce.PallasAttention()]
     monkeypatch.setattr(_auto.jax, "default_backend", lambda: "tpu")
     assert ce.AutoAttention().choose() == ce.XlaAttention()
 

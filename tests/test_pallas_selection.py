@@ -161,6 +161,8 @@ def test_auto_selection_picks_the_kernel_on_a_gpu_only(monkeypatch):
     monkeypatch.setattr(_auto.jax, "default_backend", lambda: "gpu")
     assert auto.strategy(plain) == ce.PallasSelection()
     assert isinstance(auto.strategy(candidates), ce.DenseSelection)  # V4.1 consumers: gathered
+    with jax.set_mesh(jax.make_mesh((2, 4), ("data", "tensor"))):  # sharded by the compiler
+        assert isinstance(auto.strategy(plain), ce.DenseSelection)
     monkeypatch.setattr(_auto.jax, "default_backend", lambda: "tpu")
     assert isinstance(auto.strategy(plain), ce.DenseSelection)
 
