@@ -789,8 +789,9 @@ def checks(layers: list[dict]) -> list[str]:
         c = r.get("hf_check")
         if c and "same_rows" in c:
             lines += [
-                f"Output check vs HF (S = {r['seq']}, {r['dtype']}; HF on the CPU in float32, "
-                f"same weights and input): {c['same_rows']:.2%} of query rows pick the same "
+                f"Output check vs HF (S = {r['seq']}, {r['dtype']}; csa_eqx with the Pallas "
+                "kernels on a GPU, its XLA path on a CPU; HF on the CPU in float32, same weights "
+                f"and input): {c['same_rows']:.2%} of query rows pick the same "
                 f"top-k set; on them max |ours - HF| / max |HF| = {c['err_same']:.1e} (all rows "
                 f"{c['err']:.1e}).",
                 "",
