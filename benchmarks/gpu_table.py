@@ -9,16 +9,20 @@ fit the time budget or the device memory is skipped and listed as such.
 1. GEMM rate of an ``n x n`` ``jnp.dot``: bfloat16, float32 at ``'highest'`` precision (true
    fp32) and float32 at the default precision (TF32 on a GPU).
 2. Layer steps (``benchmarks/layer_speed.py``'s layer and weights, B = 1) for each sequence
-   length S and dtype: csa_eqx and the naive dense-mask baseline (jit), fwd and fwd+bwd, the
-   selection stage alone, HF transformers' eager ``DeepseekV4Attention`` (torch, where it fits);
-   XLA's compiled memory of every JAX program; the selection stage's visible-pair scoring
-   FLOP/s as a fraction of the GEMM rate of the same dtype. Order: S = 4k (bf16, fp32), bf16
+   length S and dtype: csa_eqx with the Pallas kernels (``PallasSelection``,
+   ``PallasAttention``: the automatic choice on a GPU), csa_eqx's XLA path
+   (``StreamingSelection``, ``XlaAttention``: the automatic choice before the kernels) and the
+   naive dense-mask baseline (jit), fwd and fwd+bwd, both selection stages alone, HF
+   transformers' eager ``DeepseekV4Attention`` (torch, where it fits); XLA's compiled memory of
+   every JAX program; the selection stages' visible-pair scoring FLOP/s as a fraction of the
+   GEMM rate of the same dtype. Order: S = 4k (bf16, fp32), bf16
    at 16k and 32k, the anchor, fp32 at 16k and 32k, then 64k (bf16, fp32) when time allows.
    "float32" is true fp32 (JAX ``default_matmul_precision('highest')``, torch TF32 off);
    "bfloat16" casts every float parameter and the input.
 3. The anchor: a V3.2-style indexer alone (token keys, causal), Q = K = 32768, 32 heads x 128,
-   k = 2048, bf16, against a CuTe DSL fused score + radix top-k kernel's 16.1 ms on an H200;
-   its picks are compared with the dense (materialised-score) path once.
+   k = 2048, bf16, the fused kernel and the XLA streaming selection, against a CuTe DSL fused
+   score + radix top-k kernel's 16.1 ms on an H200; the kernel's picks are compared with the
+   dense (materialised-score) path once.
 4. Profiles (bf16, S = 4k and 32k): one ``jax.profiler`` trace per S of one call each of the
    selection stage, csa_eqx fwd and fwd+bwd; summarised (kernel count, busy time, top
    kernels per program) and saved as ``OUT/profile_S.json.gz`` (Perfetto / chrome://tracing).
@@ -62,6 +66,7 @@ import numpy as np  # noqa: E402
 import csa_eqx as ce  # noqa: E402
 from csa_eqx import V4Attention, entry_layout, entry_visibility, indexer_scores  # noqa: E402
 from csa_eqx import select_topk as dense_topk  # noqa: E402
+from csa_eqx._auto import backend_tiles  # noqa: E402
 
 from . import harness, layer_speed  # noqa: E402
 
@@ -73,10 +78,31 @@ GEMMS = {  # name: (dtype, matmul precision)
 }
 GEMM_OF = {"bfloat16": "bfloat16", "float32": "float32 (precision highest)"}
 LARGEST_MAIN_SEQ = 32768  # longer sequences run last, when time allows
-IMPLEMENTATIONS = (("csa_eqx", "csa_eqx"), ("naive", "naive dense-mask"), ("HF eager", "HF eager"))
-PROFILED = ("selection stage", "csa_eqx fwd", "csa_eqx fwd+bwd")
+# csa_eqx's Pallas kernels, forced whatever the backend would choose (the automatic choice on
+# a GPU; interpret mode on a CPU); the XLA path is ``xla_execution``'s
+KERNELS = ce.Execution(selection=ce.PallasSelection(), attention=ce.PallasAttention())
+IMPLEMENTATIONS = (
+    ("csa_eqx", "csa_eqx kernels"),
+    ("csa_eqx XLA", "csa_eqx XLA"),
+    ("naive", "naive dense-mask"),
+    ("HF eager", "HF eager"),
+)
+# profiled: the kernels' runs, or (on a CPU, where they are not timed) the XLA path's
+PROFILED = (
+    ("selection stage", "csa_eqx fwd", "csa_eqx fwd+bwd"),
+    ("selection stage XLA", "csa_eqx XLA fwd", "csa_eqx XLA fwd+bwd"),
+)
+KERNEL_RUNS = ("csa_eqx fwd+bwd", "csa_eqx fwd", "selection stage")
+CPU_KERNELS = (
+    "a CPU runs the Pallas kernels in interpret mode only (tests/test_pallas_*.py prove them "
+    "there); a layer's timing would measure the interpreter"
+)
+SELECTIONS = (("selection stage", "kernel"), ("selection stage XLA", "XLA"))
 # JAX runs of a layer step, most important first (the first to get the time that is left)
-PRIORITY = ("csa_eqx fwd+bwd", "csa_eqx fwd", "selection stage", "naive fwd+bwd", "naive fwd")
+PRIORITY = (
+    "csa_eqx fwd+bwd", "csa_eqx fwd", "selection stage", "naive fwd+bwd", "naive fwd",
+    "csa_eqx XLA fwd+bwd", "csa_eqx XLA fwd", "selection stage XLA",
+)  # fmt: skip
 TILE_KEY_BLOCKS = (0, 512, 1024, 2048)  # indexer_key_block values of --tiles (0 = automatic)
 MAX_TRACE_BYTES = 15 << 20  # a trace larger than this is summarised but not copied to OUT
 MODES = {
@@ -192,13 +218,21 @@ def needed_bytes(mem: dict) -> int:
 # --- the anchor: V3.2-style indexer alone (the one place that names the selection API) -------
 
 
-def anchor_select(q, w, keys, k: int):
-    """The library's selection on token keys (V3.2), causal, one segment: ``[B,S,k]``."""
+def xla_execution(config, seq: int) -> ce.Execution:
+    """The XLA path of a layer at ``seq`` tokens (B = 1): the dense or streaming top-k the
+    automatic rule picks without the kernels (``AutoSelection.choose``) and ``XlaAttention``."""
+    entries = -(-seq // config.compress_rate)
+    sizes = (1, seq, entries, config.index_n_heads, backend_tiles())
+    return ce.Execution(selection=ce.AutoSelection().choose(*sizes), attention=ce.XlaAttention())
+
+
+def anchor_select(q, w, keys, k: int, strategy):
+    """``strategy``'s selection on token keys (V3.2), causal, one segment: ``[B,S,k]``."""
     b, s = q.shape[:2]
     index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     segment = jnp.zeros((b, s), jnp.int32)
     visibility = ce.Visibility(index, segment, entry_layout(segment, 1))
-    return ce.AutoSelection().select(ce.SelectionProblem.from_queries(q, w, keys, visibility), k)
+    return strategy.select(ce.SelectionProblem.from_queries(q, w, keys, visibility), k)
 
 
 def anchor_dense(q, w, keys, k: int):
@@ -435,8 +469,19 @@ class Bench:
         x = jnp.asarray(x_np, DTYPES[dtype_name])
         rec: dict = dict(dtype=dtype_name, seq=seq, runs={})
         self.res["layers"].append(rec)
-        programs = layer_speed.jax_layer_programs(jlayer, x)
+        kernels = jlayer.with_execution(KERNELS)
+        xla = jlayer.with_execution(xla_execution(jlayer.config, seq))
+        programs = layer_speed.jax_layer_programs(kernels, x)
+        for name, program in layer_speed.jax_layer_programs(xla, x).items():
+            if name.startswith("csa_eqx"):
+                programs[name.replace("csa_eqx", "csa_eqx XLA")] = program
+        programs["selection stage XLA"] = (layer_speed.selection_stage, (xla, x))
         programs = {name: programs[name] for name in PRIORITY}
+        cpu = self.res["meta"].get("backend") == "cpu"
+        if cpu:
+            for name in KERNEL_RUNS:
+                del programs[name]
+                rec["runs"][name] = {"skipped": CPU_KERNELS}
         runs = self.compile_runs(programs, dtype_name, seq, rec["runs"])
         self.save()
         if torch_layer is not None:
@@ -451,13 +496,15 @@ class Bench:
             self.skip(f"HF output check S={seq}", f"time budget ({self.left():.0f} s left)")
         elif check:
             try:
-                rec["hf_check"] = layer_speed.output_check(torch_layer, hf_config, jlayer, x)
+                checked = xla if cpu else kernels  # the layer's output, by the timed path
+                rec["hf_check"] = layer_speed.output_check(torch_layer, hf_config, checked, x)
             except Exception as err:  # noqa: BLE001
                 rec["hf_check"] = {"error": describe_error(err)}
         self.save()
         profile = dtype_name == self.args.dtypes[0] and seq in self.mode["profile"]
         if profile and not self.args.no_profile:
-            profiled = {name: runs[name] for name in PROFILED if name in runs}
+            names = next((p for p in PROFILED if p[0] in runs), ())
+            profiled = {name: runs[name] for name in names if name in runs}
             if self.left() < 20:
                 self.skip(f"profile S={seq}", f"time budget ({self.left():.0f} s left)")
             elif profiled:
@@ -515,8 +562,14 @@ class Bench:
         q, w, keys = anchor_inputs(seq, heads, dim)
         rec: dict = dict(a, runs={})
         self.res["anchor"] = rec
-        fn = lambda q, w, keys: anchor_select(q, w, keys, k)  # noqa: E731
-        runs = self.compile_runs({"indexer": (fn, (q, w, keys))}, "bfloat16", seq, rec["runs"])
+        programs = {
+            name: (lambda q, w, keys, st=strategy: anchor_select(q, w, keys, k, st), (q, w, keys))
+            for name, strategy in (
+                ("indexer", ce.PallasSelection()),
+                ("indexer XLA", ce.StreamingSelection()),
+            )
+        }
+        runs = self.compile_runs(programs, "bfloat16", seq, rec["runs"])
         if not runs:
             return
         self.time_runs(runs, rec["runs"], "bfloat16")
@@ -656,14 +709,18 @@ def speed_tables(layers: list[dict]) -> list[str]:
     header = ["S", "dtype"]
     for _, label in IMPLEMENTATIONS:
         header += [f"{label} fwd", f"{label} fwd+bwd"]
-    header += ["csa_eqx speed-up vs naive (fwd / fwd+bwd)", "vs HF eager (fwd / fwd+bwd)"]
+    header += [
+        "kernels' speed-up vs naive (fwd / fwd+bwd)",
+        "vs csa_eqx XLA (fwd / fwd+bwd)",
+        "vs HF eager (fwd / fwd+bwd)",
+    ]
     rows = []
     for r in layers:
         t = r["runs"]
         row = [r["seq"], r["dtype"]]
         for key, _ in IMPLEMENTATIONS:
             row += [cell(t.get(f"{key} fwd")), cell(t.get(f"{key} fwd+bwd"))]
-        for key in ("naive", "HF eager"):
+        for key in ("naive", "csa_eqx XLA", "HF eager"):
             row.append(
                 " / ".join(
                     ratio(t.get(f"{key} {p}"), t.get(f"csa_eqx {p}")) for p in ("fwd", "fwd+bwd")
@@ -676,28 +733,29 @@ def speed_tables(layers: list[dict]) -> list[str]:
 def selection_table(res: dict, layers: list[dict]) -> list[str]:
     rows = []
     for r in layers:
-        sel = r["runs"].get("selection stage")
         flops = r.get("indexer_flops", {})
         rate = gemm_rate(res, r["dtype"])
-        cells = ["-", "-", "-"]
-        if sel and "min" in sel and flops:
-            visible = flops["visible"] / sel["min"] / 1e12
-            full = flops["with_projections"] / sel["min"] / 1e12
-            cells = [
-                f"{visible:.3g}",
-                f"{visible / rate:.1%}" if rate else "-",
-                f"{full / rate:.1%}" if rate else "-",
-            ]
-        rows.append(
-            [r["seq"], r["dtype"], cell(sel), f"{flops.get('visible', 0) / 1e9:.4g}"] + cells
-        )
+        for name, path in SELECTIONS:
+            sel = r["runs"].get(name)
+            cells = ["-", "-", "-"]
+            if sel and "min" in sel and flops:
+                visible = flops["visible"] / sel["min"] / 1e12
+                full = flops["with_projections"] / sel["min"] / 1e12
+                cells = [
+                    f"{visible:.3g}",
+                    f"{visible / rate:.1%}" if rate else "-",
+                    f"{full / rate:.1%}" if rate else "-",
+                ]
+            gflop = f"{flops.get('visible', 0) / 1e9:.4g}"
+            rows.append([r["seq"], r["dtype"], path, cell(sel), gflop] + cells)
     header = [
-        "S", "dtype", "selection stage ms", "visible-pair scoring GFLOP", "TFLOP/s",
+        "S", "dtype", "path", "selection stage ms", "visible-pair scoring GFLOP", "TFLOP/s",
         "of the GEMM rate (same dtype)", "counting the stage's projections too",
     ]  # fmt: skip
     return [
         "## Selection stage alone (compressor, indexer queries, scoring, top-k)",
         "",
+        "Paths: the fused Pallas indexer (`PallasSelection`) and the XLA streaming selection. "
         "GEMM rate: bf16 rows against the bf16 GEMM, fp32 rows against the true-fp32 GEMM.",
         "",
         harness.table(header, rows),
@@ -706,7 +764,10 @@ def selection_table(res: dict, layers: list[dict]) -> list[str]:
 
 
 def memory_table(layers: list[dict]) -> list[str]:
-    names = ["csa_eqx fwd", "csa_eqx fwd+bwd", "selection stage", "naive fwd", "naive fwd+bwd"]
+    names = [
+        "csa_eqx fwd", "csa_eqx fwd+bwd", "selection stage", "csa_eqx XLA fwd",
+        "csa_eqx XLA fwd+bwd", "selection stage XLA", "naive fwd", "naive fwd+bwd",
+    ]  # fmt: skip
     rows = [[r["seq"], r["dtype"]] + [gib(r["runs"].get(n)) for n in names] for r in layers]
     peaks = [
         f"S={r['seq']} {r['dtype']}: JAX peak {r['jax_peak_bytes'] / harness.GIB:.1f} GiB"
@@ -728,8 +789,9 @@ def checks(layers: list[dict]) -> list[str]:
         c = r.get("hf_check")
         if c and "same_rows" in c:
             lines += [
-                f"Output check vs HF (S = {r['seq']}, {r['dtype']}; HF on the CPU in float32, "
-                f"same weights and input): {c['same_rows']:.2%} of query rows pick the same "
+                f"Output check vs HF (S = {r['seq']}, {r['dtype']}; csa_eqx with the Pallas "
+                "kernels on a GPU, its XLA path on a CPU; HF on the CPU in float32, same weights "
+                f"and input): {c['same_rows']:.2%} of query rows pick the same "
                 f"top-k set; on them max |ours - HF| / max |HF| = {c['err_same']:.1e} (all rows "
                 f"{c['err']:.1e}).",
                 "",
@@ -741,30 +803,33 @@ def checks(layers: list[dict]) -> list[str]:
 
 def anchor_lines(res: dict) -> list[str]:
     a = res["anchor"]
-    run = a["runs"].get("indexer")
     lines = [
         f"## Anchor: indexer alone, Q = K = {a['seq']} token keys, {a['heads']} heads x "
         f"{a['dim']}, k = {a['k']}, bf16, causal (V3.2-style)",
         "",
-        f"Time: {cell(run)} ms." if run and "min" in run else f"Time: {ms(run)}.",
     ]
-    if run and "min" in run:
-        best = run["min"] * 1e3
-        if a.get("reference_ms"):
-            lines[-1] += (
-                f" Reference kernel {a['reference_ms']} ms: {best / a['reference_ms']:.2f}x."
+    rate = gemm_rate(res, "bfloat16")
+    for name, label in (("indexer", "Fused kernel"), ("indexer XLA", "XLA streaming")):
+        run = a["runs"].get(name)
+        line = f"{label}: {cell(run)} ms." if run and "min" in run else f"{label}: {ms(run)}."
+        if run and "min" in run:
+            best = run["min"] * 1e3
+            if a.get("reference_ms"):
+                ref = a["reference_ms"]
+                line += f" Reference kernel {ref} ms: {best / ref:.2f}x."
+            tflops = a["flops"]["visible"] / run["min"] / 1e12
+            frac = f", {tflops / rate:.1%} of the bf16 GEMM rate" if rate else ""
+            line += (
+                f" Visible-pair scoring: {a['flops']['visible'] / 1e12:.3g} TFLOP, "
+                f"{tflops:.3g} TFLOP/s{frac}."
             )
-        tflops = a["flops"]["visible"] / run["min"] / 1e12
-        rate = gemm_rate(res, "bfloat16")
-        frac = f", {tflops / rate:.1%} of the bf16 GEMM rate" if rate else ""
-        lines.append(
-            f"Visible-pair scoring: {a['flops']['visible'] / 1e12:.3g} TFLOP, "
-            f"{tflops:.3g} TFLOP/s{frac}."
-        )
+        lines.append(line)
     same = a.get("same_rows_as_dense")
     if same is not None:
         text = f"{same:.2%}" if isinstance(same, float) else same
-        lines.append(f"Rows whose picks equal the dense (materialised-score) path's: {text}.")
+        lines.append(
+            f"Rows whose kernel picks equal the dense (materialised-score) path's: {text}."
+        )
     return lines + [""]
 
 

@@ -2,7 +2,9 @@
 
 from ._attention import AbstractIndexedAttention as AbstractIndexedAttention
 from ._attention_kernel import AbstractAttentionKernel as AbstractAttentionKernel
+from ._attention_pallas import PallasAttention as PallasAttention
 from ._attention_xla import XlaAttention as XlaAttention
+from ._auto import AutoAttention as AutoAttention
 from ._auto import AutoIndexerLoss as AutoIndexerLoss
 from ._auto import AutoPicks as AutoPicks
 from ._auto import AutoSelection as AutoSelection
@@ -56,8 +58,10 @@ from ._scorer import AbstractScorer as AbstractScorer
 from ._scorer import XlaScorer as XlaScorer
 from ._scorer import indexer_scores as indexer_scores
 from ._scorer_blocked import BlockedScorer as BlockedScorer
+from ._scorer_pallas import PallasScorer as PallasScorer
 from ._selection_dense import DenseSelection as DenseSelection
 from ._selection_gathered import GatheredSelection as GatheredSelection
+from ._selection_pallas import PallasSelection as PallasSelection
 from ._selection_sharded import ShardedSelection as ShardedSelection
 from ._selection_streaming import StreamingSelection as StreamingSelection
 from ._sparse import sparse_attention as sparse_attention
@@ -92,6 +96,7 @@ __all__ = [
     "AbstractSelection",
     "AbstractWindow",
     "AttentionTarget",
+    "AutoAttention",
     "AutoIndexerLoss",
     "AutoPicks",
     "AutoSelection",
@@ -116,6 +121,9 @@ __all__ = [
     "GatheredWindow",
     "IndexerLossStage",
     "MaskedPicks",
+    "PallasAttention",
+    "PallasScorer",
+    "PallasSelection",
     "Reads",
     "SELECTION_NAME",
     "SelectionProblem",

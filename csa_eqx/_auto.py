@@ -2,14 +2,17 @@
 here.
 
 ``backend_tiles`` sizes the selection's and the indexer loss' tiles for the backend (and says
-whether the radix select unrolls); ``AutoSelection`` picks the dense, the streaming or the
-gathered top-k, ``AutoIndexerLoss`` the dense, the streaming or the gathered KL loss, both by
-one size rule (``streams``) and one rule for V4.1's pre-filter (``filter_bites``), and
-``AutoPicks`` a masked matmul or a gather for the attention over each query's picked entries
-(docs/memory.md, "Streaming top-k" and "Masked picks"). Force a path by passing a concrete
-strategy instead (``DenseSelection()``, ``StreamingSelection(...)``, ``GatheredSelection()``,
-``DenseIndexerLoss()``, ``StreamingIndexerLoss(...)``, ``GatheredIndexerLoss()``,
-``MaskedPicks()``, ``GatheredPicks()``) and tile sizes by ``Execution(tiles=TileSizes(...))``.
+whether the radix select unrolls); ``AutoSelection`` picks the fused Pallas indexer on a GPU
+(``uses_kernels``) and elsewhere the dense, the streaming or the gathered top-k,
+``AutoIndexerLoss`` the dense, the streaming or the gathered KL loss, both by one size rule
+(``streams``) and one rule for V4.1's pre-filter (``filter_bites``), ``AutoPicks`` a masked
+matmul or a gather for the attention over each query's picked entries (docs/memory.md,
+"Streaming top-k" and "Masked picks") and ``AutoAttention`` the Pallas attention kernel on a
+GPU, XLA's elsewhere (docs/kernels.md). Force a path by passing a concrete strategy instead
+(``DenseSelection()``, ``StreamingSelection(...)``, ``GatheredSelection()``,
+``PallasSelection(...)``, ``DenseIndexerLoss()``, ``StreamingIndexerLoss(...)``,
+``GatheredIndexerLoss()``, ``MaskedPicks()``, ``GatheredPicks()``, ``XlaAttention()``,
+``PallasAttention(...)``) and tile sizes by ``Execution(tiles=TileSizes(...))``.
 ``attention_query_block`` sizes the attention kernel's query blocks (``Execution(query_block=...)``
 forces one).
 """
@@ -20,8 +23,12 @@ from typing import ClassVar
 
 import equinox as eqx
 import jax
+from jax.sharding import AxisType
 from jaxtyping import Array, Int
 
+from ._attention_kernel import AbstractAttentionKernel
+from ._attention_pallas import PallasAttention
+from ._attention_xla import XlaAttention
 from ._candidates import CandidateVisibility
 from ._loss_dense import DenseIndexerLoss
 from ._loss_gathered import GatheredIndexerLoss
@@ -31,10 +38,12 @@ from ._problem import AbstractIndexerLoss, AbstractSelection, SelectionProblem
 from ._reads import Reads
 from ._selection_dense import DenseSelection
 from ._selection_gathered import GatheredSelection
+from ._selection_pallas import PallasSelection
 from ._selection_streaming import StreamingSelection
 from ._tiles import TileSizes, power_of_two_block, sparse_query_block
 
 __all__ = [
+    "AutoAttention",
     "AutoSelection",
     "AutoIndexerLoss",
     "AutoPicks",
@@ -43,6 +52,7 @@ __all__ = [
     "shared_tiles",
     "streams",
     "filter_bites",
+    "uses_kernels",
     "CPU_TILES",
     "ACCELERATOR_TILES",
     "attention_query_block",
@@ -85,6 +95,18 @@ def shared_tiles(tiles: TileSizes, devices: int) -> TileSizes:
         elements=share(tiles.elements, devices**2, 1 << 18),
         attention_elements=share(tiles.attention_elements, devices, 1 << 20),
     )
+
+
+def uses_kernels() -> bool:
+    """**Returns:** whether the automatic choices run the Pallas kernels (``PallasSelection``,
+    ``PallasAttention``): on a GPU (Triton), for the backend the computation is traced for,
+    where no mesh axis in context is sharded by the compiler (none, or all ``Manual``: inside
+    the placements' ``shard_map``; a kernel is one device's program). Not on the CPU, where
+    they run only in interpret mode (proven there, far slower than XLA), nor on a TPU, which
+    their design does not carry (docs/kernels.md)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    local = all(t == AxisType.Manual for t in getattr(mesh, "axis_types", ()))
+    return jax.default_backend() == "gpu" and local
 
 
 def tile_elements() -> int:
@@ -169,11 +191,14 @@ class _DenseOrStreaming(eqx.Module):
 
 
 class AutoSelection(_DenseOrStreaming, AbstractSelection):
-    """Dense while the largest score tensor ``[B, S, heads at once, T]`` fits one automatic
-    tile (``SelectionProblem.tiles.elements``: 2^24 elements on CPU, 2^26 on accelerators),
-    beyond it streaming (``streams``), or gathered where a V4.1 consumer's pre-filter bites
-    (``filter_bites``): ``DenseSelection``, ``StreamingSelection`` or ``GatheredSelection``.
-    A pre-filter that cannot bite is dropped first (the same picks).
+    """On a GPU (``uses_kernels``) the fused Pallas indexer, ``PallasSelection()``, for a
+    problem whose visibility has no biting V4.1 pre-filter. Otherwise dense while the largest
+    score tensor ``[B, S, heads at once, T]`` fits one automatic tile
+    (``SelectionProblem.tiles.elements``: 2^24 elements on CPU, 2^26 on accelerators), beyond
+    it streaming (``streams``), or gathered where a V4.1 consumer's pre-filter bites
+    (``filter_bites``): ``DenseSelection``, ``StreamingSelection`` or ``GatheredSelection``. A
+    pre-filter that cannot bite is dropped first (the same picks). Every choice selects the
+    same entries (bitwise where the scores are).
 
     **Arguments:**
 
@@ -184,17 +209,24 @@ class AutoSelection(_DenseOrStreaming, AbstractSelection):
     streaming = StreamingSelection
     gathered = GatheredSelection
 
-    def _method(self, problem: SelectionProblem) -> tuple[AbstractSelection, SelectionProblem]:
+    def strategy(self, problem: SelectionProblem) -> AbstractSelection:
+        """**Arguments:** the ``problem``.
+
+        **Returns:** ``PallasSelection()`` on a GPU unless a V4.1 pre-filter bites, else
+        ``choose`` of its sizes, tiles and pre-filter (of the problem with a pre-filter that
+        cannot bite dropped).
+        """
         problem = _unfiltered(problem)
         filtered = filter_bites(problem.visibility, problem.keys.shape[1])
-        return self.choose(*problem.sizes(), problem.tiles, filtered), problem
+        if not filtered and uses_kernels():
+            return PallasSelection()
+        return self.choose(*problem.sizes(), problem.tiles, filtered)
 
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
-        method, problem = self._method(problem)
-        return method.select(problem, k)
+        return self.strategy(problem).select(_unfiltered(problem), k)
 
     def select_candidates(self, problem, k, topk_blocks, block_size):
-        method, problem = self._method(problem)
+        method, problem = self.strategy(problem), _unfiltered(problem)
         return method.select_candidates(problem, k, topk_blocks, block_size)
 
 
@@ -239,6 +271,20 @@ class AutoPicks(AbstractPicks):
 
     def reads(self, keys, visibility, picks, values=None):
         return self.choose(keys.shape[1], picks.shape[-1]).reads(keys, visibility, picks, values)
+
+
+class AutoAttention(AbstractAttentionKernel):
+    """The attention kernel for the backend: ``PallasAttention()`` on a GPU (``uses_kernels``;
+    it reads every kind of ``Reads``), ``XlaAttention()`` elsewhere. The same outputs either
+    way up to float32 rounding. **Arguments:** none."""
+
+    def choose(self) -> AbstractAttentionKernel:
+        """**Returns:** ``PallasAttention()`` on a GPU, else ``XlaAttention()``."""
+        return PallasAttention() if uses_kernels() else XlaAttention()
+
+    def attend(self, q, reads, sinks, scale, *, return_lse=False, query_block):
+        kernel = self.choose()
+        return kernel.attend(q, reads, sinks, scale, return_lse=return_lse, query_block=query_block)
 
 
 def attention_query_block(batch: int, heads: int, reads: Reads, elements: int = 1 << 24) -> int:

@@ -20,8 +20,8 @@ import equinox as eqx
 from jaxtyping import Array, Float, Int
 
 from ._attention_kernel import AbstractAttentionKernel
-from ._attention_xla import XlaAttention
 from ._auto import (
+    AutoAttention,
     AutoIndexerLoss,
     AutoPicks,
     AutoSelection,
@@ -80,7 +80,7 @@ class Execution(eqx.Module):
     **Arguments:**
 
     - ``selection``: the indexer top-k strategy (``AutoSelection()``, ``DenseSelection()``,
-        ``StreamingSelection(key_block, query_block, topk_block)``,
+        ``StreamingSelection(key_block, query_block, topk_block)``, ``PallasSelection(...)``,
         ``ShardedSelection(inner, tensor_axis, data_axis)``).
     - ``picks``: how the attention reads the picked entries (``AutoPicks()``,
         ``MaskedPicks()``, ``GatheredPicks()``).
@@ -88,8 +88,9 @@ class Execution(eqx.Module):
         ``GatheredWindow()``: gathered token rows), in the forward and in ``extend``
         (there over the cached ring's rows, then the chunk's).
     - ``attention``: the attention kernel that computes the softmax over what each query reads
-        (``XlaAttention()``, the reference; any ``AbstractAttentionKernel``), in the
-        forward, the dense warm-up and ``extend``.
+        (``AutoAttention()``: ``PallasAttention()`` on a GPU, else ``XlaAttention()``, the
+        reference; any ``AbstractAttentionKernel``), in the forward, the dense warm-up and
+        ``extend``.
     - ``qk_head_chunk_size``: indexer heads (and, for the KL target, attention heads) scored
         at once (0 = all); must divide ``index_n_heads`` (and ``num_heads`` when the
         indexer loss is on).
@@ -116,8 +117,8 @@ class Execution(eqx.Module):
         (``AutoIndexerLoss()``, ``DenseIndexerLoss()``,
         ``StreamingIndexerLoss(key_block, query_block)``).
     - ``scorer``: the indexer's scoring kernel, used by every selection strategy and the loss
-        (``XlaScorer()``, the reference; ``BlockedScorer(key_block)``; any
-        ``AbstractScorer``).
+        (``XlaScorer()``, the reference; ``BlockedScorer(key_block)``;
+        ``PallasScorer(...)``; any ``AbstractScorer``).
     - ``tiles``: the tile sizes of the selection and the loss (``TileSizes``; ``None`` =
         ``csa_eqx._auto.backend_tiles()``, chosen for the backend when traced).
     """
@@ -125,7 +126,7 @@ class Execution(eqx.Module):
     selection: AbstractSelection = AutoSelection()
     picks: AbstractPicks = AutoPicks()
     window: AbstractWindow = BandWindow()
-    attention: AbstractAttentionKernel = XlaAttention()
+    attention: AbstractAttentionKernel = AutoAttention()
     qk_head_chunk_size: int = 0
     query_block: int = 0
     save_selection: bool = False
@@ -167,7 +168,7 @@ class Execution(eqx.Module):
         _require(
             isinstance(self.attention, AbstractAttentionKernel),
             "attention",
-            "must be a csa_eqx attention kernel (XlaAttention() or an AbstractAttentionKernel)",
+            "must be a csa_eqx attention kernel (AutoAttention(), XlaAttention(), ...)",
             self.attention,
         )
         axis = self.indexer_heads_axis

@@ -1,6 +1,8 @@
 """Walks over a jaxpr and every jaxpr nested in it (scan, while, cond, pjit, custom_vjp,
-checkpoint), shared by the tests that check which path was traced and what it holds."""
+checkpoint, a Pallas kernel's body), shared by the tests that check which path was traced and
+what it holds; and the lowering of a program for a GPU on this CPU-only machine."""
 
+import jax
 from jax.extend.core import jaxprs_in_params
 
 
@@ -22,3 +24,13 @@ def walk_avals(jaxpr):
 def primitives(jaxpr) -> set[str]:
     """Names of the primitives used anywhere in ``jaxpr``."""
     return {eqn.primitive.name for eqn in walk_eqns(jaxpr)}
+
+
+def gpu_lowering(fn, *args) -> str:
+    """The StableHLO text of ``jax.jit(fn)`` lowered for CUDA on an abstract H200 (no GPU
+    needed): Pallas kernels go through their Triton lowering (``__gpu$xla.gpu.triton`` custom
+    calls); nothing is compiled."""
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -1,5 +1,6 @@
-"""The scoring kernel seam: a second scorer (``BlockedScorer``) chosen through ``Execution``
-gives the reference's (``XlaScorer``) scores (bitwise where they are exact, else to float32
+"""The scoring kernel seam: the other scorers (``BlockedScorer``, the Pallas tile kernel
+``PallasScorer`` in interpret mode) chosen through ``Execution`` give the reference's
+(``XlaScorer``) scores (bitwise where they are exact, bf16 rounding included, else to float32
 rounding: XLA picks the dot per shape) and bitwise its selections on every selection path
 (dense, streaming, row-sharded) and in whole layers (V4 CSA, V3.2), and every path really
 scores through the problem's scorer.
@@ -9,6 +10,7 @@ test_topk_reference.py (integer inputs: exact scores, many exact ties, ties to t
 index).
 """
 
+import contextlib
 import pathlib
 
 import jax
@@ -24,6 +26,10 @@ from csa_eqx._topk import exact_topk
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCORERS = {"blocked-1": ce.BlockedScorer(1), "blocked-5": ce.BlockedScorer(5)}
+# the Pallas kernel (interpret mode: a compile per program) runs the checks of every scorer
+# below, and the selection paths on fewer seeds (test_kernel_scorer_selects_exact_ties)
+KERNEL = {"pallas": ce.PallasScorer(query_block=4, key_block=8)}
+ALL_SCORERS = SCORERS | KERNEL
 PATHS = {
     "dense": ce.DenseSelection(),
     "streaming": ce.StreamingSelection(key_block=3, query_block=5, topk_block=6),
@@ -55,7 +61,7 @@ def random_inputs(seed, b=2, s=9, h=4, d=8, t=13):
 
 @pytest.mark.parametrize("head_chunk", [0, 2])
 @pytest.mark.parametrize("score_dtype", [None, "bfloat16"])
-def test_blocked_scores_equal_the_reference(head_chunk, score_dtype):
+def test_scores_equal_the_reference(head_chunk, score_dtype):
     """Random inputs: the formula to float32 rounding (bf16 rounding with ``score_dtype``);
     small-integer inputs (exact scores): bitwise the reference's and the formula's."""
     kw = dict(head_chunk=head_chunk, score_dtype=score_dtype)
@@ -64,7 +70,7 @@ def test_blocked_scores_equal_the_reference(head_chunk, score_dtype):
         q, w, keys = (jnp.asarray(a, jnp.float32) for a in inputs)
         want = jax.jit(lambda *a: ce.XlaScorer().scores(*a, **kw))(q, w, keys)
         np.testing.assert_array_equal(want, ce.indexer_scores(q, w, keys, **kw))
-        for name, scorer in SCORERS.items():
+        for name, scorer in ALL_SCORERS.items():
             got = jax.jit(lambda *a, scorer=scorer: scorer.scores(*a, **kw))(q, w, keys)
             assert got.shape == want.shape and got.dtype == jnp.float32
             formula = numpy_scores(q, w, keys)
@@ -84,7 +90,7 @@ def test_gathered_scores_match_the_formula():
     gathered = gather_keys(keys, picks)  # [B, S, 3, d]
     full = numpy_scores(q, w, keys)
     want = np.take_along_axis(full, np.asarray(picks), axis=-1)
-    for scorer in (ce.XlaScorer(), *SCORERS.values()):
+    for scorer in (ce.XlaScorer(), *ALL_SCORERS.values()):
         for head_chunk in (0, 2):
             got = scorer.gathered_scores(q, w, gathered, head_chunk=head_chunk)
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -126,13 +132,49 @@ def test_selections_bitwise_equal_with_exact_ties(path):
             np.testing.assert_array_equal(got, want_neg, err_msg=f"{path} negated")
 
 
+@pytest.mark.parametrize("path", ["dense", "streaming", "sharded-streaming"])
+def test_kernel_scorer_selects_exact_ties(path):
+    """``test_selections_bitwise_equal_with_exact_ties`` for the Pallas scorer, on two seeds
+    (``k`` below and above the entry count) and the paths that call a scorer differently (all
+    entries at once, per key tile, per tile inside the row-sharded map; a kernel runs on an
+    Explicit mesh inside a ``shard_map`` only, as every placement runs it)."""
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"))
+    with jax.set_mesh(mesh) if path.startswith("sharded") else contextlib.nullcontext():
+        for seed, k in [(1, 5), (2, 20)]:
+            case = fixed_case(seed)
+            q, w, keys, qi, qs, end = case
+            want = brute_force(q, w, keys, qi, qs, end, np.asarray(layout_of(end, qs).segment), k)
+            got = select(path, KERNEL["pallas"], case, k)
+            np.testing.assert_array_equal(got, want, err_msg=f"{path} seed={seed}")
+
+
+def test_scorers_agree_bitwise_where_bf16_rounds():
+    """Integer inputs whose float32 scores are exact and whose bf16 rounding is real (logits in
+    the thousands): every scorer's bf16 scores are the reference's bitwise, with and without
+    head chunks. A scorer that ignored ``score_dtype`` would give the float32 scores, which
+    differ (the check can fail)."""
+    r = np.random.default_rng(5)
+    q = jnp.asarray(r.integers(-16, 17, (2, 9, 4, 16)), jnp.float32)
+    w = jnp.asarray(r.integers(-3, 4, (2, 9, 4)) * 4, jnp.float32)
+    keys = jnp.asarray(r.integers(-16, 17, (2, 13, 16)), jnp.float32)
+    for head_chunk in (0, 2):
+        kw = dict(head_chunk=head_chunk, score_dtype="bfloat16")
+        want = jax.jit(lambda *a, kw=kw: ce.XlaScorer().scores(*a, **kw))(q, w, keys)
+        exact = ce.indexer_scores(q, w, keys, head_chunk=head_chunk)
+        np.testing.assert_array_equal(exact, numpy_scores(q, w, keys))  # float32 is exact
+        assert (np.asarray(want) != np.asarray(exact)).mean() > 0.5  # bf16 rounds most
+        for name, scorer in ALL_SCORERS.items():
+            got = jax.jit(lambda *a, scorer=scorer, kw=kw: scorer.scores(*a, **kw))(q, w, keys)
+            np.testing.assert_array_equal(got, want, err_msg=f"{name} head_chunk={head_chunk}")
+
+
 def test_all_tied_scores_pick_the_lowest_slots():
     """Zero weights: every score is +0.0 in every scorer; picks are the lowest visible slots."""
     q, w, keys, qi, qs, end = fixed_case(3)
     case = (q, np.zeros_like(w), keys, qi, qs, end)
     seg = np.asarray(layout_of(end, qs).segment)
     want = brute_force(*case[:3], qi, qs, end, seg, 4)
-    for scorer in SCORERS.values():
+    for scorer in ALL_SCORERS.values():
         for path in ("dense", "streaming"):
             np.testing.assert_array_equal(select(path, scorer, case, 4), want, err_msg=path)
     assert want.shape == (B, S, 4) and T >= 4

@@ -121,20 +121,24 @@ def presence_dispatches(tree: ast.AST, strategy_module: bool) -> list[str]:
 
     - a branch (``if``, conditional expression) on ``... candidates is (not) None`` whose body
       does more than raise (a check that refuses bad wiring is not a path choice);
-    - ``isinstance`` against a visibility class (which visibility a problem has is the
-      choosers' business);
+    - ``isinstance`` against a visibility class outside such a refusal (which visibility a
+      problem has is the choosers' business; a strategy may refuse one it cannot serve);
     - in a selection or loss strategy module (``strategy_module``), any access to a
       ``.candidates`` / ``.candidate_block_size`` attribute: the filter reaches a strategy only
       through the visibility's calls.
     """
-    hits = []
+    hits, refusals = [], set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If | ast.IfExp):
             body = node.body if isinstance(node, ast.If) else [node.body]
-            refuses = all(isinstance(b, ast.Raise) for b in body)
-            if not refuses:
+            if all(isinstance(b, ast.Raise) for b in body):  # a refusal: its test is a check
+                refusals.update(id(n) for n in ast.walk(node.test))
+            else:
                 hits += [f"{node.lineno}: branch on {h}" for h in _presence_tests(node.test)]
-        elif (
+    for node in ast.walk(tree):
+        if id(node) in refusals:
+            continue
+        if (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Name)
             and node.func.id == "isinstance"
@@ -180,3 +184,5 @@ def test_the_presence_guard_catches_a_deliberate_dispatch():
     assert presence_dispatches(ast.parse(layer), False) == ["2: isinstance against a visibility"]
     check = "def f(shared):\n    if shared.candidates is None:\n        raise ValueError\n"
     assert presence_dispatches(ast.parse(check), False) == []
+    refusal = "def f(v):\n    if not isinstance(v, Visibility):\n        raise TypeError\n"
+    assert presence_dispatches(ast.parse(refusal), True) == []
