@@ -22,7 +22,6 @@ from . import _checks as checks
 from ._cache import AbstractCache
 from ._candidates import CandidateVisibility
 from ._decode import ChunkSource, chunk_rows
-from ._execution import Execution, check_stage, checked_execution
 from ._forward import Forward, V41Shared, carried, published
 from ._layout import Visibility, entry_visibility, segment_positions, token_rows
 from ._numerics import DeepSeekFormats
@@ -321,18 +320,18 @@ class AbstractIndexedAttention(eqx.Module):
         aux = {"selection": f.selection} if return_aux else None
         return _outputs((f.y.astype(dtype), f.source.cache_after()), after, aux)
 
-    def with_execution(self, execution: Execution):
+    def with_execution(self, execution):
         """The same parameters, run as ``execution`` says (e.g. another selection strategy).
 
-        **Arguments:** the ``csa_eqx.Execution`` (checked against the config).
+        **Arguments:** the ``csa_eqx.Execution`` (checked against the config:
+        ``Execution.checked``).
 
         **Returns:** a new layer sharing this one's arrays.
         """
         new = copy.copy(self)
         # a static field, so not a leaf ``eqx.tree_at`` could replace
-        object.__setattr__(
-            new, "execution", checked_execution(execution, self.config, self.formats)
-        )
+        checked = type(self.execution).checked(execution, self.config, self.formats)
+        object.__setattr__(new, "execution", checked)
         return new
 
     def stage(self, indexer_loss: str | None) -> str:
@@ -342,11 +341,10 @@ class AbstractIndexedAttention(eqx.Module):
 
         **Returns:** ``"off"``, ``"dense"`` or ``"sparse"``; a ``ValueError`` otherwise.
         """
-        stage = self.execution.indexer_loss if indexer_loss is None else indexer_loss
-        check_stage(stage)
-        if indexer_loss is not None:
-            self.execution.check(self.config.index_n_heads, self.config.num_heads, stage)
-        return stage
+        if indexer_loss is None:  # the execution's own, checked when it was made
+            return self.execution.indexer_loss
+        self.execution.check(self.config.index_n_heads, self.config.num_heads, indexer_loss)
+        return indexer_loss
 
 
 def _body(

@@ -85,14 +85,14 @@ class AbstractCompressor(eqx.Module):
     Every compressor holds ``compress_rate`` (tokens per window ``m``), ``overlap`` (CSA's
     windows also pool the previous window's other half), its entries' RoPE table (``rope``:
     ``roped``) and its RMSNorm epsilon ``eps``; an implementation adds its weights and
-    ``position_bias`` (``[m, width]``, added to the gates) and says its widths (``widths``).
+    ``position_bias`` (``[m, width]``, added to the gates: a field, or a property of its
+    static fields and weights) and says its widths (``widths``).
     """
 
     compress_rate: int = eqx.field(static=True)
     overlap: bool = eqx.field(static=True)
     rope: Rope = eqx.field(static=True)
     eps: float = eqx.field(static=True)
-    position_bias: eqx.AbstractVar[Float[Array, "m width"]]
 
     @abc.abstractmethod
     def project(self, x: Float[Array, "batch seq hidden"]) -> tuple[Array, Array]:

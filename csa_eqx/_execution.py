@@ -235,6 +235,23 @@ class Execution(eqx.Module):
                 f"{', '.join(f'{name}=None' for name in asked)})), which shares the weights"
             )
 
+    @classmethod
+    def checked(cls, execution: Execution | None, config, formats: DeepSeekFormats) -> Execution:
+        """**Arguments:** an ``Execution`` (``None``: ``Execution()``), a layer ``config`` and what
+        DeepSeek's inference quantises in the layer's family (``formats``).
+
+        **Returns:** the ``Execution``, checked against ``config`` (``TypeError`` /
+        ``ValueError``).
+        """
+        execution = cls() if execution is None else execution
+        if not isinstance(execution, Execution):
+            raise TypeError(
+                f"execution must be a csa_eqx.Execution (got {type(execution).__name__})"
+            )
+        execution.check(config.index_n_heads, config.num_heads, execution.indexer_loss)
+        execution.numerics.check(formats, config)
+        return execution
+
     def sharing(self, devices: int) -> Execution:
         """**Arguments:** the number of ``devices`` that share the sequence (context parallelism).
 
@@ -483,17 +500,8 @@ def _numerics(numerics: str | AbstractNumerics) -> AbstractNumerics:
 
 
 def checked_execution(execution: Execution | None, config, formats: DeepSeekFormats) -> Execution:
-    """**Arguments:** an ``Execution`` (``None``: ``Execution()``), a layer ``config`` and what
-    DeepSeek's inference quantises in the layer's family (``formats``).
-
-    **Returns:** the ``Execution``, checked against ``config`` (``TypeError`` / ``ValueError``).
-    """
-    execution = Execution() if execution is None else execution
-    if not isinstance(execution, Execution):
-        raise TypeError(f"execution must be a csa_eqx.Execution (got {type(execution).__name__})")
-    execution.check(config.index_n_heads, config.num_heads, execution.indexer_loss)
-    execution.numerics.check(formats, config)
-    return execution
+    """``Execution.checked``: **Arguments** and **Returns** as there."""
+    return Execution.checked(execution, config, formats)
 
 
 def loader_execution(execution: Execution | None, flags: dict) -> Execution:

@@ -34,8 +34,8 @@ def projected_indexer_kl_loss(
         ``scorer`` scores and its ``tiles`` size the automatic tiles.
     - ``target``: the main attention (detached), as in ``indexer_kl_loss``.
     - ``selection``: ``None`` for the dense warm-up (candidates = every entry
-        ``problem.visibility`` lets a query pick), else the sparse stage's top-k ``[B, S, k]`` (``-1`` =
-        none).
+        ``problem.visibility`` lets a query pick), else the sparse stage's top-k ``[B, S, k]``
+        (``-1`` = none).
     - ``method``: the loss strategy (``AutoIndexerLoss()``, ``DenseIndexerLoss()``,
         ``StreamingIndexerLoss(key_block, query_block)``); the layers use
         ``Execution.indexer_kl``.

@@ -140,7 +140,7 @@ def test_weight_shards_are_one_over_the_axis():
     inner = shard_map.params["jaxpr"].invars[-len(named) - 1 - rows : -1 - rows]
     split_bytes = whole_bytes = 0
     for (path, leaf), var in zip(named, inner, strict=True):
-        name = path[0].name if len(path) == 1 else None
+        name = path[1].name if len(path) == 2 and path[0].name == "block" else None
         local = var.aval.shape
         if name in HEAD_SPLIT:
             d = HEAD_SPLIT[name]

@@ -181,7 +181,8 @@ def assert_trains_only(grads: dict[str, np.ndarray], indexer: set[str]) -> None:
 def test_indexer_loss_trains_only_the_indexer(stage):
     layer, x = small_layer(stage)
     grads = grads_by_leaf(indexer_loss_of, layer, x)
-    indexer = {n for n in grads if n.startswith(".indexer.")}
+    # the indexer's heads and its own key compressor
+    indexer = {n for n in grads if n.startswith((".indexer.", ".index_compressor."))}
     assert len(indexer) == 6
     assert_trains_only(grads, indexer)
 
@@ -191,9 +192,12 @@ def test_output_gives_the_indexer_no_gradient(stage):
     layer, x = small_layer(stage)
     grads = grads_by_leaf(output_loss_of, layer, x)
     for name, g in grads.items():
-        if name.startswith(".indexer."):
+        if name.startswith((".indexer.", ".index_compressor.")):
             assert (g == 0).all(), f"{name} gets gradient from the layer output"
-    assert np.abs(grads[".q_a_proj"]).max() > 0 and np.abs(grads[".compressor.kv_proj"]).max() > 0
+    assert (
+        np.abs(grads[".block.q_a_proj"]).max() > 0
+        and np.abs(grads[".compressor.kv_proj"]).max() > 0
+    )
 
 
 def test_loss_absent_when_off_or_without_indexer():

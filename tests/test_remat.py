@@ -265,7 +265,8 @@ def test_v41_stack_saves_one_selection_per_index_source():
     _, published = jax.eval_shape(csa_eqx.run_v41_stack, layers, x)
     per_layer = [
         count_prim(
-            jax.make_jaxpr(lambda x, s, m=m: m(x, s))(x, published[i - 1] if i else None), TOPK
+            jax.make_jaxpr(lambda x, s, m=m: m(x, shared=s))(x, published[i - 1] if i else None),
+            TOPK,
         )
         for i, m in enumerate(layers)
     ]

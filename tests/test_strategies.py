@@ -54,7 +54,7 @@ def reference_selection(layer, x, seg):
     layout = ce.entry_layout(seg, c.compress_rate)
     q = np.asarray(ix.queries(qr, positions), np.float64)
     w = np.asarray(ix.head_weights(x), np.float64) * c.index_head_dim**-0.5
-    keys = np.asarray(ix.compressor(x, positions, layout), np.float64)
+    keys = np.asarray(layer.index_compressor(x, positions, layout), np.float64)
     scores = np.einsum("bsh,bsht->bst", w, np.maximum(np.einsum("bshd,btd->bsht", q, keys), 0))
     qi = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
     visible = np.asarray(ce.entry_visibility(qi, seg, layout))

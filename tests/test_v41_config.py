@@ -149,8 +149,9 @@ def test_loader_names_and_errors():
     )
     assert "compressor.gate_proj" not in names[1]  # ratio 1 has no gate
     assert set(names[2]) == {
-        "q_a_proj", "q_a_norm", "q_b_proj", "kv_proj", "kv_norm", "o_a_proj", "o_b_proj",
-        "sinks", "indexer.q_b_proj", "indexer.weights_proj",
+        "block.q_a_proj", "block.q_a_norm", "block.q_b_proj", "block.kv_proj", "block.kv_norm",
+        "block.o_a_proj", "block.o_b_proj", "block.sinks", "indexer.q_b_proj",
+        "indexer.weights_proj",
     }  # fmt: skip
     layer = ce.V41Attention(c, 5, key=jax.random.key(1))
     tensors = {f"layers.5.attn.{n}": _get(layer, p) for p, n in names[2].items()}

@@ -122,7 +122,7 @@ def test_losses_match_numpy_and_streaming_and_train_only_indexers(stage):
         reads, cands = (visible, dense_cands) if stage == "dense" else (picked, picked)
         arrays = {k: np.asarray(v) for k, v in part.items() if k not in ("selection", "loss")}
         want = kl_np(**arrays, reads=reads, cands=cands)
-        assert want > 0.01
+        assert want > 5e-3  # well away from 0 (the comparisons below are relative)
         np.testing.assert_allclose(float(part["loss"]), want, rtol=1e-5)
 
     layers_s = [layer.with_execution(ce.Execution(indexer_kl=STREAMING)) for layer in layers]

@@ -237,7 +237,7 @@ def test_indexer_scores_match_hf():
     pos = jnp.broadcast_to(jnp.arange(s), (b, s))
     qr = jnp.asarray(hf_layer.q_a_norm(hf_layer.q_a_proj(torch.tensor(x))).detach().numpy())
     xj, ix = jnp.asarray(x), layer.indexer
-    keys = ix.compressor(xj, pos, entry_layout(jnp.zeros((b, s), jnp.int32), 4))
+    keys = layer.index_compressor(xj, pos, entry_layout(jnp.zeros((b, s), jnp.int32), 4))
     got = np.asarray(indexer_scores(ix.queries(qr, pos), ix.head_weights(xj), keys))
     t = got.shape[-1]
     visible = np.broadcast_to(np.arange(t)[None] < ((np.arange(s) + 1) // 4)[:, None], got.shape)
