@@ -277,19 +277,11 @@ def test_v41_stack_sharded_topk_bitwise():
     the tensor axis) on a (data 2, tensor 4) mesh, 26 rows (padded to 28): both selections and
     the candidate blocks are bitwise the unsharded stack's; the outputs within float
     tolerance."""
-    from test_v41_config import SIZES
+    from test_v41_layers import candidate_pair
 
     import csa_eqx as ce
 
-    config = ce.V41AttentionConfig(
-        compress_ratios=(1, 1),
-        kv_source_layers=(0,),
-        index_source_layers=(0, 1),
-        candidate_source_layer=0,
-        candidate_topk_blocks=2,
-        candidate_block_size=4,
-        **{**SIZES, "index_n_heads": 4},  # the index heads split over the 4 tensor devices
-    )
+    config = candidate_pair(2, 4, index_n_heads=4)  # the index heads split over 4 devices
     keys = jax.random.split(jax.random.key(0), config.num_layers)
 
     def stack(execution=None):

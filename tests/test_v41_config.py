@@ -186,6 +186,19 @@ _HF_SMALL = {
 }  # fmt: skip
 
 
+def _hf_defaults(**fields) -> dict:
+    """``_HF_SMALL`` with ModelArgs' defaults spelt out as transformers writes them, and
+    ``fields``."""
+    defaults = dict(
+        rope_theta=10000,
+        rms_norm_eps=1e-20,
+        candidate_source_layer_id=-1,
+        candidate_topk_blocks=0,
+        candidate_block_size=0,
+    )
+    return {**_HF_SMALL, **defaults, **fields}
+
+
 def test_native_config_takes_modelargs_defaults():
     """DeepSeek's ``inference/config.json`` may omit the keys its ``ModelArgs`` defaults:
     ``compress_rope_theta`` 40000, ``rope_theta`` 10000, ``norm_eps`` 1e-20, no YaRN
@@ -200,15 +213,7 @@ def test_native_config_takes_modelargs_defaults():
         1e-20,
         -1,
     )
-    hf = dict(
-        _HF_SMALL,
-        rope_theta=10000,
-        compress_rope_theta=40000,
-        rms_norm_eps=1e-20,
-        candidate_source_layer_id=-1,
-        candidate_topk_blocks=0,
-        candidate_block_size=0,
-    )
+    hf = _hf_defaults(compress_rope_theta=40000)
     assert v41_config_from_hf(hf) == native
     assert v41_config_from_hf({"model_type": "deepseek_v41", "text_config": hf}) == native
 
@@ -230,16 +235,7 @@ def test_both_spellings_read_non_default_yarn_betas():
         "beta_fast": 24,
         "beta_slow": 2,
     }
-    hf = dict(
-        _HF_SMALL,
-        rope_theta=10000,
-        compress_rope_theta=160000,
-        rms_norm_eps=1e-20,
-        candidate_source_layer_id=-1,
-        candidate_topk_blocks=0,
-        candidate_block_size=0,
-        rope_scaling=scaling,
-    )
+    hf = _hf_defaults(compress_rope_theta=160000, rope_scaling=scaling)
     assert v41_config_from_hf(hf) == native
     s = native.rope_scaling
     assert (s.factor, s.original_max_position_embeddings, s.beta_fast, s.beta_slow) == (

@@ -186,19 +186,25 @@ def _np_topk(scores, allowed, k):
     return out
 
 
-def _consumer_case(nb: int, bc: int, k: int, selection: ce.AbstractSelection, s: int = 23):
-    """A ratio-1 candidate source (layer 0) and its reindex consumer (layer 1) over ``s``
-    tokens: the consumer's selection, and a numpy top-k within the published candidates' mask
-    over the scores of the consumer's own queries against the published keys."""
-    config = ce.V41AttentionConfig(
+def candidate_pair(nb: int, bc: int, **sizes) -> ce.V41AttentionConfig:
+    """Two ratio-1 layers: a KV source that is the candidate source (``Nb``, ``bc``) and a
+    reindex consumer within its candidates; ``SIZES`` with ``sizes`` changed."""
+    return ce.V41AttentionConfig(
         compress_ratios=(1, 1),
         kv_source_layers=(0,),
         index_source_layers=(0, 1),
         candidate_source_layer=0,
         candidate_topk_blocks=nb,
         candidate_block_size=bc,
-        **{**SIZES, "index_topk": k},
+        **{**SIZES, **sizes},
     )
+
+
+def _consumer_case(nb: int, bc: int, k: int, selection: ce.AbstractSelection, s: int = 23):
+    """A ratio-1 candidate source (layer 0) and its reindex consumer (layer 1) over ``s``
+    tokens: the consumer's selection, and a numpy top-k within the published candidates' mask
+    over the scores of the consumer's own queries against the published keys."""
+    config = candidate_pair(nb, bc, index_topk=k)
     execution = ce.Execution(selection=selection)
     layers = [
         ce.V41Attention(config, i, key=jax.random.key(i), execution=execution) for i in (0, 1)
@@ -249,15 +255,7 @@ def test_capacity_at_its_boundary():
     rows = np.indices(picks.shape)
     assert late[rows[0], rows[1], np.maximum(picks, 0)][picks >= 0].all()
     with pytest.raises(ValueError, match="at least index_topk=4"):
-        ce.V41AttentionConfig(
-            compress_ratios=(1, 1),
-            kv_source_layers=(0,),
-            index_source_layers=(0, 1),
-            candidate_source_layer=0,
-            candidate_topk_blocks=3,
-            candidate_block_size=1,
-            **SIZES,
-        )
+        candidate_pair(3, 1)
 
 
 def test_a_mixed_stack_runs_through_one_protocol():

@@ -54,6 +54,10 @@ INDEPENDENT = {
     "tests/test_formats.py": "numpy reference of the formats",
     "tests/test_v41_loss.py": "numpy KL formula (float64)",
     "tests/test_v41_reference.py": "DeepSeek's V4.1 inference code (fixtures)",
+    "tests/test_v41_layers.py::test_consumer_within_a_partial_last_candidate_block": (
+        "numpy brute force"
+    ),
+    "tests/test_v41_layers.py::test_capacity_at_its_boundary": "numpy brute force",
 }
 
 
@@ -111,9 +115,9 @@ MUTATIONS = [
     Mutation(
         "rope_derotation_sign",
         "V4 output de-rotated at +t instead of -t",
-        "csa_eqx/_v4.py",
-        "o = apply_rope_interleaved(o, -positions[..., None], self.inv_freq)",
-        "o = apply_rope_interleaved(o, positions[..., None], self.inv_freq)",
+        "csa_eqx/_v4_block.py",
+        "o = self.rope.interleaved(o, -positions[..., None])",
+        "o = self.rope.interleaved(o, positions[..., None])",
         ("tests/test_v4_parity.py::test_matches_hf", "tests/test_decode_hf.py"),
     ),
     Mutation(
@@ -136,11 +140,37 @@ MUTATIONS = [
     ),
     Mutation(
         "v41_warmup_loss_ignores_candidates",
-        "V4.1 consumer's dense-stage KL over every visible entry, not only its candidates",
-        "csa_eqx/_loss_dense.py",
-        "                candidates &= candidate_mask(problem.candidates, bc, keys.shape[1])\n",
-        "                pass\n",
+        "V4.1 consumer's mask (dense selection, dense-stage KL) over every visible entry, not "
+        "only its candidates",
+        "csa_eqx/_candidates.py",
+        "        return visible & candidate_mask("
+        "self.candidates, self.block_size, visible.shape[-1])",
+        "        return visible",
         ("tests/test_v41_loss.py",),
+    ),
+    Mutation(
+        "v41_tile_filter_widened",
+        "V4.1 consumer's key tiles see their visible entries or the candidates (union, not both)",
+        "csa_eqx/_candidates.py",
+        "        return self.base.tile(start, width) & jnp.take_along_axis(",
+        "        return self.base.tile(start, width) | jnp.take_along_axis(",
+        ("tests/test_v41_layers.py::test_consumer_within_a_partial_last_candidate_block",),
+    ),
+    Mutation(
+        "v41_filter_never_bites",
+        "the automatic choices drop every V4.1 pre-filter (the rule that it bites always false)",
+        "csa_eqx/_auto.py",
+        "    return -(-entries // visibility.block_size) > visibility.candidates.shape[-1]\n",
+        "    return False\n",
+        ("tests/test_v41_reference.py", "tests/test_v41_layers.py::test_capacity_at_its_boundary"),
+    ),
+    Mutation(
+        "v41_selection_not_published",
+        "a V4.1 index source does not publish its top-k (reuse layers read an earlier one)",
+        "csa_eqx/_sources.py",
+        "            fields = dict(fields, selection=selection, stale_keys=None)",
+        "            fields = dict(fields, stale_keys=None)",
+        ("tests/test_v41_reference.py",),
     ),
     Mutation(
         "v41_candidates_not_pinned",
@@ -169,11 +199,9 @@ MUTATIONS = [
     Mutation(
         "v4_indexer_queries_unscaled",
         "V4 indexer queries rotated without YaRN",
-        "csa_eqx/_v4.py",
-        "        inv_freq = rope_inv_freq(c.rope_dim, c.compress_rope_theta, c.rope_scaling)\n"
-        "        return apply_rope_interleaved(q, positions[..., None], inv_freq)",
-        "        inv_freq = rope_inv_freq(c.rope_dim, c.compress_rope_theta)\n"
-        "        return apply_rope_interleaved(q, positions[..., None], inv_freq)",
+        "csa_eqx/_indexer_heads.py",
+        "        self.rope = Rope(c.rope_dim, c.compress_rope_theta, c.rope_scaling)",
+        "        self.rope = Rope(c.rope_dim, c.compress_rope_theta)",
         (
             "tests/test_v4_parity.py::test_yarn_with_fewer_picks_than_entries_matches_hf",
             "tests/test_deepseek_reference.py",
@@ -190,8 +218,8 @@ MUTATIONS = [
     Mutation(
         "v4_head_weights_rescaled",
         "V4 indexer head weights without the H^-1/2 factor (selections unchanged)",
-        "csa_eqx/_v4.py",
-        "        return linear(x, self.weights_proj).astype(jnp.float32) * c.index_n_heads**-0.5",
+        "csa_eqx/_indexer_heads.py",
+        "        return linear(x, self.weights_proj).astype(jnp.float32) * self.heads**-0.5",
         "        return linear(x, self.weights_proj).astype(jnp.float32)",
         ("tests/test_v4_parity.py::test_indexer_scores_match_hf",),
     ),
@@ -199,15 +227,15 @@ MUTATIONS = [
         "numerics_no_hadamard",
         "DeepSeekInference quantises the indexer without the Hadamard rotation",
         "csa_eqx/_deepseek_numerics.py",
-        "        rotated = hadamard(v)\n",
-        "        rotated = v.astype(jnp.float32)\n",
+        "        rotated = hadamard(v) if formats.hadamard else v\n",
+        "        rotated = v\n",
         ("tests/test_numerics.py::test_matches_deepseeks_quantised_inference",),
     ),
     Mutation(
         "numerics_kv_not_rounded",
         "DeepSeekInference leaves V4's KV unrounded (V4-Pro's FP8 round trip dropped)",
         "csa_eqx/_deepseek_numerics.py",
-        "        return jnp.concatenate([nope.astype(kv.dtype), rope], axis=-1)",
+        "        return jnp.concatenate([round_to(nope, kv.dtype), rope], axis=-1)",
         "        return kv",
         ("tests/test_numerics.py::test_matches_deepseeks_quantised_inference",),
     ),
