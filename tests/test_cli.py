@@ -71,6 +71,9 @@ def test_control_configs():
     assert [dense.stage(p) for p in ("dense", "warmup", "sparse")] == ["dense"] * 3
     assert [cfg.stage(p) for p in ("dense", "warmup", "sparse")] == ["dense", "dense", "sparse"]
     assert (dense.seq_len_at(10), dense.total_steps) == (cfg.seq_len_at(10), cfg.total_steps)
+    v41 = TrainConfig(family="v41")  # the family's default schedule
+    assert v41.model_config().layers == ("full", "sliding", "reindex")
+    assert v41.control("sliding").model_config().layers == ("sliding",) * 3
     with pytest.raises(ValueError, match="has no controls of its own"):
         TrainConfig(variant="dense")
     with pytest.raises(ValueError, match="controls must be distinct names"):
@@ -93,6 +96,7 @@ def test_control_configs():
         (["train", "--name", ".."], "argument --name: run name must be one folder name"),
         (["train", "--name", ""], "argument --name: run name must be one folder name"),
         (["train", "--controls", "full"], "argument --controls: controls must be 'none' or"),
+        (["train", "--family", "v5"], "argument --family: must be one of v4, v41"),
         (["inspect", "--preset", "v5"], "invalid choice"),
         (["inspect", "--layer", "mla"], "invalid choice"),
         (["frobnicate"], "invalid choice"),

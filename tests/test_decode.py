@@ -311,3 +311,27 @@ def test_matches_hf_cached_path():
     for h in hooks:
         h.remove()
     assert checked >= 0.7 * b * (s + steps), checked
+
+
+def test_v41_decoder_lm_decodes_as_it_runs():
+    """The demo LM hosts a V4.1 stack (a KV source, a sliding layer, a reindex layer) through
+    the one layer protocol: its chunked prefill and decode steps (``DecoderLM.extend``, the
+    published state threaded) give the full forward's logits."""
+    cfg = LMConfig(
+        vocab_size=50,
+        layers=("full", "sliding", "reindex"),
+        family="v41",
+        attention=tiny("csa", hidden_size=D),
+    )
+    assert [cfg.v41_config().role(i) for i in range(3)] == ["full", "sliding", "reindex"]
+    model = randomise(DecoderLM(cfg, key=jax.random.key(0)), 2)
+    tokens = jax.random.randint(jax.random.key(3), (2, 14), 0, 50)
+    want = np.asarray(eqx.filter_jit(lambda m, t: m(t))(model, tokens))
+    step = eqx.filter_jit(lambda m, t, c: m.extend(t, c))
+    caches, got = model.init_caches(2, 16), []
+    for s0, s1 in [(0, 6), (6, 7), (7, 14)]:
+        logits, caches = step(model, tokens[:, s0:s1], caches)
+        got.append(np.asarray(logits))
+    np.testing.assert_allclose(np.concatenate(got, 1), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="sliding/full/reindex/reuse for the v41 family"):
+        LMConfig(vocab_size=50, layers=("csa",), family="v41")
