@@ -193,8 +193,8 @@ def test_extend_empty_chunk_changes_nothing(name, no_hook):
     layer = _layer(name)
     if name == "v41-reuse":  # its source's chunk first: it reads what that publishes
         source = _layer("v41")
-        _, _, shared = source.extend(X, source.init_cache(2, 32), shared=csa_eqx.V41Shared())
-        cache = layer.extend(X, layer.init_cache(2, 32), shared=shared)[1]
+        shared = EXTEND(source, X, source.init_cache(2, 32), shared=csa_eqx.V41Shared())[2]
+        cache = EXTEND(layer, X, layer.init_cache(2, 32), shared=shared)[1]
     else:
         cache = EXTEND(layer, X, layer.init_cache(2, 32))[1]
     y, after, aux = layer.extend(X[:, :0], cache, return_aux=True)

@@ -165,11 +165,11 @@ MUTATIONS = [
         ("tests/test_v41_reference.py", "tests/test_v41_layers.py::test_capacity_at_its_boundary"),
     ),
     Mutation(
-        "v41_selection_not_published",
-        "a V4.1 index source does not publish its top-k (reuse layers read an earlier one)",
+        "v41_consumer_ignores_candidates",
+        "a V4.1 index source after the candidate source picks from every visible entry",
         "csa_eqx/_sources.py",
-        "            fields = dict(fields, selection=selection, stale_keys=None)",
-        "            fields = dict(fields, stale_keys=None)",
+        "        seen = self.candidates.visibility(visibility, shared)\n",
+        "        seen = visibility\n",
         ("tests/test_v41_reference.py",),
     ),
     Mutation(
