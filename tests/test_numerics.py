@@ -322,14 +322,6 @@ def test_one_deepseek_numerics_for_every_family():
 
 # the sizes of a V4.1 layer DeepSeek's formats take (head_dim, index_head_dim multiples of 32)
 V41_SIZES = dict(
-    num_heads=2,
-    head_dim=64,
-    rope_dim=16,
-    q_lora_rank=32,
-    o_groups=2,
-    o_lora_rank=16,
-    sliding_window=4,
-    index_n_heads=2,
-    index_head_dim=32,
-    index_topk=2,
-)
+    num_heads=2, head_dim=64, rope_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16,
+    sliding_window=4, index_n_heads=2, index_head_dim=32, index_topk=2,
+)  # fmt: skip

@@ -5,19 +5,11 @@ import pytest
 
 import csa_eqx as ce
 
+# the tiny V4.1 sizes of the V4.1 tests
 SIZES = dict(
-    hidden_size=32,
-    num_heads=4,
-    head_dim=16,
-    rope_dim=8,
-    q_lora_rank=16,
-    o_groups=2,
-    o_lora_rank=8,
-    sliding_window=4,
-    index_n_heads=2,
-    index_head_dim=16,
-    index_topk=4,
-)
+    hidden_size=32, num_heads=4, head_dim=16, rope_dim=8, q_lora_rank=16, o_groups=2,
+    o_lora_rank=8, sliding_window=4, index_n_heads=2, index_head_dim=16, index_topk=4,
+)  # fmt: skip
 
 
 def config(**kw):
