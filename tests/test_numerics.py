@@ -42,22 +42,26 @@ def test_matches_deepseeks_quantised_inference(name):
 
 
 @pytest.mark.torch
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 33: the layers hold FP8 checkpoint tensors dequantised and project in bf16; "
-    "DeepSeek quantises each projection's input (numerics.linear with an Fp8Weight, not "
-    "wired yet), and FP8 activations then need DeepSeek's bf16 roundings before them (V4: "
-    "numerics.head_norm, numerics.attention_weights; V3.2: the expanded MLA of its prefill)",
-)
 @pytest.mark.parametrize("name", ["q8_v32", "q8_v4_csa_pro", "q8_v4_hca_flash"])
 def test_matches_deepseeks_quantised_inference_on_fp8_checkpoints(name):
     """DeepSeek's code on FP8 checkpoint folders (E4M3 128 x 128 tiles, power-of-two scales,
-    the released configs' keys): the issue's bar, not met yet (docs/numerics.md measures the
-    cases; benchmarks/numerics_agreement.py runs them all)."""
-    from benchmarks.numerics_agreement import QUANTISED, agreement
+    the released configs' keys), loaded with ``numerics="deepseek"``: the FP8 projections kept
+    as ``Fp8Weight`` (V4's ``o_a_proj`` dequantised, as DeepSeek's ``convert.py``), run jitted;
+    the issue's bar (benchmarks/numerics_agreement.py runs every case; docs/numerics.md)."""
+    from benchmarks.numerics_agreement import QUANTISED, agreement, load
 
     overlap, _, err = agreement(name, ce.DeepSeekInference(kv_fp8=QUANTISED[name][3]))
     assert overlap >= 0.99 and err <= 1e-2, (overlap, err)
+    layer, _ = load(name, numerics="deepseek")
+    exact, _ = load(name)
+    if name == "q8_v32":
+        held = [layer.q_a_proj, layer.kv_b_proj, layer.o_proj, layer.indexer.wk]
+        floats = [exact.q_a_proj, exact.kv_b_proj]
+    else:
+        held = [layer.block.q_a_proj, layer.block.kv_proj, layer.block.o_b_proj]
+        floats = [layer.block.o_a_proj, exact.block.q_a_proj]
+    assert all(isinstance(w, ce.Fp8Weight) for w in held)
+    assert not any(isinstance(w, ce.Fp8Weight) for w in floats)
 
 
 @pytest.mark.torch
