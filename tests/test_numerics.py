@@ -75,18 +75,69 @@ def test_loader_keyword_reads_the_scale_format():
 
 
 NUMERICS = ce.DeepSeekInference(kv_fp8=True)
+# the projections an FP8 checkpoint stores in FP8 and DeepSeek's code multiplies as FP8
+FP8_PATHS = {
+    "v32": (
+        "q_a_proj",
+        "q_b_proj",
+        "kv_a_proj_with_mqa",
+        "kv_b_proj",
+        "o_proj",
+        "indexer.wq_b",
+        "indexer.wk",
+    ),
+    "v4": (
+        "block.q_a_proj",
+        "block.q_b_proj",
+        "block.kv_proj",
+        "block.o_b_proj",
+        "indexer.q_b_proj",
+    ),
+}
 
 
-def numerics_layer(kind: str, **options):
+def fp8_weight(w: np.ndarray, block: int) -> ce.Fp8Weight:
+    """``w`` as DeepSeek's releases store it: E4M3 values, one power-of-two scale
+    ``2^ceil(log2(amax / 448))`` per ``block x block`` tile (ragged at the edges)."""
+    out, inp = w.shape
+    grid = (-(-out // block), -(-inp // block))
+    scale = np.ones(grid, np.float32)
+    values = np.zeros(w.shape, np.float32)
+    for i, j in np.ndindex(grid):
+        tile = np.s_[i * block : (i + 1) * block, j * block : (j + 1) * block]
+        scale[i, j] = 2.0 ** np.ceil(np.log2(np.abs(w[tile]).max() / 448))
+        values[tile] = w[tile] / scale[i, j]
+    q = jnp.asarray(values.astype(ml_dtypes.float8_e4m3fn))
+    return ce.Fp8Weight(q, jnp.asarray(scale), (block, block))
+
+
+def with_fp8(layer, block: int = 8):
+    """``layer`` with the projections of ``FP8_PATHS`` it holds as ``Fp8Weight`` (``block``-wide
+    tiles: the tiny layers' widths are multiples of 8), as a loader keeps them."""
+    for path in FP8_PATHS["v32" if isinstance(layer, ce.V32Attention) else "v4"]:
+
+        def get(m, path=path):
+            for name in path.split("."):
+                m = getattr(m, name)
+            return m
+
+        if layer.indexer is not None or not path.startswith("indexer."):
+            layer = eqx.tree_at(get, layer, fp8_weight(np.asarray(get(layer)), block))
+    return layer
+
+
+def numerics_layer(kind: str, fp8: bool = True, **options):
     """A tiny random layer whose sizes DeepSeek's formats take (indexer 32 / 128 wide, 64
     non-rotary KV channels, V3.2's latent 128 wide), run with ``NUMERICS`` and the
-    ``Execution.from_options``."""
+    ``Execution.from_options``; with ``fp8``, its projections ``Fp8Weight`` (``with_fp8``)."""
     ex = ce.Execution.from_options(numerics=NUMERICS, **options)
     if kind == "v32":
         cfg = tiny_v32(index_head_dim=128, kv_lora_rank=128)
-        return randomise(ce.V32Attention(cfg, key=jax.random.key(0), execution=ex))
-    cfg = tiny(kind, head_dim=72, index_head_dim=32, sliding_window=6, index_topk=4)
-    return randomise(ce.V4Attention(cfg, key=jax.random.key(0), execution=ex))
+        layer = randomise(ce.V32Attention(cfg, key=jax.random.key(0), execution=ex))
+    else:
+        cfg = tiny(kind, head_dim=72, index_head_dim=32, sliding_window=6, index_topk=4)
+        layer = randomise(ce.V4Attention(cfg, key=jax.random.key(0), execution=ex))
+    return with_fp8(layer) if fp8 else layer
 
 
 def forward(layer, x, seg):
@@ -94,19 +145,21 @@ def forward(layer, x, seg):
 
 
 @pytest.mark.parametrize(
-    "kind, options",
+    "kind, fp8, options",
     [
-        ("csa", dict(indexer_sharded_topk=True, qk_head_chunk_size=2, indexer_key_block=4)),
-        ("csa", dict(context_parallel=True, head_parallel=True, indexer_sharded_topk=True)),
-        ("hca", dict(context_parallel=True, head_parallel=True)),
-        ("v32", dict(context_parallel=True, head_parallel=True, indexer_sharded_topk=True)),
+        ("csa", False, dict(indexer_sharded_topk=True, qk_head_chunk_size=2, indexer_key_block=4)),
+        ("csa", True, dict(context_parallel=True, head_parallel=True, indexer_sharded_topk=True)),
+        ("hca", False, dict(context_parallel=True, head_parallel=True)),
+        ("v32", True, dict(context_parallel=True, head_parallel=True, indexer_sharded_topk=True)),
     ],
     ids=["csa-sharded-streaming", "csa-context-heads", "hca-context-heads", "v32-context-heads"],
 )
-def test_parallel_selections_equal_one_device(kind, options):
+def test_parallel_selections_equal_one_device(kind, fp8, options):
     """With the numerics on, the row-sharded top-k and context x head parallelism select
-    exactly what one device selects; outputs agree to bf16 rounding."""
-    one = numerics_layer(kind)
+    exactly what one device selects; outputs agree to bf16 rounding. With FP8 projections
+    (``Fp8Weight``: DeepSeek's FP8 products) too: head parallelism splits their values and
+    tile scales; the others are bf16-weight layers."""
+    one = numerics_layer(kind, fp8)
     many = one.with_execution(ce.Execution.from_options(numerics=NUMERICS, **options))
     x = jax.random.normal(jax.random.key(1), (2, 64, one.config.hidden_size))
     seg = packed_segments(2, 64)
@@ -123,9 +176,10 @@ def test_parallel_selections_equal_one_device(kind, options):
 
 @pytest.mark.parametrize("kind", ["csa", "hca", "v32"])
 def test_decode_equals_the_forward(kind):
-    """Prefill, then chunks of 5 and single tokens through ``extend``: the same selections as
-    the full forward, outputs to bf16 rounding."""
-    layer = numerics_layer(kind)
+    """Prefill, then chunks of 5 and single tokens through ``extend`` (CSA and V3.2 with FP8
+    projections, V3.2 in DeepSeek's expanded form over the cache; HCA on bf16 weights): the
+    same selections as the full forward, outputs to bf16 rounding."""
+    layer = numerics_layer(kind, fp8=kind != "hca")
     s = 40
     x = jax.random.normal(jax.random.key(2), (2, s, layer.config.hidden_size))
     want_y, want_aux = jax.jit(lambda m, x: m(x, return_aux=True))(layer, x)
@@ -147,8 +201,8 @@ def test_decode_equals_the_forward(kind):
 
 def test_indexer_trains_through_the_quantisation():
     """The indexer loss' gradient reaches the indexer's weights through the round trips
-    (straight-through), finite and non-zero."""
-    layer = numerics_layer("csa")
+    (straight-through), finite and non-zero (float weights: an ``Fp8Weight`` is frozen)."""
+    layer = numerics_layer("csa", fp8=False)
     x = jax.random.normal(jax.random.key(3), (1, 32, layer.config.hidden_size))
 
     def loss(layer):
@@ -172,6 +226,16 @@ def test_sizes_the_formats_cannot_take_are_named():
         ce.Execution.from_options(numerics="fp8")
     with pytest.raises(ValueError, match=r"scale_fmt must be None or 'ue8m0'"):
         ce.DeepSeekInference(scale_fmt="e4m3")
+    # head parallelism gives each device whole FP8 tiles: o_b_proj's 16 columns in 16-wide
+    # tiles cannot be split over 2 devices
+    layer = with_fp8(numerics_layer("csa", fp8=False, head_parallel=True), block=16)
+    x = jnp.zeros((2, 8, layer.config.hidden_size))
+    mesh = jax.make_mesh((4, 2), ("data", "tensor"))
+    match = r"columns of .*o_b_proj.* each needs whole tiles"
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=match):
+        layer(x)
+    with pytest.raises(ValueError, match="PallasAttention computes the exact softmax"):
+        ce.Execution(attention=ce.PallasAttention(), numerics=NUMERICS)
 
 
 @pytest.mark.parametrize(
