@@ -423,14 +423,14 @@ def _selection_agreement(mine, ref) -> tuple[float, np.ndarray]:
 
 
 def test_matches_deepseeks_quantised_inference(quantised):
-    """``DeepSeekV41Inference`` against DeepSeek's quantised V4.1 code: every index source picks
-    DeepSeek's entries on every row (overlap 1; the bar is 0.99), the candidates are equal,
-    the cached entries and index keys are DeepSeek's FP4 values bit for bit but for one entry
-    of layer 1 (2 of its 64 values land across an FP4 rounding boundary: float32 sums ordered
-    otherwise than torch's), and the outputs agree within 1e-2 of their largest value on every
-    row that reads no differing entry (measured 5.7e-3), 3e-2 relative L2 on all rows (1.7%).
-    The exact path selects otherwise (overlap 0.90-0.93) and is 23-26% away on the compressed
-    layers."""
+    """``DeepSeekV41Inference`` (jitted) against DeepSeek's quantised V4.1 code: every index
+    source picks DeepSeek's entries on every row (overlap 1; the bar is 0.99), the candidates
+    are equal, the cached entries and index keys are DeepSeek's FP4 values (measured bit for
+    bit; the bar allows 0.2% of the entries' values across an FP4 rounding boundary, as float32
+    sums ordered otherwise than torch's can put them), and the outputs agree within 1e-2 of
+    their largest value on every row that reads no differing entry, 3e-2 relative L2 on all
+    rows (measured bit for bit on every layer). The exact path selects otherwise (overlap
+    0.90-0.93) and is 23-26% away on the compressed layers."""
     q, config, runs = quantised
     ys, published = runs["deepseek"]
     assert all(y.dtype == jnp.bfloat16 for y in ys)  # bf16 inside and, here, outside

@@ -111,9 +111,9 @@ MUTATIONS = [
     Mutation(
         "rope_derotation_sign",
         "V4 output de-rotated at +t instead of -t",
-        "csa_eqx/_v4.py",
-        "o = apply_rope_interleaved(o, -positions[..., None], self.inv_freq)",
-        "o = apply_rope_interleaved(o, positions[..., None], self.inv_freq)",
+        "csa_eqx/_v4_block.py",
+        "o = self.rope.interleaved(o, -positions[..., None])",
+        "o = self.rope.interleaved(o, positions[..., None])",
         ("tests/test_v4_parity.py::test_matches_hf", "tests/test_decode_hf.py"),
     ),
     Mutation(
@@ -169,11 +169,9 @@ MUTATIONS = [
     Mutation(
         "v4_indexer_queries_unscaled",
         "V4 indexer queries rotated without YaRN",
-        "csa_eqx/_v4.py",
-        "        inv_freq = rope_inv_freq(c.rope_dim, c.compress_rope_theta, c.rope_scaling)\n"
-        "        return apply_rope_interleaved(q, positions[..., None], inv_freq)",
-        "        inv_freq = rope_inv_freq(c.rope_dim, c.compress_rope_theta)\n"
-        "        return apply_rope_interleaved(q, positions[..., None], inv_freq)",
+        "csa_eqx/_indexer_heads.py",
+        "        self.rope = Rope(c.rope_dim, c.compress_rope_theta, c.rope_scaling)",
+        "        self.rope = Rope(c.rope_dim, c.compress_rope_theta)",
         (
             "tests/test_v4_parity.py::test_yarn_with_fewer_picks_than_entries_matches_hf",
             "tests/test_deepseek_reference.py",
@@ -190,16 +188,16 @@ MUTATIONS = [
     Mutation(
         "v4_head_weights_rescaled",
         "V4 indexer head weights without the H^-1/2 factor (selections unchanged)",
-        "csa_eqx/_v4.py",
-        "        return linear(x, self.weights_proj).astype(jnp.float32) * c.index_n_heads**-0.5",
-        "        return linear(x, self.weights_proj).astype(jnp.float32)",
+        "csa_eqx/_indexer_heads.py",
+        "numerics.linear(x, self.weights_proj).astype(jnp.float32) * self.heads**-0.5",
+        "numerics.linear(x, self.weights_proj).astype(jnp.float32)",
         ("tests/test_v4_parity.py::test_indexer_scores_match_hf",),
     ),
     Mutation(
         "numerics_no_hadamard",
         "DeepSeekInference quantises the indexer without the Hadamard rotation",
         "csa_eqx/_deepseek_numerics.py",
-        "        rotated = hadamard(v)\n",
+        "        rotated = hadamard(v) if formats.hadamard else v\n",
         "        rotated = v.astype(jnp.float32)\n",
         ("tests/test_numerics.py::test_matches_deepseeks_quantised_inference",),
     ),
@@ -207,9 +205,25 @@ MUTATIONS = [
         "numerics_kv_not_rounded",
         "DeepSeekInference leaves V4's KV unrounded (V4-Pro's FP8 round trip dropped)",
         "csa_eqx/_deepseek_numerics.py",
-        "        return jnp.concatenate([nope.astype(kv.dtype), rope], axis=-1)",
+        "        return jnp.concatenate([round_to(nope, kv.dtype), rope], axis=-1)",
         "        return kv",
         ("tests/test_numerics.py::test_matches_deepseeks_quantised_inference",),
+    ),
+    Mutation(
+        "numerics_fp8_weights_dequantised",
+        "DeepSeekInference holds an FP8 checkpoint's projections dequantised (bf16 products)",
+        "csa_eqx/_deepseek_numerics.py",
+        "        return weight  # DeepSeek's linear quantises",
+        "        return weight.dequantize(dtype)  # DeepSeek's linear quantises",
+        ("tests/test_numerics.py::test_matches_deepseeks_quantised_inference_on_fp8_checkpoints",),
+    ),
+    Mutation(
+        "scores_rounded_by_astype",
+        "V4's bf16 score roundings as astype pairs (XLA drops them under jit)",
+        "csa_eqx/_scorer.py",
+        "    return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)",
+        "    return x.astype(dtype).astype(x.dtype)",
+        ("tests/test_numerics.py::test_v4_scores_round_under_jit",),
     ),
     Mutation(
         "pow2_scale_floored",
