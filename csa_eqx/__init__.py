@@ -26,7 +26,7 @@ from ._deepseek_numerics import DeepSeekV41Inference as DeepSeekV41Inference
 from ._execution import Execution as Execution
 from ._execution import IndexerLossStage as IndexerLossStage
 from ._forward import V41Shared as V41Shared
-from ._fp8_linear import Fp8Weight as Fp8Weight
+from ._fp8_weight import Fp8Weight as Fp8Weight
 from ._generate import generate as generate
 from ._heads import HeadParallel as HeadParallel
 from ._indexer_heads import IndexerHeads as IndexerHeads

@@ -34,9 +34,9 @@ __all__ = ["AbstractIndexedAttention"]
 
 class AbstractIndexedAttention(eqx.Module):
     """What every attention layer shares: its ``indexer`` (``None``, or with
-    ``queries(qr, positions)`` and ``head_weights(x)``), architecture ``config`` and
-    ``execution``, how those make the indexer's selection problem, and one call protocol
-    (``__call__`` and ``extend``, the same for every layer kind).
+    ``queries(qr, positions, numerics)`` and ``head_weights(x, numerics)``), architecture
+    ``config`` and ``execution``, how those make the indexer's selection problem, and one call
+    protocol (``__call__`` and ``extend``, the same for every layer kind).
 
     Layers are built as ``Layer(config, *, key, dtype=jnp.float32, execution=None)``:
 
@@ -258,8 +258,9 @@ class AbstractIndexedAttention(eqx.Module):
         ix, ex, formats = self.indexer, self.execution, self.formats
 
         def project(x, qr, positions):  # a fresh closure: hashable, and row by row
-            q = ex.numerics.indexer(ix.queries(qr, positions), formats)
-            return ex.on_heads(q), ex.on_heads(ix.head_weights(x))
+            nx = ex.numerics
+            q = nx.indexer(ix.queries(qr, positions, nx), formats)
+            return ex.on_heads(q), ex.on_heads(ix.head_weights(x, nx))
 
         rows = (*jax.lax.stop_gradient((x, qr)), positions)
         return ex.problem(project, rows, keys, visibility, ex.numerics.score_dtype(formats))

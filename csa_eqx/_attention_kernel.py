@@ -22,7 +22,7 @@ class AbstractAttentionKernel(eqx.Module):
     key (and no sink) returns zeros and ``lse = -inf``; key / value rows holding a NaN or an
     Inf reach exactly the queries that read them (and those whose own query is non-finite),
     which return NaN, every other query is unaffected; the output is in ``q``'s dtype, the
-    ``lse`` float32.
+    ``lse`` float32 (the output rounded to it: ``round_to``).
     """
 
     @abc.abstractmethod
@@ -35,6 +35,7 @@ class AbstractAttentionKernel(eqx.Module):
         *,
         return_lse: bool = False,
         query_block: int,
+        numerics=None,
     ) -> (
         Float[Array, "batch seq heads vdim"]
         | tuple[Float[Array, "batch seq heads vdim"], Float[Array, "batch seq heads"]]
@@ -48,6 +49,10 @@ class AbstractAttentionKernel(eqx.Module):
         - ``return_lse``: also return each head's float32 log-normaliser (sink included).
         - ``query_block``: queries per block (``>= 1``; ``Execution.attend`` resolves it with
             ``csa_eqx._auto.attention_query_block``); a kernel may ignore it.
+        - ``numerics``: the layer's ``AbstractNumerics`` (``None``: the exact softmax): the
+            maximum the exponentials are relative to (``attention_max``) and the weights of
+            the values (``attention_weights``); a kernel that cannot take them refuses numerics
+            whose ``exact_softmax`` is false.
 
         **Returns:**
 

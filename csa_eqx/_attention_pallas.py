@@ -56,7 +56,9 @@ class PallasAttention(AbstractAttentionKernel):
     """The sparse attention kernel (see the module docstring): Triton on a GPU, interpret mode
     on the CPU (where it is proven against ``XlaAttention``, not fast). Every kind of
     ``Reads`` is taken natively (masked dense picks as gathered rows); the ``query_block`` that
-    ``Execution.attend`` passes (sized for XLA's buffers) is ignored.
+    ``Execution.attend`` passes (sized for XLA's buffers) is ignored. Its online softmax is the
+    exact one: numerics that round the attention (``DeepSeekInference``: bf16 probabilities,
+    the logits' maximum without the sink) are refused with a ``ValueError``.
 
     **Arguments:**
 
@@ -79,8 +81,16 @@ class PallasAttention(AbstractAttentionKernel):
                 f"PallasAttention.key_block must be a power of two (got {self.key_block})"
             )
 
-    def attend(self, q, reads: Reads, sinks, scale, *, return_lse=False, query_block):
+    def attend(
+        self, q, reads: Reads, sinks, scale, *, return_lse=False, query_block, numerics=None
+    ):
         del query_block  # rows run one at a time; programs take self.query_block rows
+        if numerics is not None and not numerics.exact_softmax:
+            raise ValueError(
+                f"PallasAttention computes the exact softmax; {type(numerics).__name__} rounds "
+                "the attention's weights as DeepSeek's kernels do, which only XlaAttention "
+                "models (AutoAttention picks it under such numerics)"
+            )
         if not (reads.gathered or reads.band is not None or reads.dense is not None):
             raise ValueError("reads must hold at least one key set (gathered, band or dense)")
         b, s, h, d = q.shape

@@ -10,7 +10,9 @@ from jaxtyping import Array, Bool
 
 from ._attention_kernel import AbstractAttentionKernel
 from ._layout import entry_visibility
+from ._ops import round_to
 from ._reads import Reads, gather_keys, picked_mask
+from ._tiles import map_row_blocks
 
 __all__ = ["XlaAttention"]
 
@@ -25,7 +27,9 @@ class XlaAttention(AbstractAttentionKernel):
     reach every query of the matmul) and flagged to poison exactly the queries that see them.
     **Arguments:** none."""
 
-    def attend(self, q, reads: Reads, sinks, scale, *, return_lse=False, query_block):
+    def attend(
+        self, q, reads: Reads, sinks, scale, *, return_lse=False, query_block, numerics=None
+    ):
         b, s, h, d = q.shape
         if not (reads.gathered or reads.band is not None or reads.dense is not None):
             raise ValueError("reads must hold at least one key set (gathered, band or dense)")
@@ -90,24 +94,9 @@ class XlaAttention(AbstractAttentionKernel):
                     visible &= picked_mask(r["picks"], dense.keys.shape[1])
                 vals = dense.keys if dense.values is None else dense.values
                 parts.append((dense.keys, vals, visible, dense_bad, False))
-            return _attend(r["q"], r["q_bad"], parts, sinks, scale, return_lse)
+            return _attend(r["q"], r["q_bad"], parts, sinks, scale, return_lse, numerics)
 
-        if n <= 1:
-            return body(jnp.int32(0), rows)
-
-        def blocks(x: Array) -> Array:
-            fill = -1 if jnp.issubdtype(x.dtype, jnp.integer) else 0  # padded rows see no key
-            pad = [(0, 0), (0, n * qb - s)] + [(0, 0)] * (x.ndim - 2)
-            x = jnp.pad(x, pad, constant_values=fill)
-            return jnp.moveaxis(x.reshape(b, n, qb, *x.shape[2:]), 1, 0)
-
-        def unblocks(y: Array) -> Array:
-            return jnp.moveaxis(y, 0, 1).reshape(b, n * qb, *y.shape[3:])[:, :s]
-
-        starts = jnp.arange(n, dtype=jnp.int32) * qb
-        blocked = jax.tree.map(blocks, rows)
-        out = jax.lax.map(jax.checkpoint(lambda x: body(*x)), (starts, blocked))
-        return jax.tree.map(unblocks, out)
+        return map_row_blocks(body, rows, qb)
 
 
 def _key_tables(sources: list) -> tuple[list, list]:
@@ -179,12 +168,13 @@ def _zero_rows(x: Array | None, bad: Array) -> Array | None:
     return jnp.where(bad.reshape(bad.shape + (1,) * (x.ndim - bad.ndim)), 0, x)
 
 
-def _attend(q, q_bad, parts, sinks, scale, return_lse):
+def _attend(q, q_bad, parts, sinks, scale, return_lse, numerics=None):
     """Attention of one block of queries over ``parts``: ``(keys, values, mask, bad,
     per_query)`` with keys ``[B, S, n, d]`` gathered per query (``per_query``) or ``[B, n, d]``
     shared by the block, mask ``[B, S, n]`` and ``bad`` the (zeroed) non-finite key rows; one
-    softmax over all parts (see ``XlaAttention``). Queries flagged in ``q_bad`` or seeing a
-    bad row return NaN."""
+    softmax over all parts (see ``XlaAttention``), its maximum and value weights as the
+    ``numerics`` say (``None``: exact). Queries flagged in ``q_bad`` or seeing a bad row
+    return NaN."""
     acc = jnp.promote_types(q.dtype, jnp.float32)
     poisoned = q_bad
     logits = []
@@ -195,23 +185,31 @@ def _attend(q, q_bad, parts, sinks, scale, return_lse):
         logits.append(jnp.where(mask[:, :, None, :], part, -jnp.inf))
     logits = jnp.concatenate(logits, axis=-1)
     peak = jnp.max(logits, axis=-1)
-    if sinks is not None:
-        sink = jnp.broadcast_to(sinks.astype(peak.dtype), peak.shape)
-        peak = jnp.maximum(peak, sink)
+    sink = None if sinks is None else jnp.broadcast_to(sinks.astype(peak.dtype), peak.shape)
+    if numerics is None:
+        peak = peak if sink is None else jnp.maximum(peak, sink)
+    else:
+        peak = numerics.attention_max(peak, sink)
     peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
     p = jnp.exp(logits - peak[..., None])
     denom = jnp.sum(p, axis=-1)
-    if sinks is not None:
+    if sink is not None:
         denom = denom + jnp.exp(sink - peak)
-    probs = p / jnp.where(denom > 0, denom, 1.0)[..., None]
+    safe = jnp.where(denom > 0, denom, 1.0)
+    if numerics is None:
+        weights, divisor = p / safe[..., None], None
+    else:
+        weights, divisor = numerics.attention_weights(p, safe)
     out, offset = 0.0, 0
     for keys, vals, _, _, per_query in parts:
         n = keys.shape[-2]
         spec = "bshk,bskd->bshd" if per_query else "bshk,bkd->bshd"
-        p_part = probs[..., offset : offset + n].astype(vals.dtype)
-        out = out + jnp.einsum(spec, p_part, vals, preferred_element_type=probs.dtype)
+        w_part = weights[..., offset : offset + n].astype(vals.dtype)
+        out = out + jnp.einsum(spec, w_part, vals, preferred_element_type=acc)
         offset += n
-    out = jnp.where(poisoned[:, :, None, None], jnp.nan, out).astype(q.dtype)
+    if divisor is not None:
+        out = out / divisor[..., None]
+    out = round_to(jnp.where(poisoned[:, :, None, None], jnp.nan, out), q.dtype)
     if return_lse:
         return out, jnp.where(poisoned[..., None], jnp.nan, peak + jnp.log(denom))
     return out

@@ -56,6 +56,7 @@ __all__ = [
     "CPU_TILES",
     "ACCELERATOR_TILES",
     "attention_query_block",
+    "expanded_query_block",
     "sparse_query_block",
 ]
 
@@ -275,16 +276,22 @@ class AutoPicks(AbstractPicks):
 
 class AutoAttention(AbstractAttentionKernel):
     """The attention kernel for the backend: ``PallasAttention()`` on a GPU (``uses_kernels``;
-    it reads every kind of ``Reads``), ``XlaAttention()`` elsewhere. The same outputs either
-    way up to float32 rounding. **Arguments:** none."""
+    it reads every kind of ``Reads``), ``XlaAttention()`` elsewhere and under numerics that
+    round the attention (``exact_softmax`` false: ``DeepSeekInference``). The same outputs
+    either way up to float32 rounding. **Arguments:** none."""
 
-    def choose(self) -> AbstractAttentionKernel:
-        """**Returns:** ``PallasAttention()`` on a GPU, else ``XlaAttention()``."""
-        return PallasAttention() if uses_kernels() else XlaAttention()
+    def choose(self, numerics=None) -> AbstractAttentionKernel:
+        """**Arguments:** the layer's numerics (``None``: exact).
 
-    def attend(self, q, reads, sinks, scale, *, return_lse=False, query_block):
-        kernel = self.choose()
-        return kernel.attend(q, reads, sinks, scale, return_lse=return_lse, query_block=query_block)
+        **Returns:** ``PallasAttention()`` on a GPU under exact-softmax numerics, else
+        ``XlaAttention()``."""
+        exact = numerics is None or numerics.exact_softmax
+        return PallasAttention() if uses_kernels() and exact else XlaAttention()
+
+    def attend(self, q, reads, sinks, scale, *, return_lse=False, query_block, numerics=None):
+        kernel = self.choose(numerics)
+        kw = dict(return_lse=return_lse, query_block=query_block, numerics=numerics)
+        return kernel.attend(q, reads, sinks, scale, **kw)
 
 
 def attention_query_block(batch: int, heads: int, reads: Reads, elements: int = 1 << 24) -> int:
@@ -308,3 +315,15 @@ def attention_query_block(batch: int, heads: int, reads: Reads, elements: int = 
     if reads.band is not None:
         block = min(block, 1 << max(reads.band.window - 1, 1).bit_length())
     return block
+
+
+def expanded_query_block(batch: int, heads: int, entries: int, elements: int = 1 << 24) -> int:
+    """The query block of an attention whose keys and values are expanded per head (V3.2 under
+    ``DeepSeekInference``: ``[B, block, H, T]`` scores and masks per block).
+
+    **Arguments:** the queries' ``batch`` and ``heads``, the ``entries`` each query may read and
+    the block's budget of ``elements`` (``TileSizes.attention_elements``).
+
+    **Returns:** the query block, a power of two >= 1.
+    """
+    return power_of_two_block(batch, entries * (heads + 1), elements)

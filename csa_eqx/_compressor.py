@@ -19,8 +19,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ._config import YaRNScaling
+from ._fp8_weight import Fp8Weight
 from ._layout import EntryLayout
-from ._ops import init_linear, linear, rms_norm, upcast
+from ._numerics import EXACT, AbstractNumerics
+from ._ops import init_linear, rms_norm, round_to, upcast
 from ._rope import Rope
 
 __all__ = [
@@ -86,7 +88,8 @@ class AbstractCompressor(eqx.Module):
     windows also pool the previous window's other half), its entries' RoPE table (``rope``:
     ``roped``) and its RMSNorm epsilon ``eps``; an implementation adds its weights and
     ``position_bias`` (``[m, width]``, added to the gates: a field, or a property of its
-    static fields and weights) and says its widths (``widths``).
+    static fields and weights) and says its widths (``widths``). ``project`` and ``finish``
+    take the layer's numerics: their projections go through its ``linear``.
     """
 
     compress_rate: int = eqx.field(static=True)
@@ -95,8 +98,10 @@ class AbstractCompressor(eqx.Module):
     eps: float = eqx.field(static=True)
 
     @abc.abstractmethod
-    def project(self, x: Float[Array, "batch seq hidden"]) -> tuple[Array, Array]:
-        """**Arguments:** ``x [B, S, hidden]``.
+    def project(
+        self, x: Float[Array, "batch seq hidden"], numerics: AbstractNumerics = EXACT
+    ) -> tuple[Array, Array]:
+        """**Arguments:** ``x [B, S, hidden]`` and the layer's ``numerics``.
 
         **Returns:** per-token ``(C, Z)``, each ``[B, S, width]``, before pooling (what the
         decode cache keeps for open windows).
@@ -104,11 +109,16 @@ class AbstractCompressor(eqx.Module):
 
     @abc.abstractmethod
     def finish(
-        self, pooled: Array, positions: Int[Array, "batch seq"], layout: EntryLayout, dtype=None
+        self,
+        pooled: Array,
+        positions: Int[Array, "batch seq"],
+        layout: EntryLayout,
+        dtype=None,
+        numerics: AbstractNumerics = EXACT,
     ) -> Array:
         """**Arguments:** the pooled windows ``[B, T, dim]``, the tokens' ``positions [B, S]``,
-        the ``EntryLayout`` and the ``dtype`` to cast the windows to first (``None``: as
-        pooled).
+        the ``EntryLayout``, the ``dtype`` to round the windows to first (``None``: as
+        pooled) and the layer's ``numerics``.
 
         **Returns:** the entries ``[B, T, entry width]``.
         """
@@ -144,16 +154,17 @@ class AbstractCompressor(eqx.Module):
         positions: Int[Array, "batch seq"],
         layout: EntryLayout,
         dtype=None,
+        numerics: AbstractNumerics = EXACT,
     ) -> Float[Array, "batch slots dim"]:
         """**Arguments:** ``x [B, S, hidden]``, int32 RoPE ``positions [B, S]``, the slots'
-        ``EntryLayout`` and the ``dtype`` the pooled windows are cast to before their norm
-        (``None``: as pooled).
+        ``EntryLayout``, the ``dtype`` the pooled windows are rounded to before their norm
+        (``None``: as pooled) and the layer's ``numerics``.
 
         **Returns:** the entries ``[B, T, entry width]``; empty slots (``end = -1``) are never
         visible, whatever they hold.
         """
-        kv, gate = self.project(x)
-        return self.finish(self.pool(kv, gate, layout), positions, layout, dtype)
+        kv, gate = self.project(x, numerics)
+        return self.finish(self.pool(kv, gate, layout), positions, layout, dtype, numerics)
 
 
 class Compressor(AbstractCompressor):
@@ -169,8 +180,8 @@ class Compressor(AbstractCompressor):
     - ``key``: PRNG key for the random initial weights; dtype: their dtype.
     """
 
-    kv_proj: Float[Array, "width hidden"]
-    gate_proj: Float[Array, "width hidden"]
+    kv_proj: Float[Array, "width hidden"] | Fp8Weight
+    gate_proj: Float[Array, "width hidden"] | Fp8Weight
     position_bias: Float[Array, "m width"]
     kv_norm: Float[Array, " dim"]
 
@@ -197,16 +208,14 @@ class Compressor(AbstractCompressor):
         self.compress_rate, self.overlap = compress_rate, overlap
         self.rope, self.eps = Rope(rope_dim, rope_theta, rope_scaling), eps
 
-    def project(self, x: Float[Array, "batch seq hidden"]) -> tuple[Array, Array]:
-        return linear(x, self.kv_proj), linear(x, self.gate_proj)
+    def project(self, x, numerics=EXACT):
+        return numerics.linear(x, self.kv_proj), numerics.linear(x, self.gate_proj)
 
     def widths(self) -> tuple[int, int]:
         return self.kv_proj.shape[0], self.kv_norm.shape[0]
 
-    def finish(
-        self, pooled: Array, positions: Int[Array, "batch seq"], layout: EntryLayout, dtype=None
-    ):
+    def finish(self, pooled, positions, layout, dtype=None, numerics=EXACT):
         """RMSNorm, then RoPE at the position of each window's first token (see
         ``AbstractCompressor.finish``)."""
-        pooled = pooled if dtype is None else pooled.astype(dtype)
+        pooled = pooled if dtype is None else round_to(pooled, dtype)
         return self.roped(rms_norm(pooled, self.kv_norm, self.eps), positions, layout)

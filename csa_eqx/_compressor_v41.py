@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from ._compressor import AbstractCompressor
 from ._config import V4FamilyConfig
+from ._fp8_weight import Fp8Weight
 from ._layout import EntryLayout
-from ._ops import init_linear, linear, rms_norm
+from ._numerics import EXACT
+from ._ops import init_linear, rms_norm, round_to
 from ._rope import Rope
 
 __all__ = ["V41Compressor"]
@@ -35,10 +37,10 @@ class V41Compressor(AbstractCompressor):
     ``dtype``.
     """
 
-    kv_proj: Float[Array, "dim hidden"]
-    gate_proj: Float[Array, "dim hidden"] | None
+    kv_proj: Float[Array, "dim hidden"] | Fp8Weight
+    gate_proj: Float[Array, "dim hidden"] | Fp8Weight | None
     kv_norm: Float[Array, " dim"]
-    key_proj: Float[Array, "index_dim dim"]
+    key_proj: Float[Array, "index_dim dim"] | Fp8Weight
     key_norm: Float[Array, " index_dim"]
 
     def __init__(self, config: V4FamilyConfig, ratio: int, *, key: Array, dtype=jnp.float32):
@@ -58,13 +60,16 @@ class V41Compressor(AbstractCompressor):
         """**Returns:** zeros ``[m, dim]``: V4.1 has no learned position bias."""
         return jnp.zeros((self.compress_rate, self.kv_proj.shape[0]), jnp.float32)
 
-    def project(self, x: Float[Array, "batch seq hidden"]) -> tuple[Array, Array]:
-        """**Arguments:** ``x [B, S, hidden]`` (in the precision the numerics pool in).
+    def project(self, x, numerics=EXACT):
+        """**Arguments:** ``x [B, S, hidden]`` (in the precision the numerics pool in) and the
+        layer's ``numerics``.
 
         **Returns:** per-token ``(kv, gate)`` ``[B, S, dim]`` before pooling (the gate is zeros
         at ratio 1)."""
-        kv = linear(x, self.kv_proj)
-        return kv, jnp.zeros_like(kv) if self.gate_proj is None else linear(x, self.gate_proj)
+        kv = numerics.linear(x, self.kv_proj)
+        if self.gate_proj is None:
+            return kv, jnp.zeros_like(kv)
+        return kv, numerics.linear(x, self.gate_proj)
 
     def pool(self, kv: Array, gate: Array, layout: EntryLayout) -> Array:
         """Ratio 1: each slot's own token (nothing to pool); else the gated groups (see
@@ -77,16 +82,15 @@ class V41Compressor(AbstractCompressor):
     def widths(self) -> tuple[int, int]:
         return self.kv_proj.shape[0], self.kv_proj.shape[0] + self.key_proj.shape[0]
 
-    def finish(
-        self, pooled: Array, positions: Int[Array, "batch seq"], layout: EntryLayout, dtype=None
-    ):
-        """The latent (RMSNorm of the pooled groups), then the entries and index keys roped at
-        each group's first position (see ``AbstractCompressor.finish``).
+    def finish(self, pooled, positions, layout, dtype=None, numerics=EXACT):
+        """The latent (RMSNorm of the pooled groups, rounded to ``dtype`` first), then the
+        entries and index keys roped at each group's first position (see
+        ``AbstractCompressor.finish``).
 
         **Returns:** ``[B, T, dim + index_dim]`` (entries, then keys)."""
-        pooled = pooled if dtype is None else pooled.astype(dtype)
+        pooled = pooled if dtype is None else round_to(pooled, dtype)
         latent = rms_norm(pooled, self.kv_norm, self.eps)
-        keys = linear(jax.lax.stop_gradient(latent), self.key_proj)
+        keys = numerics.linear(jax.lax.stop_gradient(latent), self.key_proj)
         keys = rms_norm(keys, self.key_norm, self.eps)
         entries, keys = (self.roped(a, positions, layout) for a in (latent, keys))
         return jnp.concatenate([entries, keys.astype(entries.dtype)], axis=-1)

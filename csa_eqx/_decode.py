@@ -161,15 +161,17 @@ def compress_chunk(
     layout: EntryLayout,
     start: Array,
     count: Array,
-    dtype=None,
-    finish: Callable[[Array], Array] = lambda entries: entries,
+    dtype,
+    finish: Callable[[Array], Array],
+    numerics,
 ) -> CompressorState:
     """Pool the windows closing in this chunk, append them, and shift the chunk into the ring.
     ``compressor`` is a ``csa_eqx.Compressor`` or anything with its ``project``, ``finish``,
     ``position_bias``, ``overlap`` and ``compress_rate`` (V4.1's ``V41Compressor``).
     ``dtype`` and ``finish`` are the layer numerics' (``Compressor.finish``'s cast before the
-    norm, then the entries' rounding), applied once, as entries are written."""
-    kv, gate = compressor.project(x)
+    norm, then the entries' rounding), applied once, as entries are written; ``numerics`` the
+    layer's (the compressor's projections)."""
+    kv, gate = compressor.project(x, numerics)
     ring = state.kv.shape[1]
     both_kv = jnp.concatenate([state.kv, kv.astype(state.kv.dtype)], axis=1)
     both_gate = jnp.concatenate([state.gate, gate.astype(state.gate.dtype)], axis=1)
@@ -177,7 +179,7 @@ def compress_chunk(
     ring_pos = cache_position[:, None] - ring + jnp.arange(ring, dtype=jnp.int32)
     positions = jnp.concatenate([ring_pos, rows.position], axis=1)
     pooled = pool_windows(both_kv, both_gate, compressor.position_bias, layout, compressor.overlap)
-    entries = finish(compressor.finish(pooled, positions, layout, dtype))
+    entries = finish(compressor.finish(pooled, positions, layout, dtype, numerics))
     return CompressorState(
         kv=shift_in(state.kv, kv, rows.lengths),
         gate=shift_in(state.gate, gate, rows.lengths),
@@ -255,12 +257,15 @@ class ChunkSource(eqx.Module):
             window_segment=shift_in(cache.window_segment, rows.segment, rows.lengths),
         )
 
-    def entries(self, name: str, compressor: eqx.Module, x: Array, dtype, finish) -> tuple:
+    def entries(
+        self, name: str, compressor: eqx.Module, x: Array, dtype, finish, numerics
+    ) -> tuple:
         """Every compressed entry so far: the cache's and the windows closing in this chunk,
         pooled from the compressor state ``cache.<name>`` and the chunk (``compress_chunk``).
 
         **Arguments:** the cache field of the compressor's state, the ``compressor``, its input
-        ``x [B, T, hidden]``, the numerics' ``dtype`` and ``finish`` (as ``compress_chunk``).
+        ``x [B, T, hidden]``, the numerics' ``dtype``, ``finish`` and the layer's ``numerics``
+        (as ``compress_chunk``).
 
         **Returns:** ``(entries [B, slots, d], layout, source)``: entries in closing order over
         the stream's rows, the new state and the entry bookkeeping written.
@@ -269,7 +274,7 @@ class ChunkSource(eqx.Module):
         state = getattr(cache, name)
         source = self if self.closing is not None else self._closed(state.kv.shape[1], compressor)
         closing, count = source.closing
-        args = (x, rows, cache.position, closing, cache.entry_count, count, dtype, finish)
+        args = (x, rows, cache.position, closing, cache.entry_count, count, dtype, finish, numerics)
         state = compress_chunk(compressor, state, *args)
         end = source.new["entry_end"]
         layout = EntryLayout(end, source.new["entry_segment"], end >= 0)

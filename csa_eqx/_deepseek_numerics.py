@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 
 from ._formats import fp4_e2m1_round_trip, fp8_e4m3_round_trip, hadamard
-from ._fp8_linear import Fp8Weight, fp8_linear
+from ._fp8_linear import fp8_linear
+from ._fp8_weight import Fp8Weight
 from ._numerics import V41_FORMATS, AbstractNumerics, DeepSeekFormats, ExactNumerics
 from ._ops import round_to
 
@@ -39,10 +42,13 @@ class DeepSeekInference(AbstractNumerics):
     - the compressor in float32 (V4; V4.1 from ratio 2), its windows cast to bf16 before their
       norm;
     - V4's per-head query norm in bf16 arithmetic (``head_norm``) and its sparse attention's
-      bf16 probabilities, divided by their sum after ``P·V`` (``attention_weights``).
+      bf16 probabilities relative to the logits' maximum (the sink in the denominator only),
+      divided by their sum after ``P·V`` (``attention_max``, ``attention_weights``);
+    - V3.2's prefill attention expanded per head in bf16 (``expanded_attention``).
 
-    Quantisation passes gradients straight through (quantisation-aware training); an
-    ``Fp8Weight`` gets none.
+    The loaders keep a checkpoint's FP8 projections as ``Fp8Weight`` under these numerics
+    (``checkpoint_weight``). Quantisation passes gradients straight through
+    (quantisation-aware training); an ``Fp8Weight`` gets none.
 
     **Arguments:**
 
@@ -54,6 +60,7 @@ class DeepSeekInference(AbstractNumerics):
 
     scale_fmt: str | None = "ue8m0"
     kv_fp8: bool = False
+    exact_softmax: ClassVar[bool] = False
 
     def __check_init__(self):
         if self.scale_fmt not in _SCALE_FMTS:
@@ -76,6 +83,9 @@ class DeepSeekInference(AbstractNumerics):
         y = jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype), preferred_element_type=acc)
         return round_to(y, x.dtype)
 
+    def checkpoint_weight(self, weight, dtype):
+        return weight  # DeepSeek's linear quantises the input against the FP8 values and scales
+
     def compressor_input(self, x, ratio=None, formats=None):
         if ratio is not None and formats is not None and ratio < formats.compressor_float32_ratio:
             return x
@@ -89,6 +99,9 @@ class DeepSeekInference(AbstractNumerics):
         q32 = bf16(q)
         mean = bf16(jnp.mean(bf16(q32 * q32), axis=-1, keepdims=True))
         return round_to(q32 * bf16(jax.lax.rsqrt(bf16(mean + eps))), q.dtype)
+
+    def attention_max(self, peak, sink):
+        return peak  # sparse_attn's running maximum starts at -inf: the sink is not in it
 
     def attention_weights(self, p, denominator):
         # DeepSeek's sparse_attn: bf16 probabilities (before the division) into a float32 P.V
@@ -121,6 +134,9 @@ class DeepSeekInference(AbstractNumerics):
 
     def score_dtype(self, formats: DeepSeekFormats):
         return formats.score_dtype
+
+    def expanded_attention(self, formats: DeepSeekFormats):
+        return formats.expanded_prefill
 
     def check(self, formats: DeepSeekFormats, config) -> None:
         name = type(self).__name__

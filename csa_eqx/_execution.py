@@ -20,6 +20,7 @@ import equinox as eqx
 from jaxtyping import Array, Float, Int
 
 from ._attention_kernel import AbstractAttentionKernel
+from ._attention_pallas import PallasAttention
 from ._auto import (
     AutoAttention,
     AutoIndexerLoss,
@@ -169,6 +170,13 @@ class Execution(eqx.Module):
             isinstance(self.attention, AbstractAttentionKernel),
             "attention",
             "must be a csa_eqx attention kernel (AutoAttention(), XlaAttention(), ...)",
+            self.attention,
+        )
+        _require(
+            self.numerics.exact_softmax or not isinstance(self.attention, PallasAttention),
+            "attention",
+            f"PallasAttention computes the exact softmax, not {type(self.numerics).__name__}'s "
+            "rounded one: use XlaAttention() or AutoAttention()",
             self.attention,
         )
         axis = self.indexer_heads_axis
@@ -419,9 +427,8 @@ class Execution(eqx.Module):
         b, _, h, _ = q.shape
         tiles = backend_tiles() if self.tiles is None else self.tiles
         block = self.query_block or attention_query_block(b, h, reads, tiles.attention_elements)
-        return self.attention.attend(
-            q, reads, sinks, scale, return_lse=return_lse, query_block=block
-        )
+        kw = dict(return_lse=return_lse, query_block=block, numerics=self.numerics)
+        return self.attention.attend(q, reads, sinks, scale, **kw)
 
     def problem(
         self,

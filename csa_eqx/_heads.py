@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
+from ._fp8_weight import Fp8Weight
 from ._mesh import MeshLike, batch_axis, check_axes, each, mesh_with_axis, run_sharded
 from ._placement import AbstractPlacement, Body, Carried
 from ._rows import Rows
@@ -85,7 +86,9 @@ class HeadParallel(AbstractPlacement):
         params, static = eqx.partition(layer, eqx.is_array)
         ints, fns = eqx.partition(rows, eqx.is_array)
         batch = P(dp)
-        in_specs = (specs(params), batch, each(ints, batch), each(carried, batch))
+        param_specs = specs(params)
+        _check_tiles(params, param_specs, mesh.shape[axis])
+        in_specs = (param_specs, batch, each(ints, batch), each(carried, batch))
 
         def local(params, x, ints, carried):
             rows = eqx.combine(ints, fns)._replace(all_heads=partial(_all_heads, axis_name=axis))
@@ -120,15 +123,40 @@ def split_specs(split: dict[str, P]) -> Callable:
     ``PartitionSpec``.
 
     **Returns:** a function from a layer's arrays (``eqx.partition(layer, eqx.is_array)[0]``) to a
-    ``PartitionSpec`` per array: ``split``'s for those weights, ``P()`` (replicated) for the
-    rest.
+    ``PartitionSpec`` per array: ``split``'s for those weights (for an ``Fp8Weight``, its values
+    and its tile scales alike), ``P()`` (replicated) for the rest.
     """
 
     def specs(params):
         whole = each(params, P())
-        return eqx.tree_at(lambda p: [_at(p, path) for path in split], whole, list(split.values()))
+        new = [each(_at(params, path), spec) for path, spec in split.items()]
+        return eqx.tree_at(lambda p: [_at(p, path) for path in split], whole, new)
 
     return specs
+
+
+def _check_tiles(params, specs, devices: int) -> None:
+    """``ValueError`` unless every split ``Fp8Weight`` of ``params`` gives each of ``devices``
+    whole tiles of its values and scales along each split axis."""
+
+    def check(path, weight, spec):
+        if not isinstance(weight, Fp8Weight):
+            return
+        for axis, name in enumerate(spec.values):
+            size, tile = weight.shape[axis], weight.block[axis]
+            if name is not None and size % (devices * tile):
+                what = ("rows", "columns")[axis]
+                raise ValueError(
+                    f"head parallelism splits the {what} of {jax.tree_util.keystr(path)} (an "
+                    f"Fp8Weight {weight.shape} in {weight.block[0]}x{weight.block[1]} tiles) over "
+                    f"{devices} devices: each needs whole tiles ({size} {what} are not a "
+                    f"multiple of {devices} x {tile}); use fewer devices or dequantise it "
+                    "(ExactNumerics)"
+                )
+
+    jax.tree_util.tree_map_with_path(
+        check, params, specs, is_leaf=lambda x: isinstance(x, Fp8Weight)
+    )
 
 
 def _at(tree, path: str):

@@ -1,5 +1,7 @@
 """Checkpoint tensors -> layer leaves (upcast, FP8 tile scales; name, shape and finiteness
-checks), and a checkpoint folder's config and one layer's tensors.
+checks), and a checkpoint folder's config and one layer's tensors. An FP8 projection becomes
+what the layer's numerics hold it as (``checkpoint_weight``: its dequantisation, or the
+``Fp8Weight`` DeepSeek's product needs).
 
 Private to ``csa_eqx.hf``; errors name the tensor as stored (file and name for folders).
 """
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from ._fp8_weight import Fp8Weight
 from ._safetensors_io import decode_e8m0, read_safetensors, safetensors_header
 
 
@@ -68,11 +71,27 @@ def _check_tensor(
         raise ValueError(f"{label} has {bad} non-finite {what}")
 
 
+def _e4m3(value: Any) -> np.ndarray | None:
+    """``value``'s bytes as a numpy ``float8_e4m3fn`` array, when it is stored as one."""
+    if hasattr(value, "detach"):
+        import torch
+
+        value = value.detach().cpu()
+        if value.dtype != torch.float8_e4m3fn:
+            return None
+        return value.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+    arr = np.asarray(value)
+    return arr if arr.dtype == ml_dtypes.float8_e4m3fn else None
+
+
 def _dequantize(
     name: str, weight: Any, scale: Any, block: tuple[int, int], shown: Callable[[str], str]
-) -> np.ndarray:
+) -> tuple[np.ndarray, np.ndarray | None]:
     """Upcast ``weight``; an FP8 weight is multiplied by its per-tile ``scale`` (DeepSeek's
-    ``weight_scale_inv`` / ``.scale``: one entry per ``block`` tile, ragged at the edges)."""
+    ``weight_scale_inv`` / ``.scale``: one entry per ``block`` tile, ragged at the edges).
+
+    **Returns:** the float array and, for an FP8 weight, its float32 tile scales (``None``
+    otherwise)."""
     scale_name = _scale_key(name)
     if not _is_fp8(weight):
         if scale is not None:
@@ -80,7 +99,7 @@ def _dequantize(
                 f"tensor {shown(scale_name)!r} is a block scale, but {shown(name)!r} is stored "
                 f"as {_dtype_name(weight)}, not FP8"
             )
-        return _to_numpy(shown(name), weight)
+        return _to_numpy(shown(name), weight), None
     if scale is None:
         raise ValueError(
             f"tensor {shown(name)!r} is stored as FP8 without its block scale "
@@ -98,7 +117,7 @@ def _dequantize(
         "entries (an E8M0 byte 0xFF is NaN)",
     )
     full = np.repeat(np.repeat(s, block[0], axis=0), block[1], axis=1)[: w.shape[0], : w.shape[1]]
-    return w * full
+    return w * full, s
 
 
 def _check_names(present: set[str], expected: set[str], where: str, shown) -> None:
@@ -124,14 +143,25 @@ def load_tree(
     block: tuple[int, int],
     where: str,
     shown: Callable[[str], str],
+    dequantised: tuple[str, ...] = (),
 ):
-    """Replace each leaf named in ``names`` (path -> HF key) with its (dequantised) tensor."""
+    """Replace each leaf named in ``names`` (path -> HF key) with its tensor: an FP8 E4M3
+    weight as the layer's numerics hold it (``module.execution.numerics.checkpoint_weight``:
+    dequantised, or an ``Fp8Weight`` of its values and scales), except the paths in
+    ``dequantised`` (always float arrays: V4's ``block.o_a_proj``); the rest upcast."""
     _check_names(set(tensors), set(names.values()), where, shown)
+    numerics = module.execution.numerics
     for path, key in names.items():
         current = _get_path(module, path)
-        value = _dequantize(key, tensors[key], tensors.get(_scale_key(key) or ""), block, shown)
+        raw = tensors[key]
+        value, scale = _dequantize(key, raw, tensors.get(_scale_key(key) or ""), block, shown)
         _check_tensor(f"{where}: tensor {shown(key)!r}", value, tuple(current.shape))
-        new = jnp.asarray(value, dtype=current.dtype)
+        values = None if scale is None or path in dequantised else _e4m3(raw)
+        if values is None:
+            new = jnp.asarray(value, dtype=current.dtype)
+        else:
+            weight = Fp8Weight(jnp.asarray(values), jnp.asarray(scale, jnp.float32), block)
+            new = numerics.checkpoint_weight(weight, current.dtype)
         module = eqx.tree_at(lambda m, p=path: _get_path(m, p), module, new)
     return module
 

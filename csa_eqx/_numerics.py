@@ -10,13 +10,14 @@ asks its ``Execution.numerics`` at the few points where the two differ, and says
 from __future__ import annotations
 
 import abc
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import equinox as eqx
+import jax.numpy as jnp
 from jaxtyping import Array
 
 from . import _ops
-from ._fp8_linear import Fp8Weight
+from ._fp8_weight import Fp8Weight
 
 __all__ = [
     "AbstractNumerics",
@@ -25,6 +26,7 @@ __all__ = [
     "V32_FORMATS",
     "V4_FORMATS",
     "V41_FORMATS",
+    "EXACT",
 ]
 
 
@@ -52,6 +54,9 @@ class DeepSeekFormats(NamedTuple):
         ``"e4m3"``; V4.1: 16, E4M3).
     - ``compressor_float32_ratio``: the compress ratio from which DeepSeek's compressor projects
         and pools in float32 (V4: every ratio; V4.1: 2, its ratio-1 compressor runs in bf16).
+    - ``expanded_prefill``: DeepSeek's prefill attention multiplies each head's keys and values
+        out of the latent (V3.2's MLA: ``wkv_b`` on the cached latent) and scores, softmaxes and
+        sums in bf16 torch ops, rather than attending through its sparse kernel.
     """
 
     indexer: str
@@ -65,11 +70,15 @@ class DeepSeekFormats(NamedTuple):
     entry_block: int = 0
     entry_scales: str = "e8m0"
     compressor_float32_ratio: int = 1
+    expanded_prefill: bool = False
 
 
 # DeepSeek-V3.2-Exp: Hadamard + FP8 E4M3 128-blocks on the indexer, FP8 scoring (float32), the
-# KV latent through FP8 in 128-blocks (``MLA.forward`` since upstream 8631a81)
-V32_FORMATS = DeepSeekFormats("fp8_e4m3", 128, None, 128, kv_channels="latent", kv_fp8=True)
+# KV latent through FP8 in 128-blocks (``MLA.forward`` since upstream 8631a81), its prefill
+# attention expanded per head in bf16
+V32_FORMATS = DeepSeekFormats(
+    "fp8_e4m3", 128, None, 128, kv_channels="latent", kv_fp8=True, expanded_prefill=True
+)
 # DeepSeek-V4: Hadamard + FP4 E2M1 32-blocks on the indexer, bf16 scores, the KV's non-rotary
 # channels in 64-blocks (through FP8 or bf16 as the kernel file says)
 V4_FORMATS = DeepSeekFormats("fp4_e2m1", 32, "bfloat16", 64)
@@ -93,7 +102,13 @@ V41_FORMATS = DeepSeekFormats(
 
 class AbstractNumerics(eqx.Module):
     """Where a layer's rounding can differ from the exact computation. Every method is the
-    identity for ``ExactNumerics``."""
+    identity for ``ExactNumerics``.
+
+    ``exact_softmax``: whether ``attention_max`` and ``attention_weights`` are the exact
+    softmax's (an attention kernel that fuses its own softmax, ``PallasAttention``, runs only
+    under such numerics)."""
+
+    exact_softmax: ClassVar[bool] = True
 
     @abc.abstractmethod
     def layer_input(self, x: Array) -> Array:
@@ -111,6 +126,17 @@ class AbstractNumerics(eqx.Module):
         **Returns:** ``[..., out]`` in ``x``'s dtype (bf16 for DeepSeek's FP8 product)."""
 
     @abc.abstractmethod
+    def checkpoint_weight(self, weight: Fp8Weight, dtype) -> Array | Fp8Weight:
+        """How a layer holds a projection weight its checkpoint stores in FP8 (the loaders ask).
+
+        **Arguments:** the checkpoint's tensor as an ``Fp8Weight`` and the layer's parameter
+        ``dtype``.
+
+        **Returns:** the layer's leaf: the dequantised float array in ``dtype`` (trainable,
+        multiplied as any other), or the ``Fp8Weight`` itself where ``linear`` needs its values
+        and scales apart."""
+
+    @abc.abstractmethod
     def compressor_input(
         self, x: Array, ratio: int | None = None, formats: DeepSeekFormats | None = None
     ) -> Array:
@@ -122,6 +148,16 @@ class AbstractNumerics(eqx.Module):
     def head_norm(self, q: Array, eps: float) -> Array:
         """**Arguments:** per-head queries ``q [..., d]`` and the epsilon. **Returns:** their
         weightless RMS norm (V4's ``q · rsqrt(mean(q²) + eps)``), in ``q``'s dtype."""
+
+    @abc.abstractmethod
+    def attention_max(self, peak: Array, sink: Array | None) -> Array:
+        """What the attention's exponentials are taken relative to.
+
+        **Arguments:** each row's largest logit ``peak [...]`` (float32, ``-inf`` where a row
+        sees nothing) and the sinks broadcast to it (``None``: no sinks).
+
+        **Returns:** the maximum subtracted from the logits (and from the sink in the
+        denominator)."""
 
     @abc.abstractmethod
     def attention_weights(self, p: Array, denominator: Array) -> tuple[Array, Array | None]:
@@ -165,6 +201,12 @@ class AbstractNumerics(eqx.Module):
         (``None``: float32)."""
 
     @abc.abstractmethod
+    def expanded_attention(self, formats: DeepSeekFormats) -> bool:
+        """**Arguments:** the family's formats. Returns: whether an MLA layer (V3.2) attends
+        with its keys and values expanded per head, in DeepSeek's bf16 prefill arithmetic,
+        rather than in the absorbed form."""
+
+    @abc.abstractmethod
     def check(self, formats: DeepSeekFormats, config) -> None:
         """``ValueError`` unless the layer ``config``'s sizes suit these numerics."""
 
@@ -182,11 +224,17 @@ class ExactNumerics(AbstractNumerics):
             weight = weight.dequantize(x.dtype)
         return _ops.linear(x, weight)
 
+    def checkpoint_weight(self, weight, dtype):
+        return weight.dequantize(dtype)
+
     def compressor_input(self, x, ratio=None, formats=None):
         return x
 
     def head_norm(self, q, eps):
         return _ops.rms_norm(q, None, eps)
+
+    def attention_max(self, peak, sink):
+        return peak if sink is None else jnp.maximum(peak, sink)
 
     def attention_weights(self, p, denominator):
         return p / denominator[..., None], None
@@ -203,5 +251,11 @@ class ExactNumerics(AbstractNumerics):
     def score_dtype(self, formats):
         return None
 
+    def expanded_attention(self, formats):
+        return False
+
     def check(self, formats, config):
         return None
+
+
+EXACT = ExactNumerics()  # the parts' default numerics (their methods called outside a layer)

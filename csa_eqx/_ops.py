@@ -47,12 +47,14 @@ def upcast(x: Array) -> Array:
 
 
 def rms_norm(x: Array, weight: Array | None, eps: float) -> Array:
-    """RMSNorm over the last axis, computed in float32 and cast back to ``x.dtype``."""
+    """RMSNorm over the last axis, computed in float32 and rounded back to ``x.dtype``
+    (``round_to``: a bf16 norm's result is bf16 also where XLA would fuse it into what
+    follows)."""
     xf = upcast(x)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     if weight is not None:
         y = y * weight.astype(xf.dtype)
-    return y.astype(x.dtype)
+    return round_to(y, x.dtype)
 
 
 def init_linear(key: Array, d_out: int, d_in: int, dtype=jnp.float32, std: float = 0.02) -> Array:

@@ -2,7 +2,8 @@
 
 Two channel layouts are used by the DeepSeek family: *interleaved* pairs ``(x0,x1),(x2,x3)…``
 (V4 everywhere, V3.2 MLA) and *half-split* pairs ``(x_i, x_{i+r/2})`` (V3.2 indexer). Tables
-are computed in numpy at trace time and the rotation runs in (at least) float32.
+are computed in numpy at trace time and the rotation runs in (at least) float32, its result
+rounded to the input's dtype (``round_to``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from ._config import YaRNScaling
-from ._ops import upcast
+from ._ops import round_to, upcast
 
 __all__ = [
     "Rope",
@@ -107,7 +108,7 @@ def apply_rope_interleaved(
     cos, sin = _cos_sin(positions, freq, xf.dtype)
     sin = sin * jnp.asarray(sign, xf.dtype)
     swapped = xf.reshape(*x.shape[:-1], d // 2, 2)[..., ::-1].reshape(x.shape)  # pairs (b, a)
-    return (xf * cos + swapped * sin).astype(x.dtype)
+    return round_to(xf * cos + swapped * sin, x.dtype)
 
 
 def apply_rope_half_split(
@@ -120,5 +121,5 @@ def apply_rope_half_split(
     rot = upcast(x[..., : 2 * half])
     cos, sin = _cos_sin(positions, inv_freq, rot.dtype)
     a, b = rot[..., :half], rot[..., half:]
-    out = jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
+    out = round_to(jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1), x.dtype)
     return jnp.concatenate([out, x[..., 2 * half :]], axis=-1)

@@ -68,14 +68,14 @@ class Rows(NamedTuple):
         parallelism)."""
         return window.reads(kv, token_rows(kv, None)[1], self.segment, width), self
 
-    def entries(self, name: str, compressor, x: Array, dtype, finish) -> tuple:
+    def entries(self, name: str, compressor, x: Array, dtype, finish, numerics) -> tuple:
         """**Arguments:** a name for the entries (what a cache calls their state), the
         ``compressor``, its input ``x [B', L, hidden]``, the numerics' ``dtype`` (the cast
-        before the norm) and ``finish`` (their rounding).
+        before the norm), ``finish`` (their rounding) and the layer's ``numerics``.
 
         **Returns:** ``(entries, layout, self)``: the entries of every slot of ``layout``
         (``[B', T, d]``; this device's own ones gathered from every device's)."""
-        own = finish(compressor(x, self.positions, self.own, dtype))
+        own = finish(compressor(x, self.positions, self.own, dtype, numerics))
         return self.gather(own), self.layout, self
 
     def tokens(self, name: str, values: Array) -> tuple:

@@ -29,15 +29,23 @@ __all__ = [
 ]
 
 
+def _rounded(x: Array, dtype) -> Array:
+    """``x`` (float32) rounded to ``dtype``'s precision, kept in float32, also under ``jit``: a
+    ``reduce_precision``, as ``csa_eqx._ops.round_to`` (a cast and its upcast into a sum is
+    what XLA removes; the scorer imports nothing of the package, to stay at its bottom)."""
+    info = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
 def _score_heads(q: Array, w: Array, k: Array, score_dtype=None) -> Array:
     acc = jnp.promote_types(q.dtype, jnp.float32)
     logits = jnp.einsum("bshd,btd->bsht", q, k, preferred_element_type=acc)
     if score_dtype is None:
         return jnp.einsum("bsht,bsh->bst", jax.nn.relu(logits), w.astype(acc))
     # as a bf16 einsum does: each head's logit and weighted logit rounded, the sum in float32
-    rounded = jax.nn.relu(logits.astype(score_dtype).astype(acc))
-    terms = (rounded * w.astype(score_dtype).astype(acc)[:, :, :, None]).astype(score_dtype)
-    return jnp.sum(terms.astype(acc), axis=2)
+    rounded = jax.nn.relu(_rounded(logits, score_dtype))
+    terms = _rounded(rounded * _rounded(w.astype(acc), score_dtype)[:, :, :, None], score_dtype)
+    return jnp.sum(terms, axis=2)
 
 
 def sum_head_chunks(fn: Callable[..., Array], head_chunk: int, shape, *per_head: Array) -> Array:
@@ -100,7 +108,7 @@ def indexer_scores(
         scores = sum_head_chunks(score, head_chunk, shape, q, w)
     if score_dtype is None:
         return scores
-    return scores.astype(score_dtype).astype(jnp.float32)
+    return _rounded(scores.astype(jnp.float32), score_dtype)
 
 
 class AbstractScorer(eqx.Module):

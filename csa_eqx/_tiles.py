@@ -4,8 +4,10 @@ the query / key / top-k block sizes they imply for the streaming selection and l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
@@ -16,6 +18,7 @@ __all__ = [
     "topk_block_size",
     "sparse_query_block",
     "power_of_two_block",
+    "map_row_blocks",
 ]
 
 
@@ -131,3 +134,33 @@ def power_of_two_block(batch: int, per_row: int, elements: int = 1 << 24) -> int
 def block_starts(n: int, block: int) -> Array:
     """Start of each block; the last one is pulled back to end at ``n`` (no padding copies)."""
     return jnp.minimum(jnp.arange(-(-n // block), dtype=jnp.int32) * block, n - block)
+
+
+def map_row_blocks(fn: Callable, rows, block: int):
+    """``fn(start, rows of the block)`` over blocks of ``block`` rows (axis 1 of every array of
+    the pytree ``rows``) in a ``lax.map`` with a rematerialised body, the last block padded
+    (integer arrays with ``-1``: padded rows see nothing; the rest with zeros); the results'
+    rows joined back (axis 1). One block: ``fn(0, rows)`` directly.
+
+    **Arguments:** ``fn``, the ``rows`` (at least one array, all ``[B, S, ...]``) and the
+    ``block`` size (``>= 1``).
+
+    **Returns:** ``fn``'s pytree of ``[B, S, ...]`` arrays.
+    """
+    b, s = jax.tree.leaves(rows)[0].shape[:2]
+    n = -(-s // block)
+    if n <= 1:
+        return fn(jnp.int32(0), rows)
+
+    def blocks(x: Array) -> Array:
+        fill = -1 if jnp.issubdtype(x.dtype, jnp.integer) else 0
+        pad = [(0, 0), (0, n * block - s)] + [(0, 0)] * (x.ndim - 2)
+        x = jnp.pad(x, pad, constant_values=fill)
+        return jnp.moveaxis(x.reshape(b, n, block, *x.shape[2:]), 1, 0)
+
+    def unblocks(y: Array) -> Array:
+        return jnp.moveaxis(y, 0, 1).reshape(b, n * block, *y.shape[3:])[:, :s]
+
+    starts = jnp.arange(n, dtype=jnp.int32) * block
+    out = jax.lax.map(jax.checkpoint(lambda a: fn(*a)), (starts, jax.tree.map(blocks, rows)))
+    return jax.tree.map(unblocks, out)

@@ -5,7 +5,10 @@ selects (docs/concepts.md,
 The MLA runs in its absorbed form: every head's query is mapped into the kv latent
 (``q_nope · W_kb_h``) so all heads share one key ``[c_kv ; k_rope]`` and one value ``c_kv``
 per token; the sparse attention gathers each query's selected latents and ``W_vb_h`` maps the
-result back to per-head values. This equals expanding keys and values per head.
+result back to per-head values. This equals expanding keys and values per head, which is what
+DeepSeek's inference code does in its prefill, in bf16 torch ops: under numerics that follow it
+(``numerics.expanded_attention``: ``DeepSeekInference``) the layer attends in that form
+(``_expanded_attention``).
 """
 
 from __future__ import annotations
@@ -20,16 +23,20 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from ._attention import AbstractIndexedAttention
+from ._auto import backend_tiles, expanded_query_block
 from ._cache import V32Cache, check_cache_size, empty_rows
 from ._config import V32AttentionConfig, YaRNScaling
 from ._execution import Execution, checked_execution
 from ._forward import Forward
+from ._fp8_weight import Fp8Weight
 from ._heads import split_specs
 from ._layout import Visibility
-from ._numerics import V32_FORMATS, DeepSeekFormats
-from ._ops import init_linear, linear, rms_norm, upcast
+from ._numerics import EXACT, V32_FORMATS, AbstractNumerics, DeepSeekFormats
+from ._ops import init_linear, rms_norm, round_to, upcast
+from ._reads import picked_mask
 from ._rope import apply_rope_half_split, apply_rope_interleaved, rope_inv_freq, yarn_mscale
 from ._target import AttentionTarget
+from ._tiles import map_row_blocks
 
 __all__ = ["V32Attention", "V32Indexer"]
 
@@ -51,11 +58,11 @@ def _yarn_attention_factor(scaling: YaRNScaling | None) -> float:
 
 
 def _layer_norm(x: Array, weight: Array, bias: Array, eps: float) -> Array:
-    """LayerNorm over the last axis in (at least) float32 (biased variance), cast back."""
+    """LayerNorm over the last axis in (at least) float32 (biased variance), rounded back."""
     xf = upcast(x)
     centred = xf - jnp.mean(xf, axis=-1, keepdims=True)
     y = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + eps)
-    return (y * weight.astype(xf.dtype) + bias.astype(xf.dtype)).astype(x.dtype)
+    return round_to(y * weight.astype(xf.dtype) + bias.astype(xf.dtype), x.dtype)
 
 
 def _rotary(config: V32AttentionConfig):
@@ -69,14 +76,17 @@ class V32Indexer(eqx.Module):
     """V3.2 lightning indexer (docs/concepts.md, "DeepSeek-V3.2 DSA"): scores every earlier
     token of the segment, keeps the top-k.
 
+    ``wq_b`` and ``wk`` project through the numerics' ``linear`` (an FP8 checkpoint's
+    ``Fp8Weight`` under ``DeepSeekInference``), ``weights_proj`` in float32.
+
     **Arguments:**
 
     - ``config``: the layer's ``V32AttentionConfig``.
     - ``key``: PRNG key for the random initial weights; dtype: their dtype.
     """
 
-    wq_b: Float[Array, "heads_x_dim q_lora"]
-    wk: Float[Array, "dim hidden"]
+    wq_b: Float[Array, "heads_x_dim q_lora"] | Fp8Weight
+    wk: Float[Array, "dim hidden"] | Fp8Weight
     k_norm: Float[Array, " dim"]
     k_norm_bias: Float[Array, " dim"]
     weights_proj: Float[Array, "heads hidden"]
@@ -97,50 +107,65 @@ class V32Indexer(eqx.Module):
         r = self.config.qk_rope_head_dim
         inv_freq, factor = _rotary(self.config)
         rot = apply_rope_half_split(x[..., :r], positions, inv_freq) * factor
-        return jnp.concatenate([rot.astype(x.dtype), x[..., r:]], axis=-1)
+        return jnp.concatenate([round_to(rot, x.dtype), x[..., r:]], axis=-1)
 
     def queries(
-        self, qr: Float[Array, "batch seq q_lora"], positions: Int[Array, "batch seq"]
+        self,
+        qr: Float[Array, "batch seq q_lora"],
+        positions: Int[Array, "batch seq"],
+        numerics: AbstractNumerics = EXACT,
     ) -> Float[Array, "batch seq heads dim"]:
-        """As ``csa_eqx.Indexer.queries``, with V3.2's half-split, YaRN-scaled RoPE."""
+        """As ``csa_eqx.IndexerHeads.queries``, with V3.2's half-split, YaRN-scaled RoPE."""
         c = self.config
         b, s, _ = qr.shape
-        q = linear(qr, self.wq_b).reshape(b, s, c.index_n_heads, c.index_head_dim)
+        q = numerics.linear(qr, self.wq_b).reshape(b, s, c.index_n_heads, c.index_head_dim)
         return self._rope(q, positions[..., None])
 
     def keys(
-        self, x: Float[Array, "batch seq hidden"], positions: Int[Array, "batch seq"]
+        self,
+        x: Float[Array, "batch seq hidden"],
+        positions: Int[Array, "batch seq"],
+        numerics: AbstractNumerics = EXACT,
     ) -> Float[Array, "batch seq dim"]:
-        """**Arguments:** the layer input ``x [B, S, hidden]`` and int32 ``positions [B, S]``.
+        """**Arguments:** the layer input ``x [B, S, hidden]``, int32 ``positions [B, S]`` and
+        the layer's ``numerics``.
 
         **Returns:** the one shared key per token, ``RoPE(LayerNorm(x W_k))`` ``[B, S, d_I]``.
         """
-        k = _layer_norm(linear(x, self.wk), self.k_norm, self.k_norm_bias, _INDEXER_NORM_EPS)
+        k = numerics.linear(x, self.wk)
+        k = _layer_norm(k, self.k_norm, self.k_norm_bias, _INDEXER_NORM_EPS)
         return self._rope(k, positions)
 
-    def head_weights(self, x: Float[Array, "batch seq hidden"]) -> Float[Array, "batch seq heads"]:
-        """As ``csa_eqx.Indexer.head_weights``, in float32 whatever ``x``'s dtype (DeepSeek's
-        code projects ``x.float()`` with a float32 weight: nothing rounded to bf16)."""
-        return linear(upcast(x), self.weights_proj) * self.config.index_n_heads**-0.5
+    def head_weights(
+        self, x: Float[Array, "batch seq hidden"], numerics: AbstractNumerics = EXACT
+    ) -> Float[Array, "batch seq heads"]:
+        """As ``csa_eqx.IndexerHeads.head_weights``, in float32 whatever ``x``'s dtype
+        (DeepSeek's code projects ``x.float()`` with a float32 weight: nothing rounded to
+        bf16)."""
+        return numerics.linear(upcast(x), self.weights_proj) * self.config.index_n_heads**-0.5
 
 
 class V32Attention(AbstractIndexedAttention):
     """One DeepSeek-V3.2 attention layer (MLA + DSA).
 
     Parameters use the HF module's names and torch's ``[out, in]`` layout (``k_norm_bias`` holds
-    ``indexer.k_norm.bias``), so ``csa_eqx.hf.load_v32_attention`` is a plain copy.
+    ``indexer.k_norm.bias``), so ``csa_eqx.hf.load_v32_attention`` is a plain copy. Every
+    projection goes through the numerics' ``linear``; under ``DeepSeekInference`` a loader keeps
+    an FP8 checkpoint's ``q_a_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``,
+    ``o_proj``, ``indexer.wq_b`` and ``indexer.wk`` as ``Fp8Weight`` (the absorbed form
+    dequantises ``kv_b_proj``, as DeepSeek's decode does).
 
     **Arguments:** ``config`` (a ``V32AttentionConfig``), ``key``, ``dtype``, ``execution``, as in
     ``csa_eqx.AbstractIndexedAttention``.
     """
 
-    q_a_proj: Float[Array, "q_lora hidden"]
+    q_a_proj: Float[Array, "q_lora hidden"] | Fp8Weight
     q_a_layernorm: Float[Array, " q_lora"]
-    q_b_proj: Float[Array, "heads_x_qk q_lora"]
-    kv_a_proj_with_mqa: Float[Array, "kv_lora_plus_rope hidden"]
+    q_b_proj: Float[Array, "heads_x_qk q_lora"] | Fp8Weight
+    kv_a_proj_with_mqa: Float[Array, "kv_lora_plus_rope hidden"] | Fp8Weight
     kv_a_layernorm: Float[Array, " kv_lora"]
-    kv_b_proj: Float[Array, "heads_x_kv kv_lora"]
-    o_proj: Float[Array, "hidden heads_x_v"]
+    kv_b_proj: Float[Array, "heads_x_kv kv_lora"] | Fp8Weight
+    o_proj: Float[Array, "hidden heads_x_v"] | Fp8Weight
     indexer: V32Indexer
     config: V32AttentionConfig = eqx.field(static=True)
     execution: Execution = eqx.field(static=True)
@@ -177,11 +202,14 @@ class V32Attention(AbstractIndexedAttention):
         c = self.config
         return (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5 * yarn_mscale(c.rope_scaling) ** 2
 
-    def _kv_up(self) -> tuple[Array, Array]:
-        """Per-head ``W_kb`` ``[H, d_nope, kv_lora]`` and ``W_vb`` ``[H, d_v, kv_lora]``."""
+    def _kv_up(self, dtype) -> tuple[Array, Array]:
+        """Per-head ``W_kb`` ``[H, d_nope, kv_lora]`` and ``W_vb`` ``[H, d_v, kv_lora]`` in
+        ``dtype`` (an ``Fp8Weight`` dequantised, as DeepSeek's absorbed decode does)."""
         c = self.config
+        w = self.kv_b_proj
+        w = w.dequantize(dtype) if isinstance(w, Fp8Weight) else w.astype(dtype)
         # heads from the weights, not the config: under head parallelism a device holds some
-        w_kv = self.kv_b_proj.reshape(-1, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        w_kv = w.reshape(-1, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         return w_kv[:, : c.qk_nope_head_dim], w_kv[:, c.qk_nope_head_dim :]
 
     def project_qkv(
@@ -198,24 +226,33 @@ class V32Attention(AbstractIndexedAttention):
         ``[c_kv ; k_rope]`` ``[B, S, latent]`` (its first ``kv_lora_rank`` channels are the
         value; as the numerics round it), ``latent = kv_lora_rank + qk_rope_head_dim``.
         """
-        c = self.config
+        qr, q_nope, q_rope, keys = self._project(x, positions)
+        return qr, self._absorbed(q_nope, q_rope), keys
+
+    def _project(self, x, positions) -> tuple[Array, Array, Array, Array]:
+        """``project_qkv`` before the absorption: ``(qr, q_nope [B, S, H, d_nope], q_rope
+        [B, S, H, d_rope], keys)``."""
+        c, nx = self.config, self.execution.numerics
         b, s, _ = x.shape
         inv_freq, rope_factor = _rotary(c)
-        qr = rms_norm(linear(x, self.q_a_proj), self.q_a_layernorm, c.rms_norm_eps)
+        qr = rms_norm(nx.linear(x, self.q_a_proj), self.q_a_layernorm, c.rms_norm_eps)
         qk = c.qk_nope_head_dim + c.qk_rope_head_dim
-        q = linear(qr, self.q_b_proj).reshape(b, s, -1, qk)
+        q = nx.linear(qr, self.q_b_proj).reshape(b, s, -1, qk)
         q_nope, q_rope = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
         q_rope = apply_rope_interleaved(q_rope, positions[..., None], inv_freq) * rope_factor
 
-        latent = linear(x, self.kv_a_proj_with_mqa)
+        latent = nx.linear(x, self.kv_a_proj_with_mqa)
         c_kv = rms_norm(latent[..., : c.kv_lora_rank], self.kv_a_layernorm, c.rms_norm_eps)
         k_rope = apply_rope_interleaved(latent[..., c.kv_lora_rank :], positions, inv_freq)
-        keys = jnp.concatenate([c_kv, (k_rope * rope_factor).astype(c_kv.dtype)], axis=-1)
+        keys = jnp.concatenate([c_kv, round_to(k_rope * rope_factor, c_kv.dtype)], axis=-1)
         # the latent as the numerics round it before it is cached and read (DeepSeek's FP8 KV)
-        keys = self.execution.numerics.kv(keys, c.qk_rope_head_dim, self.formats)
+        keys = nx.kv(keys, c.qk_rope_head_dim, self.formats)
+        return qr, q_nope, round_to(q_rope, q.dtype), keys
 
-        q_latent = jnp.einsum("bshn,hnc->bshc", q_nope, self._kv_up()[0].astype(q.dtype))
-        return qr, jnp.concatenate([q_latent, q_rope.astype(q.dtype)], axis=-1), keys
+    def _absorbed(self, q_nope: Array, q_rope: Array) -> Array:
+        """The absorbed per-head queries ``[q_nope·W_kb ; q_rope]`` ``[B, S, H, latent]``."""
+        q_latent = jnp.einsum("bshn,hnc->bshc", q_nope, self._kv_up(q_nope.dtype)[0])
+        return jnp.concatenate([q_latent, q_rope], axis=-1)
 
     def _attend(self, queries, keys, visibility, selection, stage, return_lse=False):
         """MLA over the tokens the stage reads (forward and ``extend``): every visible one in
@@ -235,8 +272,8 @@ class V32Attention(AbstractIndexedAttention):
         **Returns:** ``[B, S, hidden]``.
         """
         b, s = o.shape[:2]
-        o = jnp.einsum("bshc,hvc->bshv", o, self._kv_up()[1].astype(o.dtype)).reshape(b, s, -1)
-        return linear(o, self.o_proj)
+        o = jnp.einsum("bshc,hvc->bshv", o, self._kv_up(o.dtype)[1]).reshape(b, s, -1)
+        return self.execution.numerics.linear(o, self.o_proj)
 
     def head_specs(self, axis: str) -> tuple:
         """Head parallelism over ``axis``: the rows of ``q_b_proj`` and ``kv_b_proj`` (per-head
@@ -271,24 +308,81 @@ class V32Attention(AbstractIndexedAttention):
         segment. Every token is its own entry: under context parallelism the rows' MLA latents
         and indexer keys are all-gathered into the whole sequence's; ``extend`` appends them
         to the cache's. It publishes nothing (``shared`` is not read)."""
-        positions = source.positions
-        qr, queries, keys = self.project_qkv(x, positions)
+        positions, nx = source.positions, self.execution.numerics
+        qr, q_nope, q_rope, keys = self._project(x, positions)
         # the selection ignores gradients and the loss must train the indexer only, never x
-        index_keys = self.execution.numerics.indexer(
-            self.indexer.keys(jax.lax.stop_gradient(x), positions), self.formats
+        index_keys = nx.indexer(
+            self.indexer.keys(jax.lax.stop_gradient(x), positions, nx), self.formats
         )
         keys, layout, source = source.tokens("latent", keys)
         index_keys, _, source = source.tokens("index_keys", index_keys)
-        keys = keys.astype(queries.dtype)
+        keys = keys.astype(q_nope.dtype)
         visibility = Visibility(source.query_index, source.segment, layout)
         problem = self.indexer_problem(x, qr, positions, index_keys, visibility)
         selection = self.execution.select(problem, self.config.index_topk)
-        o = self._attend(queries, keys, visibility, selection, stage, want_loss)
+        expanded = nx.expanded_attention(self.formats)
+        queries = None if expanded and not want_loss else self._absorbed(q_nope, q_rope)
+        if expanded:
+            o = self._expanded_attention(q_nope, q_rope, keys, visibility, selection, stage)
+            y = nx.linear(o[0].reshape(*o[0].shape[:2], -1), self.o_proj)
+        else:
+            o = self._attend(queries, keys, visibility, selection, stage, want_loss)
+            y = self.project_out(o[0] if want_loss else o)
         target = None
         if want_loss:  # KL distillation against the absorbed MLA queries and keys attended
-            o, lse = o
-            target = AttentionTarget(queries, keys, lse, self.softmax_scale)
-        return Forward(self.project_out(o), selection, problem, target, source, {})
+            target = AttentionTarget(queries, keys, o[1], self.softmax_scale)
+        return Forward(y, selection, problem, target, source, {})
+
+    def _expanded_attention(self, q_nope, q_rope, keys, visibility, selection, stage):
+        """DeepSeek-V3.2's prefill attention (its ``MLA.forward`` with a mask): each head's keys
+        ``[k_nope ; k_rope]`` and values from the cached latent through ``kv_b_proj`` (the
+        numerics' ``linear``: DeepSeek's FP8 product), the scores, the scaled scores, the
+        softmax and ``P·V`` each rounded to the activations' dtype (bf16), over the tokens the
+        stage reads (every visible one in the warm-up, else the picks); queries in blocks
+        (``Execution.query_block``, else ``csa_eqx._auto.expanded_query_block``).
+
+        **Returns:** ``(o [B, S, H, d_v], lse [B, S, H])``; a query that sees a non-finite key
+        or value (or whose own query is) returns NaN, one that sees nothing zeros."""
+        c, ex = self.config, self.execution
+        b, s, _, _ = q_nope.shape
+        t, dt = keys.shape[1], q_nope.dtype
+        kv = ex.numerics.linear(keys[..., : c.kv_lora_rank], self.kv_b_proj)
+        kv = kv.reshape(b, t, -1, c.qk_nope_head_dim + c.v_head_dim)
+        heads = kv.shape[2]
+        rope = keys[:, :, None, c.kv_lora_rank :]
+        k_rope = jnp.broadcast_to(rope, (b, t, heads, rope.shape[-1]))
+        k = jnp.concatenate([kv[..., : c.qk_nope_head_dim], k_rope.astype(dt)], axis=-1)
+        v = kv[..., c.qk_nope_head_dim :]
+        bad = ~jnp.all(jnp.isfinite(k), axis=(2, 3)) | ~jnp.all(jnp.isfinite(v), axis=(2, 3))
+        k, v = (jnp.where(bad[:, :, None, None], 0, a) for a in (k, v))
+        q = jnp.concatenate([q_nope, q_rope], axis=-1)
+        q_bad = ~jnp.all(jnp.isfinite(q), axis=(2, 3))
+        q = jnp.where(q_bad[:, :, None, None], 0, q)
+        scale = jnp.float32(self.softmax_scale)
+        picks = None if selection is None or stage == "dense" else selection
+
+        def block(start, rows):
+            q, q_bad, index, segment, picked = rows
+            mask = Visibility(index, segment, visibility.layout).mask()
+            if picked is not None:
+                mask &= picked_mask(picked, t)
+            logits = jnp.einsum("bshd,bthd->bsht", q, k, preferred_element_type=jnp.float32)
+            logits = round_to(round_to(logits, dt).astype(jnp.float32) * scale, dt)
+            logits = jnp.where(mask[:, :, None, :], logits.astype(jnp.float32), -jnp.inf)
+            peak = jnp.max(logits, axis=-1)
+            peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+            p = jnp.exp(logits - peak[..., None])
+            denom = jnp.sum(p, axis=-1)
+            weights = round_to(p / jnp.where(denom > 0, denom, 1.0)[..., None], dt)
+            o = jnp.einsum("bsht,bthd->bshd", weights, v, preferred_element_type=jnp.float32)
+            poisoned = q_bad | jnp.any(mask & bad[:, None, :], axis=-1)
+            o = round_to(jnp.where(poisoned[:, :, None, None], jnp.nan, o), dt)
+            return o, jnp.where(poisoned[..., None], jnp.nan, peak + jnp.log(denom))
+
+        tiles = backend_tiles() if ex.tiles is None else ex.tiles
+        qb = ex.query_block or expanded_query_block(b, heads, t, tiles.attention_elements)
+        rows = (q, q_bad, visibility.query_index, visibility.query_segment, picks)
+        return map_row_blocks(block, rows, min(qb, max(s, 1)))
 
     def init_cache(self, batch_size: int, max_length: int, dtype=jnp.float32) -> V32Cache:
         """An empty decode cache of fixed-size buffers.

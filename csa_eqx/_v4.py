@@ -142,7 +142,7 @@ class V4Attention(AbstractIndexedAttention):
             return nx.kv(e, c.rope_dim, self.formats)
 
         entries, layout, source = source.entries(
-            "compressor", self.compressor, nx.compressor_input(x), dtype, round_kv
+            "compressor", self.compressor, nx.compressor_input(x), dtype, round_kv, nx
         )
         keys = None
         if self.index_compressor is not None:
@@ -153,6 +153,7 @@ class V4Attention(AbstractIndexedAttention):
                 index_input,
                 dtype,
                 lambda k: nx.indexer(k, self.formats),
+                nx,
             )
         return Compressed(entries, keys, layout), source
 

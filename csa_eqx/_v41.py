@@ -175,7 +175,7 @@ class V41Attention(AbstractIndexedAttention):
             return jnp.concatenate([entries, keys.astype(entries.dtype)], axis=-1)
 
         both, layout, source = source.entries(
-            "compressor", self.compressor, pooled_input, nx.entry_dtype(x), rounded
+            "compressor", self.compressor, pooled_input, nx.entry_dtype(x), rounded, nx
         )
         return Compressed(both[..., : c.head_dim], both[..., c.head_dim :], layout), source
 

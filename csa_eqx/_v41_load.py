@@ -20,6 +20,7 @@ from ._execution import loader_execution
 from ._hf_checkpoint import load_tree, read_config, read_layer, strip_prefix
 from ._hf_config import block_size
 from ._numerics import V41_FORMATS
+from ._v4_block import V4Block
 from ._v41 import V41Attention
 from ._v41_config import V41AttentionConfig
 
@@ -335,4 +336,5 @@ def _load(config, layer_idx, tensors, where, shown, dtype, execution, block) -> 
         raise ValueError(f"{where} ({role}) lacks the tensors {missing}")
     if extra:
         raise ValueError(f"{where} ({role}) holds no tensors {extra}")
-    return load_tree(layer, names, tensors, block, where, shown)
+    dequantised = tuple(f"block.{n}" for n in V4Block.dequantised_at_load)
+    return load_tree(layer, names, tensors, block, where, shown, dequantised)

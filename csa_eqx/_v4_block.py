@@ -7,6 +7,8 @@ layer reads besides its window (compressed entries, a selection) comes from else
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -14,7 +16,9 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from ._config import V4FamilyConfig
-from ._ops import init_linear, linear, rms_norm
+from ._fp8_weight import Fp8Weight
+from ._numerics import EXACT, AbstractNumerics
+from ._ops import init_linear, rms_norm, round_to
 from ._rope import Rope
 
 __all__ = ["V4Block"]
@@ -24,7 +28,10 @@ class V4Block(eqx.Module):
     """The attention block of a V4-family layer. Parameters use the HF module's names and
     torch's ``[out, in]`` layout (DeepSeek's: ``wq_a`` = ``q_a_proj``, ``q_norm`` = ``q_a_norm``,
     ``wq_b``, ``wkv`` = ``kv_proj``, ``kv_norm``, ``wo_a`` = ``o_a_proj``, ``wo_b``,
-    ``attn_sink`` = ``sinks``).
+    ``attn_sink`` = ``sinks``). The projections go through the numerics' ``linear``; a loader
+    under ``DeepSeekInference`` keeps ``q_a_proj``, ``q_b_proj``, ``kv_proj`` and ``o_b_proj``
+    as the checkpoint's ``Fp8Weight``. ``o_a_proj`` is always a float array (the grouped einsum;
+    DeepSeek's ``convert.py`` dequantises ``wo_a``: ``dequantised_at_load``).
 
     **Arguments:**
 
@@ -37,19 +44,20 @@ class V4Block(eqx.Module):
         stay float32).
     """
 
-    q_a_proj: Float[Array, "q_lora hidden"]
+    q_a_proj: Float[Array, "q_lora hidden"] | Fp8Weight
     q_a_norm: Float[Array, " q_lora"]
-    q_b_proj: Float[Array, "heads_x_dim q_lora"]
-    kv_proj: Float[Array, "dim hidden"]
+    q_b_proj: Float[Array, "heads_x_dim q_lora"] | Fp8Weight
+    kv_proj: Float[Array, "dim hidden"] | Fp8Weight
     kv_norm: Float[Array, " dim"]
     o_a_proj: Float[Array, "groups_x_rank group_in"]
-    o_b_proj: Float[Array, "hidden groups_x_rank"]
+    o_b_proj: Float[Array, "hidden groups_x_rank"] | Fp8Weight
     sinks: Float[Array, " heads"]
     head_dim: int = eqx.field(static=True)
     o_lora_rank: int = eqx.field(static=True)
     eps: float = eqx.field(static=True)
     query_norm: bool = eqx.field(static=True)
     rope: Rope = eqx.field(static=True)
+    dequantised_at_load: ClassVar[tuple[str, ...]] = ("o_a_proj",)
 
     def __init__(
         self,
@@ -89,35 +97,44 @@ class V4Block(eqx.Module):
         return self.head_dim**-0.5
 
     def project_qkv(
-        self, x: Float[Array, "batch seq hidden"], positions: Int[Array, "batch seq"]
+        self,
+        x: Float[Array, "batch seq hidden"],
+        positions: Int[Array, "batch seq"],
+        numerics: AbstractNumerics = EXACT,
     ) -> tuple[
         Float[Array, "batch seq q_lora"],
         Float[Array, "batch seq heads dim"],
         Float[Array, "batch seq dim"],
     ]:
-        """**Arguments:** ``x [B, S, hidden]`` and int32 RoPE ``positions [B, S]``.
+        """**Arguments:** ``x [B, S, hidden]``, int32 RoPE ``positions [B, S]`` and the layer's
+        ``numerics`` (its projections and per-head norm).
 
         **Returns:** the query latent ``qr [B, S, q_lora_rank]``, the roped per-head queries
         ``[B, S, H, head_dim]`` (RMS-normed per head first when ``query_norm``) and the roped
         shared key/value ``[B, S, head_dim]`` (before the numerics round it).
         """
         b, s, _ = x.shape
-        qr = rms_norm(linear(x, self.q_a_proj), self.q_a_norm, self.eps)
+        nx = numerics
+        qr = rms_norm(nx.linear(x, self.q_a_proj), self.q_a_norm, self.eps)
         # heads from the weights, not the config: under head parallelism a device holds some
-        q = linear(qr, self.q_b_proj).reshape(b, s, -1, self.head_dim)
+        q = nx.linear(qr, self.q_b_proj).reshape(b, s, -1, self.head_dim)
         if self.query_norm:
-            q = rms_norm(q, None, self.eps)
+            q = nx.head_norm(q, self.eps)
         q = self.rope.interleaved(q, positions[..., None])
-        kv = rms_norm(linear(x, self.kv_proj), self.kv_norm, self.eps)
+        kv = rms_norm(nx.linear(x, self.kv_proj), self.kv_norm, self.eps)
         return qr, q, self.rope.interleaved(kv, positions)
 
     def project_out(
-        self, o: Float[Array, "batch seq heads dim"], positions: Int[Array, "batch seq"]
+        self,
+        o: Float[Array, "batch seq heads dim"],
+        positions: Int[Array, "batch seq"],
+        numerics: AbstractNumerics = EXACT,
     ) -> Float[Array, "batch seq hidden"]:
         """De-rotate the attention output (RoPE at ``-t``), then the grouped output projection
         (docs/concepts.md, "The DeepSeek-V4 attention block").
 
-        **Arguments:** ``o [B, S, H, head_dim]`` and the queries' ``positions [B, S]``.
+        **Arguments:** ``o [B, S, H, head_dim]``, the queries' ``positions [B, S]`` and the
+        layer's ``numerics`` (``o_b_proj``'s product).
 
         **Returns:** ``[B, S, hidden]``.
         """
@@ -126,13 +143,17 @@ class V4Block(eqx.Module):
         groups = self.o_a_proj.shape[0] // self.o_lora_rank  # this device's, under head parallelism
         o = o.reshape(b, s, groups, -1, self.head_dim).reshape(b, s, groups, -1)
         w_a = self.o_a_proj.reshape(groups, self.o_lora_rank, -1).astype(o.dtype)
-        return linear(jnp.einsum("bsgi,goi->bsgo", o, w_a).reshape(b, s, -1), self.o_b_proj)
+        acc = jnp.promote_types(o.dtype, jnp.float32)
+        # DeepSeek's bf16 einsum rounds its result, which its FP8 product then quantises
+        o = round_to(jnp.einsum("bsgi,goi->bsgo", o, w_a, preferred_element_type=acc), o.dtype)
+        return numerics.linear(o.reshape(b, s, -1), self.o_b_proj)
 
     @staticmethod
     def head_specs(axis: str) -> dict[str, P]:
         """Head parallelism over ``axis``: the query projection's rows, the sinks, the grouped
         ``o_a_proj``'s rows and ``o_b_proj``'s input columns are split (heads and groups are
-        contiguous blocks, so each device's heads feed its groups); the rest is replicated.
+        contiguous blocks, so each device's heads feed its groups); the rest is replicated. An
+        ``Fp8Weight`` is split with its scales (whole tiles per device).
 
         **Returns:** the split arrays' ``PartitionSpec`` by attribute name."""
         return {

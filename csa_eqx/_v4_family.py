@@ -38,7 +38,7 @@ def v4_forward(layer, x: Array, source, stage: str, want_loss: bool, shared: V41
     **Arguments** and **Returns:** as ``AbstractIndexedAttention.forward_rows``.
     """
     ex, block = layer.execution, layer.block
-    qr, q, kv = block.project_qkv(x, source.positions)
+    qr, q, kv = block.project_qkv(x, source.positions, ex.numerics)
     kv = ex.numerics.kv(kv, block.rope.dim, layer.formats)
     reads, source = source.window_reads(ex.window, kv, layer.config.sliding_window)
     selection = problem = entries = None
@@ -57,7 +57,7 @@ def v4_forward(layer, x: Array, source, stage: str, want_loss: bool, shared: V41
     if want_loss:
         o, lse = o
         target = AttentionTarget(q, entries, lse, block.scale)
-    y = block.project_out(o, source.positions)
+    y = block.project_out(o, source.positions, ex.numerics)
     return Forward(y, selection, problem, target, source, published)
 
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from ._config import V4AttentionConfig
-from ._deepseek_numerics import DeepSeekInference
+from ._deepseek_numerics import named_numerics
 from ._execution import Execution, loader_execution
 from ._hf_checkpoint import load_tree, read_config, read_layer, rename, strip_prefix
 from ._hf_config import (
@@ -35,6 +35,7 @@ from ._hf_config import (
 )
 from ._safetensors_io import SafetensorsError, read_safetensors
 from ._v4 import V4Attention
+from ._v4_block import V4Block
 from ._v32 import V32Attention
 from ._v41_load import (
     load_v41_attention,
@@ -116,8 +117,8 @@ def _split_options(options: dict, scale_fmt=None) -> tuple[dict, Execution]:
     config field. ``numerics="deepseek"`` takes the checkpoint's ``scale_fmt``."""
     overrides = {k: v for k, v in options.items() if k not in _EXECUTION_OPTIONS | {"execution"}}
     flags = {k: v for k, v in options.items() if k in _EXECUTION_OPTIONS}
-    if flags.get("numerics") == "deepseek":
-        flags["numerics"] = DeepSeekInference(scale_fmt=scale_fmt)
+    if "numerics" in flags:
+        flags["numerics"] = named_numerics(flags["numerics"], scale_fmt)
     return overrides, loader_execution(options.get("execution"), flags)
 
 
@@ -130,6 +131,7 @@ class _Family(NamedTuple):
     native_name: Callable  # DeepSeek-native tensor name -> HF name
     check: Callable  # (layer config, tensor names, where, layer_idx) -> None, or raises
     scale_fmt: Callable  # (config dict, source) -> DeepSeek's activation scale format
+    dequantised: tuple[str, ...] = ()  # FP8 tensors held dequantised whatever the numerics
 
 
 def _load(family: _Family, tensors, d, layer_idx, *, source, where, shown, dtype, options):
@@ -141,7 +143,8 @@ def _load(family: _Family, tensors, d, layer_idx, *, source, where, shown, dtype
     family.check(cfg, set(tensors), where, layer_idx)
     layer = family.layer(cfg, key=jax.random.key(0), dtype=dtype, execution=execution)
     names = family.parameter_names(cfg)
-    return load_tree(layer, names, tensors, block_size(d, source), where, shown)
+    block = block_size(d, source)
+    return load_tree(layer, names, tensors, block, where, shown, family.dequantised)
 
 
 def _load_state_dict(family: _Family, state_dict, config, layer_idx, prefix, dtype, options):
@@ -251,7 +254,13 @@ def native_v4_name(name: str) -> str:
 
 
 _V4 = _Family(
-    V4Attention, v4_layer_config, v4_parameter_names, native_v4_name, _check_v4_kind, v4_scale_fmt
+    V4Attention,
+    v4_layer_config,
+    v4_parameter_names,
+    native_v4_name,
+    _check_v4_kind,
+    v4_scale_fmt,
+    tuple(f"block.{n}" for n in V4Block.dequantised_at_load),
 )
 
 

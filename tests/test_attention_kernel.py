@@ -26,15 +26,14 @@ class RecordingAttention(ce.XlaAttention):
 
     tag: str = "recording"
 
-    def attend(self, q, reads, sinks, scale, *, return_lse=False, query_block):
+    def attend(self, q, reads, sinks, scale, *, return_lse=False, query_block, numerics=None):
         kinds = ("gathered",) * len(reads.gathered)
         kinds += ("band",) * (reads.band is not None) + ("dense",) * (reads.dense is not None)
         if reads.dense is not None and reads.dense.picks is not None:
             kinds += ("picks",)
         CALLS.setdefault(self.tag, []).append(kinds)
-        return super().attend(
-            q, reads, sinks, scale, return_lse=return_lse, query_block=query_block
-        )
+        kw = dict(return_lse=return_lse, query_block=query_block, numerics=numerics)
+        return super().attend(q, reads, sinks, scale, **kw)
 
 
 def layers(kind: str, tag: str, **fields):

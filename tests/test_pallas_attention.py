@@ -242,6 +242,9 @@ def test_auto_attention_runs_the_kernel_on_a_gpu_only(monkeypatch):
     assert ce.AutoAttention().choose() == ce.XlaAttention()  # CPU: the reference
     monkeypatch.setattr(_auto.jax, "default_backend", lambda: "gpu")
     assert ce.AutoAttention().choose() == ce.PallasAttention()
+    # DeepSeek's rounded softmax is XlaAttention's only: the kernel refuses it
+    assert ce.AutoAttention().choose(ce.DeepSeekInference()) == ce.XlaAttention()
+    assert ce.AutoAttention().choose(ce.ExactNumerics()) == ce.PallasAttention()
     mesh = jax.make_mesh((2, 4), ("data", "tensor"))
     with jax.set_mesh(mesh):  # Explicit axes: XLA, unless inside a shard_map over all of them
         assert ce.AutoAttention().choose() == ce.XlaAttention()
@@ -265,3 +268,6 @@ def test_fields_are_checked():
         ce.PallasAttention(query_block=0)
     with pytest.raises(ValueError, match="at least one key set"):
         KERNEL.attend(jnp.zeros((1, 5, 2, 4)), ce.Reads(), None, 1.0, query_block=4)
+    with pytest.raises(ValueError, match="PallasAttention computes the exact softmax"):
+        q = jnp.zeros((1, 5, 2, 4))
+        KERNEL.attend(q, ce.Reads(), None, 1.0, query_block=4, numerics=ce.DeepSeekInference())

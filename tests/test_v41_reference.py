@@ -13,6 +13,7 @@ from pathlib import Path
 
 import equinox as eqx
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from test_v41_layers import candidate_entries
@@ -423,14 +424,14 @@ def _selection_agreement(mine, ref) -> tuple[float, np.ndarray]:
 
 
 def test_matches_deepseeks_quantised_inference(quantised):
-    """``DeepSeekV41Inference`` against DeepSeek's quantised V4.1 code: every index source picks
-    DeepSeek's entries on every row (overlap 1; the bar is 0.99), the candidates are equal,
-    the cached entries and index keys are DeepSeek's FP4 values bit for bit but for one entry
-    of layer 1 (2 of its 64 values land across an FP4 rounding boundary: float32 sums ordered
-    otherwise than torch's), and the outputs agree within 1e-2 of their largest value on every
-    row that reads no differing entry (measured 5.7e-3), 3e-2 relative L2 on all rows (1.7%).
-    The exact path selects otherwise (overlap 0.90-0.93) and is 23-26% away on the compressed
-    layers."""
+    """``DeepSeekV41Inference`` (jitted) against DeepSeek's quantised V4.1 code: every index
+    source picks DeepSeek's entries on every row (overlap 1; the bar is 0.99), the candidates
+    are equal, the cached entries and index keys are DeepSeek's FP4 values (measured bit for
+    bit; the bar allows 0.2% of the entries' values across an FP4 rounding boundary, as float32
+    sums ordered otherwise than torch's can put them), and the outputs agree within 1e-2 of
+    their largest value on every row that reads no differing entry, 3e-2 relative L2 on all
+    rows (measured bit for bit on every layer). The exact path selects otherwise (overlap
+    0.90-0.93) and is 23-26% away on the compressed layers."""
     q, config, runs = quantised
     ys, published = runs["deepseek"]
     assert all(y.dtype == jnp.bfloat16 for y in ys)  # bf16 inside and, here, outside
@@ -489,3 +490,53 @@ def test_quantised_extend_equals_the_forward(quantised):
         np.testing.assert_array_equal(shared.keys, published[i].keys[:, :n])
         np.testing.assert_array_equal(np.concatenate(picks, 1), published[i].selection)
         assert _rel(np.concatenate(outs, 1), np.asarray(ys[i], np.float32)) <= 1e-2, i
+
+
+# ``q8_v41_stack.npz``: the same code on the stack's weights as the release stores them (E4M3,
+# 32 x 32 tiles, E8M0 scales; ``wo_a`` dequantised by DeepSeek's convert.py), ``dtype: "fp8"``
+_STORED = {
+    "w": ml_dtypes.bfloat16,
+    "f32": np.float32,
+    "fp8": ml_dtypes.float8_e4m3fn,
+    "e8m0": ml_dtypes.float8_e8m0fnu,
+}
+
+
+def test_matches_deepseeks_quantised_inference_on_fp8_weights():
+    """``numerics="deepseek"`` on V4.1's FP8 release layout: the loaders keep the FP8 projections
+    as ``Fp8Weight`` in 32 x 32 tiles (DeepSeek's ``act_quant`` in blocks of 32 and its FP8
+    product), ``wo_a`` dequantised; jitted, against DeepSeek's V4.1 code: every index source
+    picks DeepSeek's entries on every row, entries and index keys as DeepSeek's, outputs
+    within 1e-2 (measured: bit for bit on every layer; the exact path is 7-63% away)."""
+    with np.load(QUANTISED.with_name("q8_v41_stack.npz")) as f:
+        fx = {k: f[k] for k in f.files}
+    config = v41_config_from_hf(json.loads(str(fx["config_json"])))
+    layers = []
+    for i in range(config.num_layers):
+        tensors = {}
+        for key, value in fx.items():
+            layer, _, rest = key.partition(":")
+            if layer == f"l{i}":
+                kind, _, name = rest.partition(":")
+                tensors[name] = value.view(_STORED[kind])
+        layers.append(load_v41_attention(config, i, tensors, "", numerics="deepseek"))
+    assert isinstance(layers[1].block.q_b_proj, ce.Fp8Weight)
+    assert layers[1].block.q_b_proj.block == (32, 32)
+    assert not isinstance(layers[1].block.o_a_proj, ce.Fp8Weight)
+
+    def bf16(a):
+        return a.view(ml_dtypes.bfloat16).astype(np.float32)
+
+    xs = [jnp.asarray(bf16(fx[f"x{i}_bf16"]), jnp.bfloat16) for i in range(config.num_layers)]
+    ys, published = run_stack(layers, xs)
+    for i in config.index_source_layers:
+        overlap, equal = _selection_agreement(np.asarray(published[i].selection), fx[f"q8_sel{i}"])
+        assert overlap >= 0.99 and equal.mean() >= 0.95, (i, overlap)
+    for i in config.kv_source_layers:
+        n = fx[f"q8_entries{i}"].shape[1]
+        for got, want in ((published[i].entries, "entries"), (published[i].keys, "keys")):
+            got = np.asarray(got, np.float32)[:, :n]
+            assert (got != fx[f"q8_{want}{i}"]).mean() <= 2e-3, (i, want)
+    for i in range(config.num_layers):
+        y, want = np.asarray(ys[i], np.float32), bf16(fx[f"q8_y{i}"])
+        assert np.abs(y - want).max() <= 1e-2 * np.abs(want).max(), i

@@ -51,6 +51,10 @@ INDEPENDENT = {
     "tests/test_numerics.py::test_matches_deepseeks_quantised_inference": (
         "DeepSeek's quantised inference code (fixtures)"
     ),
+    "tests/test_numerics.py::test_matches_deepseeks_quantised_inference_on_fp8_checkpoints": (
+        "DeepSeek's quantised inference code on FP8 checkpoints (fixtures)"
+    ),
+    "tests/test_numerics.py::test_v4_scores_round_under_jit": "numpy bf16 arithmetic",
     "tests/test_formats.py": "numpy reference of the formats",
     "tests/test_v41_loss.py": "numpy KL formula (float64)",
     "tests/test_v41_reference.py": "DeepSeek's V4.1 inference code (fixtures)",
@@ -219,8 +223,8 @@ MUTATIONS = [
         "v4_head_weights_rescaled",
         "V4 indexer head weights without the H^-1/2 factor (selections unchanged)",
         "csa_eqx/_indexer_heads.py",
-        "        return linear(x, self.weights_proj).astype(jnp.float32) * self.heads**-0.5",
-        "        return linear(x, self.weights_proj).astype(jnp.float32)",
+        "numerics.linear(x, self.weights_proj).astype(jnp.float32) * self.heads**-0.5",
+        "numerics.linear(x, self.weights_proj).astype(jnp.float32)",
         ("tests/test_v4_parity.py::test_indexer_scores_match_hf",),
     ),
     Mutation(
@@ -228,7 +232,7 @@ MUTATIONS = [
         "DeepSeekInference quantises the indexer without the Hadamard rotation",
         "csa_eqx/_deepseek_numerics.py",
         "        rotated = hadamard(v) if formats.hadamard else v\n",
-        "        rotated = v\n",
+        "        rotated = v.astype(jnp.float32)\n",
         ("tests/test_numerics.py::test_matches_deepseeks_quantised_inference",),
     ),
     Mutation(
@@ -238,6 +242,22 @@ MUTATIONS = [
         "        return jnp.concatenate([round_to(nope, kv.dtype), rope], axis=-1)",
         "        return kv",
         ("tests/test_numerics.py::test_matches_deepseeks_quantised_inference",),
+    ),
+    Mutation(
+        "numerics_fp8_weights_dequantised",
+        "DeepSeekInference holds an FP8 checkpoint's projections dequantised (bf16 products)",
+        "csa_eqx/_deepseek_numerics.py",
+        "        return weight  # DeepSeek's linear quantises",
+        "        return weight.dequantize(dtype)  # DeepSeek's linear quantises",
+        ("tests/test_numerics.py::test_matches_deepseeks_quantised_inference_on_fp8_checkpoints",),
+    ),
+    Mutation(
+        "scores_rounded_by_astype",
+        "V4's bf16 score roundings as astype pairs (XLA drops them under jit)",
+        "csa_eqx/_scorer.py",
+        "    return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)",
+        "    return x.astype(dtype).astype(x.dtype)",
+        ("tests/test_numerics.py::test_v4_scores_round_under_jit",),
     ),
     Mutation(
         "pow2_scale_floored",
