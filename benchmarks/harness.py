@@ -59,17 +59,9 @@ def small_v4(kind: presets.LayerKind, **overrides) -> V4AttentionConfig:
     """A V4 layer of ``kind`` with small main dims (hidden 256, 8 heads x 64, RoPE 16,
     indexer 8 x 32, k = 128; V4-Flash's window and compress rates), for decode and remat."""
     small = dict(
-        hidden_size=256,
-        num_heads=8,
-        head_dim=64,
-        rope_dim=16,
-        q_lora_rank=128,
-        o_groups=2,
-        o_lora_rank=64,
-        index_n_heads=8,
-        index_head_dim=32,
-        index_topk=128,
-    )
+        hidden_size=256, num_heads=8, head_dim=64, rope_dim=16, q_lora_rank=128, o_groups=2,
+        o_lora_rank=64, index_n_heads=8, index_head_dim=32, index_topk=128,
+    )  # fmt: skip
     return presets.v4_flash(kind, **(small | overrides))
 
 
