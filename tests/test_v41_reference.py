@@ -5,6 +5,9 @@ attention-only stack covering every role: sliding (0), full ratio 2 (1), reuse (
 ratio 1 and candidate source (3), reindex restricted to the candidates (4), reuse after the
 reindex (5). The exact path: float32, nothing quantised, ``sparse_attn_exact``, a stable
 lower-index top-k, the stale-key defect fixed (``tests/fixtures/deepseek/README.md``).
+The ``q_*`` / ``q8_*`` fixtures hold DeepSeek's quantised V4.1 code (bf16 weights, the release's
+FP8 layout, and the FP8 layout with every key of V4.1-Flash's released ``inference/config.json``,
+prefill and decode) for ``numerics="deepseek"``.
 """
 
 import dataclasses
@@ -681,8 +684,9 @@ def test_flash_config_fp8_prefill_matches_deepseek(flash_config):
             got = np.asarray(got, np.float32)[:, :n]
             assert (got != fx[f"q8_{want}{i}"]).mean() <= 2e-3, (i, want)
     cand = fx["q8_cand3"]
+    bc = config.candidate_block_size
     np.testing.assert_array_equal(
-        candidate_entries(published[3].candidates, 8, cand.shape[-1]), cand
+        candidate_entries(published[3].candidates, bc, cand.shape[-1]), cand
     )
 
 
