@@ -6,6 +6,9 @@ import os
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA's CPU thread pool has max(cores, devices) threads, too few for devices that wait in two
+# collectives at once (``csa_eqx.demo.cli._simulated_devices``); the child processes inherit it
+os.environ.setdefault("PJRT_NPROC", "32")
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 )

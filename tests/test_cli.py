@@ -2,12 +2,16 @@
 
 import io
 import json
+import os
+import subprocess
+import sys
 
 import pytest
+from child_env import child_env
 from demo_helpers import tiny_config
 
 from csa_eqx.demo.checkpoint import read_checkpoint
-from csa_eqx.demo.cli import main, summary
+from csa_eqx.demo.cli import _simulated_devices, main, summary
 from csa_eqx.demo.train import TrainConfig, targets_met, train
 
 
@@ -46,6 +50,31 @@ def test_train_smoke_resume_and_controls(tmp_path):
     dense = json.loads((run / "control-dense" / "report.json").read_text())
     assert len(dense["history"]) == len(history)  # the same budget
     assert 0.0 <= controls["dense"]["indexer_recall"] <= 1.0
+
+
+# XLA's CPU pools once the backend runs, in a process that asked for 4 devices as `train` does
+POOLS = """
+import os, sys
+from csa_eqx.demo.cli import _simulated_devices
+_simulated_devices(4)
+import jax
+assert jax.device_count() == 4
+names = [open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task")]
+print(sum("XLAEigen" in name for name in names))
+"""
+
+
+def test_train_gives_xlas_cpu_pool_room_for_concurrent_collectives(monkeypatch):
+    # a pool of one thread per device deadlocks (see ``_simulated_devices``)
+    env = child_env(JAX_PLATFORMS="cpu")
+    env.pop("PJRT_NPROC", None)
+    out = subprocess.run(
+        [sys.executable, "-c", POOLS], env=env, capture_output=True, text=True, check=True
+    )
+    assert int(out.stdout) == max(os.cpu_count(), 16)
+    monkeypatch.setenv("PJRT_NPROC", "6")  # one the user sized is kept
+    _simulated_devices(4)  # (this process's backend runs: its devices stay as they are)
+    assert os.environ["PJRT_NPROC"] == "6"
 
 
 def test_summary_says_whether_the_targets_were_met(tmp_path):

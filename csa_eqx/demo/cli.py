@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,9 +24,19 @@ from .config import (
 
 def _simulated_devices(n: int) -> None:
     """Ask for ``n`` simulated CPU devices (only effective before JAX starts its backend; the
-    CPU backend is the only one it changes, so accelerators are used as they are)."""
+    CPU backend is the only one it changes, so accelerators are used as they are).
+
+    XLA's CPU client runs every device's collectives on one pool of ``max(cores, n)`` threads,
+    and does not order a collective inside a loop against one outside it: in the training step
+    a sum over the data axis runs beside a loop whose body permutes over every device, so on a
+    machine with fewer cores than devices two devices can each hold two threads waiting while
+    the other two never start, and XLA aborts after 40 s (2 of 4 fresh runs of a tiny
+    configuration on 2 cores with JAX 0.12; docs/testing.md). ``PJRT_NPROC``, which sizes that
+    pool, is raised to ``4 n`` unless it is set.
+    """
     import jax
 
+    os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, 4 * n)))
     # a backend that is already running (e.g. in a notebook) keeps its devices
     with contextlib.suppress(RuntimeError):
         jax.config.update("jax_num_cpu_devices", n)
