@@ -1,7 +1,9 @@
 """One-shot accelerator benchmark: the whole speed / memory table of a V4 CSA layer in one run.
 
-Made for one run of at most ~8 minutes on a lent GPU (an H200); ``--quick`` runs tiny sizes on
-any backend (the test suite does this on the CPU). Work runs in priority order and the results
+Made for one run of at most ~8 minutes on a lent GPU (an H200); on a TPU the Triton kernels'
+runs are skipped and listed, and the rest (csa_eqx's XLA path, the naive layer, the anchor's
+XLA selection) is measured the same way. ``--quick`` runs tiny sizes on any backend (the test
+suite does this on the CPU). Work runs in priority order and the results
 are rewritten to ``OUT/gpu_table.md`` and ``OUT/gpu_table.json`` after every step, so a run that
 is cut off keeps everything that finished; a step (or a single implementation) predicted not to
 fit the time budget or the device memory is skipped and listed as such.
@@ -87,7 +89,7 @@ IMPLEMENTATIONS = (
     ("naive", "naive dense-mask"),
     ("HF eager", "HF eager"),
 )
-# profiled: the kernels' runs, or (on a CPU, where they are not timed) the XLA path's
+# profiled: the kernels' runs, or (off a GPU, where they are not timed) the XLA path's
 PROFILED = (
     ("selection stage", "csa_eqx fwd", "csa_eqx fwd+bwd"),
     ("selection stage XLA", "csa_eqx XLA fwd", "csa_eqx XLA fwd+bwd"),
@@ -97,6 +99,19 @@ CPU_KERNELS = (
     "a CPU runs the Pallas kernels in interpret mode only (tests/test_pallas_*.py prove them "
     "there); a layer's timing would measure the interpreter"
 )
+NOT_TRITON = (
+    "the Pallas kernels are Triton (GPU) kernels: a {backend} runs csa_eqx's XLA path, its "
+    "automatic choice (docs/kernels.md)"
+)
+
+
+def kernels_not_timed(backend: str) -> str | None:
+    """Why the Pallas kernels' layer runs are not timed on JAX's ``backend``; None on a GPU."""
+    if backend == "gpu":
+        return None
+    return CPU_KERNELS if backend == "cpu" else NOT_TRITON.format(backend=backend.upper())
+
+
 SELECTIONS = (("selection stage", "kernel"), ("selection stage XLA", "XLA"))
 # JAX runs of a layer step, most important first (the first to get the time that is left)
 PRIORITY = (
@@ -477,11 +492,11 @@ class Bench:
                 programs[name.replace("csa_eqx", "csa_eqx XLA")] = program
         programs["selection stage XLA"] = (layer_speed.selection_stage, (xla, x))
         programs = {name: programs[name] for name in PRIORITY}
-        cpu = self.res["meta"].get("backend") == "cpu"
-        if cpu:
+        not_timed = kernels_not_timed(self.res["meta"]["backend"])
+        if not_timed:
             for name in KERNEL_RUNS:
                 del programs[name]
-                rec["runs"][name] = {"skipped": CPU_KERNELS}
+                rec["runs"][name] = {"skipped": not_timed}
         runs = self.compile_runs(programs, dtype_name, seq, rec["runs"])
         self.save()
         if torch_layer is not None:
@@ -496,7 +511,7 @@ class Bench:
             self.skip(f"HF output check S={seq}", f"time budget ({self.left():.0f} s left)")
         elif check:
             try:
-                checked = xla if cpu else kernels  # the layer's output, by the timed path
+                checked = xla if not_timed else kernels  # the layer's output, by the timed path
                 rec["hf_check"] = layer_speed.output_check(torch_layer, hf_config, checked, x)
             except Exception as err:  # noqa: BLE001
                 rec["hf_check"] = {"error": describe_error(err)}
@@ -562,12 +577,14 @@ class Bench:
         q, w, keys = anchor_inputs(seq, heads, dim)
         rec: dict = dict(a, runs={})
         self.res["anchor"] = rec
+        strategies = {"indexer": ce.PallasSelection(), "indexer XLA": ce.StreamingSelection()}
+        backend = self.res["meta"]["backend"]
+        if backend not in ("gpu", "cpu"):  # a CPU runs the fused kernel interpreted (--quick)
+            del strategies["indexer"]
+            rec["runs"]["indexer"] = {"skipped": kernels_not_timed(backend)}
         programs = {
             name: (lambda q, w, keys, st=strategy: anchor_select(q, w, keys, k, st), (q, w, keys))
-            for name, strategy in (
-                ("indexer", ce.PallasSelection()),
-                ("indexer XLA", ce.StreamingSelection()),
-            )
+            for name, strategy in strategies.items()
         }
         runs = self.compile_runs(programs, "bfloat16", seq, rec["runs"])
         if not runs:
@@ -579,8 +596,9 @@ class Bench:
         if self.left() < 30:
             self.skip("anchor exactness check", f"time budget ({self.left():.0f} s left)")
             return
+        rec["checked"] = "indexer" if "indexer" in runs else "indexer XLA"
         try:
-            ours = runs["indexer"]()
+            ours = runs[rec["checked"]]()
             dense = jax.jit(lambda q, w, keys: anchor_dense(q, w, keys, k))(q, w, keys)
             same = np.asarray(jnp.all(ours == dense, axis=-1))
             rec["same_rows_as_dense"] = float(same.mean())
@@ -827,8 +845,9 @@ def anchor_lines(res: dict) -> list[str]:
     same = a.get("same_rows_as_dense")
     if same is not None:
         text = f"{same:.2%}" if isinstance(same, float) else same
+        which = "XLA streaming" if a.get("checked") == "indexer XLA" else "kernel"
         lines.append(
-            f"Rows whose kernel picks equal the dense (materialised-score) path's: {text}."
+            f"Rows whose {which} picks equal the dense (materialised-score) path's: {text}."
         )
     return lines + [""]
 

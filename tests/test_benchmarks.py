@@ -115,6 +115,28 @@ def test_gpu_table_quick_run(tmp_path, monkeypatch):
     assert (tmp_path / layer["profile"]["saved"]).stat().st_size > 0
 
 
+def test_gpu_table_off_a_gpu_times_the_xla_path(tmp_path, monkeypatch):
+    """On a TPU (the backend faked: the lent accelerator may be one) the Triton kernels' runs,
+    the anchor's fused indexer included, are skipped with the reason; the XLA path, the naive
+    layer and the XLA anchor are timed, and the anchor's picks are checked by the XLA path."""
+    from benchmarks import gpu_table
+
+    machine = gpu_table.machine
+    monkeypatch.setattr(gpu_table, "machine", lambda: dict(machine(), backend="tpu"))
+    page, result = run_gpu_table(
+        monkeypatch, "--seqs", "128", "--dtypes", "float32", "--reps", "1", "--settle", "0",
+        "--no-hf", "--no-profile", "--gemm-n", "64", "--out", tmp_path,
+    )  # fmt: skip
+    why = gpu_table.NOT_TRITON.format(backend="TPU")
+    (layer,) = result["layers"]
+    runs = layer["runs"] | result["anchor"]["runs"]
+    assert {runs.pop(name)["skipped"] for name in (*gpu_table.KERNEL_RUNS, "indexer")} == {why}
+    assert {"naive fwd+bwd", "csa_eqx XLA fwd+bwd", "indexer XLA"} <= set(runs)
+    assert all("min" in run for run in runs.values()), runs
+    assert why in page
+    assert "Rows whose XLA streaming picks equal the dense (materialised-score) path's: 100" in page
+
+
 def test_gpu_table_time_budget_keeps_what_finished(tmp_path, monkeypatch):
     """With no time left every step is skipped and listed, and the files are still written."""
     page, result = run_gpu_table(monkeypatch, "--budget", "0", "--no-hf", "--out", tmp_path)
