@@ -12,7 +12,8 @@ row gathers nor per-lane scatters, has no interpret path for these ops, and its 
 model (warpgroup arrays, explicit shared-memory pipelines) would be a second kernel to prove
 without a device. The Triton backend is deprecated from JAX 0.11 (a warning on JAX 0.12; it
 still lowers), so the kernels are the ones to port when it goes. TPU (Mosaic) does not carry
-the design: it has no masked pointer gathers or scatters, so TPU stays on the XLA paths.
+the design: it has no masked pointer gathers or scatters, so TPU stays on the XLA paths, and a
+kernel forced there refuses at lowering with a message naming it (``TPU_REFUSED``).
 
 Every ``pallas_call`` passes Triton's ``CompilerParams`` (JAX 0.10 may otherwise pick Mosaic
 GPU) and runs in interpret mode when lowered for the CPU (``run_kernel``: a per-platform
@@ -31,6 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
 
 __all__ = [
     "run_kernel",
@@ -46,12 +49,40 @@ __all__ = [
 ]
 
 MIN_DOT = 16  # Triton's smallest dot side
+TPU_REFUSED = (
+    "csa_eqx's Pallas kernel {name!r} is a Triton (GPU) kernel and cannot be lowered for a TPU: "
+    "Mosaic TPU has none of its masked pointer gathers and scatters (docs/kernels.md). On a TPU "
+    "the automatic choices run the XLA paths; do not force PallasSelection, PallasAttention or "
+    "PallasScorer there."
+)
+
+# A TPU's branch of ``run_kernel``: outputs of the kernel's shapes whose lowering refuses with
+# TPU_REFUSED. ``platform_dependent`` lowers only the branch of the platform lowered for, so a
+# CPU or GPU program never meets it (Pallas' own TPU lowering would fail on a bare assertion).
+_tpu_refused_p = Primitive("csa_eqx_kernel_refused_on_tpu")
+_tpu_refused_p.multiple_results = True
+_tpu_refused_p.def_abstract_eval(lambda *args, avals, message: avals)
+
+
+def _tpu_refused_lowering(ctx, *args, avals, message):
+    raise NotImplementedError(message)
+
+
+def _tpu_refused_batched(args, dims, *, avals, message):
+    size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
+    batched = tuple(a.update(shape=(size, *a.shape)) for a in avals)
+    return _tpu_refused_p.bind(*args, avals=batched, message=message), [0] * len(avals)
+
+
+mlir.register_lowering(_tpu_refused_p, _tpu_refused_lowering)
+batching.primitive_batchers[_tpu_refused_p] = _tpu_refused_batched
 
 
 def run_kernel(make_kernel, out_shape, grid, name: str, *args, aliases=None):
     """Run a kernel over ``grid`` with whole-array refs: interpret mode when the program is
-    lowered for the CPU, Triton (its ``CompilerParams``) for any other platform, chosen per
-    platform at lowering (``jax.lax.platform_dependent``; both versions are traced).
+    lowered for the CPU, a ``NotImplementedError`` naming the kernel when it is lowered for a
+    TPU (``TPU_REFUSED``), Triton (its ``CompilerParams``) for any other platform, chosen per
+    platform at lowering (``jax.lax.platform_dependent``; every version is traced).
 
     **Arguments:** ``make_kernel(interpret)`` returning the kernel body, the ``out_shape``
     (``jax.ShapeDtypeStruct`` pytree), the ``grid``, the kernel's ``name``, its ``args`` and
@@ -71,9 +102,16 @@ def run_kernel(make_kernel, out_shape, grid, name: str, *args, aliases=None):
             compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         )(*args)
 
+    def refused(*args):
+        flat, tree = jax.tree.flatten(out_shape)
+        avals = tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in flat)
+        out = _tpu_refused_p.bind(*args, avals=avals, message=TPU_REFUSED.format(name=name))
+        return jax.tree.unflatten(tree, out)
+
     return jax.lax.platform_dependent(
         *args,
         cpu=functools.partial(call, interpret=True),
+        tpu=refused,
         default=functools.partial(call, interpret=False),
     )
 

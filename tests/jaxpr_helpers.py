@@ -34,3 +34,8 @@ def gpu_lowering(fn, *args) -> str:
     mesh = jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=device)
     with jax.sharding.use_abstract_mesh(mesh):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def tpu_lowering(fn, *args):
+    """``jax.jit(fn)`` lowered for a TPU (no TPU needed; nothing is compiled)."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxpr_helpers import gpu_lowering, walk_avals
+from jaxpr_helpers import gpu_lowering, tpu_lowering, walk_avals
 
 import csa_eqx as ce
 from csa_eqx import _auto, presets
@@ -235,6 +235,46 @@ def test_forward_and_backward_lower_to_triton(dtype):
 
         assert gpu_lowering(fn, *args).count("__gpu$xla.gpu.triton") == 1
         assert gpu_lowering(grads, *args).count("__gpu$xla.gpu.triton") == 2
+
+
+def test_every_kernel_refuses_a_tpu_by_name():
+    """Forced on a TPU, each Triton kernel (the fused indexer, the attention forward and
+    backward, the scorer, also under ``vmap``) stops at lowering with csa_eqx's message naming
+    it, not Pallas' bare assertion; the CPU lowering of the same programs is unchanged."""
+    b, s, t, h, d = 1, 16, 8, 2, 16
+    sd = jax.ShapeDtypeStruct
+    seg = jnp.zeros((b, s), jnp.int32)
+    qi = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+
+    def select(q, w, keys):
+        vis = ce.Visibility(qi, seg, ce.entry_layout(seg, 2))
+        return ce.PallasSelection().select(ce.SelectionProblem.from_queries(q, w, keys, vis), 4)
+
+    def attend(q, entries, picks):
+        reads = ce.Reads((ce.GatheredRows(entries, picks),))
+        return ce.PallasAttention().attend(q, reads, None, 0.1, query_block=16)
+
+    def attend_grad(q, entries, picks):
+        return jax.grad(lambda q: attend(q, entries, picks).sum())(q)
+
+    def scores(q, w, keys):
+        return ce.PallasScorer().scores(q, w, keys)
+
+    f32 = jnp.float32
+    indexer = (sd((b, s, h, d), f32), sd((b, s, h), f32), sd((b, t, d), f32))
+    attn = (indexer[0], sd((b, t, d), f32), sd((b, s, 4), jnp.int32))
+    stacked = tuple(sd((3, *a.shape), a.dtype) for a in indexer)
+    cases = (
+        ("indexer_topk", select, indexer),
+        ("sparse_attention", attend, attn),
+        ("sparse_attention", attend_grad, attn),
+        ("indexer_scores", scores, indexer),
+        ("indexer_scores", jax.vmap(scores), stacked),
+    )
+    for name, fn, args in cases:
+        with pytest.raises(NotImplementedError, match=f"Pallas kernel '{name}' is a Triton"):
+            tpu_lowering(fn, *args)
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cpu",))
 
 
 def test_auto_attention_runs_the_kernel_on_a_gpu_only(monkeypatch):
