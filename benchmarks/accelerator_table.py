@@ -1,76 +1,97 @@
-"""One-shot accelerator benchmark: the whole speed / memory table of a V4 CSA layer in one run.
+"""One-shot accelerator benchmark: the speed and memory table of csa_eqx on a GPU or a TPU.
 
-Made for one run of at most ~8 minutes on a lent GPU (an H200); on a TPU the Triton kernels'
-runs are skipped and listed, and the rest (csa_eqx's XLA path, the naive layer, the anchor's
-XLA selection) is measured the same way. ``--quick`` runs tiny sizes on any backend (the test
-suite does this on the CPU). Work runs in priority order and the results
-are rewritten to ``OUT/gpu_table.md`` and ``OUT/gpu_table.json`` after every step, so a run that
-is cut off keeps everything that finished; a step (or a single implementation) predicted not to
-fit the time budget or the device memory is skipped and listed as such.
+Made for one run of at most ~8 minutes on a lent accelerator, or two prepared runs
+(``--part 1`` then ``--part 2 --resume``); ``--quick`` runs tiny stand-ins of every section on
+any backend (the test suite does this on the CPU). Work runs in priority order and the
+results are rewritten after every step, so a run that is cut off keeps everything that
+finished; a step (or a single program) predicted not to fit the time budget or the device
+memory is skipped and listed as such, and an error is recorded where it happened and the run
+goes on. It writes, named by JAX's backend (``benchmarks_tpu`` on a TPU):
+
+- ``OUT/benchmarks_<backend>.md``: the page (tables, the commands, the date, the device);
+- ``OUT/benchmarks_<backend>.json``: ``{"device", "jax", "date", "command", "figures",
+  "skipped"}``, one figure per measurement (``figures``);
+- ``OUT/benchmarks_<backend>_raw.json``: every record of the run (what ``--resume`` reads).
+
+Every csa_eqx program runs twice, as **the automatic choice** (``Execution()``: on a GPU the
+Pallas kernels, elsewhere XLA's strategies; the strategies it took are recorded, and its
+figures' ``path`` is ``"kernel"`` where a Pallas / Mosaic kernel class ran, else ``"xla"``)
+and as **the XLA path** (the dense or streaming top-k that ``AutoSelection.choose`` picks,
+with ``XlaAttention``, forced); where the automatic choice is the XLA path it runs once.
+
+Part 1:
 
 1. GEMM rate of an ``n x n`` ``jnp.dot``: bfloat16, float32 at ``'highest'`` precision (true
-   fp32) and float32 at the default precision (TF32 on a GPU).
-2. Layer steps (``benchmarks/layer_speed.py``'s layer and weights, B = 1) for each sequence
-   length S and dtype: csa_eqx with the Pallas kernels (``PallasSelection``,
-   ``PallasAttention``: the automatic choice on a GPU), csa_eqx's XLA path
-   (``StreamingSelection``, ``XlaAttention``: the automatic choice before the kernels) and the
-   naive dense-mask baseline (jit), fwd and fwd+bwd, both selection stages alone, HF
-   transformers' eager ``DeepseekV4Attention`` (torch, where it fits); XLA's compiled memory of
-   every JAX program; the selection stages' visible-pair scoring FLOP/s as a fraction of the
-   GEMM rate of the same dtype. Order: S = 4k (bf16, fp32), bf16
-   at 16k and 32k, the anchor, fp32 at 16k and 32k, then 64k (bf16, fp32) when time allows.
-   "float32" is true fp32 (JAX ``default_matmul_precision('highest')``, torch TF32 off);
-   "bfloat16" casts every float parameter and the input.
+   fp32) and float32 at the default precision (TF32 on a GPU, bf16 passes on a TPU).
+2. The benchmark layer (``benchmarks/layer_speed.py``'s layer and weights, B = 1) for each S and
+   dtype: csa_eqx (automatic, XLA), the naive dense-mask baseline and HF transformers' eager
+   ``DeepseekV4Attention`` (torch, where it fits), fwd and fwd+bwd; the selection stages
+   alone, their visible-pair scoring FLOP/s as a fraction of the GEMM rate of the same dtype;
+   XLA's compiled memory of every program. Order: S = 4k (bf16, fp32), bf16 at 16k and 32k,
+   the anchor, fp32 at 16k and 32k, then 64k (bf16, fp32). "float32" is true fp32 (JAX
+   ``default_matmul_precision('highest')``, torch TF32 off); "bfloat16" casts every float
+   parameter and the input.
 3. The anchor: a V3.2-style indexer alone (token keys, causal), Q = K = 32768, 32 heads x 128,
-   k = 2048, bf16, the fused kernel and the XLA streaming selection, against a CuTe DSL fused
-   score + radix top-k kernel's 16.1 ms on an H200; the kernel's picks are compared with the
-   dense (materialised-score) path once.
-4. Profiles (bf16, S = 4k and 32k): one ``jax.profiler`` trace per S of one call each of the
-   selection stage, csa_eqx fwd and fwd+bwd; summarised (kernel count, busy time, top
-   kernels per program) and saved as ``OUT/profile_S.json.gz`` (Perfetto / chrome://tracing).
-5. ``--tiles``: the selection stage at several streaming key tiles.
+   k = 2048, bf16, its automatic selection and the XLA path, each one's picks checked against
+   a blocked ``lax.top_k`` reference (``anchor_reference``).
+4. Profiles (bf16, S = 4k and 32k; not with ``--no-profile``): one ``jax.profiler`` trace per S
+   of the selection stage, csa_eqx fwd and fwd+bwd, summarised and saved as
+   ``OUT/profile_S.json.gz``.
 
-    python -m benchmarks.gpu_table --out DIR [--quick] [--budget 400] [--reps 3]
-        [--seqs 4096 16384 32768 65536] [--dtypes bfloat16 float32] [--gemm-n 8192]
-        [--no-hf] [--no-anchor] [--no-profile] [--tiles]
+Part 2: one DeepSeek-V4-Flash CSA layer (``presets.v4_flash("csa")``) and one V3.2 DSA layer
+(``presets.v32()``) at their released sizes, random bf16 weights, fwd and fwd+bwd at 32k, 8k,
+16k, 64k (in that order) as the automatic choice runs them, each compiled first (shapes only)
+and run only where its compiled memory fits the device; the model-FLOP utilisation beside each
+time (``benchmarks/flops.py`` says what is counted) and the attention kernel alone (the
+layer's own call, inputs captured from its forward), fwd and fwd+bwd, with its bytes per
+second. ``--tiles`` (last): the selection stage at several streaming key tiles.
+
+    python -m benchmarks.accelerator_table --out DIR [--part {1,2,all}] [--resume RAW]
+        [--quick] [--budget 400] [--reps 3] [--slow 1] [--seqs ...] [--released-seqs ...]
+        [--dtypes bfloat16 float32] [--gemm-n 8192] [--peak-tflops P] [--no-hf]
+        [--no-anchor] [--no-profile] [--tiles]
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import copy
+import gc
+import gzip
+import json
 import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
-# Before jax is imported: JAX and torch share the GPU, so JAX must not take 75% of it up front,
-# and its pool (which never shrinks) is capped so that HF's eager layer keeps room.
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import copy  # noqa: E402
-import gc  # noqa: E402
-import gzip  # noqa: E402
-import json  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections import defaultdict  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
-from pathlib import Path  # noqa: E402
+import csa_eqx as ce
+from csa_eqx import entry_layout, presets
 
-import equinox as eqx  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import csa_eqx as ce  # noqa: E402
-from csa_eqx import V4Attention, entry_layout, entry_visibility, indexer_scores  # noqa: E402
-from csa_eqx import select_topk as dense_topk  # noqa: E402
-from csa_eqx._auto import backend_tiles  # noqa: E402
-
-from . import harness, layer_speed  # noqa: E402
+from . import flops, harness, layer_speed
+from .accelerator_report import figure_text, markdown
+from .chosen import (
+    attention_inputs,
+    attention_programs,
+    automatic_selection,
+    is_kernel,
+    resolve,
+    xla_selection,
+)
+from .harness import forward
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 GEMMS = {  # name: (dtype, matmul precision)
@@ -78,41 +99,18 @@ GEMMS = {  # name: (dtype, matmul precision)
     "float32 (precision highest)": (jnp.float32, jax.lax.Precision.HIGHEST),
     "float32 (default precision)": (jnp.float32, None),
 }
-GEMM_OF = {"bfloat16": "bfloat16", "float32": "float32 (precision highest)"}
 LARGEST_MAIN_SEQ = 32768  # longer sequences run last, when time allows
-# csa_eqx's Pallas kernels, forced whatever the backend would choose (the automatic choice on
-# a GPU; interpret mode on a CPU); the XLA path is ``xla_execution``'s
-KERNELS = ce.Execution(selection=ce.PallasSelection(), attention=ce.PallasAttention())
-IMPLEMENTATIONS = (
-    ("csa_eqx", "csa_eqx kernels"),
-    ("csa_eqx XLA", "csa_eqx XLA"),
-    ("naive", "naive dense-mask"),
-    ("HF eager", "HF eager"),
-)
-# profiled: the kernels' runs, or (off a GPU, where they are not timed) the XLA path's
-PROFILED = (
-    ("selection stage", "csa_eqx fwd", "csa_eqx fwd+bwd"),
-    ("selection stage XLA", "csa_eqx XLA fwd", "csa_eqx XLA fwd+bwd"),
-)
-KERNEL_RUNS = ("csa_eqx fwd+bwd", "csa_eqx fwd", "selection stage")
-CPU_KERNELS = (
-    "a CPU runs the Pallas kernels in interpret mode only (tests/test_pallas_*.py prove them "
-    "there); a layer's timing would measure the interpreter"
-)
-NOT_TRITON = (
-    "the Pallas kernels are Triton (GPU) kernels: a {backend} runs csa_eqx's XLA path, its "
-    "automatic choice (docs/kernels.md)"
-)
-
-
-def kernels_not_timed(backend: str) -> str | None:
-    """Why the Pallas kernels' layer runs are not timed on JAX's ``backend``; None on a GPU."""
-    if backend == "gpu":
-        return None
-    return CPU_KERNELS if backend == "cpu" else NOT_TRITON.format(backend=backend.upper())
-
-
-SELECTIONS = (("selection stage", "kernel"), ("selection stage XLA", "XLA"))
+# dense bf16 peak of the chips whose model-FLOP utilisation the page reports (by
+# ``device_kind``); elsewhere ``--peak-tflops`` gives it
+PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0}
+# the automatic choice's runs of a layer step, and the XLA path's run each one repeats
+AUTOMATIC_RUNS = {
+    "csa_eqx fwd+bwd": "csa_eqx XLA fwd+bwd",
+    "csa_eqx fwd": "csa_eqx XLA fwd",
+    "selection stage": "selection stage XLA",
+}
+# profiled: the automatic choice's runs, or (where it is the XLA path) the XLA path's
+PROFILED = tuple(AUTOMATIC_RUNS), tuple(AUTOMATIC_RUNS.values())
 # JAX runs of a layer step, most important first (the first to get the time that is left)
 PRIORITY = (
     "csa_eqx fwd+bwd", "csa_eqx fwd", "selection stage", "naive fwd+bwd", "naive fwd",
@@ -120,19 +118,35 @@ PRIORITY = (
 )  # fmt: skip
 TILE_KEY_BLOCKS = (0, 512, 1024, 2048)  # indexer_key_block values of --tiles (0 = automatic)
 MAX_TRACE_BYTES = 15 << 20  # a trace larger than this is summarised but not copied to OUT
+# the layers at released sizes (part 2): figure-name prefix -> (layer class, config by mode)
+RELEASED = {
+    "v4_flash_csa": (
+        ce.V4Attention,
+        {"full": lambda: presets.v4_flash("csa"), "quick": lambda: presets.tiny_v4("csa")},
+    ),
+    "v32_dsa": (ce.V32Attention, {"full": presets.v32, "quick": presets.tiny_v32}),
+}
+RELEASED_RUNS = ("fwd", "fwd+bwd", "attention fwd", "attention fwd+bwd")
 MODES = {
     "full": dict(
         seqs=(4096, 16384, 32768, 65536),
+        released_seqs=(32768, 8192, 16384, 65536),
         profile=(4096, 32768),
         gemm_n=8192,
-        # CuTe DSL fused indexer score + exact radix top-k on an H200 (TileLang: 28.6 ms)
-        anchor=dict(seq=32768, heads=32, dim=128, k=2048, reference_ms=16.1),
+        # CuTe DSL fused indexer score + exact radix top-k on an H200 (TileLang: 28.6 ms);
+        # the reference check scores ``block`` queries at a time
+        anchor=dict(seq=32768, heads=32, dim=128, k=2048, block=256, reference_ms=16.1),
+        first_compile_s=30.0,
+        released_first_compile_s=90.0,
     ),
     "quick": dict(
         seqs=(128, 256),
+        released_seqs=(256,),  # V4's T = 64 > 4k: gathered picks, as at the released sizes
         profile=(128, 256),
         gemm_n=256,
-        anchor=dict(seq=256, heads=4, dim=16, k=16, reference_ms=None),
+        anchor=dict(seq=256, heads=4, dim=16, k=16, block=64, reference_ms=None),
+        first_compile_s=30.0,
+        released_first_compile_s=30.0,
     ),
 }
 
@@ -226,37 +240,48 @@ def cast(layer, dtype):
     return jax.tree.map(lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, layer)
 
 
-def needed_bytes(mem: dict) -> int:
-    return mem["temp"] + mem["argument"] + mem["output"] - mem["alias"]
+def needed_bytes(mem: dict, resident: bool) -> int:
+    """Device bytes a compiled program still needs to run: its temporaries and outputs, and its
+    arguments unless they are ``resident`` already."""
+    return mem["temp"] + mem["output"] - mem["alias"] + (0 if resident else mem["argument"])
 
 
-# --- the anchor: V3.2-style indexer alone (the one place that names the selection API) -------
+# --- programs: compiled for shapes or arrays, called with arrays ----------------------------
 
 
-def xla_execution(config, seq: int) -> ce.Execution:
-    """The XLA path of a layer at ``seq`` tokens (B = 1): the dense or streaming top-k the
-    automatic rule picks without the kernels (``AutoSelection.choose``) and ``XlaAttention``."""
-    entries = -(-seq // config.compress_rate)
-    sizes = (1, seq, entries, config.index_n_heads, backend_tiles())
-    return ce.Execution(selection=ce.AutoSelection().choose(*sizes), attention=ce.XlaAttention())
+def is_array_like(leaf) -> bool:
+    return isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))
 
 
-def anchor_select(q, w, keys, k: int, strategy):
-    """``strategy``'s selection on token keys (V3.2), causal, one segment: ``[B,S,k]``."""
-    b, s = q.shape[:2]
-    index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    segment = jnp.zeros((b, s), jnp.int32)
-    visibility = ce.Visibility(index, segment, entry_layout(segment, 1))
-    return strategy.select(ce.SelectionProblem.from_queries(q, w, keys, visibility), k)
+class Program:
+    """``fn(*args)`` jitted over the arrays of ``args`` (every other leaf, a strategy say, is
+    baked in) and lowered for them: arrays, or ``jax.ShapeDtypeStruct`` leaves to compile and
+    measure before any array exists. The jitted program keeps ``fn``'s name (profiles)."""
+
+    def __init__(self, fn: Callable, args: tuple):
+        dynamic, static = eqx.partition(args, is_array_like)
+
+        def run(dynamic):
+            return fn(*eqx.combine(dynamic, static))
+
+        run.__name__ = run.__qualname__ = getattr(fn, "__name__", "program")
+        self.lowered = jax.jit(run).lower(dynamic)
+        self.compiled = None
+        self.memory: dict = {}
+
+    def compile(self) -> Program:
+        self.compiled = self.lowered.compile()
+        self.memory = harness.memory(self.compiled)
+        return self
+
+    def caller(self, args: tuple) -> Callable[[], Any]:
+        """A no-argument blocking call of the compiled program on the arrays of ``args``
+        (shaped as the lowering's), returning its outputs."""
+        dynamic = eqx.partition(args, is_array_like)[0]
+        return lambda: jax.block_until_ready(self.compiled(dynamic))
 
 
-def anchor_dense(q, w, keys, k: int):
-    """The same selection through the materialised ``[B,S,T]`` scores (one head at a time)."""
-    b, s = q.shape[:2]
-    index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    segment = jnp.zeros((b, s), jnp.int32)
-    visible = entry_visibility(index, segment, entry_layout(segment, 1))
-    return dense_topk(indexer_scores(q, w, keys, head_chunk=1), visible, k)
+# --- the anchor: V3.2-style indexer alone ------------------------------------------------------
 
 
 def anchor_inputs(seq: int, heads: int, dim: int):
@@ -265,6 +290,57 @@ def anchor_inputs(seq: int, heads: int, dim: int):
     q = jax.random.normal(kq, (1, seq, heads, dim), jnp.bfloat16)
     w = jax.random.normal(kw, (1, seq, heads), jnp.float32) * heads**-0.5
     return q, w, jax.random.normal(kk, (1, seq, dim), jnp.bfloat16)
+
+
+def _projected(q, w):
+    return q, w
+
+
+def anchor_problem(q, w, keys) -> ce.SelectionProblem:
+    """The selection problem on token keys (V3.2), causal, one segment, with the backend's
+    tiles and scorer (``Execution().problem``, as a layer makes it)."""
+    b, s = q.shape[:2]
+    index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    segment = jnp.zeros((b, s), jnp.int32)
+    visibility = ce.Visibility(index, segment, entry_layout(segment, 1))
+    return ce.Execution().problem(_projected, (q, w), keys, visibility)
+
+
+def anchor_select(q, w, keys, k: int, strategy):
+    """``strategy``'s selection of the anchor's problem: ``[B,S,k]``."""
+    return strategy.select(anchor_problem(q, w, keys), k)
+
+
+def anchor_reference(q, w, keys, picks, k: int, block: int, margin: float = 1e-5):
+    """The anchor's exact top-k by plain XLA, ``block`` queries at a time (true float32 scores
+    ``d^-1/2 sum_h w relu(q.k)``, causal, ``lax.top_k``: ties to the lower index), compared
+    with ``picks [1,S,k]`` as sets.
+
+    **Returns:** bool ``(same [S], untied [S])``: the row's picks equal the reference's; the
+    row is untied: fewer than ``k + 1`` visible keys, or its k-th and (k+1)-th scores differ by
+    more than ``margin`` of its largest ``|score|`` (float rounding cannot swap them)."""
+    s, d = q.shape[1], q.shape[-1]
+    scale = w[0].astype(jnp.float32) * d**-0.5
+
+    def one(start):
+        rows = start + jnp.arange(block)
+        qb = jax.lax.dynamic_slice_in_dim(q[0], start, block)
+        logits = jnp.einsum("qhd,td->qht", qb, keys[0], preferred_element_type=jnp.float32)
+        wb = jax.lax.dynamic_slice_in_dim(scale, start, block)
+        hi = jax.lax.Precision.HIGHEST
+        scores = jnp.einsum("qht,qh->qt", jax.nn.relu(logits), wb, precision=hi)
+        visible = jnp.arange(s)[None, :] <= rows[:, None]
+        scores = jnp.where(visible, scores, -jnp.inf)
+        values, index = jax.lax.top_k(scores, k + 1)
+        want = jnp.sort(jnp.where(values[:, :k] > -jnp.inf, index[:, :k], -1), axis=-1)
+        got = jnp.sort(jax.lax.dynamic_slice_in_dim(picks[0], start, block), axis=-1)
+        size = jnp.max(jnp.where(visible, jnp.abs(scores), 0.0), axis=-1)
+        gap = values[:, k - 1] - values[:, k]
+        untied = (values[:, k] == -jnp.inf) | (gap > margin * size)
+        return jnp.all(want == got, axis=-1), untied
+
+    same, untied = jax.lax.map(one, jnp.arange(0, s, block))
+    return same.reshape(-1), untied.reshape(-1)
 
 
 def scoring_flops(pairs: float, heads: int, dim: int) -> float:
@@ -348,60 +424,93 @@ def capture_profile(runs: dict[str, Callable], out: Path, seq: int) -> dict:
 # --- the run -----------------------------------------------------------------------------------
 
 
+def new_result(args, meta: dict) -> dict:
+    """The records of a fresh run (``runs``: each run's command and settings)."""
+    return dict(
+        meta=meta, hf={}, mode="quick" if args.quick else "full", layer=None, gemm={},
+        layers=[], anchor=None, released=[], tiles=[], skipped=[], runs=[], peak_tflops=None,
+    )  # fmt: skip
+
+
 class Bench:
     """State of one run: results, time budget, and what earlier steps measured (to predict
     the time and memory of later ones)."""
 
-    def __init__(self, args, mode: dict):
-        self.args, self.mode, self.out = args, mode, args.out
+    def __init__(self, args, mode: dict, res: dict, stem: str):
+        self.args, self.mode, self.out, self.stem = args, mode, args.out, stem
         self.start = time.perf_counter()
         self.deadline = self.start + args.budget
         # (run name, dtype) -> dict(seq, compile_s, call_s, temp) of its last measurement
         self.seen: dict[tuple[str, str], dict] = {}
         self.pending = 0.0  # predicted seconds of the timed rounds still to come in this step
-        self.res: dict = dict(
-            meta={}, hf={}, mode="quick" if args.quick else "full", reps=args.reps,
-            settle=args.settle, budget_s=args.budget, layer=None, gemm={}, layers=[],
-            anchor=None, tiles=[], skipped=[], elapsed_s=0.0,
+        self.res = res
+        self.run = dict(
+            command=command_line(), date=res["meta"].get("date"), part=args.part,
+            reps=args.reps, settle=args.settle, slow_s=args.slow, budget_s=args.budget,
+            elapsed_s=0.0,
         )  # fmt: skip
+        res["runs"].append(self.run)
 
     def left(self) -> float:
         """Seconds of the budget left for new work (the pending timed rounds reserved)."""
         return self.deadline - time.perf_counter() - self.pending
 
     def save(self) -> None:
-        self.res["elapsed_s"] = time.perf_counter() - self.start
-        (self.out / "gpu_table.json").write_text(json.dumps(self.res, indent=1, default=str))
-        (self.out / "gpu_table.md").write_text(markdown(self.res))
+        """Write the three files (a report that fails to build says why in its file)."""
+        self.run["elapsed_s"] = time.perf_counter() - self.start
+        text = json.dumps(self.res, indent=1, default=str)
+        (self.out / f"{self.stem}_raw.json").write_text(text)
+        for suffix, build in ((".json", figure_text), (".md", markdown)):
+            try:
+                text = build(self.res)
+            except Exception as err:  # noqa: BLE001 - the raw records are written already
+                text = f"failed to build this report: {describe_error(err)}\n"
+                log(text)
+            (self.out / f"{self.stem}{suffix}").write_text(text)
 
     def skip(self, what: str, why: str) -> None:
         self.res["skipped"].append(f"{what}: {why}")
         log(f"  skipped {what}: {why}")
 
-    def calls(self) -> int:
-        """Calls of each timed run: the first (in ``compile_runs``), the harness's warm-up and
-        ``reps`` x (settle + timed)."""
+    def calls(self, call_s: float) -> int:
+        """Calls of a run whose calls take ``call_s``: the first (in ``first_calls``), then the
+        harness's warm-up and ``reps`` x (settle + timed), or for a slow run one timed call."""
+        if call_s > self.args.slow:
+            return 2
         return 2 + self.args.reps * (1 + self.args.settle)
 
-    def predict(self, name: str, dtype: str, seq: int) -> tuple[float, float, float]:
-        """(compile seconds, seconds of all its calls, temp bytes) of run ``name`` at ``seq``,
-        scaled from its last measurement (calls and memory x (S / S')^2; the first time:
-        30 s to compile, nothing else known)."""
-        last = self.seen.get((name, dtype))
+    def predict(self, key: str, dtype: str, seq: int, memory_power: int) -> tuple:
+        """(compile seconds, seconds of all its calls, temp bytes) of run ``key`` at ``seq``,
+        scaled from its last measurement (calls x (S / S')^2, memory x (S / S')^memory_power;
+        the first time: nothing known but the compile, ``None``)."""
+        last = self.seen.get((key, dtype))
         if last is None:
-            return 30.0, 0.0, 0.0
-        grow = (seq / last["seq"]) ** 2
-        return last["compile_s"], self.calls() * last["call_s"] * grow, last["temp"] * grow
+            return None, 0.0, 0.0
+        grow = seq / last["seq"]
+        call_s = last["call_s"] * grow**2
+        return last["compile_s"], self.calls(call_s) * call_s, last["temp"] * grow**memory_power
 
-    def compile_runs(self, programs: dict, dtype: str, seq: int, rec: dict) -> dict:
-        """Compile the programs ``{name: (function, arguments)}`` predicted to fit the time
-        and memory left (in parallel threads: XLA's compiles release the GIL), record their
-        compiled memory and call each once. Returns the blocking calls of those that ran; why
-        the others did not is in ``rec[name]``."""
+    def compile_programs(
+        self,
+        programs: dict,
+        dtype: str,
+        seq: int,
+        rec: dict,
+        family: str = "",
+        first_compile_s: float | None = None,
+        memory_power: int = 2,
+    ) -> dict[str, Program]:
+        """Lower and compile the programs ``{name: (function, arguments)}`` predicted to fit the
+        time and memory left (the compiles in parallel threads: XLA's release the GIL) and
+        record their compiled memory; arguments given as shapes must fit with their
+        arguments. Returns the compiled ``Program``s that fit; why the others did not is in
+        ``rec[name]``. ``family`` prefixes the names the predictions are kept under."""
+        first = self.mode["first_compile_s"] if first_compile_s is None else first_compile_s
         t0, lowered = time.perf_counter(), {}
         compile_s, calls_s = 0.0, 0.0  # planned: the compiles run in parallel, calls in turn
         for name, (fn, args) in programs.items():
-            c, secs, temp = self.predict(name, dtype, seq)
+            c, secs, temp = self.predict(family + name, dtype, seq, memory_power)
+            c = first if c is None else c
             if max(compile_s, c) + calls_s + secs > self.left():
                 why = f"time budget (~{c + secs:.0f} s, {self.left():.0f} s left)"
                 rec[name] = {"skipped": why}
@@ -409,60 +518,104 @@ class Bench:
                 rec[name] = {"skipped": f"memory (~{temp / harness.GIB:.0f} GiB predicted)"}
             else:
                 try:
-                    lowered[name] = jax.jit(fn).lower(*args)
+                    lowered[name] = Program(fn, args)
                     compile_s, calls_s = max(compile_s, c), calls_s + secs
                 except Exception as err:  # noqa: BLE001 - recorded, the others go on
                     rec[name] = {"error": describe_error(err)}
+                    log(f"  {name}: {rec[name]['error']}")
         with ThreadPoolExecutor(max(len(lowered), 1)) as pool:
-            futures = {name: pool.submit(low.compile) for name, low in lowered.items()}
+            futures = {name: pool.submit(p.compile) for name, p in lowered.items()}
         batch = time.perf_counter() - t0
         log(f"  compiled {len(lowered)} programs in {batch:.1f} s")
-        runs = {}
+        compiled = {}
         for name, future in futures.items():
             try:
-                compiled = future.result()
-                mem = harness.memory(compiled)
-                rec[name] = {"memory": mem}
-                if needed_bytes(mem) > jax_free_bytes():
-                    need, free = needed_bytes(mem) / harness.GIB, jax_free_bytes() / harness.GIB
-                    rec[name]["skipped"] = f"memory ({need:.1f} GiB > {free:.1f} GiB free)"
-                    continue
-                run = harness.blocking(compiled, *programs[name][1])
+                program = future.result()
+            except Exception as err:  # noqa: BLE001
+                rec[name] = {"error": describe_error(err)}
+                log(f"  {name}: {rec[name]['error']}")
+                continue
+            rec[name] = {"memory": program.memory, "compile_s": batch}
+            resident = not any(
+                isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(programs[name][1])
+            )
+            self.seen[(family + name, dtype)] = dict(
+                seq=seq, compile_s=batch, call_s=0.0, temp=program.memory["temp"]
+            )
+            if self.fits(program, rec[name], resident):
+                compiled[name] = program
+        return compiled
+
+    def fits(self, program: Program, rec: dict, resident: bool) -> bool:
+        """Whether ``program`` fits the device's free memory (its arguments already there if
+        ``resident``); if not, says so in ``rec``."""
+        need, free = needed_bytes(program.memory, resident), jax_free_bytes()
+        if need <= free:
+            return True
+        rec["skipped"] = (
+            f"memory ({need / harness.GIB:.1f} GiB > {free / harness.GIB:.1f} GiB free)"
+        )
+        log(f"  skipped: {rec['skipped']}")
+        return False
+
+    def first_calls(
+        self, compiled: dict[str, Program], args: dict, dtype: str, seq: int, rec: dict,
+        family: str = "",
+    ) -> dict[str, Callable]:  # fmt: skip
+        """Call each compiled program once on its arrays ``args[name]`` (where it fits);
+        returns the blocking calls of those that ran."""
+        runs = {}
+        for name, program in compiled.items():
+            if not self.fits(program, rec[name], resident=True):
+                continue
+            try:
+                run = program.caller(args[name])
                 t1 = time.perf_counter()
                 run()
                 call_s = time.perf_counter() - t1
             except Exception as err:  # noqa: BLE001 - recorded in the table, the others go on
-                rec[name] = dict(rec.get(name, {}), error=describe_error(err))
+                rec[name]["error"] = describe_error(err)
                 log(f"  {name}: {rec[name]['error']}")
                 free_memory()
                 continue
-            self.seen[(name, dtype)] = dict(
-                seq=seq, compile_s=batch, call_s=call_s, temp=mem["temp"]
-            )
-            self.pending += (self.calls() - 1) * call_s
-            log(f"  {name}: temp {mem['temp'] / harness.GIB:.2f} GiB, first call {call_s:.2f} s")
+            self.seen[(family + name, dtype)]["call_s"] = call_s
+            self.pending += (self.calls(call_s) - 1) * call_s
+            temp = program.memory["temp"] / harness.GIB
+            log(f"  {name}: temp {temp:.2f} GiB, first call {call_s:.2f} s")
             runs[name] = run
         return runs
 
-    def time_runs(self, runs: dict[str, Callable], rec: dict, dtype: str = "") -> None:
-        """Interleaved rounds of the runs that compiled; medians and minima into ``rec``
+    def compile_runs(self, programs: dict, dtype: str, seq: int, rec: dict) -> dict:
+        """``compile_programs`` then ``first_calls`` of programs given arrays."""
+        compiled = self.compile_programs(programs, dtype, seq, rec)
+        args = {name: programs[name][1] for name in compiled}
+        return self.first_calls(compiled, args, dtype, seq, rec)
+
+    def time_runs(self, runs: dict[str, Callable], rec: dict, dtype: str = "", family="") -> None:
+        """Interleaved rounds of the runs that ran once (one timed call each for a run slower
+        than ``--slow`` seconds, which its first call warmed); medians and minima into ``rec``
         (and the minimum into the predictions of later steps)."""
-        if not runs:
-            self.pending = 0.0
-            return
+        seen = {n: self.seen.get((family + n, dtype), {}) for n in runs}
+        slow = {n for n in runs if seen[n].get("call_s", 0.0) > self.args.slow}
         try:
-            times = harness.interleaved(runs, self.args.reps, settle=self.args.settle)
+            times = harness.interleaved(
+                {n: f for n, f in runs.items() if n not in slow}, self.args.reps, self.args.settle
+            )
+            for name in slow:
+                t0 = time.perf_counter()
+                runs[name]()
+                times[name] = [time.perf_counter() - t0]
         except Exception as err:  # noqa: BLE001
             why = describe_error(err)
-            log(f"  interleaved rounds failed: {why}")
+            log(f"  timed rounds failed: {why}")
             for name in runs:
                 rec[name] = dict(rec.get(name, {}), error=why)
             return
         finally:
             self.pending = 0.0
         for name, t in times.items():
-            rec[name] = dict(rec.get(name, {}), **harness.summary(t))
-            seen = self.seen.get((name, dtype))
+            rec[name] = dict(rec.get(name, {}), rounds=len(t), **harness.summary(t))
+            seen = self.seen.get((family + name, dtype))
             if seen is not None:
                 seen["call_s"] = rec[name]["min"]
 
@@ -477,26 +630,32 @@ class Bench:
                 v.update(tflops_best=2 * n**3 / v["min"] / 1e12, n=n)
 
     def layer(self, dtype_name: str, seq: int, layer, torch_layer, hf_config, hf: dict) -> None:
-        """All implementations at one dtype and S (see the module docstring, item 2)."""
+        """Every implementation at one dtype and S (the module docstring's item 2)."""
         jlayer = cast(layer, DTYPES[dtype_name])
         x_np = np.random.default_rng(0).normal(size=(1, seq, jlayer.config.hidden_size))
         x_np = x_np.astype(np.float32)
         x = jnp.asarray(x_np, DTYPES[dtype_name])
-        rec: dict = dict(dtype=dtype_name, seq=seq, runs={})
+        choice = resolve(jlayer, x)
+        rec: dict = dict(
+            dtype=dtype_name,
+            seq=seq,
+            runs={},
+            strategies=choice.names,
+            xla_strategies=choice.xla_names,
+            path=choice.path,
+            automatic_is_xla=choice.automatic_is_xla,
+            indexer_flops=layer_speed.indexer_flops(1, seq, jlayer.config),
+        )
         self.res["layers"].append(rec)
-        kernels = jlayer.with_execution(KERNELS)
-        xla = jlayer.with_execution(xla_execution(jlayer.config, seq))
-        programs = layer_speed.jax_layer_programs(kernels, x)
-        for name, program in layer_speed.jax_layer_programs(xla, x).items():
-            if name.startswith("csa_eqx"):
-                programs[name.replace("csa_eqx", "csa_eqx XLA")] = program
-        programs["selection stage XLA"] = (layer_speed.selection_stage, (xla, x))
+        xla = jlayer.with_execution(choice.xla_execution(jlayer.execution))
+        programs = layer_speed.jax_layer_programs(jlayer, x)
+        for name, xla_name in AUTOMATIC_RUNS.items():
+            programs[xla_name] = (programs[name][0], (xla, x))
         programs = {name: programs[name] for name in PRIORITY}
-        not_timed = kernels_not_timed(self.res["meta"]["backend"])
-        if not_timed:
-            for name in KERNEL_RUNS:
+        if choice.automatic_is_xla:
+            for name, xla_name in AUTOMATIC_RUNS.items():
                 del programs[name]
-                rec["runs"][name] = {"skipped": not_timed}
+                rec["runs"][name] = {"same_as": xla_name}
         runs = self.compile_runs(programs, dtype_name, seq, rec["runs"])
         self.save()
         if torch_layer is not None:
@@ -504,15 +663,12 @@ class Bench:
         self.time_runs(runs, rec["runs"], dtype_name)
         stats = jax.devices()[0].memory_stats() or {}
         rec["jax_peak_bytes"] = stats.get("peak_bytes_in_use")
-        c = jlayer.config
-        rec["indexer_flops"] = layer_speed.indexer_flops(1, seq, c)
         check = seq == self.mode["seqs"][0] and dtype_name == "float32" and torch_layer is not None
         if check and self.left() < 30:
             self.skip(f"HF output check S={seq}", f"time budget ({self.left():.0f} s left)")
         elif check:
             try:
-                checked = xla if not_timed else kernels  # the layer's output, by the timed path
-                rec["hf_check"] = layer_speed.output_check(torch_layer, hf_config, checked, x)
+                rec["hf_check"] = layer_speed.output_check(torch_layer, hf_config, jlayer, x)
             except Exception as err:  # noqa: BLE001
                 rec["hf_check"] = {"error": describe_error(err)}
         self.save()
@@ -544,7 +700,7 @@ class Bench:
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         runs = {}
         for name, fn in (("HF eager fwd+bwd", fwd_bwd), ("HF eager fwd", fwd)):
-            _, secs, peak = self.predict(name, dtype_name, seq)
+            _, secs, peak = self.predict(name, dtype_name, seq, 2)
             free = torch.cuda.mem_get_info()[0] if cuda else float("inf")
             if secs > self.left():
                 rec["runs"][name] = {"skipped": f"time budget (~{secs:.0f} s)"}
@@ -567,7 +723,7 @@ class Bench:
             peak = torch.cuda.max_memory_allocated() if cuda else 0
             rec["runs"][name] = {"torch_peak_bytes": peak} if cuda else {}
             self.seen[(name, dtype_name)] = dict(seq=seq, compile_s=0.0, call_s=call_s, temp=peak)
-            self.pending += (self.calls() - 1) * call_s
+            self.pending += (self.calls(call_s) - 1) * call_s
             runs[name] = lambda fn=fn: (fn(), sync())
         return runs
 
@@ -575,35 +731,102 @@ class Bench:
         a = self.mode["anchor"]
         seq, heads, dim, k = a["seq"], a["heads"], a["dim"], a["k"]
         q, w, keys = anchor_inputs(seq, heads, dim)
-        rec: dict = dict(a, runs={})
+        problem = anchor_problem(q, w, keys)
+        strategies = {
+            "indexer": automatic_selection(ce.AutoSelection(), problem),
+            "indexer XLA": xla_selection(problem),
+        }
+        rec: dict = dict(a, runs={}, checks={})
+        rec["strategies"] = {name: type(s).__name__ for name, s in strategies.items()}
+        rec["path"] = "kernel" if is_kernel(strategies["indexer"]) else "xla"
+        rec["flops"] = dict(visible=scoring_flops(seq * (seq + 1) / 2, heads, dim))
         self.res["anchor"] = rec
-        strategies = {"indexer": ce.PallasSelection(), "indexer XLA": ce.StreamingSelection()}
-        backend = self.res["meta"]["backend"]
-        if backend not in ("gpu", "cpu"):  # a CPU runs the fused kernel interpreted (--quick)
+        if repr(strategies["indexer"]) == repr(strategies["indexer XLA"]):
             del strategies["indexer"]
-            rec["runs"]["indexer"] = {"skipped": kernels_not_timed(backend)}
+            rec["runs"]["indexer"] = {"same_as": "indexer XLA"}
         programs = {
-            name: (lambda q, w, keys, st=strategy: anchor_select(q, w, keys, k, st), (q, w, keys))
+            name: (anchor_select, (q, w, keys, k, strategy))
             for name, strategy in strategies.items()
         }
         runs = self.compile_runs(programs, "bfloat16", seq, rec["runs"])
         if not runs:
             return
         self.time_runs(runs, rec["runs"], "bfloat16")
-        pairs = seq * (seq + 1) / 2
-        rec["flops"] = dict(visible=scoring_flops(pairs, heads, dim))
         self.save()
         if self.left() < 30:
-            self.skip("anchor exactness check", f"time budget ({self.left():.0f} s left)")
+            self.skip("anchor reference check", f"time budget ({self.left():.0f} s left)")
             return
-        rec["checked"] = "indexer" if "indexer" in runs else "indexer XLA"
         try:
-            ours = runs[rec["checked"]]()
-            dense = jax.jit(lambda q, w, keys: anchor_dense(q, w, keys, k))(q, w, keys)
-            same = np.asarray(jnp.all(ours == dense, axis=-1))
-            rec["same_rows_as_dense"] = float(same.mean())
+            reference = None
+            for name, run in runs.items():
+                picks = run()
+                args = (q, w, keys, picks, k, a["block"])
+                reference = reference or Program(anchor_reference, args).compile()
+                same, untied = (np.asarray(v) for v in reference.caller(args)())
+                rec["checks"][name] = dict(
+                    rows=int(same.size),
+                    same=float(same.mean()),
+                    untied=float(untied.mean()),
+                    same_untied=float(same[untied].mean()) if untied.any() else None,
+                )
         except Exception as err:  # noqa: BLE001
-            rec["same_rows_as_dense"] = describe_error(err)
+            rec["checks"]["error"] = describe_error(err)
+
+    def released(self, kind: str, seq: int) -> None:
+        """One layer at released sizes (part 2): compiled for shapes first, then run where
+        its compiled memory fits: fwd, fwd+bwd, then the attention call alone."""
+        cls, configs = RELEASED[kind]
+        config = configs[self.res["mode"]]()
+
+        def build(key):
+            return cls(config, key=key, dtype=jnp.bfloat16)
+
+        layer = eqx.filter_eval_shape(build, jax.random.key(0))
+        x = jax.ShapeDtypeStruct((1, seq, config.hidden_size), jnp.bfloat16)
+        choice = resolve(layer, x)
+        rec: dict = dict(
+            kind=kind,
+            seq=seq,
+            dtype="bfloat16",
+            runs={},
+            config=repr(config),
+            strategies=choice.names,
+            path=choice.path,
+            costs=flops.layer_costs(layer, seq, jnp.dtype(jnp.bfloat16).itemsize),
+        )
+        self.res["released"].append(rec)
+        programs = {"fwd": (forward, (layer, x)), "fwd+bwd": (harness.fwd_bwd(forward), (layer, x))}
+        programs["attention inputs"] = (attention_inputs, (layer, x))
+        for name, fn in attention_programs(layer, choice).items():
+            programs[name] = (fn, choice.inputs)
+        family = kind + " "  # the predictions of later steps are kept per layer
+        first_compile = self.mode["released_first_compile_s"]
+        runs = rec["runs"]
+        compiled = self.compile_programs(
+            programs, "bfloat16", seq, runs, family, first_compile, memory_power=1
+        )
+        self.save()
+        if not set(compiled) & set(RELEASED_RUNS):
+            return
+        layer = eqx.filter_jit(build)(jax.random.key(0))  # one program, not one per op
+        x = jax.random.normal(jax.random.key(1), x.shape, x.dtype)
+        self.timed(compiled, ("fwd", "fwd+bwd"), (layer, x), seq, runs, family)
+        self.save()
+        capture = compiled.get("attention inputs")
+        attention = ("attention fwd", "attention fwd+bwd")
+        if not set(compiled) & set(attention) or capture is None:
+            return
+        if self.fits(capture, runs["attention inputs"], resident=True):
+            inputs = capture.caller((layer, x))()
+            del layer, x
+            self.timed(compiled, attention, inputs, seq, runs, family)
+
+    def timed(self, compiled: dict, names, args: tuple, seq: int, rec: dict, family: str) -> None:
+        """First calls, then timed rounds, of the ``compiled`` programs among ``names``, each
+        on ``args`` (bf16)."""
+        chosen = {n: compiled[n] for n in names if n in compiled}
+        runs = self.first_calls(chosen, dict.fromkeys(chosen, args), "bfloat16", seq, rec, family)
+        self.time_runs(runs, rec, "bfloat16", family)
 
     def tiles(self, layer) -> None:
         """The selection stage at several ``indexer_key_block`` values, bf16, the first S
@@ -621,287 +844,73 @@ class Bench:
         self.time_runs(runs, rec["runs"], "bfloat16")
 
 
-def plan(seqs, dtypes, tiles: bool) -> list[tuple]:
-    """Steps in priority order: GEMM; every dtype at the shortest S; the first dtype at the
-    other S up to ``LARGEST_MAIN_SEQ``; the anchor; the other dtypes there; longer S last."""
+def plan(part: str, seqs, dtypes, released_seqs, tiles: bool) -> list[tuple]:
+    """Steps in priority order. Part 1: GEMM; every dtype at the shortest S; the first dtype
+    at the other S up to ``LARGEST_MAIN_SEQ``; the anchor; the other dtypes there; longer S
+    last. Part 2: the released-size layers, both at each of ``released_seqs`` in turn. All:
+    both parts, then the key-tile sweep when asked for."""
     main = sorted(s for s in seqs if s <= LARGEST_MAIN_SEQ)
     extra = sorted(s for s in seqs if s > LARGEST_MAIN_SEQ)
-    steps: list[tuple] = [("gemm",)]
-    steps += [("layer", d, main[0]) for d in dtypes] if main else []
-    steps += [("layer", dtypes[0], s) for s in main[1:]]
-    steps += [("anchor",)]
-    steps += [("layer", d, s) for s in main[1:] for d in dtypes[1:]]
-    steps += [("layer", d, s) for s in extra for d in dtypes]
-    return steps + ([("tiles",)] if tiles else [])
+    first: list[tuple] = [("gemm",)]
+    first += [("layer", d, main[0]) for d in dtypes] if main else []
+    first += [("layer", dtypes[0], s) for s in main[1:]]
+    first += [("anchor",)]
+    first += [("layer", d, s) for s in main[1:] for d in dtypes[1:]]
+    first += [("layer", d, s) for s in extra for d in dtypes]
+    second = [("released", kind, s) for s in released_seqs for kind in RELEASED]
+    steps = {"1": first, "2": second, "all": first + second}[part]
+    return steps + ([("tiles",)] if tiles and part != "2" else [])
 
 
-# --- markdown ----------------------------------------------------------------------------------
-
-
-def ms(v: dict | None, key: str = "median") -> str:
-    """A run's time in ms, or why it has none."""
-    if not v:
-        return "-"
-    if key in v:
-        return f"{v[key] * 1e3:.2f}"
-    return v.get("error") or v.get("skipped") or "-"
-
-
-def cell(v: dict | None) -> str:
-    """'median (min)' in ms, or why there is none."""
-    return f"{ms(v)} ({ms(v, 'min')})" if v and "min" in v else ms(v)
-
-
-def ratio(num: dict | None, den: dict | None) -> str:
-    if not num or not den or "median" not in num or "median" not in den:
-        return "-"
-    return f"{num['median'] / den['median']:.2f}x"
-
-
-def gib(v: dict | None) -> str:
-    if not v or "memory" not in v:
-        return "-"
-    return f"{v['memory']['temp'] / harness.GIB:.3f}"
-
-
-def gemm_rate(res: dict, dtype_name: str) -> float | None:
-    return res["gemm"].get(GEMM_OF[dtype_name], {}).get("tflops_best")
-
-
-def markdown(res: dict) -> str:
-    """The whole result as markdown (rewritten after every step)."""
-    m, hf = res["meta"], res["hf"]
-    lines = [
-        "# csa_eqx accelerator benchmark",
-        "",
-        harness.machine_markdown(m) if m else "",
-        f"- XLA_PYTHON_CLIENT_PREALLOCATE={m.get('xla_preallocate')}, "
-        f"XLA_PYTHON_CLIENT_MEM_FRACTION={m.get('xla_mem_fraction')}; global "
-        f"jax_default_matmul_precision: {m.get('jax_default_matmul_precision')}",
-        "- HF transformers layer: "
-        + (
-            f"torch {hf.get('torch')} on {hf.get('device')} ({hf.get('gpu', 'CPU')})"
-            if hf.get("ok")
-            else f"not run: {hf.get('why')}"
-        ),
-        f"- Mode: {res['mode']}; layer: {res['layer']}; B = 1. Times: median (min) in ms of "
-        f"{res['reps']} interleaved rounds, each timed call after {res['settle']} untimed "
-        f"call(s) of the same run, after two warm-up calls. Time budget {res['budget_s']:.0f} s.",
-        "",
-        "```",
-        str(m.get("nvidia_smi", "")),
-        "```",
-        "",
-    ]
-    if res["gemm"]:
-        rows = [
-            [name, cell(v), f"{v['tflops_best']:.3g}" if "tflops_best" in v else "-"]
-            for name, v in res["gemm"].items()
-        ]
-        n = next((v["n"] for v in res["gemm"].values() if "n" in v), "?")
-        lines += [f"## GEMM rate (`jnp.dot`, {n} x {n})", ""]
-        lines += [harness.table(["dtype", "ms", "TFLOP/s (best)"], rows), ""]
-    layers = sorted(res["layers"], key=lambda r: (r["seq"], r["dtype"]))
-    if layers:
-        lines += speed_tables(layers) + selection_table(res, layers) + memory_table(layers)
-        lines += checks(layers)
-    if res["anchor"]:
-        lines += anchor_lines(res)
-    if any("profile" in r for r in layers):
-        lines += profile_lines(layers)
-    if res["tiles"]:
-        lines += ["## Selection stage vs streaming key tile (bf16)", ""]
-        for r in res["tiles"]:
-            names = list(r["runs"])
-            lines += [
-                harness.table(["S"] + names, [[r["seq"]] + [cell(r["runs"][k]) for k in names]])
-            ]
-        lines.append("")
-    if res["skipped"]:
-        lines += ["## Skipped", ""] + [f"- {s}" for s in res["skipped"]] + [""]
-    lines.append(f"Total wall time of the script: {res['elapsed_s']:.0f} s.")
-    return "\n".join(lines) + "\n"
-
-
-def speed_tables(layers: list[dict]) -> list[str]:
-    header = ["S", "dtype"]
-    for _, label in IMPLEMENTATIONS:
-        header += [f"{label} fwd", f"{label} fwd+bwd"]
-    header += [
-        "kernels' speed-up vs naive (fwd / fwd+bwd)",
-        "vs csa_eqx XLA (fwd / fwd+bwd)",
-        "vs HF eager (fwd / fwd+bwd)",
-    ]
-    rows = []
-    for r in layers:
-        t = r["runs"]
-        row = [r["seq"], r["dtype"]]
-        for key, _ in IMPLEMENTATIONS:
-            row += [cell(t.get(f"{key} fwd")), cell(t.get(f"{key} fwd+bwd"))]
-        for key in ("naive", "csa_eqx XLA", "HF eager"):
-            row.append(
-                " / ".join(
-                    ratio(t.get(f"{key} {p}"), t.get(f"csa_eqx {p}")) for p in ("fwd", "fwd+bwd")
-                )
-            )
-        rows.append(row)
-    return ["## Layer wall time, ms: median (min)", "", harness.table(header, rows), ""]
-
-
-def selection_table(res: dict, layers: list[dict]) -> list[str]:
-    rows = []
-    for r in layers:
-        flops = r.get("indexer_flops", {})
-        rate = gemm_rate(res, r["dtype"])
-        for name, path in SELECTIONS:
-            sel = r["runs"].get(name)
-            cells = ["-", "-", "-"]
-            if sel and "min" in sel and flops:
-                visible = flops["visible"] / sel["min"] / 1e12
-                full = flops["with_projections"] / sel["min"] / 1e12
-                cells = [
-                    f"{visible:.3g}",
-                    f"{visible / rate:.1%}" if rate else "-",
-                    f"{full / rate:.1%}" if rate else "-",
-                ]
-            gflop = f"{flops.get('visible', 0) / 1e9:.4g}"
-            rows.append([r["seq"], r["dtype"], path, cell(sel), gflop] + cells)
-    header = [
-        "S", "dtype", "path", "selection stage ms", "visible-pair scoring GFLOP", "TFLOP/s",
-        "of the GEMM rate (same dtype)", "counting the stage's projections too",
-    ]  # fmt: skip
-    return [
-        "## Selection stage alone (compressor, indexer queries, scoring, top-k)",
-        "",
-        "Paths: the fused Pallas indexer (`PallasSelection`) and the XLA streaming selection. "
-        "GEMM rate: bf16 rows against the bf16 GEMM, fp32 rows against the true-fp32 GEMM.",
-        "",
-        harness.table(header, rows),
-        "",
-    ]
-
-
-def memory_table(layers: list[dict]) -> list[str]:
-    names = [
-        "csa_eqx fwd", "csa_eqx fwd+bwd", "selection stage", "csa_eqx XLA fwd",
-        "csa_eqx XLA fwd+bwd", "selection stage XLA", "naive fwd", "naive fwd+bwd",
-    ]  # fmt: skip
-    rows = [[r["seq"], r["dtype"]] + [gib(r["runs"].get(n)) for n in names] for r in layers]
-    peaks = [
-        f"S={r['seq']} {r['dtype']}: JAX peak {r['jax_peak_bytes'] / harness.GIB:.1f} GiB"
-        for r in layers
-        if r.get("jax_peak_bytes")
-    ]
-    lines = [
-        "## Compiled temp memory of the timed programs, GiB (XLA `memory_analysis`)",
-        "",
-        harness.table(["S", "dtype"] + names, rows),
-        "",
-    ]
-    return lines + ([f"Device memory so far: {'; '.join(peaks)}.", ""] if peaks else [])
-
-
-def checks(layers: list[dict]) -> list[str]:
-    lines = []
-    for r in layers:
-        c = r.get("hf_check")
-        if c and "same_rows" in c:
-            lines += [
-                f"Output check vs HF (S = {r['seq']}, {r['dtype']}; csa_eqx with the Pallas "
-                "kernels on a GPU, its XLA path on a CPU; HF on the CPU in float32, same weights "
-                f"and input): {c['same_rows']:.2%} of query rows pick the same "
-                f"top-k set; on them max |ours - HF| / max |HF| = {c['err_same']:.1e} (all rows "
-                f"{c['err']:.1e}).",
-                "",
-            ]
-        elif c:
-            lines += [f"Output check vs HF failed: {c['error']}", ""]
-    return lines
-
-
-def anchor_lines(res: dict) -> list[str]:
-    a = res["anchor"]
-    lines = [
-        f"## Anchor: indexer alone, Q = K = {a['seq']} token keys, {a['heads']} heads x "
-        f"{a['dim']}, k = {a['k']}, bf16, causal (V3.2-style)",
-        "",
-    ]
-    rate = gemm_rate(res, "bfloat16")
-    for name, label in (("indexer", "Fused kernel"), ("indexer XLA", "XLA streaming")):
-        run = a["runs"].get(name)
-        line = f"{label}: {cell(run)} ms." if run and "min" in run else f"{label}: {ms(run)}."
-        if run and "min" in run:
-            best = run["min"] * 1e3
-            if a.get("reference_ms"):
-                ref = a["reference_ms"]
-                line += f" Reference kernel {ref} ms: {best / ref:.2f}x."
-            tflops = a["flops"]["visible"] / run["min"] / 1e12
-            frac = f", {tflops / rate:.1%} of the bf16 GEMM rate" if rate else ""
-            line += (
-                f" Visible-pair scoring: {a['flops']['visible'] / 1e12:.3g} TFLOP, "
-                f"{tflops:.3g} TFLOP/s{frac}."
-            )
-        lines.append(line)
-    same = a.get("same_rows_as_dense")
-    if same is not None:
-        text = f"{same:.2%}" if isinstance(same, float) else same
-        which = "XLA streaming" if a.get("checked") == "indexer XLA" else "kernel"
-        lines.append(
-            f"Rows whose {which} picks equal the dense (materialised-score) path's: {text}."
-        )
-    return lines + [""]
-
-
-def profile_lines(layers: list[dict]) -> list[str]:
-    lines = ["## Profiles (one call each, bf16)", ""]
-    for r in layers:
-        p = r.get("profile")
-        if not p:
-            continue
-        if "error" in p:
-            lines += [f"S = {r['seq']}: {p['error']}", ""]
-            continue
-        where = "device kernels" if p["device_events"] else "XLA ops (no device events)"
-        lines += [f"### S = {r['seq']}: {where}; trace: {p['saved']}", ""]
-        for module, v in p["programs"].items():
-            lines += [
-                f"`{module}`: {v['kernels']} launches of {v['distinct']} kernels, "
-                f"{v['busy_ms']:.2f} ms busy.",
-                "",
-            ]
-            rows = [[t["name"], t["calls"], f"{t['ms']:.3f}"] for t in v["top"]]
-            lines += [harness.table(["kernel", "calls", "ms"], rows), ""]
-    return lines
+def command_line() -> str:
+    return "python -m benchmarks.accelerator_table " + shlex.join(sys.argv[1:])
 
 
 # --- main --------------------------------------------------------------------------------------
 
 
-def main() -> None:
+def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for the .md and .json")
+    parser.add_argument("--out", type=Path, required=True, help="folder for the files")
+    parts = "1: GEMM, benchmark layer, anchor; 2: released sizes; all: both"
+    parser.add_argument("--part", choices=("1", "2", "all"), default="all", help=parts)
+    parser.add_argument("--resume", type=Path, help="an earlier part's _raw.json to add to")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a CPU smoke test")
     parser.add_argument("--allow-cpu", action="store_true", help="full sizes on a CPU backend")
     parser.add_argument("--budget", type=float, default=400, help="seconds for all steps")
     parser.add_argument("--reps", type=int, default=3, help="timed rounds (default 3)")
     parser.add_argument("--settle", type=int, default=1, help="untimed calls before each timed")
-    parser.add_argument("--seqs", type=int, nargs="+", help="sequence lengths")
+    slow = "seconds: a run whose first call takes longer is timed once"
+    parser.add_argument("--slow", type=float, default=1.0, help=slow)
+    parser.add_argument("--seqs", type=int, nargs="+", help="benchmark layer's S")
+    parser.add_argument("--released-seqs", type=int, nargs="+", help="released sizes' S")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     parser.add_argument("--gemm-n", type=int, help="GEMM matrix side (default 8192)")
+    parser.add_argument("--peak-tflops", type=float, help="the chip's bf16 peak (for MFU)")
     parser.add_argument("--no-hf", action="store_true", help="skip torch and transformers")
     parser.add_argument("--no-anchor", action="store_true", help="skip the indexer anchor")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiler traces")
     parser.add_argument("--tiles", action="store_true", help="add the key-tile sweep (last)")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse()
+    # Before JAX starts its backend: JAX and torch share a GPU, so JAX must not take 75% of it
+    # up front, and its pool (which never shrinks) is capped so that HF's eager layer keeps room.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if not args.no_hf:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
     mode = dict(MODES["quick" if args.quick else "full"])
-    if args.seqs:
-        mode["seqs"] = tuple(args.seqs)
-    if args.gemm_n:
-        mode["gemm_n"] = args.gemm_n
+    for key in ("seqs", "released_seqs", "gemm_n"):
+        if getattr(args, key):
+            mode[key] = getattr(args, key)
     args.out.mkdir(parents=True, exist_ok=True)
-    bench = Bench(args, mode)
-    res = bench.res
-    res["meta"] = machine()  # initialises JAX's backend before torch loads its CUDA libraries
+    meta = machine()  # initialises JAX's backend before torch loads its CUDA libraries
+    res = json.loads(args.resume.read_text()) if args.resume else new_result(args, meta)
+    res["meta"] = meta
+    res["peak_tflops"] = args.peak_tflops or PEAK_TFLOPS.get(meta["device"])
+    bench = Bench(args, mode, res, f"benchmarks_{meta['backend']}")
     hf = dict(ok=False, why="--no-hf") if args.no_hf else torch_setup(args.quick or args.allow_cpu)
     res["hf"] = hf
     config = harness.speed_layer(args.quick)
@@ -910,16 +919,14 @@ def main() -> None:
         f"{config.index_n_heads} heads x {config.index_head_dim}, k = {config.index_topk}, "
         f"m = {config.compress_rate}, window {config.sliding_window}"
     )
-    log(f"{res['meta']}\nHF: {hf}")
+    log(f"{meta}\nHF: {hf}")
     bench.save()
-    if res["meta"]["backend"] == "cpu" and not (args.quick or args.allow_cpu):
+    if meta["backend"] == "cpu" and not (args.quick or args.allow_cpu):
         log("JAX found no accelerator: stopping (use --quick, or --allow-cpu to insist)")
         raise SystemExit(2)
-    if hf["ok"]:
-        torch_layer, hf_config, layer = layer_speed.hf_and_ours(config)
-    else:
-        torch_layer, hf_config, layer = None, None, V4Attention(config, key=jax.random.key(0))
-    for step in plan(mode["seqs"], args.dtypes, args.tiles):
+    steps = plan(args.part, mode["seqs"], args.dtypes, mode["released_seqs"], args.tiles)
+    torch_layer = hf_config = layer = None
+    for step in steps:
         what = " ".join(map(str, step))
         if step[0] == "anchor" and args.no_anchor:
             continue
@@ -927,20 +934,30 @@ def main() -> None:
             bench.skip(what, "time budget")
             continue
         log(f"{what} ({bench.left():.0f} s left)")
-        if step[0] == "gemm":
-            bench.gemm()
-        elif step[0] == "layer":
-            with precision(step[1]):
-                bench.layer(step[1], step[2], layer, torch_layer, hf_config, hf)
-        elif step[0] == "anchor":
-            bench.anchor()
-        else:
-            bench.tiles(layer)
+        try:
+            if step[0] in ("layer", "tiles") and layer is None:
+                if hf["ok"]:
+                    torch_layer, hf_config, layer = layer_speed.hf_and_ours(config)
+                else:
+                    layer = ce.V4Attention(config, key=jax.random.key(0))
+            if step[0] == "gemm":
+                bench.gemm()
+            elif step[0] == "layer":
+                with precision(step[1]):
+                    bench.layer(step[1], step[2], layer, torch_layer, hf_config, hf)
+            elif step[0] == "anchor":
+                bench.anchor()
+            elif step[0] == "released":
+                bench.released(step[1], step[2])
+            else:
+                bench.tiles(layer)
+        except Exception as err:  # noqa: BLE001 - recorded, the next step goes on
+            bench.skip(what, f"failed: {describe_error(err)}")
         free_memory()
         jax.clear_caches()
         bench.save()
     bench.save()
-    log(f"done in {res['elapsed_s']:.0f} s")
+    log(f"done in {bench.run['elapsed_s']:.0f} s")
     print(markdown(res), flush=True)
 
 
