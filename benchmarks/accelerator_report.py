@@ -225,7 +225,8 @@ def markdown(res: dict) -> str:
     """The whole result as markdown (rewritten after every step)."""
     m, hf = res["meta"], res["hf"]
     title = f"# csa_eqx on {m.get('device_count')} x {m.get('device')} ({m.get('backend')})"
-    lines = [title, "", "Made by (docs/benchmarks_gpu.md says how to rerun it):", ""]
+    how = '[Benchmarks (GPU), "Rerunning it"](benchmarks_gpu.md#rerunning-it)'
+    lines = [title, "", f"Made by these commands ({how} says how to run them):", ""]
     for r in res["runs"]:
         lines += [
             f"- `{r['command']}` ({r['date']}; part {r['part']}, {r['elapsed_s']:.0f} s of a "
@@ -417,7 +418,7 @@ def anchor_lines(res: dict) -> list[str]:
             best = run["min"] * 1e3
             if a.get("reference_ms"):
                 ref = a["reference_ms"]
-                line += f" Reference kernel {ref} ms: {best / ref:.2f}x."
+                line += f" (A CuTe DSL kernel on an H200: {ref} ms; {best / ref:.2f}x that.)"
             tflops = a["flops"]["visible"] / run["min"] / 1e12
             line += f" {tflops:.3g} TFLOP/s" + (
                 f", {tflops / gemm:.1%} of the bf16 GEMM." if gemm else "."

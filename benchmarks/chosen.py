@@ -99,7 +99,7 @@ def attention_inputs(layer, x):
 class Choice(NamedTuple):
     """What a layer's automatic execution runs on an input (``resolve``)."""
 
-    selection: Any  # the selection strategy it takes (None: the layer selects nothing)
+    selection: Any  # the selection strategy it takes
     xla_selection: Any  # the XLA path's strategy for the same problem
     attention: Any  # the attention kernel it takes
     call: tuple  # (scale, keywords) of its attention call
