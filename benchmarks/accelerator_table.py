@@ -39,9 +39,10 @@ Part 1:
    ``OUT/profile_S.json.gz``.
 
 Part 2: one DeepSeek-V4-Flash CSA layer (``presets.v4_flash("csa")``) and one V3.2 DSA layer
-(``presets.v32()``) at their released sizes, random bf16 weights, fwd and fwd+bwd at 32k, 8k,
-16k, 64k (in that order) as the automatic choice runs them, each compiled first (shapes only)
-and run only where its compiled memory fits the device; the model-FLOP utilisation beside each
+(``presets.v32()``) at their released sizes, random bf16 weights, fwd and fwd+bwd at 16k, 32k,
+8k, 64k (in that order) as the automatic choice runs them, each compiled first (shapes only;
+not at all where the last S's compiled memory, scaled linearly, does not fit) and run only
+where its compiled memory fits the device; the model-FLOP utilisation beside each
 time (``benchmarks/flops.py`` says what is counted) and the attention kernel alone (the
 layer's own call, inputs captured from its forward), fwd and fwd+bwd, with its bytes per
 second. ``--tiles`` (last): the selection stage at several streaming key tiles.
@@ -130,7 +131,8 @@ RELEASED_RUNS = ("fwd", "fwd+bwd", "attention fwd", "attention fwd+bwd")
 MODES = {
     "full": dict(
         seqs=(4096, 16384, 32768, 65536),
-        released_seqs=(32768, 8192, 16384, 65536),
+        # 16k first: its compiled memory, scaled, says whether 32k can fit before compiling it
+        released_seqs=(16384, 32768, 8192, 65536),
         profile=(4096, 32768),
         gemm_n=8192,
         # CuTe DSL fused indexer score + exact radix top-k on an H200 (TileLang: 28.6 ms);
