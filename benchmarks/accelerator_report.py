@@ -449,7 +449,9 @@ def released_lines(res: dict) -> list[str]:
         "## Layers at released sizes (bf16, B = 1, random weights)",
         "",
         f"Model-FLOP utilisation against {peak} TFLOP/s (the chip's dense bf16 peak), from the "
-        "median time. Attention alone: the layer's own attention call on the inputs its "
+        "median time"
+        + ("." if peak else " (no peak known for this device: `--peak-tflops` gives it).")
+        + " Attention alone: the layer's own attention call on the inputs its "
         "forward gives it. Temp: XLA's compiled temporaries (a program runs only where its "
         "compiled memory fits the device).",
         "",

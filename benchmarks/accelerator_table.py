@@ -517,7 +517,7 @@ class Bench:
                 why = f"time budget (~{c + secs:.0f} s, {self.left():.0f} s left)"
                 rec[name] = {"skipped": why}
             elif temp > jax_free_bytes():
-                rec[name] = {"skipped": f"memory (~{temp / harness.GIB:.0f} GiB predicted)"}
+                rec[name] = {"skipped": f"memory (~{temp / harness.GIB:.1f} GiB predicted)"}
             else:
                 try:
                     lowered[name] = Program(fn, args)
@@ -555,7 +555,7 @@ class Bench:
         if need <= free:
             return True
         rec["skipped"] = (
-            f"memory ({need / harness.GIB:.1f} GiB > {free / harness.GIB:.1f} GiB free)"
+            f"memory ({need / harness.GIB:.2f} GiB > {free / harness.GIB:.2f} GiB free)"
         )
         log(f"  skipped: {rec['skipped']}")
         return False
@@ -816,12 +816,20 @@ class Bench:
         self.save()
         capture = compiled.get("attention inputs")
         attention = ("attention fwd", "attention fwd+bwd")
-        if not set(compiled) & set(attention) or capture is None:
+        if not set(compiled) & set(attention):
             return
-        if self.fits(capture, runs["attention inputs"], resident=True):
-            inputs = capture.caller((layer, x))()
-            del layer, x
-            self.timed(compiled, attention, inputs, seq, runs, family)
+        if capture is None:
+            why = runs["attention inputs"].get("skipped") or runs["attention inputs"].get("error")
+            for name in set(compiled) & set(attention):
+                runs[name]["skipped"] = f"its inputs: {why}"
+            return
+        if not self.fits(capture, runs["attention inputs"], resident=True):
+            for name in set(compiled) & set(attention):
+                runs[name]["skipped"] = f"its inputs: {runs['attention inputs']['skipped']}"
+            return
+        inputs = capture.caller((layer, x))()
+        del layer, x
+        self.timed(compiled, attention, inputs, seq, runs, family)
 
     def timed(self, compiled: dict, names, args: tuple, seq: int, rec: dict, family: str) -> None:
         """First calls, then timed rounds, of the ``compiled`` programs among ``names``, each
