@@ -232,7 +232,7 @@ def test_accelerator_table_skips_what_will_not_fit(tmp_path, monkeypatch):
     runs = bench.compile_runs(programs, "float32", 256, rec)
     assert set(runs) == {"fast", "fits"} and "memory" in rec["fits"]
     assert rec["slow"]["skipped"].startswith("time budget (~81 s,")  # 1 + 2 calls x 40 s
-    assert rec["big"] == {"skipped": "memory (~0 GiB predicted)"}  # 4 MiB > 3 MiB
+    assert rec["big"] == {"skipped": "memory (~0.0 GiB predicted)"}  # 4 MiB > 3 MiB
     assert bench.seen[("fits", "float32")]["seq"] == 256
     rec = {}
     bench.compile_programs({"big": program}, "float32", 256, rec, memory_power=1)
