@@ -6,12 +6,13 @@ measurement, ``{"name", "path", "dtype", "seq", "ms", ...}`` with ``name`` in ``
 and ``path`` in ``PATHS`` (``"kernel"``: a Pallas / Mosaic kernel class ran, ``"xla"``: XLA's
 strategies, ``"naive"``: the dense-mask layer); ``ms`` is the median (``None`` where the run was
 skipped or failed, with ``"skipped"`` or ``"error"`` saying why), beside it ``ms_min``,
-``rounds``, ``temp_bytes`` (XLA's compiled temporaries), ``strategies``, ``automatic`` (the run is
-the automatic choice's), and per name: ``vs_naive`` (layer), ``tflops`` and ``gemm_fraction``
-(selection stage, anchor: visible-pair scoring in the minimum time), ``check`` (anchor: its
-picks against the blocked ``lax.top_k`` reference), ``model_tflop``, ``tflops``, ``mfu``,
-``peak_tflops``, ``attention_ms`` and ``bytes_per_s`` (released sizes), ``bytes`` (attention
-alone). For ``gemm``, ``seq`` is the matrix side and ``precision`` says which float32.
+``rounds``, ``temp_bytes`` (XLA's compiled temporaries), ``kernel_calls`` (Pallas kernel calls
+in the program), ``strategies``, ``automatic`` (the run is the automatic choice's), and per
+name: ``vs_naive`` (layer), ``tflops`` and ``gemm_fraction`` (selection stage, anchor:
+visible-pair scoring in the minimum time), ``check`` (anchor: its picks against the blocked
+``lax.top_k`` reference), ``model_tflop``, ``tflops``, ``mfu``, ``peak_tflops``,
+``attention_ms`` and ``bytes_per_s`` (released sizes), ``bytes`` (attention alone). For
+``gemm``, ``seq`` is the matrix side and ``precision`` says which float32.
 """
 
 from __future__ import annotations
@@ -41,13 +42,15 @@ FIGURE_KEYS = ("name", "path", "dtype", "seq", "ms")
 
 def figure(name: str, path: str, dtype: str, seq: int, run: dict | None, **extra) -> dict:
     """One measurement: its median ``ms`` (``None`` where it was skipped or failed, with why),
-    minimum, rounds and compiled temp bytes, and ``extra``."""
+    minimum, rounds and compiled temp bytes, and ``extra``. Its ``path`` is ``"kernel"`` also
+    where its program calls a Pallas kernel (``kernel_calls``) whatever the strategies said."""
     run = run or {}
+    path = "kernel" if run.get("kernel_calls") else path
     fig = dict(name=name, path=path, dtype=dtype, seq=seq, ms=median_ms(run))
     if "min" in run:
         fig.update(ms_min=run["min"] * 1e3, rounds=run.get("rounds"))
     if "memory" in run:
-        fig["temp_bytes"] = run["memory"]["temp"]
+        fig.update(temp_bytes=run["memory"]["temp"], kernel_calls=run.get("kernel_calls"))
     for why in ("skipped", "error"):
         if why in run:
             fig[why] = run[why]

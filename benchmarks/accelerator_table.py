@@ -62,6 +62,7 @@ import gc
 import gzip
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -255,6 +256,10 @@ def is_array_like(leaf) -> bool:
     return isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))
 
 
+# the custom-call targets of Pallas kernels (Mosaic TPU, Triton, Mosaic GPU) in a lowering
+KERNEL_CALLS = re.compile(r"custom_call @(tpu_custom_call|__gpu\$xla\.gpu\.triton|mosaic_gpu\w*)")
+
+
 class Program:
     """``fn(*args)`` jitted over the arrays of ``args`` (every other leaf, a strategy say, is
     baked in) and lowered for them: arrays, or ``jax.ShapeDtypeStruct`` leaves to compile and
@@ -268,6 +273,8 @@ class Program:
 
         run.__name__ = run.__qualname__ = getattr(fn, "__name__", "program")
         self.lowered = jax.jit(run).lower(dynamic)
+        # what runs, whatever the strategies say: the Pallas kernels' calls in the program
+        self.kernel_calls = len(KERNEL_CALLS.findall(self.lowered.as_text()))
         self.compiled = None
         self.memory: dict = {}
 
@@ -537,7 +544,9 @@ class Bench:
                 rec[name] = {"error": describe_error(err)}
                 log(f"  {name}: {rec[name]['error']}")
                 continue
-            rec[name] = {"memory": program.memory, "compile_s": batch}
+            rec[name] = dict(
+                memory=program.memory, compile_s=batch, kernel_calls=program.kernel_calls
+            )
             resident = not any(
                 isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(programs[name][1])
             )

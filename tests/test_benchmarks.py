@@ -429,3 +429,27 @@ def test_chosen_names_the_strategies_that_run():
     assert forced.names == {"selection": "PallasSelection", "attention": "PallasAttention"}
     assert forced.path == "kernel" and not forced.automatic_is_xla
     assert forced.xla_names == {"selection": "DenseSelection", "attention": "XlaAttention"}
+
+
+def test_kernel_calls_are_found_in_a_lowering():
+    """A program's Pallas kernel calls, which label a figure's path "kernel" whatever the
+    strategies said, are counted in its lowering: a Mosaic TPU kernel's lowered for a TPU on
+    the CPU, a Triton kernel's by its target's name; plain XLA has none."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    from benchmarks.accelerator_table import KERNEL_CALLS
+
+    def double(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2
+
+    def kernel(x):
+        return pl.pallas_call(double, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x) + 1
+
+    x = jnp.ones((8, 128))
+    for fn, calls in ((kernel, ["tpu_custom_call"]), (lambda x: x * 2 + 1, [])):
+        text = jax.jit(fn).trace(x).lower(lowering_platforms=("tpu",)).as_text()
+        assert KERNEL_CALLS.findall(text) == calls
+    triton = 'stablehlo.custom_call @__gpu$xla.gpu.triton(%0) {backend_config = ""}'
+    assert KERNEL_CALLS.findall(triton) == ["__gpu$xla.gpu.triton"]
