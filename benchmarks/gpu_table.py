@@ -68,7 +68,7 @@ import numpy as np  # noqa: E402
 import csa_eqx as ce  # noqa: E402
 from csa_eqx import V4Attention, entry_layout, entry_visibility, indexer_scores  # noqa: E402
 from csa_eqx import select_topk as dense_topk  # noqa: E402
-from csa_eqx._auto import backend_tiles  # noqa: E402
+from csa_eqx._backend import backend_tiles  # noqa: E402
 
 from . import harness, layer_speed  # noqa: E402
 

@@ -20,10 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from ._config import V4AttentionConfig
-from ._deepseek_numerics import named_numerics
-from ._execution import Execution, loader_execution
-from ._hf_checkpoint import load_tree, read_config, read_layer, rename, strip_prefix
-from ._hf_config import (
+from ._hf.checkpoint import load_tree, read_config, read_layer, rename, strip_prefix
+from ._hf.config import (
     as_dict,
     block_size,
     v4_config_from_hf,
@@ -33,16 +31,18 @@ from ._hf_config import (
     v32_layer_config,
     v32_scale_fmt,
 )
-from ._safetensors_io import SafetensorsError, read_safetensors
-from ._v4 import V4Attention
-from ._v4_block import V4Block
-from ._v32 import V32Attention
-from ._v41_load import (
+from ._hf.safetensors_io import SafetensorsError, read_safetensors
+from ._hf.v41 import (
     load_v41_attention,
     load_v41_attention_from_safetensors,
     v41_config_from_hf,
     v41_parameter_names,
 )
+from ._layers.block import V4Block
+from ._layers.execution import Execution, loader_execution
+from ._layers.v4 import V4Attention
+from ._layers.v32 import V32Attention
+from ._numerics.deepseek import named_numerics
 
 __all__ = [
     "SafetensorsError",

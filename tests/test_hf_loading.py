@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DeepseekV4ForCausalLM
 
-from csa_eqx._safetensors_io import decode_e8m0
+from csa_eqx._hf.safetensors_io import decode_e8m0
 from csa_eqx.hf import (
     load_v4_attention,
     load_v4_attention_from_safetensors,

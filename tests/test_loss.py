@@ -9,7 +9,7 @@ import pytest
 from test_v4_parity import untied_rows
 
 from csa_eqx import indexer_kl_loss, sparse_attention
-from csa_eqx._loss import selection_mask
+from csa_eqx._loss.kl import selection_mask
 from csa_eqx.hf import load_v4_attention
 from csa_eqx.presets import tiny_v4
 from csa_eqx.testing import hf_v4_config, random_hf_v4_layer, run_hf_v4, state_dict_numpy

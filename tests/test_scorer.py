@@ -21,7 +21,7 @@ from test_topk_reference import B, S, T, brute_force, fixed_case, layout_of
 from test_v4_behaviour import randomise, tiny
 
 import csa_eqx as ce
-from csa_eqx._reads import gather_keys
+from csa_eqx._attention.reads import gather_keys
 from csa_eqx._topk import exact_topk
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
