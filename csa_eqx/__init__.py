@@ -31,7 +31,6 @@ from ._layers.cache import V4Cache as V4Cache
 from ._layers.cache import V32Cache as V32Cache
 from ._layers.execution import Execution as Execution
 from ._layers.execution import IndexerLossStage as IndexerLossStage
-from ._layers.forward import V41Shared as V41Shared
 from ._layers.generate import generate as generate
 from ._layers.stack import extend_stack as extend_stack
 from ._layers.stack import run_stack as run_stack
@@ -43,6 +42,7 @@ from ._layers.v41 import extend_v41_stack as extend_v41_stack
 from ._layers.v41 import run_v41_stack as run_v41_stack
 from ._layers.v41_config import V41AttentionConfig as V41AttentionConfig
 from ._layers.v41_config import V41WiringError as V41WiringError
+from ._layers.v41_parts import V41Shared as V41Shared
 from ._layout import EntryLayout as EntryLayout
 from ._layout import Visibility as Visibility
 from ._layout import entry_layout as entry_layout

@@ -11,7 +11,6 @@ either the HF ``config.json`` keys or DeepSeek's own inference keys (``dim``, ``
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -31,6 +30,7 @@ from ._hf.config import (
     v32_layer_config,
     v32_scale_fmt,
 )
+from ._hf.options import split_options
 from ._hf.safetensors_io import SafetensorsError, read_safetensors
 from ._hf.v41 import (
     load_v41_attention,
@@ -39,10 +39,9 @@ from ._hf.v41 import (
     v41_parameter_names,
 )
 from ._layers.block import V4Block
-from ._layers.execution import Execution, loader_execution
 from ._layers.v4 import V4Attention
 from ._layers.v32 import V32Attention
-from ._numerics.deepseek import named_numerics
+from ._layers.v41 import V41Attention
 
 __all__ = [
     "SafetensorsError",
@@ -59,6 +58,7 @@ __all__ = [
     "load_v32_attention_from_safetensors",
     "v41_config_from_hf",
     "v41_parameter_names",
+    "parameter_paths",
     "load_v41_attention",
     "load_v41_attention_from_safetensors",
 ]
@@ -71,7 +71,8 @@ def v4_parameter_names(config: V4AttentionConfig) -> dict[str, str]:
     """**Arguments:** the layer's ``config`` (its kind decides which compressor / indexer
     tensors exist).
 
-    **Returns:** module attribute path -> HF parameter name, for one V4 layer.
+    **Returns:** module attribute path -> HF parameter name, for one V4 layer
+    (``"entry_source.compressor.kv_proj"`` -> ``"compressor.kv_proj.weight"``, ...).
     """
     block = ("q_a_proj", "q_a_norm", "q_b_proj", "kv_proj", "kv_norm", "o_a_proj", "o_b_proj")
     names = {f"block.{n}": f"{n}.weight" for n in block}
@@ -82,14 +83,15 @@ def v4_parameter_names(config: V4AttentionConfig) -> dict[str, str]:
         "position_bias": "position_bias",
         "kv_norm": "kv_norm.weight",
     }
+    own, indexer = "entry_source.compressor", "selection_source.indexer"
     if config.layer_type != "sliding":
-        names.update({f"compressor.{k}": f"compressor.{v}" for k, v in compressor.items()})
+        names.update({f"{own}.{k}": f"compressor.{v}" for k, v in compressor.items()})
     if config.has_indexer:
         names.update(
-            {f"index_compressor.{k}": f"compressor.indexer.{v}" for k, v in compressor.items()}
+            {f"{indexer}.compressor.{k}": f"compressor.indexer.{v}" for k, v in compressor.items()}
         )
-        names["indexer.q_b_proj"] = "compressor.indexer.q_b_proj.weight"
-        names["indexer.weights_proj"] = "compressor.indexer.scorer.weights_proj.weight"
+        names[f"{indexer}.q_b_proj"] = "compressor.indexer.q_b_proj.weight"
+        names[f"{indexer}.weights_proj"] = "compressor.indexer.scorer.weights_proj.weight"
     return names
 
 
@@ -108,20 +110,6 @@ def _check_v4_kind(cfg: V4AttentionConfig, present: set[str], where: str, layer_
         )
 
 
-_EXECUTION_OPTIONS = frozenset(inspect.signature(Execution.from_options).parameters)
-
-
-def _split_options(options: dict, scale_fmt=None) -> tuple[dict, Execution]:
-    """Loader keyword ``options`` -> (architecture overrides, ``Execution``): ``execution=``
-    an ``Execution``, or the keywords of ``Execution.from_options``; anything else overrides a
-    config field. ``numerics="deepseek"`` takes the checkpoint's ``scale_fmt``."""
-    overrides = {k: v for k, v in options.items() if k not in _EXECUTION_OPTIONS | {"execution"}}
-    flags = {k: v for k, v in options.items() if k in _EXECUTION_OPTIONS}
-    if "numerics" in flags:
-        flags["numerics"] = named_numerics(flags["numerics"], scale_fmt)
-    return overrides, loader_execution(options.get("execution"), flags)
-
-
 class _Family(NamedTuple):
     """What differs between loading a V4 and a V3.2 layer."""
 
@@ -138,7 +126,7 @@ def _load(family: _Family, tensors, d, layer_idx, *, source, where, shown, dtype
     """Build ``family``'s layer ``layer_idx`` from the config dict ``d`` (``source`` says
     whose keys) and copy ``tensors`` (HF names) into it; errors name ``where`` and ``shown``
     tensor names."""
-    overrides, execution = _split_options(options, family.scale_fmt(d, source))
+    overrides, execution = split_options(options, family.scale_fmt(d, source))
     cfg = family.layer_config(d, layer_idx, source, overrides)
     family.check(cfg, set(tensors), where, layer_idx)
     layer = family.layer(cfg, key=jax.random.key(0), dtype=dtype, execution=execution)
@@ -224,7 +212,7 @@ def _load_folder(family: _Family, path, layer_idx, dtype, options):
     ``family``'s layer."""
     folder = Path(path)
     d, source = read_config(folder)
-    family.layer_config(d, layer_idx, source, _split_options(options)[0])  # fails before I/O
+    family.layer_config(d, layer_idx, source, split_options(options)[0])  # fails before I/O
     prefixes = {
         f"model.layers.{layer_idx}.self_attn.": lambda n: n,
         f"model.layers.{layer_idx}.attn.": family.native_name,
@@ -383,3 +371,33 @@ def load_v32_attention_from_safetensors(
     **Returns:** the ``V32Attention``.
     """
     return _load_folder(_V32, path, layer_idx, dtype, options)
+
+
+# --- every family ----------------------------------------------------------------------------
+
+_NAMES = {  # layer type -> its parameter names (module attribute path -> checkpoint name)
+    V4Attention: lambda layer: v4_parameter_names(layer.config),
+    V32Attention: lambda layer: v32_parameter_names(),
+    V41Attention: v41_parameter_names,
+}
+
+
+def parameter_paths(layer: V4Attention | V32Attention | V41Attention) -> dict[str, str]:
+    """Where each checkpoint tensor of a layer lives in its pytree (what an optimiser mask by
+    name, or a hand-written loader, needs; docs/api/layers.md, "Parameter paths").
+
+    **Arguments:** a ``V4Attention``, ``V32Attention`` or ``V41Attention``.
+
+    **Returns:** checkpoint name -> pytree path, the path as ``jax.tree_util.keystr`` prints
+    the layer's leaf: HF's attention-module names for V4 and V3.2 layers
+    (``"compressor.indexer.q_b_proj.weight"`` -> ``".selection_source.indexer.q_b_proj"``),
+    DeepSeek's names after ``layers.{i}.attn.`` for V4.1 (``"indexer.wq_b.weight"`` ->
+    ``".selection_source.indexer.q_b_proj"``); only the tensors the layer holds.
+    """
+    names = _NAMES.get(type(layer))
+    if names is None:
+        raise TypeError(
+            "parameter_paths takes a V4Attention, V32Attention or V41Attention "
+            f"(got {type(layer).__name__})"
+        )
+    return {name: f".{path}" for path, name in names(layer).items()}

@@ -11,7 +11,7 @@ from jaxtyping import Array, Float, Int
 from .._layout import Visibility
 from .reads import DenseKeys, GatheredRows, Reads
 
-__all__ = ["AbstractPicks", "GatheredPicks", "MaskedPicks"]
+__all__ = ["AbstractPicks", "GatheredPicks", "MaskedPicks", "entry_reads"]
 
 
 class AbstractPicks(eqx.Module):
@@ -46,3 +46,25 @@ class MaskedPicks(AbstractPicks):
 
     def reads(self, keys, visibility, picks, values=None):
         return Reads(dense=DenseKeys(keys, visibility.layout, *visibility[:2], values, picks))
+
+
+def entry_reads(
+    picks: AbstractPicks,
+    keys: Float[Array, "batch entries dim"],
+    visibility: Visibility,
+    selection: Int[Array, "batch seq k"] | None,
+    values: Float[Array, "batch entries vdim"] | None = None,
+) -> Reads:
+    """How each query reads the entries (V4: compressed entries, V3.2: tokens), forward and
+    ``extend`` alike: every visible one by one matmul without a ``selection`` (HCA, or a
+    dense warm-up), else its picks as the ``picks`` strategy says.
+
+    **Arguments:** the execution's ``picks`` strategy, the entries' ``keys`` (and MLA
+    ``values``), their ``visibility`` and the int32 ``selection [B, S, k]`` (``-1`` = none;
+    ``None`` = every visible entry).
+
+    **Returns:** the entries' ``Reads`` (dense entries, masked dense entries or gathered rows).
+    """
+    if selection is None:
+        return Reads(dense=DenseKeys(keys, visibility.layout, *visibility[:2], values))
+    return picks.reads(keys, visibility, selection, values)

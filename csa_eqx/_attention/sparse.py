@@ -19,19 +19,19 @@ per query, and its gradient needs no scatter-add. ``MaskedPicks`` / ``GatheredPi
 way, ``csa_eqx.AutoPicks`` chooses.
 
 ``sparse_attention`` is the functional form: it describes its arguments as ``csa_eqx.Reads``
-and runs the reference kernel, ``csa_eqx.XlaAttention`` (the layers build their reads through
-``Execution`` and run its ``attention`` kernel).
+and runs the kernel the attention chooser picks for the backend (``csa_eqx.AutoAttention``:
+``csa_eqx.XlaAttention``, the reference, on the CPU), as the layers run their
+``Execution.attention``.
 """
 
 from __future__ import annotations
 
 from jaxtyping import Array, Float, Int
 
-from .auto import attention_query_block
+from .auto import AutoAttention
 from .picks import AbstractPicks, GatheredPicks, MaskedPicks
 from .reads import BandRows, DenseKeys, GatheredRows, Reads, gather_keys, picked_mask
 from .window import AbstractWindow, BandWindow, GatheredWindow
-from .xla import XlaAttention
 
 __all__ = [
     "sparse_attention",
@@ -72,10 +72,10 @@ def sparse_attention(
     denominator, sink included; ``-inf`` for a row with neither keys nor sink), which the
     indexer's KL target needs to rebuild the attention probabilities.
 
-    Queries are processed ``query_block`` rows at a time (0 = automatic, see
-    ``csa_eqx._auto.attention_query_block``) in a ``lax.map`` with a rematerialised body, so the
-    gathered ``[B, S, k, dim]`` keys never exist at once, in the forward or the backward pass
-    (``csa_eqx.XlaAttention``, which this runs).
+    Queries are processed ``query_block`` rows at a time (0 = the kernel's automatic block,
+    ``AbstractAttentionKernel.query_block_for``) in a ``lax.map`` with a rematerialised body,
+    so the gathered ``[B, S, k, dim]`` keys never exist at once, in the forward or the backward
+    pass (``csa_eqx.XlaAttention``, which the chooser runs on the CPU).
 
     ``dense`` adds entries every query attends to (when visible) through a matmul, in the
     same softmax (their values: ``dense.values``, else the keys as in V4).
@@ -114,8 +114,4 @@ def sparse_attention(
     if window:
         band = BandRows(kv, segment, window, window_history, values)
         reads = reads.join(Reads(band=band))
-    b, _, h, _ = q.shape
-    query_block = query_block or attention_query_block(b, h, reads)
-    return XlaAttention().attend(
-        q, reads, sinks, scale, return_lse=return_lse, query_block=query_block
-    )
+    return AutoAttention()(q, reads, sinks, scale, return_lse=return_lse, query_block=query_block)

@@ -16,13 +16,12 @@ import jax
 import jax.numpy as jnp
 
 from .._layers.block import V4Block
-from .._layers.execution import loader_execution
 from .._layers.v41 import V41Attention
 from .._layers.v41_config import V41AttentionConfig
 from .._numerics.base import V41_FORMATS
-from .._numerics.deepseek import named_numerics
 from .checkpoint import load_tree, read_config, read_layer, strip_prefix
 from .config import block_size
+from .options import loader_execution
 
 __all__ = [
     "v41_config_from_hf",
@@ -175,13 +174,13 @@ _NAMES = {
     ("block", "o_a_proj"): "wo_a.weight",
     ("block", "o_b_proj"): "wo_b.weight",
     ("block", "sinks"): "attn_sink",
-    ("compressor", "kv_proj"): "compressor.wkv.weight",
-    ("compressor", "gate_proj"): "compressor.wgate.weight",
-    ("compressor", "kv_norm"): "compressor.norm.weight",
-    ("compressor", "key_proj"): "indexer.wk.weight",
-    ("compressor", "key_norm"): "indexer.k_norm.weight",
-    ("indexer", "q_b_proj"): "indexer.wq_b.weight",
-    ("indexer", "weights_proj"): "indexer.weights_proj.weight",
+    ("entry_source", "compressor", "kv_proj"): "compressor.wkv.weight",
+    ("entry_source", "compressor", "gate_proj"): "compressor.wgate.weight",
+    ("entry_source", "compressor", "kv_norm"): "compressor.norm.weight",
+    ("entry_source", "compressor", "key_proj"): "indexer.wk.weight",
+    ("entry_source", "compressor", "key_norm"): "indexer.k_norm.weight",
+    ("selection_source", "indexer", "q_b_proj"): "indexer.wq_b.weight",
+    ("selection_source", "indexer", "weights_proj"): "indexer.weights_proj.weight",
 }
 
 
@@ -194,9 +193,9 @@ def _get(module, path):
 def v41_parameter_names(layer: V41Attention) -> dict[str, str]:
     """**Arguments:** a ``V41Attention`` (its role decides what it holds).
 
-    **Returns:** its attribute path (``"compressor.key_proj"``, ``"block.q_a_proj"``) -> the
-    checkpoint's tensor name after ``layers.{i}.attn.`` (``"indexer.wk.weight"``), for the
-    arrays it holds."""
+    **Returns:** its attribute path (``"entry_source.compressor.key_proj"``,
+    ``"block.q_a_proj"``) -> the checkpoint's tensor name after ``layers.{i}.attn.``
+    (``"indexer.wk.weight"``), for the arrays it holds."""
     return {".".join(p): n for p, n in _NAMES.items() if _get(layer, p) is not None}
 
 
@@ -237,7 +236,7 @@ def load_v41_attention(
     prefix = f"layers.{layer_idx}.attn." if prefix is None else prefix
     given = {_internal(k): v for k, v in strip_prefix(tensors, prefix).items()}
     where = f"state dict of layer {layer_idx}"
-    execution = _execution(execution, options)
+    execution = loader_execution(execution, options, formats=V41_FORMATS)
     return _load(
         config, layer_idx, given, where, lambda n: prefix + _native(n), dtype, execution, block
     )
@@ -285,7 +284,7 @@ def load_v41_attention_from_safetensors(
     prefixes = {
         p: _internal for p in (f"layers.{layer_idx}.attn.", f"model.layers.{layer_idx}.attn.")
     }
-    execution = _execution(execution, options)
+    execution = loader_execution(execution, options, formats=V41_FORMATS)
     tensors, origin = read_layer(folder, prefixes)
     where = f"{folder}, layer {layer_idx}"
     return _load(
@@ -298,16 +297,6 @@ def load_v41_attention_from_safetensors(
         execution,
         block,
     )
-
-
-def _execution(execution, options: dict):
-    """The loaders' ``Execution`` (``_execution.loader_execution``); ``numerics=`` names its
-    numerics through ``named_numerics`` for V4.1's formats (``"deepseek"``: the release's
-    ``ue8m0`` scales)."""
-    if "numerics" in options:
-        numerics = named_numerics(options["numerics"], formats=V41_FORMATS)
-        options = {**options, "numerics": numerics}
-    return loader_execution(execution, options)
 
 
 def _internal(name: str) -> str:

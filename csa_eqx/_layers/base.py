@@ -1,42 +1,40 @@
 """The one protocol of every attention layer (``V4Attention``, ``V41Attention``,
 ``V32Attention``): construction, the public forward and ``extend`` (input checks, the empty-input
-rule, positions, the placement, the indexer loss, the aux contract and the state a layer
-passes on to the later layers of a stack), the indexer's selection problem, the per-call
-training stage and switching execution. A layer kind writes only its pipeline
-(``forward_rows``) and its cache."""
+rule, positions, the placement, the indexer loss, the aux contract and the stack state of a
+layer kind that has one), the per-call training stage and switching execution. A layer kind
+writes only its pipeline (``forward_rows``) and its cache; its indexer (``csa_eqx._indexer``)
+does the indexer's work."""
 
 from __future__ import annotations
 
 import abc
 import copy
+import typing
 from functools import partial
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from beartype import beartype
-from jaxtyping import Array, ArrayLike, Float, Int, jaxtyped
+from jaxtyping import Array, ArrayLike, Float, Int, TypeCheckError, jaxtyped
 
-from .._layout import Visibility, entry_visibility, segment_positions, token_rows
-from .._loss.base import AttentionTarget
+from .._indexer.base import AbstractIndexer
+from .._layout import segment_positions, token_rows
 from .._numerics.base import DeepSeekFormats
+from .._placement.base import Carried
 from .._rows import Rows, whole_rows
-from .._selection.base import SelectionProblem
-from .._selection.candidates import CandidateVisibility
 from . import checks
 from .cache import AbstractCache
 from .decode import ChunkSource, chunk_rows
-from .forward import Forward, V41Shared, carried, published
+from .forward import Forward, carried, published
 
 __all__ = ["AbstractIndexedAttention"]
 
 
 class AbstractIndexedAttention(eqx.Module):
-    """What every attention layer shares: its ``indexer`` (``None``, or with
-    ``queries(qr, positions, numerics)`` and ``head_weights(x, numerics)``), architecture
-    ``config`` and ``execution``, how those make the indexer's selection problem, and one call
-    protocol (``__call__`` and ``extend``, the same for every layer kind).
+    """What every attention layer shares: its architecture ``config``, its ``execution``, its
+    ``indexer`` (an ``AbstractIndexer``, or ``None``) and one call protocol (``__call__`` and
+    ``extend``, the same for every layer kind).
 
     Layers are built as ``Layer(config, *, key, dtype=jnp.float32, execution=None)``:
 
@@ -52,16 +50,20 @@ class AbstractIndexedAttention(eqx.Module):
     ``entry_rate``, ``context_halo``, ``head_specs`` and ``selects``, and says in the class
     variable ``formats`` what DeepSeek's inference quantises in its family.
 
-    State shared across the layers of a stack (``csa_eqx.V41Shared``: V4.1's published
-    entries, index keys, selections and candidates) is an optional keyword of both calls,
-    ``shared=``: when given it comes back after ``y`` (and the cache), with what the layer
-    published (V4 and V3.2 layers publish nothing); without it the layer starts from nothing
-    published.
+    State shared across the layers of a stack is an optional keyword of both calls,
+    ``shared=``: when given it comes back after ``y`` (and the cache). A layer kind that reads
+    and publishes some names its state's type in ``stack_state`` (V4.1's ``csa_eqx.V41Shared``)
+    and starts from an empty one when given another (``csa_eqx.run_stack`` starts a stack from
+    nothing published); every other kind passes the state on as it came.
     """
 
+    config: eqx.AbstractVar[Any]
+    execution: eqx.AbstractVar[Any]
+    indexer: eqx.AbstractVar[AbstractIndexer | None]
     formats: ClassVar[DeepSeekFormats]
+    stack_state: ClassVar[type | None] = None
 
-    @jaxtyped(typechecker=beartype)
+    @typing.no_type_check  # the named input checks first, then jaxtyping's (``_call``)
     def __call__(
         self,
         x: Float[ArrayLike, "batch seq hidden"],
@@ -70,7 +72,7 @@ class AbstractIndexedAttention(eqx.Module):
         return_aux: bool = False,
         *,
         indexer_loss: str | None = None,
-        shared: V41Shared | None = None,
+        shared: Any = None,
     ):
         """The layer's forward (docs/concepts.md, "The DeepSeek-V4 attention block": the
         sliding window plus the compressed entries; "DeepSeek-V3.2 DSA": sparse MLA over the
@@ -78,18 +80,19 @@ class AbstractIndexedAttention(eqx.Module):
 
         **Arguments:**
 
-        - ``x``: hidden states ``[B, S, hidden]``.
-        - ``positions``: RoPE positions ``[B, S]``; default: the index inside each segment.
-        - ``segment_ids``: packed-document ids ``[B, S]`` (contiguous runs, ``>= 0``); tokens
-            only see their own segment, and V4's compression windows restart at each
+        - ``x``: hidden states ``[B, S, hidden]``, floating point.
+        - ``positions``: integer RoPE positions ``[B, S]``; default: the index inside each
+            segment.
+        - ``segment_ids``: integer packed-document ids ``[B, S]`` (contiguous runs, ``>= 0``);
+            tokens only see their own segment, and V4's compression windows restart at each
             segment.
         - ``return_aux``: also return the aux dict.
         - ``indexer_loss``: the indexer's training stage for this call (``"off"``, ``"dense"``:
             attend to every visible entry and distil towards that, ``"sparse"``: attend to
             the selection and distil over it); ``None`` = ``execution.indexer_loss``.
-        - ``shared``: what the earlier layers of a stack published (``csa_eqx.V41Shared``);
-            ``None``: nothing (and nothing is returned). A V4.1 reindex or reuse layer needs
-            its sources' entries, keys and selection.
+        - ``shared``: what the earlier layers of a stack published (a V4.1 layer's
+            ``csa_eqx.V41Shared``); ``None``: nothing (and nothing is returned). A V4.1
+            reindex or reuse layer needs its sources' entries, keys and selection.
 
         **Returns:**
 
@@ -101,12 +104,30 @@ class AbstractIndexedAttention(eqx.Module):
         when the stage is ``"off"`` or the layer runs no indexer of its own).
 
         The execution's placement runs it (``Execution.heads`` / ``context``): ``shared``
-        crosses it as carried state, the selection and candidates per query row, the entries,
-        keys and layout whole-sequence.
+        crosses it as carried state.
 
         An empty ``x`` (no rows or no tokens) gives zeros, an empty selection, a zero loss and
-        ``shared`` unchanged, before any compute.
+        ``shared`` unchanged, before any compute. Wrong input types and shapes raise an error
+        whose first line names the argument, what it must be and what came (``TypeError`` /
+        ``ValueError``; the type checker's account follows).
         """
+        inputs = (x, positions, segment_ids)
+        try:
+            return self._call(*inputs, return_aux, indexer_loss, shared)
+        except TypeCheckError as error:
+            raise checks.readable(error, self.config.hidden_size, *inputs) from None
+
+    @jaxtyped(typechecker=beartype)
+    def _call(
+        self,
+        x: Float[ArrayLike, "batch seq hidden"],
+        positions: Int[ArrayLike, "batch seq"] | None,
+        segment_ids: Int[ArrayLike, "batch seq"] | None,
+        return_aux: bool,
+        indexer_loss: str | None,
+        shared: Any,
+    ):
+        """``__call__`` with its arguments' shapes checked by jaxtyping."""
         c, ex = self.config, self.execution
         stage = self.stage(indexer_loss)
         x, positions, segment_ids = checks.layer_inputs(c.hidden_size, x, positions, segment_ids)
@@ -119,15 +140,25 @@ class AbstractIndexedAttention(eqx.Module):
         placement = ex.placement
         rows = self._whole_rows(placement, x, positions, segment_ids)
         want_loss = return_aux and trains
-        given = V41Shared() if shared is None else shared
+        state = self._state(shared)
+        given = Carried() if state is None else carried(state._asdict(), state.per_row)
         body = partial(_body, stage, want_loss, return_aux)
-        y, selection, sums, state = placement.run(body, self, x, rows, carried(given._asdict()))
+        y, selection, sums, out = placement.run(body, self, x, rows, given)
         y = y.astype(dtype)
         aux = None
         if return_aux:
             loss = sums[0] / jnp.maximum(sums[1], 1.0) if want_loss else None
             aux = {"selection": selection, "indexer_loss": loss}
-        return _outputs((y,), None if shared is None else published(given, state), aux)
+        after = shared if state is None or shared is None else published(state, out)
+        return _outputs((y,), after, aux)
+
+    def _state(self, shared: Any):
+        """The stack state this layer kind reads (``None`` for a kind without one): ``shared``
+        when it is one, else an empty one."""
+        kind = self.stack_state
+        if kind is None:
+            return None
+        return shared if isinstance(shared, kind) else kind()
 
     def _whole_rows(self, placement, x, positions, segment_ids) -> Rows:
         """The whole sequence's ``Rows`` of a forward that ``placement`` runs, from the checked
@@ -137,25 +168,6 @@ class AbstractIndexedAttention(eqx.Module):
         seg, query_index = token_rows(like, segment_ids)
         positions = segment_positions(seg) if positions is None else positions
         return whole_rows(positions, seg, query_index, self.entry_rate)
-
-    def _kl_loss(self, problem: SelectionProblem, target: AttentionTarget, selection, stage):
-        """The indexer's KL distillation (docs/concepts.md, "Training the indexer") over every
-        visible entry the problem may pick (``"dense"`` stage) or over the selection."""
-        candidates = None if stage == "dense" else selection
-        return self.execution.kl_loss(problem, target, candidates)
-
-    def _loss_sums(self, rows: Rows, stage: str, selection, problem, target) -> tuple:
-        """The indexer loss of a forward over ``rows`` as ``(mean x count, count)`` over the
-        queries with a candidate, so that the shards' shares sum to the mean. With the heads
-        split over devices, each device computes the loss alike from every head's target
-        (``rows.all_heads``): ``T`` equal sums over ``T`` equal counts, the same mean and
-        gradient."""
-        target = target._replace(
-            q=rows.all_heads(target.q, 2), log_normalizer=rows.all_heads(target.log_normalizer, 2)
-        )
-        loss = self._kl_loss(problem, target, selection, stage)
-        count = jnp.sum(self._has_candidates(rows, selection, stage), dtype=jnp.float32)
-        return loss * count, count
 
     @abc.abstractmethod
     def head_specs(self, axis: str) -> tuple:
@@ -167,23 +179,6 @@ class AbstractIndexedAttention(eqx.Module):
         eqx.is_array)[0]``) to a ``PartitionSpec`` per array, and the head counts the axis size
         must divide (by config field name).
         """
-
-    @staticmethod
-    def _has_candidates(rows: Rows, selection: Array, stage: str) -> Array:
-        """Which queries of ``rows`` have a candidate in the indexer loss (``[B', L]``): a pick
-        (sparse stage), else a visible entry, found 256 queries at a time (never the dense
-        ``[B', L, T]`` visibility). Within V4.1 candidates too: the block of a query's newest
-        visible entry is always kept."""
-        if stage != "dense":
-            return jnp.any(selection >= 0, axis=-1)
-
-        def visible(query):  # one query row of every batch row: [B'] each
-            index, segment = query
-            seen = entry_visibility(index[:, None], segment[:, None], rows.layout)
-            return jnp.any(seen[:, 0], axis=-1)
-
-        rows_first = (rows.query_index.T, rows.segment.T)
-        return jax.lax.map(visible, rows_first, batch_size=256).T
 
     @property
     @abc.abstractmethod
@@ -210,7 +205,7 @@ class AbstractIndexedAttention(eqx.Module):
         source: Rows | ChunkSource,
         stage: str,
         want_loss: bool,
-        shared: V41Shared,
+        *state,
     ) -> Forward:
         """The layer's pipeline after ``__call__``'s or ``extend``'s checks, over ``source``:
         the forward's ``Rows`` (all of a sequence, or one device's chunks with their halos
@@ -219,52 +214,16 @@ class AbstractIndexedAttention(eqx.Module):
         forward over ``[cache ; chunk]``.
 
         **Arguments:** hidden states ``x [B', L, hidden]``, their source, the checked training
-        ``stage``, whether the indexer loss' inputs are wanted and the state published so far
-        (``V41Shared()``: nothing).
+        ``stage``, whether the indexer loss' inputs are wanted and, for a layer kind with a
+        ``stack_state``, the state published so far (a kind without one gets nothing).
 
         **Returns:** a ``Forward``: ``y``, the selection, the indexer's ``SelectionProblem``
         (``None`` without an indexer), the ``AttentionTarget`` (``None`` unless
         ``want_loss``), the source after the reads (``source.cache_after()``: ``extend``'s
-        new cache) and the fields the layer publishes.
+        new cache) and the state fields the layer publishes.
         """
 
-    def indexer_problem(
-        self,
-        x: Float[Array, "batch seq hidden"],
-        qr: Float[Array, "batch seq q_lora"],
-        positions: Int[Array, "batch seq"],
-        keys: Float[Array, "batch entries index_dim"],
-        visibility: Visibility | CandidateVisibility,
-    ) -> SelectionProblem:
-        """The indexer's side of "what a query reads", shared by the selection, the KL loss and
-        ``extend``.
-
-        **Arguments:**
-
-        - ``x``, ``qr``, ``positions``: per-token hidden states, query latents and RoPE positions
-            (``[B, S, ...]``); ``x`` and ``qr`` are detached.
-        - ``keys``: the indexer keys of the entries (V4: compressed entries, V3.2: tokens), as
-            the numerics round them (``execution.numerics.indexer``); the queries are
-            rounded here.
-        - ``visibility``: which entries each query may see (and pick: within V4.1's
-            candidates, a ``CandidateVisibility``).
-
-        **Returns:**
-
-        A ``SelectionProblem`` projecting the rows block by block to the indexer's queries
-        and head weights (head-sharded when ``execution.indexer_heads_axis`` is set),
-        scored by ``execution.scorer`` (``Execution.problem``).
-        """
-        ix, ex, formats = self.indexer, self.execution, self.formats
-
-        def project(x, qr, positions):  # a fresh closure: hashable, and row by row
-            nx = ex.numerics
-            q = nx.indexer(ix.queries(qr, positions, nx), formats)
-            return ex.on_heads(q), ex.on_heads(ix.head_weights(x, nx))
-
-        rows = (*jax.lax.stop_gradient((x, qr)), positions)
-        return ex.problem(project, rows, keys, visibility, ex.numerics.score_dtype(formats))
-
+    @typing.no_type_check  # the named input checks first, then jaxtyping's (``_extend``)
     def extend(
         self,
         x: Float[ArrayLike, "batch seq hidden"],
@@ -274,23 +233,23 @@ class AbstractIndexedAttention(eqx.Module):
         return_aux: bool = False,
         *,
         indexer_loss: str | None = None,
-        shared: V41Shared | None = None,
+        shared: Any = None,
     ):
         """Run the chunk ``x`` after the tokens in ``cache``: equal to the full forward over the
         whole stream (prefill, chunked prefill or a decode step; docs/concepts.md, "Decoding:
         prefill and decode with a cache"). The indexer runs the forward's selection strategy
-        and the chunk reads what the forward reads: the entries through
-        ``Execution.entry_reads`` and V4's sliding window through ``Execution.window`` over
-        ``[ring ; chunk]`` rows (``BandRows(history=...)``). It runs on one device: an
-        execution with head or context parallelism is refused (``ValueError``).
+        and the chunk reads what the forward reads: the entries through the execution's
+        ``picks`` and V4's sliding window through its ``window`` over ``[ring ; chunk]`` rows
+        (``BandRows(history=...)``). It runs on one device: an execution with head or context
+        parallelism is refused (``ValueError``).
 
         **Arguments:**
 
-        - ``x``: the chunk's hidden states ``[B, T, hidden]``.
+        - ``x``: the chunk's hidden states ``[B, T, hidden]``, floating point.
         - ``cache``: the layer's cache after the earlier tokens (``init_cache`` for none).
-        - ``lengths``: real tokens per row ``[B]`` (right padding); default all ``T``.
-        - ``segment_ids``: packed-document ids ``[B, T]`` (``>= 0``); ``None`` continues each
-            row's last segment.
+        - ``lengths``: integer real tokens per row ``[B]`` (right padding); default all ``T``.
+        - ``segment_ids``: integer packed-document ids ``[B, T]`` (``>= 0``); ``None``
+            continues each row's last segment.
         - ``return_aux``: also return ``{"selection": ...}``.
         - ``indexer_loss``: the training stage whose attention to run (``"dense"`` reads every
             visible entry; no loss is computed); ``None`` = ``execution.indexer_loss``.
@@ -304,8 +263,27 @@ class AbstractIndexedAttention(eqx.Module):
         this layer when ``shared`` is given; then, with ``return_aux``, ``{"selection": ...}``:
         int32 ``[B, T, index_topk]`` (V4 / V4.1: cache entry slots in closing order; V3.2:
         stream indices; ``-1`` = none; ``None`` for a layer that reads no selection). An
-        empty chunk returns ``[B, 0, hidden]``, the cache and ``shared`` unchanged.
+        empty chunk returns ``[B, 0, hidden]``, the cache and ``shared`` unchanged. Wrong input
+        types and shapes raise as ``__call__``'s.
         """
+        try:
+            return self._extend(x, cache, lengths, segment_ids, return_aux, indexer_loss, shared)
+        except TypeCheckError as error:
+            size = self.config.hidden_size
+            raise checks.readable(error, size, x, None, segment_ids, lengths) from None
+
+    @jaxtyped(typechecker=beartype)
+    def _extend(
+        self,
+        x: Float[ArrayLike, "batch seq hidden"],
+        cache: AbstractCache,
+        lengths: Int[ArrayLike, " batch"] | None,
+        segment_ids: Int[ArrayLike, "batch seq"] | None,
+        return_aux: bool,
+        indexer_loss: str | None,
+        shared: Any,
+    ):
+        """``extend`` with its arguments' shapes checked by jaxtyping."""
         stage = self.stage(indexer_loss)
         self.execution.check_one_device("extend")
         x, lengths, segment_ids = checks.chunk_inputs(self, x, cache, lengths, segment_ids)
@@ -315,9 +293,10 @@ class AbstractIndexedAttention(eqx.Module):
             return _outputs((y, cache), shared, aux if return_aux else None)
         rows = chunk_rows(cache, x.shape[1], lengths, segment_ids)
         dtype, x = x.dtype, self.execution.numerics.layer_input(x)
-        given = V41Shared() if shared is None else shared
-        f = self.forward_rows(x, ChunkSource.start(cache, rows), stage, False, given)
-        after = None if shared is None else given._replace(**f.published)
+        state = self._state(shared)
+        given = () if state is None else (state,)
+        f = self.forward_rows(x, ChunkSource.start(cache, rows), stage, False, *given)
+        after = shared if state is None or shared is None else state._replace(**f.published)
         aux = {"selection": f.selection} if return_aux else None
         return _outputs((f.y.astype(dtype), f.source.cache_after()), after, aux)
 
@@ -355,19 +334,25 @@ def _body(
     layer: AbstractIndexedAttention,
     x: Array,
     rows: Rows,
-    state,
+    given: Carried,
 ) -> tuple:
     """What every placement runs (``AbstractPlacement.run``): the layer's forward over ``rows``
-    from the published state (a ``Carried`` of ``V41Shared`` fields), returning ``(y,
-    selection, sums, carried)``: the selection when ``aux`` asks for it, the indexer loss sums
-    when ``want_loss`` (``_loss_sums``) and only the state fields the layer published."""
-    given = V41Shared(**state.per_row, **state.whole)
-    f = layer.forward_rows(x, rows, stage, want_loss, given)
-    sums = layer._loss_sums(rows, stage, f.selection, f.problem, f.target) if want_loss else ()
-    return f.y, f.selection if aux else None, sums, carried(f.published)
+    from the stack state it got (``given``, as carried; nothing for a kind without a state),
+    returning ``(y, selection, sums, carried)``: the selection when ``aux`` asks for it, the
+    indexer loss sums when ``want_loss`` (``AbstractIndexer.loss_sums``) and the state fields
+    the layer published."""
+    kind = layer.stack_state
+    state = () if kind is None else (kind(**given.per_row, **given.whole),)
+    f = layer.forward_rows(x, rows, stage, want_loss, *state)
+    sums = ()
+    if want_loss:
+        args = (rows, stage, f.selection, f.problem, f.target, layer.execution)
+        sums = layer.indexer.loss_sums(*args)
+    out = carried(f.published, () if kind is None else kind.per_row)
+    return f.y, f.selection if aux else None, sums, out
 
 
-def _outputs(head: tuple, shared: V41Shared | None, aux: dict | None):
+def _outputs(head: tuple, shared: Any, aux: dict | None):
     """A call's results: ``head`` (``y``, and ``extend``'s cache), then ``shared`` when given,
     then ``aux`` when asked for; a lone ``y`` alone."""
     out = head + (() if shared is None else (shared,)) + (() if aux is None else (aux,))

@@ -17,15 +17,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, ArrayLike, Bool, Int
+from jaxtyping import Array, ArrayLike, Bool, Int, TypeCheckError
 
-__all__ = ["layer_inputs", "chunk_inputs", "empty_outputs"]
+__all__ = ["layer_inputs", "chunk_inputs", "empty_outputs", "readable"]
 
 
 def _hidden_states(x: ArrayLike, hidden_size: int) -> Array:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"x must be a floating-point array (got dtype {x.dtype})")
+        raise TypeError(
+            f"x must be a floating-point array [batch, seq, hidden] (got dtype {x.dtype})"
+        )
     if x.ndim != 3 or x.shape[-1] != hidden_size:
         raise ValueError(
             f"x must have shape [batch, seq, {hidden_size}] (hidden = config.hidden_size) "
@@ -37,7 +39,7 @@ def _hidden_states(x: ArrayLike, hidden_size: int) -> Array:
 def _int_array(value: ArrayLike, name: str, shape: tuple[int, ...], axes: str) -> Array:
     value = jnp.asarray(value)
     if not jnp.issubdtype(value.dtype, jnp.integer):
-        raise TypeError(f"{name} must be an integer array (got dtype {value.dtype})")
+        raise TypeError(f"{name} must be an integer array {axes} (got dtype {value.dtype})")
     if value.shape != shape:
         raise ValueError(f"{name} must have shape {axes} = {shape} (got {tuple(value.shape)})")
     return value.astype(jnp.int32)
@@ -155,3 +157,35 @@ def empty_outputs(
     if indexer_loss is not None:
         aux["indexer_loss"] = jnp.float32(0) if indexer_loss else None
     return y, aux
+
+
+def readable(
+    error: TypeCheckError,
+    hidden_size: int,
+    x: ArrayLike,
+    positions: ArrayLike | None,
+    segment_ids: ArrayLike | None,
+    lengths: ArrayLike | None = None,
+) -> TypeCheckError:
+    """The type checker's ``error`` of a public call, led by the named check's one line when
+    that finds what is wrong (``x`` not floating point or not ``[batch, seq, hidden]``, an
+    integer argument of another dtype or rank), so the first line names the argument, what it
+    must be and what came; the type checker's account follows.
+
+    **Arguments:** the ``TypeCheckError`` and the call's ``hidden_size`` and arguments.
+
+    **Returns:** a ``TypeCheckError`` (a ``TypeError``) to raise.
+    """
+    try:
+        x = _hidden_states(x, hidden_size)
+        rows = tuple(x.shape[:2])
+        for name, value, shape, axes in (
+            ("positions", positions, rows, "[batch, seq]"),
+            ("segment_ids", segment_ids, rows, "[batch, seq]"),
+            ("lengths", lengths, rows[:1], "[batch]"),
+        ):
+            if value is not None:
+                _int_array(value, name, shape, axes)
+    except (TypeError, ValueError) as named:
+        return TypeCheckError(f"{named}\n\n{error}")
+    return error

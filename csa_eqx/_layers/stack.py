@@ -1,5 +1,6 @@
 """Running a stack of attention layers of any kinds (V4, V3.2, V4.1, mixed) in order, threading
-the state they publish (``csa_eqx.V41Shared``) from each layer to the next."""
+the state they publish from each layer to the next (from ``StackState()``, nothing published;
+a layer kind with a state of its own, V4.1's ``csa_eqx.V41Shared``, carries it on)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Callable, Sequence
 from jaxtyping import Array, Float, Int
 
 from .cache import AbstractCache
-from .forward import V41Shared
+from .forward import StackState
 
 __all__ = ["run_stack", "extend_stack", "stack_inputs"]
 
@@ -33,7 +34,7 @@ def run_stack(
     *,
     return_aux: bool = False,
     indexer_loss: str | None = None,
-) -> tuple[list[Array], list[V41Shared]] | tuple[list[Array], list[V41Shared], list[dict]]:
+) -> tuple[list[Array], list] | tuple[list[Array], list, list[dict]]:
     """Run attention layers in order, each from what the earlier ones published.
 
     **Arguments:**
@@ -45,10 +46,10 @@ def run_stack(
     - ``positions``, ``segment_ids``, ``indexer_loss``: as for the layers' ``__call__``.
     - ``return_aux``: also return each layer's aux dict.
 
-    **Returns:** ``(ys, published)``: each layer's output and the ``V41Shared`` after it; with
+    **Returns:** ``(ys, published)``: each layer's output and the stack state after it; with
     ``return_aux``, ``(ys, published, auxes)``.
     """
-    ys, after, auxes, shared = [], [], [], V41Shared()
+    ys, after, auxes, shared = [], [], [], StackState()
     for layer, x in zip(layers, stack_inputs(layers, xs), strict=True):
         y, shared, *aux = layer(
             x, positions, segment_ids, return_aux, indexer_loss=indexer_loss, shared=shared
@@ -68,7 +69,7 @@ def extend_stack(
     *,
     step: Callable | None = None,
     before: Callable | None = None,
-) -> tuple[list[Array], list[AbstractCache], list[V41Shared]]:
+) -> tuple[list[Array], list[AbstractCache], list]:
     """``run_stack`` for one chunk after ``caches`` (each layer's ``extend``).
 
     **Arguments:**
@@ -86,7 +87,7 @@ def extend_stack(
     if len(caches) != len(layers):
         raise ValueError(f"{len(caches)} caches for {len(layers)} layers")
     step = _extend if step is None else step
-    ys, new, after, shared = [], list(caches), [], V41Shared()
+    ys, new, after, shared = [], list(caches), [], StackState()
     for i, (layer, x) in enumerate(zip(layers, xs, strict=True)):
         shared = shared if before is None else before(i, x, new, shared)
         y, new[i], shared = step(layer, x, new[i], lengths, segment_ids, shared=shared)

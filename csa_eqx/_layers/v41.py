@@ -1,11 +1,10 @@
 """DeepSeek-V4.1 attention (docs/v41.md): V4's attention block with the compressed KV, the index
 keys and the selections shared across the layers of a stack.
 
-``V41Attention`` is composed of the V4 family's parts (``V4Block``, ``V41Compressor``,
-``IndexerHeads``) and of the parts its role (``config.role(layer)``) picks for where its
-entries and selection come from (``csa_eqx._sources``); it runs the family's pipeline under the
-one layer protocol. ``run_v41_stack`` / ``extend_v41_stack`` check a stack's wiring and thread
-the published ``V41Shared`` through it (``csa_eqx._stack``).
+``V41Attention`` is a V4-family layer (``csa_eqx._layers.v4_family``) whose role
+(``config.role(layer)``) decides the parts its constructor builds (``csa_eqx._layers.v41_parts``)
+and whose stack state is ``V41Shared``. ``run_v41_stack`` / ``extend_v41_stack`` check a
+stack's wiring and thread the published state through it (``csa_eqx._layers.stack``).
 """
 
 from __future__ import annotations
@@ -20,64 +19,75 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from .._entries.v41 import V41Compressor
+from .._indexer.base import AbstractCandidateRule, NoCandidates
 from .._indexer.heads import IndexerHeads
 from .._numerics.base import V41_FORMATS, DeepSeekFormats
-from .base import AbstractIndexedAttention
 from .block import V4Block
 from .cache import V4Cache
-from .execution import Execution, checked_execution
-from .forward import V41Shared
-from .parts import (
-    AbstractEntries,
-    AbstractSelectionSource,
-    AllEntries,
-    CandidateRule,
-    Compressed,
-    OwnEntries,
-    OwnSelection,
+from .execution import Execution
+from .parts import AbstractEntries, AbstractSelectionSource, AllEntries
+from .stack import extend_stack, run_stack, stack_inputs
+from .v4_family import AbstractV4Attention
+from .v41_config import V41AttentionConfig, V41WiringError
+from .v41_parts import (
+    CandidateSource,
+    IndexSource,
     PublishedEntries,
     PublishedSelection,
+    SourceEntries,
+    V41Shared,
+    WithinCandidates,
 )
-from .stack import extend_stack, run_stack, stack_inputs
-from .v4_family import v4_cache, v4_entry_attention, v4_forward, v4_head_specs
-from .v41_config import V41AttentionConfig, V41WiringError
 
 __all__ = ["V41Attention", "run_v41_stack", "extend_v41_stack"]
 
 
-def _sources(config: V41AttentionConfig, i: int) -> tuple:
-    """Where layer ``i``'s entries and selection come from, by its role."""
-    role = config.role(i)
+def _candidate_rule(config: V41AttentionConfig, i: int) -> AbstractCandidateRule:
+    """Layer ``i``'s part in the pre-filter: the candidate source's, a later index source's or
+    none."""
+    c = config
+    if c.is_candidate_source(i):
+        return CandidateSource(c.candidate_topk_blocks, c.candidate_block_size)
+    if c.uses_candidates(i):
+        return WithinCandidates(c.candidate_block_size, f"layer {i}")
+    return NoCandidates()
+
+
+def _parts(config: V41AttentionConfig, i: int, keys, dtype) -> tuple:
+    """Where layer ``i``'s entries and selection come from, by its role: ``(entry_source,
+    selection_source)``, with the compressor and indexer its role owns (PRNG ``keys``)."""
+    c, role = config, config.role(i)
     who = f"layer {i} ({role})"
     if role == "sliding":
         return None, AllEntries()
-    entries = OwnEntries(publishes=True) if role == "full" else PublishedEntries(who)
+    if role == "full":
+        entries = SourceEntries(V41Compressor(c, c.compress_ratios[i], key=keys[0], dtype=dtype))
+    else:
+        entries = PublishedEntries(who)
     if role == "reuse":
         return entries, PublishedSelection(who)
-    rule = CandidateRule()
-    if config.is_candidate_source(i) or config.uses_candidates(i):
-        kind = "source" if config.is_candidate_source(i) else "within"
-        rule = CandidateRule(
-            kind, config.candidate_topk_blocks, config.candidate_block_size, f"layer {i}"
-        )
-    return entries, OwnSelection(publishes=True, candidates=rule)
+    rule = _candidate_rule(c, i)
+    indexer = IndexerHeads(c, key=keys[1], dtype=dtype, candidates=rule)
+    return entries, IndexSource(indexer)
 
 
-class V41Attention(AbstractIndexedAttention):
+class V41Attention(AbstractV4Attention):
     """Layer ``layer`` of a DeepSeek-V4.1 attention stack; its role (``config.role(layer)``)
-    decides what it owns (docs/v41.md):
+    decides the parts it is built of (docs/v41.md):
 
     - ``"sliding"``: the ``block`` only (RoPE ``rope_theta``);
-    - ``"full"`` (a KV source): a ``V41Compressor`` and the ``indexer`` heads; publishes
-        entries, index keys and its selection (and the candidates at the candidate source);
-    - ``"reindex"``: the ``indexer`` heads over the latest KV source's keys; publishes a
-        selection (restricted to the candidates after the candidate source);
+    - ``"full"`` (a KV source): its ``V41Compressor`` (``entry_source``) and its indexer heads
+        (``selection_source``); publishes entries, index keys and its selection (and the
+        candidates at the candidate source);
+    - ``"reindex"``: its indexer heads over the latest KV source's keys; publishes a selection
+        (restricted to the candidates after the candidate source);
     - ``"reuse"``: nothing of its own beyond the block: attends the published entries through
         the published selection.
 
     Every layer's block has no per-head query norm; compressed roles rope with the compress
-    table. Parameter names follow ``V4Attention`` (``csa_eqx.hf.v41_parameter_names`` maps
-    DeepSeek's).
+    table. Its pytree paths are the parts' (``.entry_source.compressor.key_proj``,
+    ``.selection_source.indexer.q_b_proj``, ...; ``csa_eqx.hf.parameter_paths`` maps
+    DeepSeek's names to them); ``compressor`` and ``indexer`` read the parts' own.
 
     **Arguments:** the stack's ``config``, the ``layer`` index, ``key``, ``dtype`` and
     ``execution`` (as ``AbstractIndexedAttention``; numerics ``ExactNumerics`` or
@@ -85,14 +95,13 @@ class V41Attention(AbstractIndexedAttention):
     """
 
     block: V4Block
-    compressor: V41Compressor | None
-    indexer: IndexerHeads | None
+    entry_source: AbstractEntries | None
+    selection_source: AbstractSelectionSource
     config: V41AttentionConfig = eqx.field(static=True)
     layer: int = eqx.field(static=True)
     execution: Execution = eqx.field(static=True)
-    entry_source: AbstractEntries | None = eqx.field(static=True)
-    selection_source: AbstractSelectionSource = eqx.field(static=True)
     formats: ClassVar[DeepSeekFormats] = V41_FORMATS
+    stack_state: ClassVar[type] = V41Shared
 
     def __init__(
         self,
@@ -108,28 +117,17 @@ class V41Attention(AbstractIndexedAttention):
             raise TypeError(f"config must be a V41AttentionConfig (got {type(c).__name__})")
         if not (isinstance(layer, int) and 0 <= layer < c.num_layers):
             raise ValueError(f"layer must be in [0, {c.num_layers}) (got {layer!r})")
-        execution = checked_execution(execution, c, V41_FORMATS)
-        role, ratio = c.role(layer), c.compress_ratios[layer]
+        execution = Execution.checked(execution, c, V41_FORMATS)
         ks = jax.random.split(key, 3)
-        self.block = V4Block(
-            c, compressed=role != "sliding", query_norm=False, key=ks[0], dtype=dtype
-        )
-        full = role == "full"
-        self.compressor = V41Compressor(c, ratio, key=ks[1], dtype=dtype) if full else None
-        has_indexer = role in ("full", "reindex")
-        self.indexer = IndexerHeads(c, key=ks[2], dtype=dtype) if has_indexer else None
-        self.entry_source, self.selection_source = _sources(c, layer)
+        compressed = c.role(layer) != "sliding"
+        self.block = V4Block(c, compressed=compressed, query_norm=False, key=ks[0], dtype=dtype)
+        self.entry_source, self.selection_source = _parts(c, layer, ks[1:], dtype)
         self.config, self.layer, self.execution = config, layer, execution
 
     @property
     def role(self) -> str:
         """**Returns:** the layer's role, ``config.role(layer)``."""
         return self.config.role(self.layer)
-
-    @property
-    def selects(self) -> bool:
-        """**Returns:** whether the layer reads through a selection (every compressed role)."""
-        return self.entry_source is not None
 
     @property
     def entry_rate(self) -> int:
@@ -141,16 +139,6 @@ class V41Attention(AbstractIndexedAttention):
         """**Returns:** ``window - 1`` rows (and a group's ``m - 1``)."""
         return max(self.config.sliding_window - 1, max(self.entry_rate - 1, 0))
 
-    def head_specs(self, axis: str) -> tuple:
-        """Head parallelism: as ``V4Attention.head_specs``."""
-        return v4_head_specs(self.config, axis)
-
-    def forward_rows(self, x, source, stage, want_loss=False, shared=None):
-        """The V4 family's pipeline over ``source`` (``csa_eqx._v4_family.v4_forward``; see
-        ``AbstractIndexedAttention.forward_rows``)."""
-        shared = V41Shared() if shared is None else shared
-        return v4_forward(self, x, source, stage, want_loss, shared)
-
     def entry_attention(
         self,
         x: Float[Array, "batch seq hidden"],
@@ -159,36 +147,7 @@ class V41Attention(AbstractIndexedAttention):
     ) -> tuple[Float[Array, "batch seq slots"], Int[Array, "batch seq k"]]:
         """As ``V4Attention.entry_attention``, for an index source (full or reindex), from the
         state ``shared`` published before it (a consumer's mass is over its candidates)."""
-        shared = V41Shared() if shared is None else shared
-        return v4_entry_attention(self, x, segment_ids, shared)
-
-    def compress(self, x: Array, source) -> tuple[Compressed, object]:
-        """A KV source's entries and index keys, from its ``V41Compressor``, rounded once as
-        they are written (``OwnEntries``' call). The groups pool in the numerics' compressor
-        precision (``compressor_input``, which knows DeepSeek's bf16 ratio-1 compressor)."""
-        c, nx = self.config, self.execution.numerics
-        pooled_input = nx.compressor_input(x, self.entry_rate, self.formats)
-
-        def rounded(both):
-            entries = nx.entries(both[..., : c.head_dim], c.rope_dim, self.formats)
-            keys = nx.indexer(both[..., c.head_dim :], self.formats)
-            return jnp.concatenate([entries, keys.astype(entries.dtype)], axis=-1)
-
-        both, layout, source = source.entries(
-            "compressor", self.compressor, pooled_input, nx.entry_dtype(x), rounded, nx
-        )
-        return Compressed(both[..., : c.head_dim], both[..., c.head_dim :], layout), source
-
-    def init_cache(self, batch_size: int, max_length: int, dtype=jnp.float32) -> V4Cache:
-        """An empty decode cache: the window ring, and for a KV source the open group's raw
-        projections and ``max_length // m`` entry slots (entries and index keys side by side).
-        Reindex and reuse layers hold no compressed state: they read their KV source's.
-
-        **Arguments:** ``batch_size``, ``max_length`` (tokens per row) and the buffers' ``dtype``.
-
-        **Returns:** a ``csa_eqx.V4Cache`` (``length`` 0 in every row).
-        """
-        return v4_cache(self, batch_size, max_length, dtype)
+        return self._entry_attention(x, segment_ids, V41Shared() if shared is None else shared)
 
 
 def _check_stack(layers: Sequence[V41Attention], xs) -> list:

@@ -24,6 +24,7 @@ padded rows come after every real row, so no real query sees them, and they are 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import equinox as eqx
@@ -33,6 +34,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
+from .._backend import backend_tiles, shared_tiles
 from .._compat import stacked_all_gather
 from .._layout import EntryLayout, entry_layout
 from .._mesh import MeshLike, batch_axis, check_axes, each, mesh_with_axis, place, run_sharded
@@ -111,7 +113,7 @@ class ContextParallel(AbstractPlacement):
         """The body over this device's zigzag chunks, each with its halo (``layer.context_halo``
         rows) and the entries its rows close (``layer.entry_rate`` rows per entry), gathered
         into every slot's by ``rows.gather``; each chunk's shard runs ``inner``, with the
-        layer's tiles shared over the devices (``layer.execution.sharing``). The ``carried``
+        layer's tiles shared over the devices (``csa_eqx._backend.shared_tiles``). The ``carried``
         state's ``per_row`` arrays are chunked as ``x`` (halo rows included) and its ``whole``
         ones repeated for each chunk's batch row. See ``AbstractPlacement.run``: ``y``,
         ``selection`` and ``carried.per_row`` come back ``[B, S, ...]`` as one device returns
@@ -194,7 +196,9 @@ class ContextParallel(AbstractPlacement):
             rows = Rows(*ints, own, layout, lambda e: _gather_entries(e, plan, axis))
             # each device's working buffers sized for its share of the rows (same results)
             shard = eqx.combine(params, static)
-            shard = shard.with_execution(shard.execution.sharing(n))
+            ex = shard.execution
+            tiles = shared_tiles(backend_tiles(ex.tiles), n)
+            shard = shard.with_execution(dataclasses.replace(ex, tiles=tiles))
             y, selection, sums, carried = self.inner.run(body, shard, x, rows, carried)
             y, selection, per_row = jax.tree.map(joined, (y, selection, carried.per_row))
             # the chunks' batch rows hold the same whole-sequence state: the first chunk's

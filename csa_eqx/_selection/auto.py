@@ -17,14 +17,28 @@ from jaxtyping import Array, Int
 
 from .._backend import CPU_TILES, uses_kernels
 from .._tiles import TileSizes
-from .base import AbstractSelection, SelectionProblem
+from .base import AbstractSelection, AbstractSplitSelection, SelectionProblem
+from .candidate_source import (
+    AbstractCandidateSource,
+    DenseCandidates,
+    GatheredCandidates,
+    SplitCandidates,
+    StreamingCandidates,
+)
 from .candidates import CandidateVisibility
 from .dense import DenseSelection
 from .gathered import GatheredSelection
 from .pallas import PallasSelection
 from .streaming import StreamingSelection
 
-__all__ = ["AutoSelection", "streams", "filter_bites", "unfiltered", "DenseOrStreaming"]
+__all__ = [
+    "AutoSelection",
+    "candidate_source",
+    "streams",
+    "filter_bites",
+    "unfiltered",
+    "DenseOrStreaming",
+]
 
 
 def streams(batch: int, seq: int, entries: int, heads: int, tiles: TileSizes) -> bool:
@@ -137,6 +151,36 @@ class AutoSelection(DenseOrStreaming, AbstractSelection):
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
         return self.strategy(problem).select(unfiltered(problem), k)
 
-    def select_candidates(self, problem, k, topk_blocks, block_size):
-        method, problem = self.strategy(problem), unfiltered(problem)
-        return method.select_candidates(problem, k, topk_blocks, block_size)
+
+def candidate_source(selection: AbstractSelection, problem: SelectionProblem):
+    """Where a V4.1 candidate source's top-k and candidate blocks come from, for an execution's
+    ``selection`` strategy (docs/v41.md, "Candidates"): a strategy that is a candidate source
+    itself; else the same strategy's (``DenseSelection``, ``StreamingSelection`` and
+    ``GatheredSelection`` with their sizes), ``AutoSelection``'s choice for ``problem``, a
+    split selection's (``ShardedSelection``) over its parts, each running its inner
+    strategy's; ``PallasSelection``'s blocks are not fused yet: streamed.
+
+    **Arguments:** the ``selection`` strategy and the candidate source's ``problem``.
+
+    **Returns:** an ``AbstractCandidateSource``; a ``TypeError`` for a strategy that gives none.
+    """
+    if isinstance(selection, AbstractCandidateSource):
+        return selection
+    if isinstance(selection, AutoSelection):
+        selection = selection.strategy(problem)
+    if isinstance(selection, AbstractSplitSelection):
+        return SplitCandidates(selection, candidate_source(selection.inner, problem))
+    if isinstance(selection, DenseSelection):
+        return DenseCandidates()
+    if isinstance(selection, StreamingSelection):
+        sizes = (selection.key_block, selection.query_block, selection.topk_block)
+        return StreamingCandidates(*sizes)
+    if isinstance(selection, GatheredSelection):
+        return GatheredCandidates(selection.query_block)
+    if isinstance(selection, PallasSelection):
+        return StreamingCandidates(query_block=selection.query_chunk)
+    raise TypeError(
+        f"{type(selection).__name__} cannot give a V4.1 candidate source its candidate blocks: "
+        "use a DenseSelection, StreamingSelection, GatheredSelection (or AutoSelection), or "
+        "make the strategy an AbstractCandidateSource too"
+    )

@@ -19,7 +19,7 @@ from .._layout import Visibility
 from .._scorer.base import AbstractScorer, XlaScorer
 from .._tiles import _CPU_TILES, TileSizes
 
-__all__ = ["SelectionProblem", "AbstractSelection"]
+__all__ = ["SelectionProblem", "AbstractSelection", "AbstractSplitSelection"]
 
 
 _REFERENCE = XlaScorer()
@@ -153,15 +153,20 @@ class AbstractSelection(eqx.Module):
         **Returns:** int32 ``[B, S, k]`` entry indices, ``-1`` = none.
         """
 
+
+class AbstractSplitSelection(AbstractSelection):
+    """A selection that runs another strategy (``inner``) on parts of the query rows and joins
+    their answers (``ShardedSelection``: the rows split over a mesh axis); ``split`` runs any
+    per-row computation of the problem that way."""
+
+    inner: eqx.AbstractVar[AbstractSelection]
+
     @abc.abstractmethod
-    def select_candidates(
-        self, problem: SelectionProblem, k: int, topk_blocks: int, block_size: int
-    ) -> tuple[Int[Array, "batch seq {k}"], Int[Array, "batch seq {topk_blocks}"]]:
-        """A V4.1 candidate source's two answers from one scoring of the problem: the top-k
-        and the best blocks of ``block_size`` entries (``csa_eqx.candidate_blocks``'
-        rule, bitwise; docs/v41.md, "Candidates").
+    def split(self, problem: SelectionProblem, run: Callable) -> tuple[Array, ...]:
+        """**Arguments:** the ``problem`` and ``run(part) -> tuple of [B, S', n]`` arrays of a
+        part of its rows.
 
-        **Arguments:** the ``problem``, ``k > 0``, ``Nb`` and ``bc``.
+        **Returns:** ``run``'s arrays over every row, ``[B, S, n]`` each."""
 
-        **Returns:** ``(selection [B, S, k], blocks [B, S, Nb])``, int32, ``-1`` = none.
-        """
+    def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
+        return self.split(problem, lambda part: (self.inner.select(part, k),))[0]

@@ -6,7 +6,6 @@ from jaxtyping import Array, Int
 
 from .._topk import select_topk
 from .base import AbstractSelection, SelectionProblem
-from .candidates import candidate_blocks
 
 __all__ = [
     "DenseSelection",
@@ -24,9 +23,3 @@ class DenseSelection(AbstractSelection):
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
         scores = problem.scores(*problem.queries(), problem.keys)
         return select_topk(scores, problem.visibility.mask(), k, unroll=problem.tiles.unroll)
-
-    def select_candidates(self, problem, k, topk_blocks, block_size):
-        scores = problem.scores(*problem.queries(), problem.keys)
-        visible, unroll = problem.visibility.mask(), problem.tiles.unroll
-        selection = select_topk(scores, visible, k, unroll=unroll)
-        return selection, candidate_blocks(scores, visible, topk_blocks, block_size, unroll=unroll)

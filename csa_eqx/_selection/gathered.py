@@ -52,55 +52,55 @@ class GatheredSelection(AbstractSelection):
             raise ValueError(f"GatheredSelection.query_block must be an int >= 0 (got {value!r})")
 
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
-        return self._gathered(problem, k, None)[0]
+        return gathered_topk(problem, k, self.query_block)[0]
 
-    def select_candidates(self, problem, k, topk_blocks, block_size):
-        return self._gathered(problem, k, (topk_blocks, block_size))
 
-    def _gathered(self, problem: SelectionProblem, k: int, blocks) -> tuple[Array, ...]:
-        """``(selection,)``, or with ``blocks = (Nb, bc)`` also the best blocks of the same
-        gathered scores (``_best_blocks``)."""
-        if k <= 0:
-            raise ValueError(f"k must be positive (got {k})")
-        project, rows, keys, visibility = (
-            problem.project,
-            problem.rows,
-            problem.keys,
-            problem.visibility,
+def gathered_topk(
+    problem: SelectionProblem, k: int, query_block: int = 0, blocks: tuple[int, int] | None = None
+) -> tuple[Array, ...]:
+    """The gathered top-k of ``problem``, ``query_block`` queries per block (0 = automatic):
+    ``(selection,)``, or with ``blocks = (Nb, bc)`` also the best blocks of the same gathered
+    scores (``_best_blocks``: V4.1's candidate source, ``csa_eqx._selection.candidate_source``)."""
+    if k <= 0:
+        raise ValueError(f"k must be positive (got {k})")
+    project, rows, keys, visibility = (
+        problem.project,
+        problem.rows,
+        problem.keys,
+        problem.visibility,
+    )
+    b, s, h, d = jax.eval_shape(project, *rows)[0].shape
+    t = keys.shape[1]
+    widths = (k,) if blocks is None else (k, blocks[0])
+    if t == 0 or s == 0:
+        return tuple(jnp.full((b, s, w), -1, jnp.int32) for w in widths)
+    n = jax.eval_shape(lambda v: v.rows(0, 1).slots(), visibility).shape[-1]
+    heads = problem.head_chunk or h
+    budget = problem.tiles.elements
+    qb = min(query_block or sparse_query_block(b, heads, d, n, 0, budget), s)
+    # Integer output: nothing here is differentiated (closed-over parameters included).
+    block = [jax.ShapeDtypeStruct((r.shape[0], qb, *r.shape[2:]), r.dtype) for r in rows]
+    project, consts = jax.closure_convert(project, *block)
+    rows, consts, keys = jax.lax.stop_gradient((rows, consts, keys))
+    q_starts = block_starts(s, qb)
+    unroll = problem.tiles.unroll
+
+    def query_block_body(i, outs):
+        r0 = q_starts[i]
+        qx, wx = project(*(take(r, r0, qb) for r in rows), *consts)
+        slots = visibility.rows(r0, qb).slots()  # [B, Qb, n], -1 = none
+        scores = problem.gathered_scores(qx, wx, gather_keys(keys, slots))
+        _, pos = exact_topk(scores, slots >= 0, k, unroll=unroll)
+        picks = jnp.take_along_axis(slots, jnp.maximum(pos, 0), axis=-1)
+        new = (jnp.where(pos >= 0, picks, -1),)
+        if blocks is not None:
+            new += (_best_blocks(scores, slots, t, *blocks, unroll),)
+        return tuple(
+            jax.lax.dynamic_update_slice_in_dim(o, a, r0, 1) for o, a in zip(outs, new, strict=True)
         )
-        b, s, h, d = jax.eval_shape(project, *rows)[0].shape
-        t = keys.shape[1]
-        widths = (k,) if blocks is None else (k, blocks[0])
-        if t == 0 or s == 0:
-            return tuple(jnp.full((b, s, w), -1, jnp.int32) for w in widths)
-        n = jax.eval_shape(lambda v: v.rows(0, 1).slots(), visibility).shape[-1]
-        heads = problem.head_chunk or h
-        budget = problem.tiles.elements
-        qb = min(self.query_block or sparse_query_block(b, heads, d, n, 0, budget), s)
-        # Integer output: nothing here is differentiated (closed-over parameters included).
-        block = [jax.ShapeDtypeStruct((r.shape[0], qb, *r.shape[2:]), r.dtype) for r in rows]
-        project, consts = jax.closure_convert(project, *block)
-        rows, consts, keys = jax.lax.stop_gradient((rows, consts, keys))
-        q_starts = block_starts(s, qb)
-        unroll = problem.tiles.unroll
 
-        def query_block_body(i, outs):
-            r0 = q_starts[i]
-            qx, wx = project(*(take(r, r0, qb) for r in rows), *consts)
-            slots = visibility.rows(r0, qb).slots()  # [B, Qb, n], -1 = none
-            scores = problem.gathered_scores(qx, wx, gather_keys(keys, slots))
-            _, pos = exact_topk(scores, slots >= 0, k, unroll=unroll)
-            picks = jnp.take_along_axis(slots, jnp.maximum(pos, 0), axis=-1)
-            new = (jnp.where(pos >= 0, picks, -1),)
-            if blocks is not None:
-                new += (_best_blocks(scores, slots, t, *blocks, unroll),)
-            return tuple(
-                jax.lax.dynamic_update_slice_in_dim(o, a, r0, 1)
-                for o, a in zip(outs, new, strict=True)
-            )
-
-        outs = tuple(jnp.full((b, s, w), -1, jnp.int32) for w in widths)
-        return jax.lax.fori_loop(0, q_starts.shape[0], query_block_body, outs)
+    outs = tuple(jnp.full((b, s, w), -1, jnp.int32) for w in widths)
+    return jax.lax.fori_loop(0, q_starts.shape[0], query_block_body, outs)
 
 
 def _best_blocks(

@@ -51,7 +51,6 @@ from .._pallas import (
 )
 from .._topk import _order_keys
 from .base import AbstractSelection, SelectionProblem
-from .streaming import StreamingSelection
 
 __all__ = ["PallasSelection"]
 
@@ -64,8 +63,9 @@ class PallasSelection(AbstractSelection):
     The selection is the other strategies' bitwise wherever the scores are.
 
     It scores a plain ``Visibility``: a V4.1 consumer's ``CandidateVisibility`` is refused
-    (``TypeError``; ``AutoSelection`` gives such a problem to ``GatheredSelection``), and a
-    candidate source's ``select_candidates`` runs ``StreamingSelection``: neither is fused yet.
+    (``TypeError``; ``AutoSelection`` gives such a problem to ``GatheredSelection``), and a V4.1
+    candidate source's blocks are not fused yet (the candidate source's chooser,
+    ``csa_eqx._selection.auto.candidate_source``, streams them).
 
     **Arguments:**
 
@@ -98,10 +98,6 @@ class PallasSelection(AbstractSelection):
                 "chooses it)"
             )
         return _fused_topk(problem, k, self.query_block, self.key_block, self.query_chunk)
-
-    def select_candidates(self, problem, k, topk_blocks, block_size):
-        streaming = StreamingSelection(query_block=self.query_chunk)
-        return streaming.select_candidates(problem, k, topk_blocks, block_size)
 
 
 def _fused_topk(problem: SelectionProblem, k: int, query_block, key_block, query_chunk):

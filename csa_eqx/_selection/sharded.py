@@ -17,11 +17,11 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Int
+from jaxtyping import Array
 
 from .._mesh import MeshLike, batch_axis, is_manual, mesh_with_axis, place, row_spec, run_sharded
 from .auto import AutoSelection
-from .base import AbstractSelection, SelectionProblem
+from .base import AbstractSelection, AbstractSplitSelection, SelectionProblem
 
 __all__ = ["ShardedSelection"]
 
@@ -30,7 +30,7 @@ def _pad_rows(x: Array, pad: int) -> Array:
     return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
 
 
-class ShardedSelection(AbstractSelection):
+class ShardedSelection(AbstractSplitSelection):
     """The selection with query rows sharded over ``tensor_axis`` in an explicit
     ``jax.shard_map``; each shard runs ``inner`` on its rows.
 
@@ -49,8 +49,9 @@ class ShardedSelection(AbstractSelection):
     Rows that do not divide evenly are **padded** to a multiple of the tensor size with rows
     that see no entry, and the padding is sliced off. The gathered ``[B, S, k]`` result comes
     back in the ``[B, S]`` layout the query indices came in, and equals the unsharded
-    selection bitwise; so do a V4.1 candidate source's blocks (``select_candidates``) and a
-    consumer's selection (its visibility is split with the rows, ``visibility.rows``).
+    selection bitwise; so do a V4.1 candidate source's blocks (``split`` runs any per-row
+    computation) and a consumer's selection (its visibility is split with the rows,
+    ``visibility.rows``).
     """
 
     inner: AbstractSelection = AutoSelection()
@@ -58,16 +59,7 @@ class ShardedSelection(AbstractSelection):
     data_axis: str = "data"
     mesh: MeshLike | None = None
 
-    def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
-        return self._rows(problem, lambda shard: (self.inner.select(shard, k),))[0]
-
-    def select_candidates(self, problem, k, topk_blocks, block_size):
-        def run(shard):
-            return self.inner.select_candidates(shard, k, topk_blocks, block_size)
-
-        return self._rows(problem, run)
-
-    def _rows(self, problem: SelectionProblem, run: Callable) -> tuple[Array, ...]:
+    def split(self, problem: SelectionProblem, run: Callable) -> tuple[Array, ...]:
         """``run``'s ``[B, S, n]`` results (a tuple), each shard running it on its rows of the
         problem (their queries and visibility) and the shards all-gathered."""
         mesh = mesh_with_axis(self.tensor_axis, "indexer_sharded_topk", self.mesh)

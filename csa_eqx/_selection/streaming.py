@@ -35,7 +35,7 @@ from .._topk import exact_topk
 from .base import AbstractSelection, SelectionProblem
 from .candidates import block_top, newest_visible
 
-__all__ = ["StreamingSelection"]
+__all__ = ["StreamingSelection", "stream_topk"]
 
 
 def _top_of(scores: Array, visible: Array, offset: Array, k: int, unroll: bool):
@@ -60,7 +60,7 @@ class StreamingSelection(AbstractSelection):
 
     Tiles are scored by the problem's scorer (``SelectionProblem.scores``); automatic sizes
     come from its ``tiles``. A V4.1 candidate source's blocks come from the same buffers
-    (``select_candidates``).
+    (``stream_topk``).
 
     **Arguments:**
 
@@ -83,14 +83,7 @@ class StreamingSelection(AbstractSelection):
                 raise ValueError(f"StreamingSelection.{name} must be an int >= 0 (got {value!r})")
 
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
-        return self._stream(problem, k)[0]
-
-    def select_candidates(self, problem, k, topk_blocks, block_size):
-        return self._stream(problem, k, (topk_blocks, block_size))
-
-    def _stream(self, problem, k, blocks=None):
-        sizes = (self.key_block, self.query_block, self.topk_block)
-        return _stream_topk(problem, k, *sizes, blocks)
+        return stream_topk(problem, k, self.key_block, self.query_block, self.topk_block)[0]
 
 
 def _newest(visibility, tiles: tuple[Array, Array], kb: int) -> Array:
@@ -104,7 +97,7 @@ def _newest(visibility, tiles: tuple[Array, Array], kb: int) -> Array:
     return jax.lax.fori_loop(*tiles, tile, init)
 
 
-def _stream_topk(
+def stream_topk(
     problem: SelectionProblem,
     k: int,
     key_block: int,
@@ -112,8 +105,10 @@ def _stream_topk(
     topk_block: int,
     blocks: tuple[int, int] | None = None,
 ) -> tuple[Array, ...]:
-    """``(selection,)``, or with ``blocks = (Nb, bc)`` ``(selection, candidate blocks)`` from
-    the same row buffers (``block_top`` on each, merged like the entries)."""
+    """The streaming top-k of ``problem`` with the given sizes (0 = automatic): ``(selection,)``,
+    or with ``blocks = (Nb, bc)`` ``(selection, candidate blocks)`` from the same row buffers
+    (``block_top`` on each, merged like the entries: V4.1's candidate source,
+    ``csa_eqx._selection.candidate_source``)."""
     project, rows, keys, visibility = (
         problem.project,
         problem.rows,

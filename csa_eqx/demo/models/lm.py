@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from ... import V41Shared
 from ..._config import V4AttentionConfig, V4FamilyConfig, V32AttentionConfig
 from ..._layers.execution import Execution
-from ..._layers.forward import V41Shared
 from ..._layers.v4 import V4Attention
 from ..._layers.v32 import V32Attention
 from ..._layers.v41 import V41Attention

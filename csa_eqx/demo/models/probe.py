@@ -6,7 +6,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ..._layers.forward import V41Shared
+from ... import V41Shared
 from ..._layers.v4 import V4Attention
 from ..._layers.v41 import V41Attention
 from ..._ops import rms_norm
