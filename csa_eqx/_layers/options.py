@@ -2,7 +2,7 @@
 ``qk_head_chunk_size=``, ``indexer_sharded_topk=``, ``context_parallel=``, ...) and the
 ``Execution`` they describe: ``Execution.from_options`` is ``from_options`` below, and
 ``csa_eqx.hf``'s loaders take their ``execution=`` or these keywords
-(``csa_eqx._hf.options``). Each spelling refuses the other's keywords with a message naming
+(``csa_eqx.hf._options``). Each spelling refuses the other's keywords with a message naming
 the right one."""
 
 from __future__ import annotations

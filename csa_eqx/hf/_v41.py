@@ -19,13 +19,13 @@ from .._layers.block import V4Block
 from .._layers.v41 import V41Attention
 from .._layers.v41_config import V41AttentionConfig
 from .._numerics.base import V41_FORMATS
-from .checkpoint import load_tree, read_config, read_layer, strip_prefix
-from .config import block_size
-from .options import loader_execution
+from ._checkpoint import load_tree, read_config, read_layer, strip_prefix
+from ._config import block_size
+from ._names import v41_parameter_names
+from ._options import loader_execution
 
 __all__ = [
     "v41_config_from_hf",
-    "v41_parameter_names",
     "load_v41_attention",
     "load_v41_attention_from_safetensors",
 ]
@@ -162,41 +162,6 @@ def v41_config_from_hf(config: Any, source: str = "config") -> V41AttentionConfi
             **{f: float(fields[f]) for f in ("rope_theta", "compress_rope_theta", "rms_norm_eps")},
         },
     )
-
-
-# V41Attention's attribute path -> the checkpoint's name after ``layers.{i}.attn.``
-_NAMES = {
-    ("block", "q_a_proj"): "wq_a.weight",
-    ("block", "q_a_norm"): "q_norm.weight",
-    ("block", "q_b_proj"): "wq_b.weight",
-    ("block", "kv_proj"): "wkv.weight",
-    ("block", "kv_norm"): "kv_norm.weight",
-    ("block", "o_a_proj"): "wo_a.weight",
-    ("block", "o_b_proj"): "wo_b.weight",
-    ("block", "sinks"): "attn_sink",
-    ("entry_source", "compressor", "kv_proj"): "compressor.wkv.weight",
-    ("entry_source", "compressor", "gate_proj"): "compressor.wgate.weight",
-    ("entry_source", "compressor", "kv_norm"): "compressor.norm.weight",
-    ("entry_source", "compressor", "key_proj"): "indexer.wk.weight",
-    ("entry_source", "compressor", "key_norm"): "indexer.k_norm.weight",
-    ("selection_source", "indexer", "q_b_proj"): "indexer.wq_b.weight",
-    ("selection_source", "indexer", "weights_proj"): "indexer.weights_proj.weight",
-}
-
-
-def _get(module, path):
-    for p in path:
-        module = getattr(module, p, None)
-    return module
-
-
-def v41_parameter_names(layer: V41Attention) -> dict[str, str]:
-    """**Arguments:** a ``V41Attention`` (its role decides what it holds).
-
-    **Returns:** its attribute path (``"entry_source.compressor.key_proj"``,
-    ``"block.q_a_proj"``) -> the checkpoint's tensor name after ``layers.{i}.attn.``
-    (``"indexer.wk.weight"``), for the arrays it holds."""
-    return {".".join(p): n for p, n in _NAMES.items() if _get(layer, p) is not None}
 
 
 def load_v41_attention(

@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from .._numerics.fp8_weight import Fp8Weight
-from .safetensors_io import decode_e8m0, read_safetensors, safetensors_header
+from ._safetensors_io import decode_e8m0, read_safetensors, safetensors_header
 
 
 def _dtype_name(value: Any) -> str:

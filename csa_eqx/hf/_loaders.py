@@ -1,13 +1,5 @@
-"""Load DeepSeek-V4 / V3.2 / V4.1 attention weights (state dicts or safetensors checkpoint folders).
-
-State-dict keys are the HF attention module's own parameter names (``q_a_proj.weight``,
-``compressor.indexer.kv_proj.weight``, …). Checkpoint folders may use those names or
-DeepSeek's native ones (``layers.{i}.attn.wq_a.weight`` with ``.scale`` tile scales) and
-either the HF ``config.json`` keys or DeepSeek's own inference keys (``dim``, ``n_heads``,
-``window_size``, ``compress_ratios``, …). Every mismatch between config, layer and tensors is a
-``ValueError`` naming the file / key / tensor with the expected and the actual value
-(docs/hf.md lists them).
-"""
+"""The V4 and V3.2 loaders (state dicts and checkpoint folders, HF or DeepSeek-native names);
+``csa_eqx.hf`` re-exports them."""
 
 from __future__ import annotations
 
@@ -18,81 +10,33 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ._config import V4AttentionConfig
-from ._hf.checkpoint import load_tree, read_config, read_layer, rename, strip_prefix
-from ._hf.config import (
+from .._config import V4AttentionConfig
+from .._layers.block import V4Block
+from .._layers.v4 import V4Attention
+from .._layers.v32 import V32Attention
+from ._checkpoint import load_tree, read_config, read_layer, rename, strip_prefix
+from ._config import (
     as_dict,
     block_size,
-    v4_config_from_hf,
     v4_layer_config,
     v4_scale_fmt,
-    v32_config_from_hf,
     v32_layer_config,
     v32_scale_fmt,
 )
-from ._hf.options import split_options
-from ._hf.safetensors_io import SafetensorsError, read_safetensors
-from ._hf.v41 import (
-    load_v41_attention,
-    load_v41_attention_from_safetensors,
-    v41_config_from_hf,
-    v41_parameter_names,
-)
-from ._layers.block import V4Block
-from ._layers.v4 import V4Attention
-from ._layers.v32 import V32Attention
-from ._layers.v41 import V41Attention
+from ._names import v4_parameter_names, v32_parameter_names
+from ._options import split_options
 
 __all__ = [
-    "SafetensorsError",
-    "read_safetensors",
-    "v4_config_from_hf",
-    "v4_parameter_names",
     "native_v4_name",
     "load_v4_attention",
     "load_v4_attention_from_safetensors",
-    "v32_config_from_hf",
-    "v32_parameter_names",
     "native_v32_name",
     "load_v32_attention",
     "load_v32_attention_from_safetensors",
-    "v41_config_from_hf",
-    "v41_parameter_names",
-    "parameter_paths",
-    "load_v41_attention",
-    "load_v41_attention_from_safetensors",
 ]
 
 
 # --- DeepSeek-V4 -----------------------------------------------------------------------------
-
-
-def v4_parameter_names(config: V4AttentionConfig) -> dict[str, str]:
-    """**Arguments:** the layer's ``config`` (its kind decides which compressor / indexer
-    tensors exist).
-
-    **Returns:** module attribute path -> HF parameter name, for one V4 layer
-    (``"entry_source.compressor.kv_proj"`` -> ``"compressor.kv_proj.weight"``, ...).
-    """
-    block = ("q_a_proj", "q_a_norm", "q_b_proj", "kv_proj", "kv_norm", "o_a_proj", "o_b_proj")
-    names = {f"block.{n}": f"{n}.weight" for n in block}
-    names["block.sinks"] = "sinks"
-    compressor = {
-        "kv_proj": "kv_proj.weight",
-        "gate_proj": "gate_proj.weight",
-        "position_bias": "position_bias",
-        "kv_norm": "kv_norm.weight",
-    }
-    own, indexer = "entry_source.compressor", "selection_source.indexer"
-    if config.layer_type != "sliding":
-        names.update({f"{own}.{k}": f"compressor.{v}" for k, v in compressor.items()})
-    if config.has_indexer:
-        names.update(
-            {f"{indexer}.compressor.{k}": f"compressor.indexer.{v}" for k, v in compressor.items()}
-        )
-        names[f"{indexer}.q_b_proj"] = "compressor.indexer.q_b_proj.weight"
-        names[f"{indexer}.weights_proj"] = "compressor.indexer.scorer.weights_proj.weight"
-    return names
 
 
 def _check_v4_kind(cfg: V4AttentionConfig, present: set[str], where: str, layer_idx: int):
@@ -279,26 +223,6 @@ def load_v4_attention_from_safetensors(
 # --- DeepSeek-V3.2 (DSA) ---------------------------------------------------------------------
 
 
-def v32_parameter_names() -> dict[str, str]:
-    """**Returns:** module attribute path -> HF parameter name, for one V3.2 attention layer."""
-    names = {
-        n: f"{n}.weight"
-        for n in (
-            "q_a_proj",
-            "q_a_layernorm",
-            "q_b_proj",
-            "kv_a_proj_with_mqa",
-            "kv_a_layernorm",
-            "kv_b_proj",
-            "o_proj",
-        )
-    }
-    for n in ("wq_b", "wk", "k_norm", "weights_proj"):
-        names[f"indexer.{n}"] = f"indexer.{n}.weight"
-    names["indexer.k_norm_bias"] = "indexer.k_norm.bias"
-    return names
-
-
 # DeepSeek's native V3.2 names (``convert.py`` output) -> HF's; the indexer's are the same.
 _NATIVE_V32_RENAMES = [
     (r"^wq_a\.", "q_a_proj."),
@@ -371,33 +295,3 @@ def load_v32_attention_from_safetensors(
     **Returns:** the ``V32Attention``.
     """
     return _load_folder(_V32, path, layer_idx, dtype, options)
-
-
-# --- every family ----------------------------------------------------------------------------
-
-_NAMES = {  # layer type -> its parameter names (module attribute path -> checkpoint name)
-    V4Attention: lambda layer: v4_parameter_names(layer.config),
-    V32Attention: lambda layer: v32_parameter_names(),
-    V41Attention: v41_parameter_names,
-}
-
-
-def parameter_paths(layer: V4Attention | V32Attention | V41Attention) -> dict[str, str]:
-    """Where each checkpoint tensor of a layer lives in its pytree (what an optimiser mask by
-    name, or a hand-written loader, needs; docs/api/layers.md, "Parameter paths").
-
-    **Arguments:** a ``V4Attention``, ``V32Attention`` or ``V41Attention``.
-
-    **Returns:** checkpoint name -> pytree path, the path as ``jax.tree_util.keystr`` prints
-    the layer's leaf: HF's attention-module names for V4 and V3.2 layers
-    (``"compressor.indexer.q_b_proj.weight"`` -> ``".selection_source.indexer.q_b_proj"``),
-    DeepSeek's names after ``layers.{i}.attn.`` for V4.1 (``"indexer.wq_b.weight"`` ->
-    ``".selection_source.indexer.q_b_proj"``); only the tensors the layer holds.
-    """
-    names = _NAMES.get(type(layer))
-    if names is None:
-        raise TypeError(
-            "parameter_paths takes a V4Attention, V32Attention or V41Attention "
-            f"(got {type(layer).__name__})"
-        )
-    return {name: f".{path}" for path, name in names(layer).items()}
