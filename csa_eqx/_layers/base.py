@@ -52,7 +52,7 @@ class AbstractIndexedAttention(eqx.Module):
 
     State shared across the layers of a stack is an optional keyword of both calls,
     ``shared=``: when given it comes back after ``y`` (and the cache). A layer kind that reads
-    and publishes some names its state's type in ``stack_state`` (V4.1's ``csa_eqx.V41Shared``)
+    and publishes some names its state's type in ``stack_state`` (V4.1's, docs/v41.md)
     and starts from an empty one when given another (``csa_eqx.run_stack`` starts a stack from
     nothing published); every other kind passes the state on as it came.
     """
@@ -91,7 +91,7 @@ class AbstractIndexedAttention(eqx.Module):
             attend to every visible entry and distil towards that, ``"sparse"``: attend to
             the selection and distil over it); ``None`` = ``execution.indexer_loss``.
         - ``shared``: what the earlier layers of a stack published (a V4.1 layer's
-            ``csa_eqx.V41Shared``); ``None``: nothing (and nothing is returned). A V4.1
+            state, docs/v41.md); ``None``: nothing (and nothing is returned). A V4.1
             reindex or reuse layer needs its sources' entries, keys and selection.
 
         **Returns:**

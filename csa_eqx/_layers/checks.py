@@ -19,7 +19,12 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike, Bool, Int, TypeCheckError
 
-__all__ = ["layer_inputs", "chunk_inputs", "empty_outputs", "readable"]
+__all__ = ["layer_inputs", "chunk_inputs", "empty_outputs", "readable", "ShapeCheckError"]
+
+
+class ShapeCheckError(TypeCheckError, ValueError):
+    """The type checker's error for a public call's argument of the wrong shape: a
+    ``ValueError`` too, as the named check raises it."""
 
 
 def _hidden_states(x: ArrayLike, hidden_size: int) -> Array:
@@ -174,7 +179,8 @@ def readable(
 
     **Arguments:** the ``TypeCheckError`` and the call's ``hidden_size`` and arguments.
 
-    **Returns:** a ``TypeCheckError`` (a ``TypeError``) to raise.
+    **Returns:** the error to raise: a ``TypeCheckError`` (a ``TypeError``), a
+    ``ShapeCheckError`` (also a ``ValueError``) when the named check finds a wrong shape.
     """
     try:
         x = _hidden_states(x, hidden_size)
@@ -187,5 +193,6 @@ def readable(
             if value is not None:
                 _int_array(value, name, shape, axes)
     except (TypeError, ValueError) as named:
-        return TypeCheckError(f"{named}\n\n{error}")
+        kind = TypeCheckError if isinstance(named, TypeError) else ShapeCheckError
+        return kind(f"{named}\n\n{error}")
     return error

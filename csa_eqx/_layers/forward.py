@@ -1,6 +1,6 @@
 """What a layer's pipeline returns (``Forward``) and the state a stack's layers pass on to the
 later ones: a layer kind that reads and publishes some has a stack state of its own (a
-``NamedTuple`` of optional fields, e.g. V4.1's ``V41Shared``; ``per_row`` names the fields
+``NamedTuple`` of optional fields, e.g. V4.1's; ``per_row`` names the fields
 with a row per query), a stack starts from ``StackState()`` (nothing published), and the state
 crosses a placement as its carried state (``carried`` / ``published``)."""
 

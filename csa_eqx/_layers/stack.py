@@ -1,6 +1,6 @@
 """Running a stack of attention layers of any kinds (V4, V3.2, V4.1, mixed) in order, threading
 the state they publish from each layer to the next (from ``StackState()``, nothing published;
-a layer kind with a state of its own, V4.1's ``csa_eqx.V41Shared``, carries it on)."""
+a layer kind with a state of its own, V4.1's, carries it on)."""
 
 from __future__ import annotations
 
