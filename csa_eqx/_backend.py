@@ -1,7 +1,7 @@
 """Every question about the backend a computation is traced for, in one place: which tile sizes
 the selection, the indexer loss and the attention use there (``backend_tiles``: one
-``TileSizes`` per backend, ``CPU_TILES``, ``GPU_TILES``, ``TPU_TILES``), and whether the
-automatic choices run the Pallas kernels (``uses_kernels``). No other module asks
+``TileSizes`` per backend, ``CPU_TILES``, ``GPU_TILES``, ``TPU_TILES``), and whose Pallas
+kernels the choosers may run (``kernel_platform``). No other module asks
 ``jax.default_backend()`` (``tests/test_seams.py``).
 """
 
@@ -19,7 +19,7 @@ __all__ = [
     "backend_tiles",
     "tile_elements",
     "shared_tiles",
-    "uses_kernels",
+    "kernel_platform",
 ]
 
 # CPU: tiles that stay in cache (64 MiB float32 at most), the radix select a loop (unrolling
@@ -73,13 +73,15 @@ def shared_tiles(tiles: TileSizes, devices: int) -> TileSizes:
     )
 
 
-def uses_kernels() -> bool:
-    """**Returns:** whether the automatic choices run the Pallas kernels (``PallasSelection``,
-    ``PallasAttention``): on a GPU (Triton), for the backend the computation is traced for,
-    where no mesh axis in context is sharded by the compiler (none, or all ``Manual``: inside
-    the placements' ``shard_map``; a kernel is one device's program). Not on the CPU, where
-    they run only in interpret mode (proven there, far slower than XLA), nor on a TPU, which
-    their design does not carry (docs/kernels.md)."""
+def kernel_platform() -> str | None:
+    """**Returns:** the platform whose Pallas kernels the automatic choices may run, for the
+    backend the computation is traced for: ``"gpu"`` (Triton: ``PallasSelection``,
+    ``PallasAttention``) or ``"tpu"`` (Mosaic TPU: a chooser adds its kernels there), where no
+    mesh axis in context is sharded by the compiler (none, or all ``Manual``: inside the
+    placements' ``shard_map``; a kernel is one device's program); ``None`` on the CPU, where
+    kernels run only in interpret mode (proven there, far slower than XLA), and under a
+    compiler-sharded mesh (docs/kernels.md)."""
     mesh = jax.sharding.get_abstract_mesh()
     local = all(t == AxisType.Manual for t in getattr(mesh, "axis_types", ()))
-    return jax.default_backend() == "gpu" and local
+    backend = jax.default_backend()
+    return backend if local and backend in ("gpu", "tpu") else None

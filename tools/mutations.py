@@ -171,8 +171,8 @@ MUTATIONS = [
     Mutation(
         "v41_consumer_ignores_candidates",
         "a V4.1 index source after the candidate source picks from every visible entry",
-        "csa_eqx/_layers/parts.py",
-        "        seen = self.candidates.visibility(visibility, shared)\n",
+        "csa_eqx/_indexer/base.py",
+        "        seen = self.candidates.visibility(visibility, state)\n",
         "        seen = visibility\n",
         ("tests/test_v41_reference.py",),
     ),
@@ -195,7 +195,7 @@ MUTATIONS = [
     Mutation(
         "native_v32_yarn_by_key",
         "a native V3.2 config gets YaRN only when it names original_seq_len (the old rule)",
-        "csa_eqx/_hf/config.py",
+        "csa_eqx/hf/_config.py",
         '    on = _int(args, "max_seq_len", source) > _int(args, "original_seq_len", source)\n',
         '    on = "original_seq_len" in d\n',
         ("tests/test_deepseek_reference.py",),

@@ -7,7 +7,7 @@ MLA under its numerics; docs/kernels.md). Each kernel sizes its own query blocks
 
 from __future__ import annotations
 
-from .._backend import uses_kernels
+from .._backend import kernel_platform
 from .base import AbstractAttentionKernel, LatentUp
 from .expanded import ExpandedAttention
 from .pallas import PallasAttention
@@ -41,7 +41,7 @@ class AutoPicks(AbstractPicks):
 
 
 class AutoAttention(AbstractAttentionKernel):
-    """The attention kernel for the backend: ``PallasAttention()`` on a GPU (``uses_kernels``;
+    """The attention kernel for the backend: ``PallasAttention()`` on a GPU (``kernel_platform``;
     it reads every kind of ``Reads``), ``XlaAttention()`` elsewhere and under numerics that
     round the attention (``exact_softmax`` false: ``DeepSeekInference``); for MLA
     (``latent``) under numerics that follow DeepSeek's expanded prefill
@@ -57,7 +57,7 @@ class AutoAttention(AbstractAttentionKernel):
         if up is not None and up.expanded:
             return ExpandedAttention()
         exact = numerics is None or numerics.exact_softmax
-        return PallasAttention() if uses_kernels() and exact else XlaAttention()
+        return PallasAttention() if kernel_platform() == "gpu" and exact else XlaAttention()
 
     def __call__(self, q, reads, sinks, scale, *, return_lse=False, numerics=None, **blocks):
         kernel = self.choose(numerics)

@@ -1,7 +1,7 @@
 """The selection family's automatic choice (``AutoSelection``) and the rules it shares with the
 indexer loss's (``csa_eqx._loss.auto``): one size rule (``streams``) and one rule for V4.1's
 pre-filter (``filter_bites``). On a GPU the fused Pallas indexer
-(``csa_eqx._backend.uses_kernels``); elsewhere the dense, the streaming or the gathered top-k
+(``csa_eqx._backend.kernel_platform``); elsewhere the dense, the streaming or the gathered top-k
 (docs/memory.md, "Streaming top-k").
 Force a path by passing a concrete strategy instead (``DenseSelection()``,
 ``StreamingSelection(...)``, ``GatheredSelection()``, ``PallasSelection(...)``) and tile sizes by
@@ -15,7 +15,7 @@ from typing import ClassVar
 import equinox as eqx
 from jaxtyping import Array, Int
 
-from .._backend import CPU_TILES, uses_kernels
+from .._backend import CPU_TILES, kernel_platform
 from .._tiles import TileSizes
 from .base import AbstractSelection, AbstractSplitSelection, SelectionProblem
 from .candidate_source import (
@@ -117,7 +117,7 @@ class DenseOrStreaming(eqx.Module):
 
 
 class AutoSelection(DenseOrStreaming, AbstractSelection):
-    """On a GPU (``uses_kernels``) the fused Pallas indexer, ``PallasSelection()``, for a
+    """On a GPU (``kernel_platform``) the fused Pallas indexer, ``PallasSelection()``, for a
     problem whose visibility has no biting V4.1 pre-filter. Otherwise dense while the largest
     score tensor ``[B, S, heads at once, T]`` fits one automatic tile
     (``SelectionProblem.tiles.elements``: 2^24 elements on CPU, 2^26 on accelerators), beyond
@@ -144,7 +144,7 @@ class AutoSelection(DenseOrStreaming, AbstractSelection):
         """
         problem = unfiltered(problem)
         filtered = filter_bites(problem.visibility, problem.keys.shape[1])
-        if not filtered and uses_kernels():
+        if not filtered and kernel_platform() == "gpu":
             return PallasSelection()
         return self.choose(*problem.sizes(), problem.tiles, filtered)
 

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
-from .._attention.reads import gather_keys
 from .._blocks import block_starts, take
+from .._layout import gather_keys
 from .._tiles import sparse_query_block
 from .._topk import exact_topk
 from .base import AbstractSelection, SelectionProblem
