@@ -105,15 +105,15 @@ class AbstractAttentionKernel(eqx.Module):
 
     def __call__(
         self,
-        q: Float[Array, "batch seq heads dim"],
+        q,
         reads: Reads,
-        sinks: Float[Array, " heads"] | None,
-        scale: float,
+        sinks,
+        scale,
         *,
-        return_lse: bool = False,
+        return_lse=False,
         numerics=None,
-        query_block: int = 0,
-        tiles: TileSizes | None = None,
+        query_block=0,
+        tiles=None,
     ):
         """The kernel's attention, its query blocks sized by its own rule.
 
@@ -171,32 +171,20 @@ class AbstractAttentionKernel(eqx.Module):
         ``lse [B, S, H]``.
         """
 
-    def latent(
-        self,
-        q_nope: Float[Array, "batch seq heads nope"],
-        q_rope: Float[Array, "batch seq heads rope"],
-        reads: Reads,
-        up: LatentUp,
-        scale: float,
-        *,
-        return_lse: bool = False,
-        numerics=None,
-        query_block: int = 0,
-        tiles: TileSizes | None = None,
-    ):
+    def latent(self, q_nope, q_rope, reads: Reads, up: LatentUp, scale, *, return_lse=False, **kw):
         """MLA's attention over latent keys ``[c_kv ; k_rope]`` and values ``c_kv`` (V3.2):
         absorbed (each head's query mapped into the latent, ``[q_nope · W_kb ; q_rope]``, one
         attention shared by the heads, then ``W_vb`` maps each head's attended latent to its
         values). A kernel that computes it another way overrides this.
 
-        **Arguments:** the per-head query parts ``q_nope`` and ``q_rope``, the latents'
-        ``reads`` (keys ``[c_kv ; k_rope]``, values ``c_kv``), the up-projection ``up``, the
-        softmax ``scale`` and the rest as for ``__call__``.
+        **Arguments:** the per-head query parts ``q_nope [B, S, H, d_nope]`` and ``q_rope
+        [B, S, H, d_rope]``, the latents' ``reads`` (keys ``[c_kv ; k_rope]``, values
+        ``c_kv``), the up-projection ``up``, the softmax ``scale``, ``return_lse`` and the
+        kernel's keywords (``numerics``, ``query_block``, ``tiles``) as for ``__call__``.
 
         **Returns:** the per-head values ``[B, S, H, value_dim]`` in ``q_nope``'s dtype; with
         ``return_lse``, ``(out, lse)``.
         """
-        kw = dict(numerics=numerics, query_block=query_block, tiles=tiles)
         out = self(up.absorb(q_nope, q_rope), reads, None, scale, return_lse=return_lse, **kw)
         o, lse = out if return_lse else (out, None)
         return (up.values(o), lse) if return_lse else up.values(o)

@@ -90,27 +90,19 @@ class AbstractIndexer(eqx.Module):
 
         **Returns:** float32 per-head weights ``[B, S, H_I]``, ``H_I^-1/2`` included."""
 
-    def __call__(
-        self,
-        x: Float[Array, "batch seq hidden"],
-        qr: Float[Array, "batch seq q_lora"],
-        positions: Int[Array, "batch seq"],
-        keys: Float[Array, "batch entries index_dim"],
-        visibility: Visibility,
-        execution,
-        formats: DeepSeekFormats,
-        state: Any = None,
-    ) -> tuple[Int[Array, "batch seq k"], SelectionProblem, dict]:
-        """The indexer's selection over ``keys``.
+    def __call__(self, *inputs, state: Any = None) -> tuple:
+        """The indexer's selection over the entries' index keys.
 
-        **Arguments:** ``x``, ``qr`` and ``positions`` as for ``problem``, the entries'
-        index ``keys`` and ``visibility``, the layer's ``execution`` and ``formats`` and the
-        stack ``state`` published so far (for the candidate rule; ``None``: none).
+        **Arguments:** the ``inputs`` of ``problem`` (``x``, ``qr``, ``positions``, ``keys``,
+        ``visibility``, ``execution``, ``formats``), the entries' visibility before the
+        candidate rule narrows it, and the stack ``state`` published so far (for the candidate
+        rule; ``None``: none).
 
         **Returns:** ``(selection, problem, published)``: int32 ``[B, S, topk]`` entry indices
         (``-1`` = none), the ``SelectionProblem`` it solved (the KL loss' too) and the state
         fields the candidate rule publishes.
         """
+        x, qr, positions, keys, visibility, execution, formats = inputs
         seen = self.candidates.visibility(visibility, state)
         problem = self.problem(x, qr, positions, keys, seen, execution, formats)
         selection, published = self.candidates.select(self, problem, execution)

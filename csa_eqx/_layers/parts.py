@@ -158,8 +158,8 @@ class OwnSelection(AbstractSelectionSource):
 
         dtype = nx.entry_dtype(x)
         keys, _, source = source.entries("indexer", compressor, index_input, dtype, rounded, nx)
-        args = (x, qr, positions, keys, visibility, execution, formats, state)
-        selection, problem, published = self.indexer(*args)
+        args = (x, qr, positions, keys, visibility, execution, formats)
+        selection, problem, published = self.indexer(*args, state=state)
         return selection, problem, published, source
 
     def compressors(self):

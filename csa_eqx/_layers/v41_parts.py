@@ -129,8 +129,8 @@ class IndexSource(AbstractSelectionSource):
     def select(self, x, qr, positions, compressed, visibility, source, state, execution, formats):
         # DeepSeek's stale-key emulation (extend_v41_stack) may hand other keys to score
         keys = compressed.keys if state.stale_keys is None else state.stale_keys
-        args = (x, qr, positions, keys, visibility, execution, formats, state)
-        selection, problem, fields = self.indexer(*args)
+        args = (x, qr, positions, keys, visibility, execution, formats)
+        selection, problem, fields = self.indexer(*args, state=state)
         return selection, problem, dict(fields, selection=selection, stale_keys=None), source
 
 
