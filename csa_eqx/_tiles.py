@@ -1,4 +1,4 @@
-"""The backend-dependent tile sizes (``TileSizes``, chosen for the backend in ``_auto.py``) and
+"""The backend-dependent tile sizes (``TileSizes``, chosen for the backend in ``_backend.py``) and
 the query / key / top-k block sizes they imply for the streaming selection and loss.
 """
 

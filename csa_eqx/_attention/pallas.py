@@ -55,10 +55,10 @@ __all__ = ["PallasAttention"]
 class PallasAttention(AbstractAttentionKernel):
     """The sparse attention kernel (see the module docstring): Triton on a GPU, interpret mode
     on the CPU (where it is proven against ``XlaAttention``, not fast). Every kind of
-    ``Reads`` is taken natively (masked dense picks as gathered rows); the ``query_block`` that
-    ``Execution.attend`` passes (sized for XLA's buffers) is ignored. Its online softmax is the
-    exact one: numerics that round the attention (``DeepSeekInference``: bf16 probabilities,
-    the logits' maximum without the sink) are refused with a ``ValueError``.
+    ``Reads`` is taken natively (masked dense picks as gathered rows); the ``query_block``
+    a caller passes (``Execution.query_block``, sized for XLA's buffers) is ignored. Its online
+    softmax is the exact one: numerics that round the attention (``DeepSeekInference``: bf16
+    probabilities, the logits' maximum without the sink) are refused with a ``ValueError``.
 
     **Arguments:**
 

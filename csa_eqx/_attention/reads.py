@@ -9,8 +9,9 @@ A ``Reads`` value collects the key sets one softmax runs over (plus the sink):
   to each query's picks.
 
 The picks strategies (``csa_eqx.AbstractPicks``), the window strategies
-(``csa_eqx.AbstractWindow``) and ``Execution.entry_reads`` build them; the layers join them and
-hand them to ``Execution.attend`` (docs/concepts.md, "Sparse attention without a dense mask").
+(``csa_eqx.AbstractWindow``) and ``entry_reads`` build them; the layers join them and
+hand them to the execution's attention kernel (docs/concepts.md, "Sparse attention without a
+dense mask").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Token compressors: the seam (``AbstractCompressor``) and V4's compressor, CSA's overlapping
 windows and HCA's disjoint windows (docs/concepts.md, "Compressed entries"); V4.1's groups are
-``csa_eqx._compressor_v41``'s.
+``csa_eqx._entries.v41``'s.
 
 Compressed entries live in *slots*: entry ``j`` is the window whose last token has row index
 ``end[j]`` with ``end[j] // m == j``. Windows are aligned to the start of each segment, so a
@@ -80,7 +80,7 @@ def pool_windows(
 
 class AbstractCompressor(eqx.Module):
     """What a layer's compressor does, for the forward and the decode cache alike
-    (``csa_eqx._decode.compress_chunk`` pools a chunk's closing windows through the same
+    (``csa_eqx._layers.decode.compress_chunk`` pools a chunk's closing windows through the same
     calls): project each token (``project``), pool the tokens of each slot's window
     (``pool``), then make the entries of the pooled windows (``finish``).
 

@@ -1,5 +1,5 @@
 """V4.1's compressor (docs/v41.md, "Compressor"), behind the compressor seam
-(``csa_eqx._compressor.AbstractCompressor``): disjoint groups of ``m`` tokens, each entry
+(``csa_eqx._entries.compressor.AbstractCompressor``): disjoint groups of ``m`` tokens, each entry
 published with its index key."""
 
 from __future__ import annotations

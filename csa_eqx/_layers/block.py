@@ -2,7 +2,7 @@
 "The DeepSeek-V4 attention block"): the q-LoRA queries, one shared key/value per token read
 through the sliding window, the per-head attention sinks and the grouped output LoRA. What a
 layer reads besides its window (compressed entries, a selection) comes from elsewhere
-(``csa_eqx._sources``).
+(``csa_eqx._layers.parts``).
 """
 
 from __future__ import annotations

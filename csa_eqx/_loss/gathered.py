@@ -4,7 +4,7 @@ Per query block, the entries a query's loss runs over are gathered by index: the
 stage's selection, or for the warm-up the visibility's own slots (``visibility.slots()``: a
 V4.1 consumer's visible candidate entries); their indexer keys and main-attention entries
 are scored and weighed there only, in a ``lax.scan`` with a rematerialised body. Nothing
-``[B, S, T]``-sized is formed (``csa_eqx._loss.gathered_kl``, which
+``[B, S, T]``-sized is formed (``csa_eqx._loss.kl.gathered_kl``, which
 ``StreamingIndexerLoss``'s sparse stage is too).
 """
 

@@ -4,7 +4,7 @@ The dense warm-up stage streams key blocks per query block with an online log-su
 skipping key blocks invisible to a whole query block; its backward (``∂/∂I = (q − p)/n``,
 a ``custom_vjp``) is blockwise too. Each tile's visibility is the problem's
 (``visibility.tile``). The sparse stage gathers only each query block's selected keys
-(``csa_eqx._loss.gathered_kl``). Memory is linear in ``S``; the queries are projected
+(``csa_eqx._loss.kl.gathered_kl``). Memory is linear in ``S``; the queries are projected
 one query block at a time (``SelectionProblem.project``).
 """
 

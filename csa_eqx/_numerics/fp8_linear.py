@@ -3,7 +3,7 @@ DeepSeek's ``linear`` computes with it (``inference/model.py`` + ``kernel.py``: 
 then ``fp8_gemm``; docs/numerics.md, "FP8 checkpoints").
 
 A layer holds a projection whose checkpoint tensor is FP8 as an ``Fp8Weight``
-(``csa_eqx._fp8_weight``): the E4M3 values and their block scales, one byte a weight as
+(``csa_eqx._numerics.fp8_weight``): the E4M3 values and their block scales, one byte a weight as
 released. ``ExactNumerics`` multiplies by
 its dequantisation; ``DeepSeekInference`` quantises the input as ``act_quant`` does and runs
 ``fp8_product``.

@@ -1,5 +1,5 @@
 """An FP8 projection weight as DeepSeek's checkpoints store it (docs/numerics.md, "FP8
-checkpoints"); the product DeepSeek computes with it is ``csa_eqx._fp8_linear``'s."""
+checkpoints"); the product DeepSeek computes with it is ``csa_eqx._numerics.fp8_linear``'s."""
 
 from __future__ import annotations
 

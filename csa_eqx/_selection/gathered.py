@@ -13,7 +13,7 @@ index heads of 128) and a radix select over 64x the entries. Gathering reads ``N
 values per query (8 MiB in float32); a query block holds its ``[B, Qb, n, d]`` keys and
 ``[B, Qb, H, n]`` head logits within the tile budget (``TileSizes.elements``; ``Qb`` from
 ``sparse_query_block``, 16 at the release's sizes on an accelerator). ``csa_eqx.AutoSelection``
-chooses it where a V4.1 consumer's filter drops entries (``csa_eqx._auto``).
+chooses it where a V4.1 consumer's filter drops entries (``csa_eqx._selection.auto``).
 
 Slots are listed in increasing order, so ties go to the lower entry: the picks of
 ``select_topk`` on the scores masked to the visibility, bitwise given the same scores.

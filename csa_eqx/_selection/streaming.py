@@ -16,8 +16,8 @@ Given the same scores this is exactly :func:`csa_eqx.select_topk`: buffers are m
 increasing order with the running list first, so ties keep the lower index and picks stay in
 increasing index order; invisible picks become ``-1``. Each tile's visibility is the problem's
 (``visibility.tile``: within V4.1 candidates too). A V4.1 candidate source also reduces
-each buffer to its best blocks (``csa_eqx._candidates.block_top``, after an integer-only pass
-for each query's newest visible slot), merged the same way: exactly
+each buffer to its best blocks (``csa_eqx._selection.candidates.block_top``, after an
+integer-only pass for each query's newest visible slot), merged the same way: exactly
 :func:`csa_eqx.candidate_blocks`, with key tiles a multiple of the block size. The selection
 is integer-valued, so its inputs are ``stop_gradient``-ed and the loops never need
 differentiating.
