@@ -3,6 +3,7 @@
 from ._attention.auto import AutoAttention as AutoAttention
 from ._attention.auto import AutoPicks as AutoPicks
 from ._attention.base import AbstractAttentionKernel as AbstractAttentionKernel
+from ._attention.expanded import ExpandedAttention as ExpandedAttention
 from ._attention.pallas import PallasAttention as PallasAttention
 from ._attention.picks import AbstractPicks as AbstractPicks
 from ._attention.picks import GatheredPicks as GatheredPicks
@@ -112,6 +113,7 @@ __all__ = [
     "DeepSeekV41Inference",
     "EntryLayout",
     "ExactNumerics",
+    "ExpandedAttention",
     "Fp8Weight",
     "Execution",
     "ContextParallel",
