@@ -7,8 +7,6 @@ KL loss' sums, and its candidate rule (``AbstractCandidateRule``: what its queri
 and what it publishes besides its selection; ``NoCandidates`` unless V4.1 says otherwise).
 """
 
-from __future__ import annotations
-
 import abc
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +14,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from equinox import AbstractVar
 from jaxtyping import Array, Float, Int
 
 from .._backend import backend_tiles
@@ -43,7 +42,7 @@ class AbstractCandidateRule(eqx.Module):
         **Returns:** what the queries may pick (a ``Visibility``, or one that answers its
         calls)."""
 
-    def select(self, indexer: AbstractIndexer, problem: SelectionProblem, execution) -> tuple:
+    def select(self, indexer: "AbstractIndexer", problem: SelectionProblem, execution) -> tuple:
         """**Arguments:** the ``indexer``, its ``problem`` and the layer's ``execution``.
 
         **Returns:** ``(selection [B, S, topk], published)``: the selection
@@ -67,8 +66,8 @@ class AbstractIndexer(eqx.Module):
     its selection problem (``__call__``) and, for the KL loss, its sums (``loss_sums``).
     """
 
-    topk: eqx.AbstractVar[int]
-    candidates: eqx.AbstractVar[AbstractCandidateRule]
+    topk: AbstractVar[int]
+    candidates: AbstractVar[AbstractCandidateRule]
 
     @abc.abstractmethod
     def queries(

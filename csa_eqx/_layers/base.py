@@ -5,8 +5,6 @@ layer kind that has one), the per-call training stage and switching execution. A
 writes only its pipeline (``forward_rows``) and its cache; its indexer (``csa_eqx._indexer``)
 does the indexer's work."""
 
-from __future__ import annotations
-
 import abc
 import copy
 import typing
@@ -16,6 +14,7 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax.numpy as jnp
 from beartype import beartype
+from equinox import AbstractVar
 from jaxtyping import Array, ArrayLike, Float, Int, TypeCheckError, jaxtyped
 
 from .._indexer.base import AbstractIndexer
@@ -57,9 +56,9 @@ class AbstractIndexedAttention(eqx.Module):
     nothing published); every other kind passes the state on as it came.
     """
 
-    config: eqx.AbstractVar[Any]
-    execution: eqx.AbstractVar[Any]
-    indexer: eqx.AbstractVar[AbstractIndexer | None]
+    config: AbstractVar[Any]
+    execution: AbstractVar[Any]
+    indexer: AbstractVar[AbstractIndexer | None]
     formats: ClassVar[DeepSeekFormats]
     stack_state: ClassVar[type | None] = None
 

@@ -10,13 +10,12 @@ execution and formats when called, and the stack state published so far (``None`
 which reads none), and says what it publishes as a dict of the state's fields.
 """
 
-from __future__ import annotations
-
 import abc
 from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
+from equinox import AbstractVar
 from jaxtyping import Array, Float, Int
 
 from .._entries.compressor import AbstractCompressor
@@ -51,7 +50,7 @@ class AbstractEntries(eqx.Module):
     """Where a layer's compressed entries come from. ``compressor``: the compressor it pools
     with (``None``: it pools none)."""
 
-    compressor: eqx.AbstractVar[AbstractCompressor | None]
+    compressor: AbstractVar[AbstractCompressor | None]
 
     @abc.abstractmethod
     def entries(
@@ -96,7 +95,7 @@ class AbstractSelectionSource(eqx.Module):
     """Where a layer's selection comes from. ``selects``: whether the layer reads through one
     (``aux["selection"]`` is an array); ``indexer``: the indexer it runs (``None``: none)."""
 
-    indexer: eqx.AbstractVar[AbstractIndexer | None]
+    indexer: AbstractVar[AbstractIndexer | None]
     selects: ClassVar[bool] = True
 
     @abc.abstractmethod

@@ -5,12 +5,10 @@ sliding, CSA and HCA layers and V4.1's sliding, full, reindex and reuse roles di
 the parts their constructors build.
 """
 
-from __future__ import annotations
-
 from typing import Any
 
-import equinox as eqx
 import jax.numpy as jnp
+from equinox import AbstractVar
 from jaxtyping import Array, Float, Int
 
 from .._attention.picks import entry_reads
@@ -37,9 +35,9 @@ class AbstractV4Attention(AbstractIndexedAttention):
     ``AbstractSelectionSource``), each holding its own arrays; one pipeline (``forward_rows``)
     over them. ``compressor`` and ``indexer`` read the parts' own (``None``: none)."""
 
-    block: eqx.AbstractVar[V4Block]
-    entry_source: eqx.AbstractVar[AbstractEntries | None]
-    selection_source: eqx.AbstractVar[AbstractSelectionSource]
+    block: AbstractVar[V4Block]
+    entry_source: AbstractVar[AbstractEntries | None]
+    selection_source: AbstractVar[AbstractSelectionSource]
 
     @property
     def compressor(self) -> AbstractCompressor | None:

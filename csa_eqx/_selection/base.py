@@ -5,14 +5,13 @@ entries does each query read?". The strategies live one per module of this folde
 chooses. The indexer loss answers the same problem (``csa_eqx._loss``).
 """
 
-from __future__ import annotations
-
 import abc
 from collections.abc import Callable
 from typing import NamedTuple
 
 import equinox as eqx
 import jax
+from equinox import AbstractVar
 from jaxtyping import Array, Float, Int
 
 from .._layout import Visibility
@@ -68,7 +67,7 @@ class SelectionProblem(NamedTuple):
         score_dtype=None,
         scorer=_REFERENCE,
         tiles=_CPU_TILES,
-    ) -> SelectionProblem:
+    ) -> "SelectionProblem":
         """A problem whose queries and head weights are already projected.
 
         **Arguments:**
@@ -85,7 +84,7 @@ class SelectionProblem(NamedTuple):
 
     def with_queries(
         self, q: Float[Array, "batch seq heads dim"], weights: Float[Array, "batch seq heads"]
-    ) -> SelectionProblem:
+    ) -> "SelectionProblem":
         """**Arguments:** projected queries ``[B, S, H, d]`` and weights ``[B, S, H]``.
 
         **Returns:** this problem over them (its ``project`` the identity), all else kept.
@@ -159,7 +158,7 @@ class AbstractSplitSelection(AbstractSelection):
     their answers (``ShardedSelection``: the rows split over a mesh axis); ``split`` runs any
     per-row computation of the problem that way."""
 
-    inner: eqx.AbstractVar[AbstractSelection]
+    inner: AbstractVar[AbstractSelection]
 
     @abc.abstractmethod
     def split(self, problem: SelectionProblem, run: Callable) -> tuple[Array, ...]:
