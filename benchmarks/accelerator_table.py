@@ -82,6 +82,7 @@ import numpy as np
 
 import csa_eqx as ce
 from csa_eqx import entry_layout, presets
+from csa_eqx._backend import backend_tiles
 
 from . import flops, harness, layer_speed
 from .accelerator_report import figure_text, markdown
@@ -301,18 +302,14 @@ def anchor_inputs(seq: int, heads: int, dim: int):
     return q, w, jax.random.normal(kk, (1, seq, dim), jnp.bfloat16)
 
 
-def _projected(q, w):
-    return q, w
-
-
 def anchor_problem(q, w, keys) -> ce.SelectionProblem:
     """The selection problem on token keys (V3.2), causal, one segment, with the backend's
-    tiles and scorer (``Execution().problem``, as a layer makes it)."""
+    tiles (``csa_eqx._backend.backend_tiles``, as a layer's problem has them)."""
     b, s = q.shape[:2]
     index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     segment = jnp.zeros((b, s), jnp.int32)
     visibility = ce.Visibility(index, segment, entry_layout(segment, 1))
-    return ce.Execution().problem(_projected, (q, w), keys, visibility)
+    return ce.SelectionProblem.from_queries(q, w, keys, visibility, tiles=backend_tiles())
 
 
 def anchor_select(q, w, keys, k: int, strategy):

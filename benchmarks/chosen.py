@@ -57,10 +57,6 @@ class _WatchedSelection(ce.AbstractSelection):
         self._note(problem)
         return self.inner.select(problem, k)
 
-    def select_candidates(self, problem, k, topk_blocks, block_size):
-        self._note(problem)
-        return self.inner.select_candidates(problem, k, topk_blocks, block_size)
-
 
 class _WatchedAttention(ce.AbstractAttentionKernel):
     """``inner``, noting the kernel it runs and its call (inputs and options)."""

@@ -1,4 +1,4 @@
-"""What the Pallas kernels share (``_scorer_pallas.py``, ``_selection_pallas.py``,
+"""What the Pallas kernels share (``_scorer/pallas.py``, ``_selection/pallas.py``,
 ``_attention_pallas.py``; docs/kernels.md): where they run, their Triton compiler parameters,
 the power-of-two shapes Triton needs and the in-kernel scoring of one tile.
 
@@ -17,7 +17,7 @@ kernel forced there refuses at lowering with a message naming it (``TPU_REFUSED`
 
 Every ``pallas_call`` passes Triton's ``CompilerParams`` (JAX 0.10 may otherwise pick Mosaic
 GPU) and runs in interpret mode when lowered for the CPU (``run_kernel``: a per-platform
-choice at lowering, so no module outside ``_auto.py`` asks for the backend). Triton needs
+choice at lowering, so no module outside ``_backend.py`` asks for the backend). Triton needs
 power-of-two block shapes and dots of at least 16 x 16 x 16: feature widths are split into
 power-of-two parts of at least 16 (``feature_parts``; zero padding leaves dots unchanged), head
 counts padded to a power of two of at least 16, and automatic tiles are at least 16 (tiles

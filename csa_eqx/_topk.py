@@ -72,7 +72,7 @@ def exact_topk(
     **Arguments:** float ``values [*rows, n]``, bool ``valid [*rows, n]``, ``k > 0`` and
     ``unroll``: unroll the 32 steps (faster on accelerators, where each loop iteration costs a
     predicate round trip; on CPU unrolling only slows compiles, ~1.5 s per layer). The
-    strategies take it from ``TileSizes.unroll``, chosen for the backend in ``_auto.py``.
+    strategies take it from ``TileSizes.unroll``, chosen for the backend in ``_backend.py``.
 
     **Returns:** ``(top values, positions)``, float32 and int32 ``[*rows, k]``.
     """

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import csa_eqx as ce
-from csa_eqx._fp8_linear import fp8_linear, fp8_product
+from csa_eqx._numerics.fp8_linear import fp8_linear, fp8_product
 
 E4M3 = ml_dtypes.float8_e4m3fn
 

@@ -22,7 +22,7 @@ from parallel_helpers import packed_segments, relative_error
 from test_v4_behaviour import randomise, tiny
 
 import csa_eqx as ce
-from csa_eqx._numerics import V32_FORMATS, V41_FORMATS
+from csa_eqx._numerics.base import V32_FORMATS, V41_FORMATS
 from csa_eqx.presets import tiny_v32
 
 BF16_CASES = ["q_v32", "q_v4_csa_flash", "q_v4_csa_pro", "q_v4_hca_pro"]
@@ -369,7 +369,7 @@ def test_one_deepseek_numerics_for_every_family():
     loaders' keyword names them in one place (``named_numerics``)."""
     from test_formats import _reference
 
-    from csa_eqx._deepseek_numerics import named_numerics
+    from csa_eqx._numerics.deepseek import named_numerics
 
     v = _bf16(np.random.default_rng(13).standard_t(3, size=(2, 5, 64)))
     x = jnp.asarray(v, jnp.bfloat16)

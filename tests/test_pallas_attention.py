@@ -19,7 +19,7 @@ import pytest
 from jaxpr_helpers import gpu_lowering, tpu_lowering, walk_avals
 
 import csa_eqx as ce
-from csa_eqx import _auto, presets
+from csa_eqx import _backend, presets
 
 B, S, H, D, W, T, K = 2, 11, 3, 8, 4, 6, 3
 KERNEL = ce.PallasAttention(query_block=4, key_block=2)
@@ -280,7 +280,7 @@ def test_every_kernel_refuses_a_tpu_by_name():
 def test_auto_attention_runs_the_kernel_on_a_gpu_only(monkeypatch):
     assert ce.Execution().attention == ce.AutoAttention()
     assert ce.AutoAttention().choose() == ce.XlaAttention()  # CPU: the reference
-    monkeypatch.setattr(_auto.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(_backend.jax, "default_backend", lambda: "gpu")
     assert ce.AutoAttention().choose() == ce.PallasAttention()
     # DeepSeek's rounded softmax is XlaAttention's only: the kernel refuses it
     assert ce.AutoAttention().choose(ce.DeepSeekInference()) == ce.XlaAttention()
@@ -297,7 +297,7 @@ def test_auto_attention_runs_the_kernel_on_a_gpu_only(monkeypatch):
         x = jax.device_put(jnp.zeros((8, 4)), jax.NamedSharding(mesh, jax.P("data")))
         jax.jit(jax.shard_map(local, in_specs=jax.P("data"), out_specs=jax.P("data")))(x)
         assert chosen == [ce.PallasAttention()]
-    monkeypatch.setattr(_auto.jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(_backend.jax, "default_backend", lambda: "tpu")
     assert ce.AutoAttention().choose() == ce.XlaAttention()
 
 

@@ -19,7 +19,7 @@ from jaxpr_helpers import gpu_lowering, walk_avals
 from test_topk_reference import B, S, T, brute_force, fixed_case, layout_of
 
 import csa_eqx as ce
-from csa_eqx import _auto
+from csa_eqx import _backend
 
 REFERENCE = ce.XlaScorer()
 TRITON_DEPRECATED = "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
@@ -159,12 +159,12 @@ def test_auto_selection_picks_the_kernel_on_a_gpu_only(monkeypatch):
     candidates = plain._replace(visibility=filtered)  # a pre-filter that bites: 1 block kept
     auto = ce.AutoSelection()
     assert isinstance(auto.strategy(plain), ce.DenseSelection)  # CPU: unchanged
-    monkeypatch.setattr(_auto.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(_backend.jax, "default_backend", lambda: "gpu")
     assert auto.strategy(plain) == ce.PallasSelection()
     assert isinstance(auto.strategy(candidates), ce.DenseSelection)  # V4.1 consumers: gathered
     with jax.set_mesh(jax.make_mesh((2, 4), ("data", "tensor"))):  # sharded by the compiler
         assert isinstance(auto.strategy(plain), ce.DenseSelection)
-    monkeypatch.setattr(_auto.jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(_backend.jax, "default_backend", lambda: "tpu")
     assert isinstance(auto.strategy(plain), ce.DenseSelection)
 
 

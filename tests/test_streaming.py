@@ -29,6 +29,7 @@ from csa_eqx import (
     sparse_attention,
 )
 from csa_eqx._blocks import key_block_ranges
+from csa_eqx._selection.auto import candidate_source
 from csa_eqx._tiles import streaming_block_sizes, topk_block_size
 
 
@@ -507,7 +508,8 @@ def test_v41_candidates_equal_brute_force():
 
         @jax.jit
         def run(*args, strategy=strategy):
-            sel, cand = strategy.select_candidates(problem(*args), k, nb, bc)
+            p = problem(*args)  # the strategy's candidate source (the chooser's routing)
+            sel, cand = candidate_source(strategy, p).select_candidates(p, k, nb, bc)
             p = problem(*args)
             within = p._replace(visibility=ce.CandidateVisibility.within(p.visibility, cand, bc))
             return sel, cand, strategy.select(within, k)

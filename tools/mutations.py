@@ -87,7 +87,7 @@ MUTATIONS = [
     Mutation(
         "sink_dropped",
         "attention sink left out of the softmax denominator",
-        "csa_eqx/_attention_xla.py",
+        "csa_eqx/_attention/xla.py",
         "        denom = denom + jnp.exp(sink - peak)\n",
         "        denom = denom\n",
         ("tests/test_v4_parity.py::test_matches_hf", "tests/test_decode_hf.py"),
@@ -95,7 +95,7 @@ MUTATIONS = [
     Mutation(
         "window_off_by_one",
         "banded sliding window one token too wide",
-        "csa_eqx/_attention_xla.py",
+        "csa_eqx/_attention/xla.py",
         "mask = (token >= -before) & (lag >= 0) & (lag < window)",
         "mask = (token >= -before) & (lag >= 0) & (lag <= window)",
         ("tests/test_v4_parity.py::test_matches_hf",),
@@ -103,7 +103,7 @@ MUTATIONS = [
     Mutation(
         "decode_window_short",
         "decode reads one window key fewer (the oldest cached ring row)",
-        "csa_eqx/_attention_xla.py",
+        "csa_eqx/_attention/xla.py",
         "mask = (token >= -before)",
         "mask = (token >= 1 - before)",
         ("tests/test_decode_hf.py",),
@@ -119,7 +119,7 @@ MUTATIONS = [
     Mutation(
         "rope_derotation_sign",
         "V4 output de-rotated at +t instead of -t",
-        "csa_eqx/_v4_block.py",
+        "csa_eqx/_layers/block.py",
         "o = self.rope.interleaved(o, -positions[..., None])",
         "o = self.rope.interleaved(o, positions[..., None])",
         ("tests/test_v4_parity.py::test_matches_hf", "tests/test_decode_hf.py"),
@@ -135,7 +135,7 @@ MUTATIONS = [
     Mutation(
         "kl_denominator_entries_only",
         "KL target normalised per head over the candidates only (window and sink left out)",
-        "csa_eqx/_loss.py",
+        "csa_eqx/_loss/kl.py",
         "    log_p = jnp.where(candidates[:, :, None, :], logits - lse[..., None], -jnp.inf)\n",
         "    log_p = jnp.where(candidates[:, :, None, :], logits, -jnp.inf)\n"
         "    norm = jax.nn.logsumexp(log_p, axis=-1, keepdims=True)\n"
@@ -146,7 +146,7 @@ MUTATIONS = [
         "v41_warmup_loss_ignores_candidates",
         "V4.1 consumer's mask (dense selection, dense-stage KL) over every visible entry, not "
         "only its candidates",
-        "csa_eqx/_candidates.py",
+        "csa_eqx/_selection/candidates.py",
         "        return visible & candidate_mask("
         "self.candidates, self.block_size, visible.shape[-1])",
         "        return visible",
@@ -155,7 +155,7 @@ MUTATIONS = [
     Mutation(
         "v41_tile_filter_widened",
         "V4.1 consumer's key tiles see their visible entries or the candidates (union, not both)",
-        "csa_eqx/_candidates.py",
+        "csa_eqx/_selection/candidates.py",
         "        return self.base.tile(start, width) & jnp.take_along_axis(",
         "        return self.base.tile(start, width) | jnp.take_along_axis(",
         ("tests/test_v41_layers.py::test_consumer_within_a_partial_last_candidate_block",),
@@ -163,7 +163,7 @@ MUTATIONS = [
     Mutation(
         "v41_filter_never_bites",
         "the automatic choices drop every V4.1 pre-filter (the rule that it bites always false)",
-        "csa_eqx/_auto.py",
+        "csa_eqx/_selection/auto.py",
         "    return -(-entries // visibility.block_size) > visibility.candidates.shape[-1]\n",
         "    return False\n",
         ("tests/test_v41_reference.py", "tests/test_v41_layers.py::test_capacity_at_its_boundary"),
@@ -171,15 +171,15 @@ MUTATIONS = [
     Mutation(
         "v41_consumer_ignores_candidates",
         "a V4.1 index source after the candidate source picks from every visible entry",
-        "csa_eqx/_sources.py",
-        "        seen = self.candidates.visibility(visibility, shared)\n",
+        "csa_eqx/_indexer/base.py",
+        "        seen = self.candidates.visibility(visibility, state)\n",
         "        seen = visibility\n",
         ("tests/test_v41_reference.py",),
     ),
     Mutation(
         "v41_candidates_not_pinned",
         "V4.1 candidate filter without the block of the query's newest visible entry pinned",
-        "csa_eqx/_candidates.py",
+        "csa_eqx/_selection/candidates.py",
         "    best = jnp.where(pinned, jnp.inf, best)\n",
         "    best = jnp.where(pinned, best, best)\n",
         ("tests/test_v41_reference.py",),
@@ -187,7 +187,7 @@ MUTATIONS = [
     Mutation(
         "selection_never_streams",
         "the automatic choices never stream the indexer top-k or loss (dense [B, S, T] scores)",
-        "csa_eqx/_auto.py",
+        "csa_eqx/_selection/auto.py",
         "    return batch * seq * entries * max(heads, 1) > tiles.elements\n",
         "    return False\n",
         ("tests/test_memory_guard.py::test_fwd_bwd_never_forms_bst",),
@@ -195,7 +195,7 @@ MUTATIONS = [
     Mutation(
         "native_v32_yarn_by_key",
         "a native V3.2 config gets YaRN only when it names original_seq_len (the old rule)",
-        "csa_eqx/_hf_config.py",
+        "csa_eqx/hf/_config.py",
         '    on = _int(args, "max_seq_len", source) > _int(args, "original_seq_len", source)\n',
         '    on = "original_seq_len" in d\n',
         ("tests/test_deepseek_reference.py",),
@@ -203,7 +203,7 @@ MUTATIONS = [
     Mutation(
         "v4_indexer_queries_unscaled",
         "V4 indexer queries rotated without YaRN",
-        "csa_eqx/_indexer_heads.py",
+        "csa_eqx/_indexer/heads.py",
         "        self.rope = Rope(c.rope_dim, c.compress_rope_theta, c.rope_scaling)",
         "        self.rope = Rope(c.rope_dim, c.compress_rope_theta)",
         (
@@ -222,7 +222,7 @@ MUTATIONS = [
     Mutation(
         "v4_head_weights_rescaled",
         "V4 indexer head weights without the H^-1/2 factor (selections unchanged)",
-        "csa_eqx/_indexer_heads.py",
+        "csa_eqx/_indexer/heads.py",
         "numerics.linear(x, self.weights_proj).astype(jnp.float32) * self.heads**-0.5",
         "numerics.linear(x, self.weights_proj).astype(jnp.float32)",
         ("tests/test_v4_parity.py::test_indexer_scores_match_hf",),
@@ -230,7 +230,7 @@ MUTATIONS = [
     Mutation(
         "numerics_no_hadamard",
         "DeepSeekInference quantises the indexer without the Hadamard rotation",
-        "csa_eqx/_deepseek_numerics.py",
+        "csa_eqx/_numerics/deepseek.py",
         "        rotated = hadamard(v) if formats.hadamard else v\n",
         "        rotated = v.astype(jnp.float32)\n",
         ("tests/test_numerics.py::test_matches_deepseeks_quantised_inference",),
@@ -238,7 +238,7 @@ MUTATIONS = [
     Mutation(
         "numerics_kv_not_rounded",
         "DeepSeekInference leaves V4's KV unrounded (V4-Pro's FP8 round trip dropped)",
-        "csa_eqx/_deepseek_numerics.py",
+        "csa_eqx/_numerics/deepseek.py",
         "        return jnp.concatenate([round_to(nope, kv.dtype), rope], axis=-1)",
         "        return kv",
         ("tests/test_numerics.py::test_matches_deepseeks_quantised_inference",),
@@ -246,7 +246,7 @@ MUTATIONS = [
     Mutation(
         "numerics_fp8_weights_dequantised",
         "DeepSeekInference holds an FP8 checkpoint's projections dequantised (bf16 products)",
-        "csa_eqx/_deepseek_numerics.py",
+        "csa_eqx/_numerics/deepseek.py",
         "        return weight  # DeepSeek's linear quantises",
         "        return weight.dequantize(dtype)  # DeepSeek's linear quantises",
         ("tests/test_numerics.py::test_matches_deepseeks_quantised_inference_on_fp8_checkpoints",),
@@ -254,7 +254,7 @@ MUTATIONS = [
     Mutation(
         "scores_rounded_by_astype",
         "V4's bf16 score roundings as astype pairs (XLA drops them under jit)",
-        "csa_eqx/_scorer.py",
+        "csa_eqx/_scorer/base.py",
         "    return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)",
         "    return x.astype(dtype).astype(x.dtype)",
         ("tests/test_numerics.py::test_v4_scores_round_under_jit",),
@@ -262,7 +262,7 @@ MUTATIONS = [
     Mutation(
         "pow2_scale_floored",
         "power-of-two scales floor the exponent (scale below amax / max: values saturate)",
-        "csa_eqx/_formats.py",
+        "csa_eqx/_numerics/formats.py",
         "    up = ((bits & 0x7FFFFF) != 0).astype(jnp.int32)",
         "    up = jnp.zeros_like(exponent)",
         ("tests/test_formats.py",),

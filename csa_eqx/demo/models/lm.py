@@ -11,14 +11,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from ... import V41Shared
 from ..._config import V4AttentionConfig, V4FamilyConfig, V32AttentionConfig
-from ..._execution import Execution
-from ..._forward import V41Shared
+from ..._layers.execution import Execution
+from ..._layers.v4 import V4Attention
+from ..._layers.v32 import V32Attention
+from ..._layers.v41 import V41Attention
+from ..._layers.v41_config import V41AttentionConfig
 from ..._ops import init_linear, linear, rms_norm
-from ..._v4 import V4Attention
-from ..._v32 import V32Attention
-from ..._v41 import V41Attention
-from ..._v41_config import V41AttentionConfig
 from ...presets import v32_sized_as
 
 __all__ = ["LMConfig", "DecoderLM", "Block", "FAMILIES"]

@@ -6,10 +6,10 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ..._forward import V41Shared
+from ... import V41Shared
+from ..._layers.v4 import V4Attention
+from ..._layers.v41 import V41Attention
 from ..._ops import rms_norm
-from ..._v4 import V4Attention
-from ..._v41 import V41Attention
 from .lm import DecoderLM
 
 __all__ = ["indexer_recall", "layer_inputs"]
