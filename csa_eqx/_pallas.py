@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+
+from ._dispatch import refusal
 
 __all__ = [
     "run_kernel",
@@ -55,27 +55,6 @@ TPU_REFUSED = (
     "the automatic choices run the XLA paths; do not force PallasSelection, PallasAttention or "
     "PallasScorer there."
 )
-
-# A TPU's branch of ``run_kernel``: outputs of the kernel's shapes whose lowering refuses with
-# TPU_REFUSED. ``platform_dependent`` lowers only the branch of the platform lowered for, so a
-# CPU or GPU program never meets it (Pallas' own TPU lowering would fail on a bare assertion).
-_tpu_refused_p = Primitive("csa_eqx_kernel_refused_on_tpu")
-_tpu_refused_p.multiple_results = True
-_tpu_refused_p.def_abstract_eval(lambda *args, avals, message: avals)
-
-
-def _tpu_refused_lowering(ctx, *args, avals, message):
-    raise NotImplementedError(message)
-
-
-def _tpu_refused_batched(args, dims, *, avals, message):
-    size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
-    batched = tuple(a.update(shape=(size, *a.shape)) for a in avals)
-    return _tpu_refused_p.bind(*args, avals=batched, message=message), [0] * len(avals)
-
-
-mlir.register_lowering(_tpu_refused_p, _tpu_refused_lowering)
-batching.primitive_batchers[_tpu_refused_p] = _tpu_refused_batched
 
 
 def run_kernel(make_kernel, out_shape, grid, name: str, *args, aliases=None):
@@ -102,16 +81,10 @@ def run_kernel(make_kernel, out_shape, grid, name: str, *args, aliases=None):
             compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         )(*args)
 
-    def refused(*args):
-        flat, tree = jax.tree.flatten(out_shape)
-        avals = tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in flat)
-        out = _tpu_refused_p.bind(*args, avals=avals, message=TPU_REFUSED.format(name=name))
-        return jax.tree.unflatten(tree, out)
-
     return jax.lax.platform_dependent(
         *args,
         cpu=functools.partial(call, interpret=True),
-        tpu=refused,
+        tpu=refusal(out_shape, TPU_REFUSED.format(name=name)),
         default=functools.partial(call, interpret=False),
     )
 
