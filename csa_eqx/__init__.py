@@ -32,6 +32,7 @@ from ._layers.cache import V4Cache as V4Cache
 from ._layers.cache import V32Cache as V32Cache
 from ._layers.execution import Execution as Execution
 from ._layers.execution import IndexerLossStage as IndexerLossStage
+from ._layers.forward import StackState as StackState
 from ._layers.generate import generate as generate
 from ._layers.stack import extend_stack as extend_stack
 from ._layers.stack import run_stack as run_stack
@@ -131,6 +132,7 @@ __all__ = [
     "SelectionProblem",
     "ShardedSelection",
     "SingleDevice",
+    "StackState",
     "StreamingIndexerLoss",
     "StreamingSelection",
     "TileSizes",
