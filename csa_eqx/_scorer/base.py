@@ -40,8 +40,9 @@ def _rounded(x: Array, dtype) -> Array:
 def _score_heads(q: Array, w: Array, k: Array, score_dtype=None) -> Array:
     acc = jnp.promote_types(q.dtype, jnp.float32)
     logits = jnp.einsum("bshd,btd->bsht", q, k, preferred_element_type=acc)
-    if score_dtype is None:
-        return jnp.einsum("bsht,bsh->bst", jax.nn.relu(logits), w.astype(acc))
+    if score_dtype is None:  # float32 operands summed in float32 (a TPU's default: bf16 passes)
+        highest = jax.lax.Precision.HIGHEST
+        return jnp.einsum("bsht,bsh->bst", jax.nn.relu(logits), w.astype(acc), precision=highest)
     # as a bf16 einsum does: each head's logit and weighted logit rounded, the sum in float32
     rounded = jax.nn.relu(_rounded(logits, score_dtype))
     terms = _rounded(rounded * _rounded(w.astype(acc), score_dtype)[:, :, :, None], score_dtype)
