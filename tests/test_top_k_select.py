@@ -170,9 +170,10 @@ def test_tpu_streaming_program_has_no_gather_in_a_loop():
     assert "gather" in loop_primitives(radix)
 
 
-def test_xla_scorer_sums_heads_at_highest_precision():
-    """The head sum asks for ``HIGHEST`` precision (float32 on a TPU, whose default takes bf16
-    passes); on the CPU that changes nothing: bitwise the default precision's sum."""
+def test_xla_scorer_contracts_at_highest_precision():
+    """The logits and the head sum ask for ``HIGHEST`` precision (float32 on a TPU, whose
+    default takes bf16 passes); on the CPU that changes nothing: bitwise the default
+    precision's scores."""
     r = np.random.default_rng(5)
     q = jnp.asarray(r.normal(size=(B, S, 3, 8)), jnp.float32)
     w = jnp.asarray(r.normal(size=(B, S, 3)), jnp.float32)
@@ -180,9 +181,11 @@ def test_xla_scorer_sums_heads_at_highest_precision():
     jaxpr = jax.make_jaxpr(ce.indexer_scores)(q, w, keys).jaxpr
     dots = [e for e in walk_eqns(jaxpr) if e.primitive.name == "dot_general"]
     highest = jax.lax.Precision.HIGHEST
-    assert [highest in (e.params["precision"] or ()) for e in dots] == [False, True]
-    logits = jnp.einsum("bshd,btd->bsht", q, keys, preferred_element_type=jnp.float32)
-    default = jnp.einsum("bsht,bsh->bst", jax.nn.relu(logits), w * 8**-0.5)
-    np.testing.assert_array_equal(
-        jax.jit(ce.indexer_scores)(q, w, keys), jax.jit(lambda: default)()
-    )
+    assert [highest in (e.params["precision"] or ()) for e in dots] == [True, True]
+
+    def default(q, w, keys):
+        logits = jnp.einsum("bshd,btd->bsht", q, keys, preferred_element_type=jnp.float32)
+        return jnp.einsum("bsht,bsh->bst", jax.nn.relu(logits), w * 8**-0.5)
+
+    got = jax.jit(ce.indexer_scores)(q, w, keys)
+    np.testing.assert_array_equal(got, jax.jit(default)(q, w, keys))
