@@ -31,8 +31,8 @@ class MosaicSelection(AbstractSelection):
     ``csa_eqx._selection.mosaic_topk``): Mosaic on a TPU, Pallas' TPU interpreter on the CPU
     (where it is proven, not fast); lowering it for any other platform raises a
     ``NotImplementedError`` naming the kernel. The selection is the other strategies' bitwise
-    wherever the scores are. The defaults are the fastest design measured on a TPU v5e
-    (docs/kernels.md).
+    wherever the scores are. The defaults are the fastest block and search measured on a TPU v5e
+    (docs/kernels.md, "The designs tried on the chip").
 
     It scores a plain ``Visibility``: a V4.1 consumer's ``CandidateVisibility`` is refused
     (``TypeError``; ``AutoSelection`` gives such a problem to ``GatheredSelection``), and a V4.1
