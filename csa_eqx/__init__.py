@@ -79,6 +79,7 @@ from ._selection.candidates import CandidateVisibility as CandidateVisibility
 from ._selection.candidates import candidate_blocks as candidate_blocks
 from ._selection.dense import DenseSelection as DenseSelection
 from ._selection.gathered import GatheredSelection as GatheredSelection
+from ._selection.mosaic import MosaicSelection as MosaicSelection
 from ._selection.pallas import PallasSelection as PallasSelection
 from ._selection.sharded import ShardedSelection as ShardedSelection
 from ._selection.streaming import StreamingSelection as StreamingSelection
@@ -124,6 +125,7 @@ __all__ = [
     "GatheredWindow",
     "IndexerLossStage",
     "MaskedPicks",
+    "MosaicSelection",
     "PallasAttention",
     "PallasScorer",
     "PallasSelection",
