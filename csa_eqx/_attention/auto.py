@@ -36,8 +36,9 @@ class AutoPicks(AbstractPicks):
         """
         return MaskedPicks() if entries <= self.ratio * picks else GatheredPicks()
 
-    def reads(self, keys, visibility, picks, values=None):
-        return self.choose(keys.shape[1], picks.shape[-1]).reads(keys, visibility, picks, values)
+    def reads(self, keys, visibility, picks, values=None, value_width=None):
+        strategy = self.choose(keys.shape[1], picks.shape[-1])
+        return strategy.reads(keys, visibility, picks, values, value_width)
 
 
 class AutoAttention(AbstractAttentionKernel):

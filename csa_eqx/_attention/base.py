@@ -82,7 +82,8 @@ def attention_query_block(batch: int, heads: int, reads: Reads, elements: int = 
     """
     per_row = 0
     for g in reads.gathered:  # gathered keys (+ values) and logits per pick
-        width = g.keys.shape[-1] + (0 if g.values is None else g.values.shape[-1])
+        values = g.value_rows()
+        width = g.keys.shape[-1] + (0 if values is None else values.shape[-1])
         per_row += g.indices.shape[-1] * (width + heads)
     if reads.dense is not None:  # logits and mask per entry
         per_row += reads.dense.keys.shape[1] * (heads + 1)

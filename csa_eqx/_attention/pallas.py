@@ -35,7 +35,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .._layout import EntryLayout, entry_visibility
 from .._pallas import (
     MIN_DOT,
     count,
@@ -47,7 +46,7 @@ from .._pallas import (
     sum_in_order,
 )
 from .base import AbstractAttentionKernel
-from .reads import GatheredRows, Reads, gather_keys
+from .reads import Reads
 
 __all__ = ["PallasAttention"]
 
@@ -158,14 +157,14 @@ def _sources(reads: Reads, dtype, kt: int):
     gathered = list(reads.gathered)
     dense = reads.dense
     if dense is not None and dense.picks is not None:  # the visible picks, as gathered rows
-        seen = _picks_visible(dense.picks, dense.query_index, dense.query_segment, dense.layout)
-        gathered.append(GatheredRows(dense.keys, jnp.where(seen, dense.picks, -1), dense.values))
+        gathered.append(dense.picked_rows())
         dense = None
     for g in gathered:
         tile = min(kt, next_pow2(g.indices.shape[-1], MIN_DOT))
         n = -(-g.indices.shape[-1] // tile) * tile
-        sources.append(_Source("gathered", g.values is not None, tile, g.keys.shape[1]))
-        floats.append((g.keys.astype(dtype), g.values))
+        values = g.value_rows()
+        sources.append(_Source("gathered", values is not None, tile, g.keys.shape[1]))
+        floats.append((g.keys.astype(dtype), values))
         ints.append((pad_axis(g.indices.astype(jnp.int32), 2, n, -1),))
     band = reads.band
     if band is not None:
@@ -183,7 +182,8 @@ def _sources(reads: Reads, dtype, kt: int):
         t = dense.keys.shape[1]
         tile = min(kt, next_pow2(t, MIN_DOT))
         tp = -(-t // tile) * tile
-        values = None if dense.values is None else pad_axis(dense.values, 1, tp)
+        values = dense.value_rows()
+        values = None if values is None else pad_axis(values, 1, tp)
         sources.append(_Source("dense", values is not None, tile, t))
         floats.append((pad_axis(dense.keys.astype(dtype), 1, tp), values))
         end = pad_axis(dense.layout.end.astype(jnp.int32), 1, tp, -1)
@@ -195,17 +195,6 @@ def _sources(reads: Reads, dtype, kt: int):
 def _span(window: int) -> int:
     """Rows a band tile set covers per query: the window, as a power of two of at least 16."""
     return next_pow2(window, MIN_DOT)
-
-
-def _picks_visible(picks, query_index, query_segment, layout: EntryLayout):
-    """bool ``[B, S, p]``: which of each query's picks it can see (``-1`` never)."""
-    b, s, p = picks.shape
-    slots = jnp.clip(picks, 0, layout.end.shape[1] - 1)
-    end = gather_keys(layout.end[..., None], slots)[..., 0]
-    segment = gather_keys(layout.segment[..., None], slots)[..., 0]
-    own = EntryLayout(end.reshape(b * s, p), segment.reshape(b * s, p), None)
-    rows = (a.reshape(b * s, 1) for a in (query_index, query_segment))
-    return (picks >= 0) & entry_visibility(*rows, own).reshape(b, s, p)
 
 
 # --- in-kernel pieces shared by the forward and the backward ---------------------------------
