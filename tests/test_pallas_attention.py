@@ -277,7 +277,7 @@ def test_every_kernel_refuses_a_tpu_by_name():
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cpu",))
 
 
-def test_auto_attention_runs_the_kernel_on_a_gpu_only(monkeypatch):
+def test_auto_attention_runs_the_kernel_on_a_gpu(monkeypatch):
     assert ce.Execution().attention == ce.AutoAttention()
     assert ce.AutoAttention().choose() == ce.XlaAttention()  # CPU: the reference
     monkeypatch.setattr(_backend.jax, "default_backend", lambda: "gpu")
@@ -297,8 +297,8 @@ def test_auto_attention_runs_the_kernel_on_a_gpu_only(monkeypatch):
         x = jax.device_put(jnp.zeros((8, 4)), jax.NamedSharding(mesh, jax.P("data")))
         jax.jit(jax.shard_map(local, in_specs=jax.P("data"), out_specs=jax.P("data")))(x)
         assert chosen == [ce.PallasAttention()]
-    monkeypatch.setattr(_backend.jax, "default_backend", lambda: "tpu")
-    assert ce.AutoAttention().choose() == ce.XlaAttention()
+    monkeypatch.setattr(_backend.jax, "default_backend", lambda: "tpu")  # the Mosaic kernel
+    assert ce.AutoAttention().choose() == ce.MosaicAttention()
 
 
 def test_fields_are_checked():

@@ -443,16 +443,16 @@ def _as_tiles(config: K.Config) -> K.Config:
 def _configs(kernel: MosaicAttention, config, gather: str, tabled: bool):
     """The forward's and the backward's kernel configurations: the first of the candidate
     (``resident``, HBM gradients) pairs whose kernels fit ``AUTO_SHARE`` of the VMEM limit
-    (resident only for tiles and where ``kernel.resident`` allows; VMEM gradient tables first
-    unless ``kernel.gradients`` says), else the leanest pair; the backward's rows sources read
-    as tiles when their gradients go to HBM."""
+    (VMEM gradient tables first, the measured path, unless ``kernel.gradients`` says; within
+    each, resident tables first, for tiles and where ``kernel.resident`` allows), else the
+    leanest pair; the backward's rows sources read as tiles when their gradients go to HBM."""
     if kernel.resident is not None:
         residents = [kernel.resident]
     else:
         residents = [True, False] if tabled and gather == "tiles" else [False]
     grads = {"vmem": [False], "hbm": [True], "auto": [False, True]}[kernel.gradients]
     budget = AUTO_SHARE * kernel.vmem_limit_bytes
-    pairs = [(res, hbm) for res in residents for hbm in grads]
+    pairs = [(res, hbm) for hbm in grads for res in residents]
     for res, hbm in pairs:
         forward = config(res, hbm)
         backward = _as_tiles(forward) if hbm else forward
