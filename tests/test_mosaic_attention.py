@@ -331,7 +331,7 @@ AUTOMATIC = {
     ("v4", 65536, 0): ("tiles", 64, True, False),
     ("v4", 1, 8192): ("rows", 64, False, False),  # decoding one token at 32k
     ("v32", 8192, 0): ("tiles", 64, True, False),
-    ("v32", 16384, 0): ("tiles", 64, True, True),  # resident, or its 48 MiB gradient table
+    ("v32", 16384, 0): ("tiles", 64, False, False),  # its 40 MiB gradient table, not both
     ("v32", 32768, 0): ("tiles", 64, False, True),  # its 80 MiB gradient table: HBM
     ("v32", 65536, 0): ("rows", 128, False, True),  # rows beat tiles; the backward: tiles
 }

@@ -270,8 +270,7 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
     sp = _round_up(s, qb)
     nq = sp // qb
     value_width = _value_width(reads, d)
-    key_blocks = _round_up(-(-d // K.LANES), per)
-    value_blocks = _round_up(-(-value_width // K.LANES), per)
+    key_blocks, value_blocks = -(-d // K.LANES), -(-value_width // K.LANES)
     heads = _round_up(h, sublanes)
     gathered, dense = list(reads.gathered), reads.dense
     if dense is not None and dense.picks is not None:  # the visible picks, as gathered rows
@@ -395,10 +394,10 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
         specs = []
         for t, (_, values) in zip(tables, floats, strict=True):
             rows = _round_up(t["rows"], tile) if t["kind"] == "tiles" else t["rows"]
-            words = 0 if values is None else value_blocks // per
+            words = 0 if values is None else -(-value_blocks // per)
             in_vmem = resident and t["kind"] != "band"
             tiled = hbm and t["kind"] == "tiles"
-            specs.append(K.Table(rows, key_blocks // per, words, packed, in_vmem, tiled))
+            specs.append(K.Table(rows, -(-key_blocks // per), words, packed, in_vmem, tiled))
         return K.Config(
             tables=tuple(specs), sources=tuple(sources), batch=b, queries=s, seq=sp,
             heads=_round_up(h, hb), head_block=hb, query_block=qb, key_blocks=key_blocks,

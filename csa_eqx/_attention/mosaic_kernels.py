@@ -255,8 +255,10 @@ def vmem_bytes(config: Config, backward: bool) -> int:
 
 def _words(x: Array, blocks: int, packed: bool) -> Array:
     """``x [B, N, d]`` as 32-bit words ``[B, N, words, 128]`` (``d`` zero-padded to ``blocks``
-    128-feature blocks; packed: two bfloat16 blocks per word-row)."""
+    128-feature blocks; packed: two bfloat16 blocks per word-row, an odd last one alone in the
+    low halves)."""
     b, n, d = x.shape
+    blocks += packed and blocks % 2
     x = jnp.pad(x, [(0, 0), (0, 0), (0, blocks * LANES - d)]).reshape(b, n, blocks, LANES)
     if not packed:
         return x.astype(jnp.float32)
