@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_helpers import assert_close
 from jaxpr_helpers import gpu_lowering, tpu_lowering
 
 import csa_eqx as ce
@@ -128,17 +129,6 @@ def outputs_and_grads(kernel, kind, sinks, arrays, segment, picks, cotangent):
         return jnp.sum(out * cotangent) + 0.1 * jnp.sum(jnp.where(seen, lse, 0.0)), (out, lse)
 
     return jax.grad(loss, has_aux=True)(arrays)
-
-
-def assert_close(got, want, rtol=1e-5, what=""):
-    """Equal non-finite patterns (and infinities), finite values within ``rtol`` of ``want``'s
-    largest magnitude."""
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    scale = np.max(np.abs(np.where(np.isfinite(want), want, 0.0))) or 1.0
-    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want), err_msg=what)
-    np.testing.assert_array_equal(got[np.isinf(want)], want[np.isinf(want)], err_msg=what)
-    finite = np.isfinite(want)
-    np.testing.assert_allclose(got[finite], want[finite], rtol=0, atol=rtol * scale, err_msg=what)
 
 
 def numpy_attention(arrays, segment, picks, scale=0.3):
@@ -292,13 +282,14 @@ def test_forward_and_backward_lower_for_a_tpu(kind):
     backend for a TPU (one kernel each): the automatic configuration (prefill: tiles; decoding:
     row DMAs), rows from HBM and from a resident table (the design whose squeezed batch
     dimension Mosaic's verifier rejected on the chip: the same verifier runs here), tiles with
-    the gradients in HBM, head blocks that split the heads."""
+    the gradients in HBM, head blocks that split the heads, a rows backward read as tiles."""
     kernels = (
         (MosaicAttention(), 256, 0),
         (MosaicAttention(), 1, 8192),
         (MosaicAttention(gather="rows"), 256, 0),
         (MosaicAttention(gather="rows", resident=True), 256, 0),
         (MosaicAttention(8, 32, 128, 512, "tiles", False, "hbm"), 256, 0),
+        (MosaicAttention(gather="rows", gradients="hbm"), 256, 0),
     )
     for kernel, s, entries in kernels:
         loss, args = released(kind, kernel, s, entries)
@@ -412,6 +403,8 @@ def test_fields_and_numerics_are_checked():
     with pytest.raises(ValueError, match="MosaicAttention computes the exact softmax"):
         MosaicAttention().attend(q, ce.Reads(), None, 1.0, query_block=4,
                                  numerics=ce.DeepSeekInference())  # fmt: skip
+    with pytest.raises(ValueError, match="MosaicAttention computes the exact softmax"):
+        ce.Execution(attention=MosaicAttention(), numerics=ce.DeepSeekInference())
     reads = ce.Reads((ce.GatheredRows(jnp.zeros((1, 3, 4)), jnp.zeros((1, 5, 2), jnp.int32)),))
     with pytest.raises(ValueError, match="head_block must be a multiple of 16 for bfloat16"):
         MosaicAttention(head_block=8).attend(q.astype(jnp.bfloat16), reads, None, 1.0,

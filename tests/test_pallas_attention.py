@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_helpers import assert_close
 from jaxpr_helpers import gpu_lowering, tpu_lowering, walk_avals
 
 import csa_eqx as ce
@@ -83,15 +84,6 @@ def outputs_and_grads(kernel, kind, arrays, seg, picks, cotangent):
         return jnp.sum(out * cotangent) + 0.1 * jnp.sum(jnp.where(seen, lse, 0.0)), (out, lse)
 
     return jax.grad(loss, has_aux=True)(arrays)
-
-
-def assert_close(got, want, rtol=1e-5, what=""):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    scale = np.max(np.abs(np.where(np.isfinite(want), want, 0.0))) or 1.0
-    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want), err_msg=what)
-    np.testing.assert_array_equal(got[np.isinf(want)], want[np.isinf(want)], err_msg=what)
-    finite = np.isfinite(want)
-    np.testing.assert_allclose(got[finite], want[finite], rtol=0, atol=rtol * scale, err_msg=what)
 
 
 @pytest.mark.parametrize("kind", KINDS)

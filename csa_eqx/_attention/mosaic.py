@@ -33,7 +33,7 @@ from jaxtyping import Array
 
 from .._layout import entry_visibility
 from . import mosaic_kernels as K
-from .base import AbstractAttentionKernel
+from .base import AbstractAttentionKernel, require_exact_softmax, require_keys
 from .reads import Reads, gather_keys, nonfinite_rows, zero_rows
 
 __all__ = ["MosaicAttention"]
@@ -128,14 +128,8 @@ class MosaicAttention(AbstractAttentionKernel):
         self, q, reads: Reads, sinks, scale, *, return_lse=False, query_block, numerics=None
     ):
         del query_block  # the grid steps take self.query_block queries
-        if numerics is not None and not numerics.exact_softmax:
-            raise ValueError(
-                f"MosaicAttention computes the exact softmax; {type(numerics).__name__} rounds "
-                "the attention's weights as DeepSeek's kernels do, which only XlaAttention "
-                "models (AutoAttention picks it under such numerics)"
-            )
-        if not (reads.gathered or reads.band is not None or reads.dense is not None):
-            raise ValueError("reads must hold at least one key set (gathered, band or dense)")
+        require_exact_softmax(self, numerics)
+        require_keys(reads)
         if q.dtype not in (jnp.float32, jnp.bfloat16):
             raise ValueError(f"MosaicAttention takes float32 or bfloat16 queries (got {q.dtype})")
         b, s, h, d = q.shape
@@ -193,14 +187,13 @@ def _pad_to(x: Array, axis: int, size: int, value=0, front: int = 0) -> Array:
 
 
 def _value_width(reads: Reads, width: int) -> int:
-    """The output width: the first read set with values of its own (or the keys' first
-    features) gives it, else the keys'."""
-    for r in (*reads.gathered, reads.band, reads.dense):
-        if r is None:
-            continue
-        if getattr(r, "value_width", None) is not None:
+    """The output width: the first read set's values give it (of their own, or the keys' first
+    ``value_width`` features), else the keys' ``width``."""
+    for r in (*reads.gathered, reads.dense):
+        if r is not None and r.value_width is not None:
             return r.value_width
-        if r.values is not None:
+    for r in (*reads.gathered, reads.band, reads.dense):
+        if r is not None and r.values is not None:
             return r.values.shape[-1]
     return width
 

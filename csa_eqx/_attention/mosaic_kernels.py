@@ -67,6 +67,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
 from .._dispatch import run_mosaic
+from .base import fold_sink
 
 __all__ = [
     "LANES",
@@ -750,6 +751,15 @@ def _count_picks(step: _Step, s: _SourceRefs):
         counts[pl.ds(qq, high, stride=c.query_block), :] = _dot(hi_hot, lo_hot, None)
 
 
+def _start(step: _Step, sources) -> None:
+    """A step's start: the band slabs' DMAs issued, the tiles sources' pick counts formed."""
+    for s in sources:
+        if s.src.kind == "band":
+            _band_start(step, s)
+        if s.src.kind == "tiles":
+            _count_picks(step, s)
+
+
 def _tile_counts(step: _Step, s: _SourceRefs, t):
     """``[Qb, tile]``: the counts of tile ``t``."""
     c = step.config
@@ -814,12 +824,7 @@ def _forward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
     m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-    for s in sources:
-        if s.src.kind == "band":
-            _band_start(step, s)
-        if s.src.kind == "tiles":
-            _count_picks(step, s)
-
+    _start(step, sources)
     for s in sources:
         if s.src.kind == "rows":
 
@@ -849,11 +854,7 @@ def _forward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
 
     m, l_sum, acc = m_ref[...], l_ref[...], acc_ref[...]
     if config.has_sinks:
-        sink = sink_ref[...]
-        top = jnp.maximum(m, sink)
-        shift = jnp.where(top == -jnp.inf, 0.0, top)
-        alpha = jnp.exp(m - shift)
-        l_sum = l_sum * alpha + jnp.exp(sink - shift)
+        shift, l_sum, alpha = fold_sink(m, l_sum, sink_ref[...])
         acc = acc * alpha[:, 0:1]
     else:
         shift = jnp.where(m == -jnp.inf, 0.0, m)
@@ -988,12 +989,7 @@ def _backward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
     lsec_ref[...] = _column(lse_ref[...], config.rows)
     coeffc_ref[...] = _column(coeff_ref[...], config.rows)
     ctx = _Cotangents(q_ref, do_ref, lsec_ref, coeffc_ref, dq_ref)
-    for s in sources:
-        if s.src.kind == "band":
-            _band_start(step, s)
-        if s.src.kind == "tiles":
-            _count_picks(step, s)
-
+    _start(step, sources)
     for s in sources:
         gg = config.grad_words(s.table)
         if s.src.kind == "rows":

@@ -45,7 +45,7 @@ from .._pallas import (
     run_kernel,
     sum_in_order,
 )
-from .base import AbstractAttentionKernel
+from .base import AbstractAttentionKernel, fold_sink, require_exact_softmax, require_keys
 from .reads import Reads
 
 __all__ = ["PallasAttention"]
@@ -84,14 +84,8 @@ class PallasAttention(AbstractAttentionKernel):
         self, q, reads: Reads, sinks, scale, *, return_lse=False, query_block, numerics=None
     ):
         del query_block  # rows run one at a time; programs take self.query_block rows
-        if numerics is not None and not numerics.exact_softmax:
-            raise ValueError(
-                f"PallasAttention computes the exact softmax; {type(numerics).__name__} rounds "
-                "the attention's weights as DeepSeek's kernels do, which only XlaAttention "
-                "models (AutoAttention picks it under such numerics)"
-            )
-        if not (reads.gathered or reads.band is not None or reads.dense is not None):
-            raise ValueError("reads must hold at least one key set (gathered, band or dense)")
+        require_exact_softmax(self, numerics)
+        require_keys(reads)
         b, s, h, d = q.shape
         sources, floats, ints = _sources(reads, q.dtype, self.key_block)
         if s == 0:
@@ -364,11 +358,7 @@ def _forward(config: _Config, q, sink, floats, ints):
                 state = jax.lax.fori_loop(0, _n_tiles(src, src_refs[2]), tile_body, state)
             m, total, acc, bad = state
             if config.has_sinks:
-                sink_ = sink_ref[...]
-                top = jnp.maximum(m, sink_)
-                shift = jnp.where(top == -jnp.inf, 0.0, top)
-                alpha = jnp.exp(m - shift)
-                total = total * alpha + jnp.exp(sink_ - shift)
+                shift, total, alpha = fold_sink(m, total, sink_ref[...])
                 acc = [a * alpha[:, None] for a in acc]
             else:
                 shift = jnp.where(m == -jnp.inf, 0.0, m)

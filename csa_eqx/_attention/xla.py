@@ -11,7 +11,7 @@ from jaxtyping import Array
 from .._layout import entry_visibility
 from .._ops import round_to
 from .._tiles import map_row_blocks
-from .base import AbstractAttentionKernel
+from .base import AbstractAttentionKernel, require_keys
 from .reads import Reads, gather_keys, nonfinite_rows, picked_mask, zero_rows
 
 __all__ = ["XlaAttention"]
@@ -31,8 +31,7 @@ class XlaAttention(AbstractAttentionKernel):
         self, q, reads: Reads, sinks, scale, *, return_lse=False, query_block, numerics=None
     ):
         b, s, h, d = q.shape
-        if not (reads.gathered or reads.band is not None or reads.dense is not None):
-            raise ValueError("reads must hold at least one key set (gathered, band or dense)")
+        require_keys(reads)
         qb = min(query_block, s) if s else 1
         n = -(-s // qb)
         # non-finite rows: zeroed for the matmuls, flagged to poison exactly the queries seeing them
