@@ -4,6 +4,7 @@ from ._attention.auto import AutoAttention as AutoAttention
 from ._attention.auto import AutoPicks as AutoPicks
 from ._attention.base import AbstractAttentionKernel as AbstractAttentionKernel
 from ._attention.expanded import ExpandedAttention as ExpandedAttention
+from ._attention.mosaic import MosaicAttention as MosaicAttention
 from ._attention.pallas import PallasAttention as PallasAttention
 from ._attention.picks import AbstractPicks as AbstractPicks
 from ._attention.picks import GatheredPicks as GatheredPicks
@@ -125,6 +126,7 @@ __all__ = [
     "GatheredWindow",
     "IndexerLossStage",
     "MaskedPicks",
+    "MosaicAttention",
     "MosaicSelection",
     "PallasAttention",
     "PallasScorer",
