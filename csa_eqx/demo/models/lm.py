@@ -5,6 +5,7 @@ selections)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -124,9 +125,11 @@ class Block(eqx.Module):
         segment_ids: Array | None,
         return_aux: bool,
         indexer_loss: str | None = None,
-        shared: StackState = StackState(),  # noqa: B008 (an immutable empty state)
+        shared: Any = StackState(),  # noqa: B008 (an immutable empty state)
     ):
-        """The block over ``h``, from the state the earlier layers published (``shared``).
+        """The block over ``h``, from the state the earlier layers published (``shared``: a
+        ``StackState`` at the first layer, then whatever the layers return, ``V41Shared`` in a
+        V4.1 stack).
 
         **Returns:** ``(h, aux or None, shared)``."""
         eps = 1e-6
