@@ -1,14 +1,22 @@
 """The documentation builds with ``mkdocs build --strict`` (broken links, missing API objects and
-docstring warnings all fail), and the self-contained examples in the docs run."""
+docstring warnings all fail), every code block of README.md and the docs pages runs (or says
+why not) and prints what the page says it prints, and the examples compute what they claim."""
 
+import contextlib
+import io
 import os
 import re
 import subprocess
 import sys
+import tempfile
+import textwrap
 from pathlib import Path
+from typing import NamedTuple
 
 import equinox as eqx
+import jax
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,19 +45,102 @@ def test_mkdocs_build_strict(tmp_path):
     assert 'class="mermaid"' in (site / "concepts" / "index.html").read_text()
 
 
-def run_python_blocks(page: str) -> dict:
-    """Run the Python blocks of ``docs/<page>`` in order, in one namespace, as written."""
-    text = (ROOT / "docs" / page).read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert blocks, page
-    namespace: dict = {}
-    for block in blocks:
-        exec(compile(block, f"docs/{page}", "exec"), namespace)
+# Fenced blocks (docs/testing.md, "The docs test"): every ```python block of README.md and
+# docs/**/*.md runs, in page order, in one namespace per page (in a fresh working directory);
+# a ```text block right after an `<!-- output -->` marker must equal what the python block
+# before it printed; any block right after `<!-- not run: REASON -->` is skipped for that
+# stated reason; every other block with a shell language must carry such a marker; ```text and
+# ```mermaid blocks are output and diagrams, not code.
+FENCE = re.compile(r"^([ ]*)```([\w+-]*)[^\n]*\n(.*?)^\1```[ ]*$", re.S | re.M)
+MARKER = re.compile(r"<!--\s*(not run|output)\s*:?\s*(.*?)\s*-->\s*$", re.S)
+SHELL = {"bash", "sh", "shell", "console"}
+PAGES = ["README.md"] + sorted(
+    str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md") if "site" not in p.parts
+)
+
+
+class Block(NamedTuple):
+    lang: str
+    body: str
+    line: int
+    marker: str | None  # "not run" / "output" / None
+    reason: str
+
+
+def blocks(page: str) -> list[Block]:
+    """The fenced blocks of ``page`` with the marker (and reason) right before each."""
+    text = (ROOT / page).read_text()
+    out = []
+    for m in FENCE.finditer(text):
+        before = text[: m.start()].rstrip()
+        marker = MARKER.search(before[-400:])
+        kind, reason = (marker.group(1), marker.group(2)) if marker else (None, "")
+        body = textwrap.dedent(m.group(3))
+        out.append(Block(m.group(2), body, text.count("\n", 0, m.start()) + 1, kind, reason))
+    return out
+
+
+_RUNS: dict[str, dict] = {}
+
+
+def run_page(page: str) -> dict:
+    """Run the python blocks of ``page`` (as the module docstring says) once per test process;
+    **Returns:** the namespace, and ``"__outputs__"``: each block's printed text by line."""
+    if page in _RUNS:
+        return _RUNS[page]
+    namespace: dict = {"__name__": "__docs__"}
+    outputs = {}
+    cwd = os.getcwd()
+    os.chdir(tempfile.mkdtemp(prefix="docs-"))
+    try:
+        for block in blocks(page):
+            if block.lang != "python" or block.marker == "not run":
+                continue
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                exec(compile(block.body, f"{page}:{block.line}", "exec"), namespace)
+            outputs[block.line] = printed.getvalue()
+    finally:
+        os.chdir(cwd)
+    namespace["__outputs__"] = outputs
+    _RUNS[page] = namespace
     return namespace
 
 
+def run_python_blocks(page: str) -> dict:
+    """The namespace of ``docs/<page>``'s python blocks, run once (``run_page``)."""
+    return run_page(f"docs/{page}")
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_block_runs_or_says_why_not(page):
+    """Every fenced block of the page is run (python), checked (an output block against what
+    the block before it printed), a diagram or output text, or skipped with a stated reason."""
+    found = blocks(page)
+    for block in found:
+        where = f"{page}:{block.line} ({block.lang or 'no language'})"
+        assert block.lang, f"{where}: a fenced block needs a language (python, text, bash, ...)"
+        if block.marker == "not run":
+            assert block.reason, f"{where}: '<!-- not run -->' must state its reason"
+        elif block.lang in SHELL:
+            raise AssertionError(f"{where}: a shell block must be run or say why not")
+    if not any(b.lang == "python" and b.marker != "not run" for b in found):
+        return
+    outputs = run_page(page)["__outputs__"]
+    last = None
+    for block in found:
+        if block.lang == "python" and block.marker != "not run":
+            last = block
+        if block.marker == "output":
+            assert last is not None, f"{page}:{block.line}: an output block follows no python"
+            assert outputs[last.line].strip() == block.body.strip(), (
+                f"{page}:{block.line}: the block at line {last.line} printed\n{outputs[last.line]}"
+            )
+    jax.clear_caches()
+
+
 def test_home_page_examples_run():
-    ns = run_python_blocks("index.md")
+    ns = run_page("docs/index.md")
     assert ns["y"].shape == (2, 32, 64)
     selection = np.asarray(ns["aux"]["selection"])
     assert selection.shape == (2, 32, 4)
