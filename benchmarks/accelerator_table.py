@@ -14,7 +14,8 @@ goes on. It writes, named by JAX's backend (``benchmarks_tpu`` on a TPU):
 - ``OUT/benchmarks_<backend>_raw.json``: every record of the run (what ``--resume`` reads).
 
 In part 1 every csa_eqx program runs twice, as **the automatic choice** (``Execution()``: on
-a GPU the Pallas kernels, elsewhere XLA's strategies; the strategies it took are recorded, and
+a GPU the Pallas kernels, on a TPU the Mosaic fused indexer (``MosaicSelection``), elsewhere
+XLA's strategies; the strategies it took are recorded, and
 its figures' ``path`` is ``"kernel"`` where a Pallas / Mosaic kernel class ran, else ``"xla"``)
 and as **the XLA path** (the dense or streaming top-k that ``AutoSelection.choose`` picks,
 with ``XlaAttention``, forced); where the automatic choice is the XLA path it runs once.

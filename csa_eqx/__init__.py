@@ -4,6 +4,7 @@ from ._attention.auto import AutoAttention as AutoAttention
 from ._attention.auto import AutoPicks as AutoPicks
 from ._attention.base import AbstractAttentionKernel as AbstractAttentionKernel
 from ._attention.expanded import ExpandedAttention as ExpandedAttention
+from ._attention.mosaic import MosaicAttention as MosaicAttention
 from ._attention.pallas import PallasAttention as PallasAttention
 from ._attention.picks import AbstractPicks as AbstractPicks
 from ._attention.picks import GatheredPicks as GatheredPicks
@@ -32,6 +33,7 @@ from ._layers.cache import V4Cache as V4Cache
 from ._layers.cache import V32Cache as V32Cache
 from ._layers.execution import Execution as Execution
 from ._layers.execution import IndexerLossStage as IndexerLossStage
+from ._layers.forward import StackState as StackState
 from ._layers.generate import generate as generate
 from ._layers.stack import extend_stack as extend_stack
 from ._layers.stack import run_stack as run_stack
@@ -78,6 +80,7 @@ from ._selection.candidates import CandidateVisibility as CandidateVisibility
 from ._selection.candidates import candidate_blocks as candidate_blocks
 from ._selection.dense import DenseSelection as DenseSelection
 from ._selection.gathered import GatheredSelection as GatheredSelection
+from ._selection.mosaic import MosaicSelection as MosaicSelection
 from ._selection.pallas import PallasSelection as PallasSelection
 from ._selection.sharded import ShardedSelection as ShardedSelection
 from ._selection.streaming import StreamingSelection as StreamingSelection
@@ -123,6 +126,8 @@ __all__ = [
     "GatheredWindow",
     "IndexerLossStage",
     "MaskedPicks",
+    "MosaicAttention",
+    "MosaicSelection",
     "PallasAttention",
     "PallasScorer",
     "PallasSelection",
@@ -131,6 +136,7 @@ __all__ = [
     "SelectionProblem",
     "ShardedSelection",
     "SingleDevice",
+    "StackState",
     "StreamingIndexerLoss",
     "StreamingSelection",
     "TileSizes",

@@ -29,8 +29,18 @@ __all__ = [
 # 512).
 CPU_TILES = TileSizes(elements=1 << 24, key_block=128, max_query_block=256, unroll=False)
 GPU_TILES = TileSizes(elements=1 << 26, key_block=512, max_query_block=1024, unroll=True)
-# A TPU's own entry, for now the GPU's sizes (the TPU kernels' work tunes it).
-TPU_TILES = TileSizes(elements=1 << 26, key_block=512, max_query_block=1024, unroll=True)
+# TPU: the XLA fallback's (MosaicSelection is the automatic selection there). XLA on a TPU runs
+# gathers inside loops slowly (the radix select's compaction: ~95 % of a layer, measured on a
+# v5e), so the exact select is lax.top_k on integer order keys and a sort of the k picks
+# (select="top_k", gather-free; lax.top_k [16384, 4096] k 512: 36.6 ms there). The row buffer
+# [B, Qb, T] holds every entry up to T = 2^26 / Qb (65536 at Qb = 1024), so a query block takes
+# one top-k and no merge; the [B, Qb, H, Kb] float32 logits of a tile (128 MiB at 64 heads) are
+# the HBM round trip that bounds the scoring. Key tiles of 512: 4 MXU passes wide, and causal
+# skipping wastes under an eighth of the scored pairs at 16k (docs/kernels.md, "The XLA path on
+# a TPU").
+TPU_TILES = TileSizes(
+    elements=1 << 26, key_block=512, max_query_block=1024, unroll=True, select="top_k"
+)
 
 _TILES = {"cpu": CPU_TILES, "gpu": GPU_TILES, "tpu": TPU_TILES}
 
@@ -76,7 +86,7 @@ def shared_tiles(tiles: TileSizes, devices: int) -> TileSizes:
 def kernel_platform() -> str | None:
     """**Returns:** the platform whose Pallas kernels the automatic choices may run, for the
     backend the computation is traced for: ``"gpu"`` (Triton: ``PallasSelection``,
-    ``PallasAttention``) or ``"tpu"`` (Mosaic TPU: a chooser adds its kernels there), where no
+    ``PallasAttention``) or ``"tpu"`` (Mosaic TPU: ``MosaicSelection``), where no
     mesh axis in context is sharded by the compiler (none, or all ``Manual``: inside the
     placements' ``shard_map``; a kernel is one device's program); ``None`` on the CPU, where
     kernels run only in interpret mode (proven there, far slower than XLA), and under a

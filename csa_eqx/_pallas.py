@@ -12,8 +12,9 @@ row gathers nor per-lane scatters, has no interpret path for these ops, and its 
 model (warpgroup arrays, explicit shared-memory pipelines) would be a second kernel to prove
 without a device. The Triton backend is deprecated from JAX 0.11 (a warning on JAX 0.12; it
 still lowers), so the kernels are the ones to port when it goes. TPU (Mosaic) does not carry
-the design: it has no masked pointer gathers or scatters, so TPU stays on the XLA paths, and a
-kernel forced there refuses at lowering with a message naming it (``TPU_REFUSED``).
+the design: it has no masked pointer gathers or scatters, so a TPU runs kernels of its own
+(``MosaicSelection``, ``MosaicAttention``) or the XLA paths, and a Triton kernel forced there
+refuses at lowering with a message naming it (``TPU_REFUSED``).
 
 Every ``pallas_call`` passes Triton's ``CompilerParams`` (JAX 0.10 may otherwise pick Mosaic
 GPU) and runs in interpret mode when lowered for the CPU (``run_kernel``: a per-platform
@@ -52,8 +53,8 @@ MIN_DOT = 16  # Triton's smallest dot side
 TPU_REFUSED = (
     "csa_eqx's Pallas kernel {name!r} is a Triton (GPU) kernel and cannot be lowered for a TPU: "
     "Mosaic TPU has none of its masked pointer gathers and scatters (docs/kernels.md). On a TPU "
-    "the automatic choices run the XLA paths; do not force PallasSelection, PallasAttention or "
-    "PallasScorer there."
+    "the automatic choices run the Mosaic kernels (MosaicSelection, MosaicAttention) or the XLA "
+    "paths; do not force PallasSelection, PallasAttention or PallasScorer there."
 )
 
 

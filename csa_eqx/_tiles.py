@@ -37,6 +37,10 @@ class TileSizes(NamedTuple):
     - ``unroll``: unroll the radix select's 32 steps (``exact_topk``; default ``False``).
     - ``attention_elements``: the elements one query block of the attention keeps (gathered
         keys and logits, ``csa_eqx._attention.base.attention_query_block``; default 2^24).
+    - ``select``: how the XLA paths take an exact top-k (``csa_eqx._topk.exact_topk``'s
+        ``method``): ``"radix"`` (counting halvings and a binary-search compaction; default)
+        or ``"top_k"`` (``lax.top_k`` on integer order keys and a sort of the picks: no
+        gather, a TPU's). The same selection either way.
     """
 
     elements: int = 1 << 24
@@ -44,6 +48,12 @@ class TileSizes(NamedTuple):
     max_query_block: int = 256
     unroll: bool = False
     attention_elements: int = 1 << 24
+    select: str = "radix"
+
+    def topk(self) -> dict:
+        """**Returns:** the keywords of ``exact_topk`` / ``select_topk`` these tiles ask for
+        (``unroll``, ``method``)."""
+        return dict(unroll=self.unroll, method=self.select)
 
 
 _CPU_TILES = TileSizes()

@@ -1,7 +1,8 @@
 """The fused indexer kernel (``PallasSelection``: scoring + exact top-k in one Pallas kernel,
 here in interpret mode) selects what the XLA streaming selection selects, bitwise, and what
 the numpy brute force of test_topk_reference.py selects; it writes no ``[B, S, T]`` array; it
-lowers to Triton for a GPU; ``AutoSelection`` picks it on a GPU only.
+lowers to Triton for a GPU; ``AutoSelection`` picks it on a GPU only (a TPU gets the Mosaic
+kernel, tests/test_mosaic_selection.py).
 
 Inputs are small integers wherever the comparison is with the XLA scorer (every score exact in
 float32, so the bitwise claim does not rest on the contraction order): many exact ties, packed
@@ -152,7 +153,7 @@ def test_lowers_to_triton():
     assert gpu_lowering(select, q, w, keys).count("__gpu$xla.gpu.triton") == 1
 
 
-def test_auto_selection_picks_the_kernel_on_a_gpu_only(monkeypatch):
+def test_auto_selection_picks_the_triton_kernel_on_a_gpu_only(monkeypatch):
     q, w, keys, qi, qs, end = fixed_case(1)
     plain = problem(q, w, keys, qi, qs, layout_of(end, qs))
     filtered = ce.CandidateVisibility.within(plain.visibility, jnp.zeros((B, S, 1), jnp.int32), 4)
@@ -164,8 +165,8 @@ def test_auto_selection_picks_the_kernel_on_a_gpu_only(monkeypatch):
     assert isinstance(auto.strategy(candidates), ce.DenseSelection)  # V4.1 consumers: gathered
     with jax.set_mesh(jax.make_mesh((2, 4), ("data", "tensor"))):  # sharded by the compiler
         assert isinstance(auto.strategy(plain), ce.DenseSelection)
-    monkeypatch.setattr(_backend.jax, "default_backend", lambda: "tpu")
-    assert isinstance(auto.strategy(plain), ce.DenseSelection)
+    monkeypatch.setattr(_backend.jax, "default_backend", lambda: "tpu")  # the Mosaic kernel
+    assert auto.strategy(plain) == ce.MosaicSelection()
 
 
 def test_fields_are_checked():

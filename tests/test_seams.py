@@ -105,7 +105,16 @@ def test_no_strategy_isinstance_outside_the_choosers():
 # the selection and indexer-loss strategies (the pre-filter's own module, candidates.py, is not one)
 STRATEGY_MODULES = tuple(
     f"_selection/{name}.py"
-    for name in ("base", "dense", "streaming", "gathered", "pallas", "sharded")
+    for name in (
+        "base",
+        "dense",
+        "streaming",
+        "gathered",
+        "pallas",
+        "mosaic",
+        "row_chunks",
+        "sharded",
+    )
 ) + ("_loss/",)
 VISIBILITIES = {"Visibility", "CandidateVisibility"}
 

@@ -1,8 +1,9 @@
 """The attention family's automatic choices: ``AutoPicks`` (a masked matmul or a gather for the
 attention over each query's picked entries; docs/memory.md, "Masked picks") and
-``AutoAttention`` (the Pallas attention kernel on a GPU, XLA's elsewhere, DeepSeek's expanded
-MLA under its numerics; docs/kernels.md). Each kernel sizes its own query blocks
-(``AbstractAttentionKernel.query_block_for``; ``Execution(query_block=...)`` forces one).
+``AutoAttention`` (the Pallas attention kernel on a GPU, the Mosaic one on a TPU, XLA's
+elsewhere, DeepSeek's expanded MLA under its numerics; docs/kernels.md). Each kernel sizes its
+own query blocks (``AbstractAttentionKernel.query_block_for``; ``Execution(query_block=...)``
+forces one).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from .._backend import kernel_platform
 from .base import AbstractAttentionKernel, LatentUp
 from .expanded import ExpandedAttention
+from .mosaic import MosaicAttention
 from .pallas import PallasAttention
 from .picks import AbstractPicks, GatheredPicks, MaskedPicks
 from .xla import XlaAttention
@@ -36,15 +38,17 @@ class AutoPicks(AbstractPicks):
         """
         return MaskedPicks() if entries <= self.ratio * picks else GatheredPicks()
 
-    def reads(self, keys, visibility, picks, values=None):
-        return self.choose(keys.shape[1], picks.shape[-1]).reads(keys, visibility, picks, values)
+    def reads(self, keys, visibility, picks, values=None, value_width=None):
+        strategy = self.choose(keys.shape[1], picks.shape[-1])
+        return strategy.reads(keys, visibility, picks, values, value_width)
 
 
 class AutoAttention(AbstractAttentionKernel):
-    """The attention kernel for the backend: ``PallasAttention()`` on a GPU (``kernel_platform``;
-    it reads every kind of ``Reads``), ``XlaAttention()`` elsewhere and under numerics that
-    round the attention (``exact_softmax`` false: ``DeepSeekInference``); for MLA
-    (``latent``) under numerics that follow DeepSeek's expanded prefill
+    """The attention kernel for the backend (``kernel_platform``): ``PallasAttention()`` on a
+    GPU, ``MosaicAttention()`` on a TPU (each reads every kind of ``Reads``; the Mosaic kernel
+    chooses its gather, blocks and VMEM use per call), ``XlaAttention()`` elsewhere and under
+    numerics that round the attention (``exact_softmax`` false: ``DeepSeekInference``); for
+    MLA (``latent``) under numerics that follow DeepSeek's expanded prefill
     (``LatentUp.expanded``), ``ExpandedAttention()``. The same outputs up to rounding (up to
     the numerics' own for the expanded one). **Arguments:** none."""
 
@@ -52,12 +56,15 @@ class AutoAttention(AbstractAttentionKernel):
         """**Arguments:** the layer's numerics (``None``: exact) and, for MLA, its
         up-projection.
 
-        **Returns:** ``ExpandedAttention()`` for an expanded MLA, else ``PallasAttention()`` on
-        a GPU under exact-softmax numerics, else ``XlaAttention()``."""
+        **Returns:** ``ExpandedAttention()`` for an expanded MLA, else under exact-softmax
+        numerics ``PallasAttention()`` on a GPU and ``MosaicAttention()`` on a TPU, else
+        ``XlaAttention()``."""
         if up is not None and up.expanded:
             return ExpandedAttention()
-        exact = numerics is None or numerics.exact_softmax
-        return PallasAttention() if kernel_platform() == "gpu" and exact else XlaAttention()
+        if numerics is not None and not numerics.exact_softmax:
+            return XlaAttention()
+        kernels = {"gpu": PallasAttention(), "tpu": MosaicAttention()}
+        return kernels.get(kernel_platform(), XlaAttention())
 
     def __call__(self, q, reads, sinks, scale, *, return_lse=False, numerics=None, **blocks):
         kernel = self.choose(numerics)

@@ -20,7 +20,14 @@ from .._numerics.fp8_weight import Fp8Weight
 from .._tiles import TileSizes, power_of_two_block
 from .reads import Reads
 
-__all__ = ["AbstractAttentionKernel", "LatentUp", "attention_query_block"]
+__all__ = [
+    "AbstractAttentionKernel",
+    "LatentUp",
+    "attention_query_block",
+    "require_keys",
+    "require_exact_softmax",
+    "fold_sink",
+]
 
 
 class LatentUp(NamedTuple):
@@ -82,7 +89,8 @@ def attention_query_block(batch: int, heads: int, reads: Reads, elements: int = 
     """
     per_row = 0
     for g in reads.gathered:  # gathered keys (+ values) and logits per pick
-        width = g.keys.shape[-1] + (0 if g.values is None else g.values.shape[-1])
+        values = g.value_rows()
+        width = g.keys.shape[-1] + (0 if values is None else values.shape[-1])
         per_row += g.indices.shape[-1] * (width + heads)
     if reads.dense is not None:  # logits and mask per entry
         per_row += reads.dense.keys.shape[1] * (heads + 1)
@@ -90,6 +98,40 @@ def attention_query_block(batch: int, heads: int, reads: Reads, elements: int = 
     if reads.band is not None:
         block = min(block, 1 << max(reads.band.window - 1, 1).bit_length())
     return block
+
+
+def require_keys(reads: Reads) -> None:
+    """**Arguments:** a kernel's ``reads``; a ``ValueError`` unless they hold a key set."""
+    if not (reads.gathered or reads.band is not None or reads.dense is not None):
+        raise ValueError("reads must hold at least one key set (gathered, band or dense)")
+
+
+def require_exact_softmax(kernel, numerics) -> None:
+    """**Arguments:** a ``kernel`` that computes the exact softmax and the layer's ``numerics``;
+    a ``ValueError`` for numerics that round the attention (only ``XlaAttention`` models
+    them)."""
+    if numerics is not None and not numerics.exact_softmax:
+        raise ValueError(
+            f"{type(kernel).__name__} computes the exact softmax; {type(numerics).__name__} "
+            "rounds the attention's weights as DeepSeek's kernels do, which only XlaAttention "
+            "models (AutoAttention picks it under such numerics)"
+        )
+
+
+def fold_sink(m, total, sink):
+    """The online softmax's sink step (the sink adds to the denominator only), in a kernel.
+
+    **Arguments:** the running maximum ``m`` and denominator ``total`` of each softmax row
+    (``m = -inf``: nothing read) and the rows' ``sink`` logits.
+
+    **Returns:** ``(shift, total, alpha)``: the final shift (the maximum with the sink, ``0``
+    where infinite), the denominator with the sink, relative to it, and the factor the running
+    numerators take.
+    """
+    top = jnp.maximum(m, sink)
+    shift = jnp.where(top == -jnp.inf, 0.0, top)
+    alpha = jnp.exp(m - shift)
+    return shift, total * alpha + jnp.exp(sink - shift), alpha
 
 
 class AbstractAttentionKernel(eqx.Module):

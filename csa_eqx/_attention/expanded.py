@@ -94,7 +94,8 @@ def _table(reads: Reads) -> tuple:
     if reads.band is None and reads.dense is not None and not reads.gathered:
         dense = reads.dense
         t = dense.keys.shape[1]
-        values = dense.keys if dense.values is None else dense.values
+        values = dense.value_rows()
+        values = dense.keys if values is None else values
         rows = (dense.query_index, dense.query_segment, dense.picks)
 
         def mask(index, segment, picks):
@@ -105,7 +106,8 @@ def _table(reads: Reads) -> tuple:
     if reads.band is None and reads.dense is None and len(reads.gathered) == 1:
         (g,) = reads.gathered
         t = g.keys.shape[1]
-        values = g.keys if g.values is None else g.values
+        values = g.value_rows()
+        values = g.keys if values is None else values
         return g.keys, values, (g.indices,), lambda indices: picked_mask(indices, t)
     raise ValueError(
         "ExpandedAttention reads dense entries or one set of gathered rows (V3.2's picks), "

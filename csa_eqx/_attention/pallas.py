@@ -35,7 +35,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .._layout import EntryLayout, entry_visibility
 from .._pallas import (
     MIN_DOT,
     count,
@@ -46,8 +45,8 @@ from .._pallas import (
     run_kernel,
     sum_in_order,
 )
-from .base import AbstractAttentionKernel
-from .reads import GatheredRows, Reads, gather_keys
+from .base import AbstractAttentionKernel, fold_sink, require_exact_softmax, require_keys
+from .reads import Reads
 
 __all__ = ["PallasAttention"]
 
@@ -85,14 +84,8 @@ class PallasAttention(AbstractAttentionKernel):
         self, q, reads: Reads, sinks, scale, *, return_lse=False, query_block, numerics=None
     ):
         del query_block  # rows run one at a time; programs take self.query_block rows
-        if numerics is not None and not numerics.exact_softmax:
-            raise ValueError(
-                f"PallasAttention computes the exact softmax; {type(numerics).__name__} rounds "
-                "the attention's weights as DeepSeek's kernels do, which only XlaAttention "
-                "models (AutoAttention picks it under such numerics)"
-            )
-        if not (reads.gathered or reads.band is not None or reads.dense is not None):
-            raise ValueError("reads must hold at least one key set (gathered, band or dense)")
+        require_exact_softmax(self, numerics)
+        require_keys(reads)
         b, s, h, d = q.shape
         sources, floats, ints = _sources(reads, q.dtype, self.key_block)
         if s == 0:
@@ -158,14 +151,14 @@ def _sources(reads: Reads, dtype, kt: int):
     gathered = list(reads.gathered)
     dense = reads.dense
     if dense is not None and dense.picks is not None:  # the visible picks, as gathered rows
-        seen = _picks_visible(dense.picks, dense.query_index, dense.query_segment, dense.layout)
-        gathered.append(GatheredRows(dense.keys, jnp.where(seen, dense.picks, -1), dense.values))
+        gathered.append(dense.picked_rows())
         dense = None
     for g in gathered:
         tile = min(kt, next_pow2(g.indices.shape[-1], MIN_DOT))
         n = -(-g.indices.shape[-1] // tile) * tile
-        sources.append(_Source("gathered", g.values is not None, tile, g.keys.shape[1]))
-        floats.append((g.keys.astype(dtype), g.values))
+        values = g.value_rows()
+        sources.append(_Source("gathered", values is not None, tile, g.keys.shape[1]))
+        floats.append((g.keys.astype(dtype), values))
         ints.append((pad_axis(g.indices.astype(jnp.int32), 2, n, -1),))
     band = reads.band
     if band is not None:
@@ -183,7 +176,8 @@ def _sources(reads: Reads, dtype, kt: int):
         t = dense.keys.shape[1]
         tile = min(kt, next_pow2(t, MIN_DOT))
         tp = -(-t // tile) * tile
-        values = None if dense.values is None else pad_axis(dense.values, 1, tp)
+        values = dense.value_rows()
+        values = None if values is None else pad_axis(values, 1, tp)
         sources.append(_Source("dense", values is not None, tile, t))
         floats.append((pad_axis(dense.keys.astype(dtype), 1, tp), values))
         end = pad_axis(dense.layout.end.astype(jnp.int32), 1, tp, -1)
@@ -195,17 +189,6 @@ def _sources(reads: Reads, dtype, kt: int):
 def _span(window: int) -> int:
     """Rows a band tile set covers per query: the window, as a power of two of at least 16."""
     return next_pow2(window, MIN_DOT)
-
-
-def _picks_visible(picks, query_index, query_segment, layout: EntryLayout):
-    """bool ``[B, S, p]``: which of each query's picks it can see (``-1`` never)."""
-    b, s, p = picks.shape
-    slots = jnp.clip(picks, 0, layout.end.shape[1] - 1)
-    end = gather_keys(layout.end[..., None], slots)[..., 0]
-    segment = gather_keys(layout.segment[..., None], slots)[..., 0]
-    own = EntryLayout(end.reshape(b * s, p), segment.reshape(b * s, p), None)
-    rows = (a.reshape(b * s, 1) for a in (query_index, query_segment))
-    return (picks >= 0) & entry_visibility(*rows, own).reshape(b, s, p)
 
 
 # --- in-kernel pieces shared by the forward and the backward ---------------------------------
@@ -375,11 +358,7 @@ def _forward(config: _Config, q, sink, floats, ints):
                 state = jax.lax.fori_loop(0, _n_tiles(src, src_refs[2]), tile_body, state)
             m, total, acc, bad = state
             if config.has_sinks:
-                sink_ = sink_ref[...]
-                top = jnp.maximum(m, sink_)
-                shift = jnp.where(top == -jnp.inf, 0.0, top)
-                alpha = jnp.exp(m - shift)
-                total = total * alpha + jnp.exp(sink_ - shift)
+                shift, total, alpha = fold_sink(m, total, sink_ref[...])
                 acc = [a * alpha[:, None] for a in acc]
             else:
                 shift = jnp.where(m == -jnp.inf, 0.0, m)

@@ -24,9 +24,11 @@ class AbstractPicks(eqx.Module):
         visibility: Visibility,
         picks: Int[Array, "batch seq k"],
         values: Float[Array, "batch entries vdim"] | None = None,
+        value_width: int | None = None,
     ) -> Reads:
-        """**Arguments:** the entries' ``keys`` (and MLA ``values``), their ``visibility`` and each
-        query's distinct ``picks`` (``-1`` = none).
+        """**Arguments:** the entries' ``keys`` (and MLA ``values``, or the ``value_width`` of
+        values that are the keys' first features), their ``visibility`` and each query's
+        distinct ``picks`` (``-1`` = none).
 
         **Returns:** the ``Reads`` of the picked entries (gathered rows or masked dense entries).
         """
@@ -36,16 +38,17 @@ class GatheredPicks(AbstractPicks):
     """Gather each query's ``k`` picked keys (``[B, Qb, k, d]`` per query block); cheap
     while ``k`` is small against the entry count. **Arguments:** none."""
 
-    def reads(self, keys, visibility, picks, values=None):
-        return Reads(gathered=(GatheredRows(keys, picks, values),))
+    def reads(self, keys, visibility, picks, values=None, value_width=None):
+        return Reads(gathered=(GatheredRows(keys, picks, values, value_width),))
 
 
 class MaskedPicks(AbstractPicks):
     """One matmul over all entries, masked to each query's visible picks; cheaper than
     gathering when ``k`` is close to the entry count (short sequences). **Arguments:** none."""
 
-    def reads(self, keys, visibility, picks, values=None):
-        return Reads(dense=DenseKeys(keys, visibility.layout, *visibility[:2], values, picks))
+    def reads(self, keys, visibility, picks, values=None, value_width=None):
+        layout, rows = visibility.layout, visibility[:2]
+        return Reads(dense=DenseKeys(keys, layout, *rows, values, picks, value_width))
 
 
 def entry_reads(
@@ -54,17 +57,20 @@ def entry_reads(
     visibility: Visibility,
     selection: Int[Array, "batch seq k"] | None,
     values: Float[Array, "batch entries vdim"] | None = None,
+    value_width: int | None = None,
 ) -> Reads:
     """How each query reads the entries (V4: compressed entries, V3.2: tokens), forward and
     ``extend`` alike: every visible one by one matmul without a ``selection`` (HCA, or a
     dense warm-up), else its picks as the ``picks`` strategy says.
 
     **Arguments:** the execution's ``picks`` strategy, the entries' ``keys`` (and MLA
-    ``values``), their ``visibility`` and the int32 ``selection [B, S, k]`` (``-1`` = none;
+    ``values``, or the ``value_width`` of values that are the keys' first features: V3.2's
+    latent), their ``visibility`` and the int32 ``selection [B, S, k]`` (``-1`` = none;
     ``None`` = every visible entry).
 
     **Returns:** the entries' ``Reads`` (dense entries, masked dense entries or gathered rows).
     """
     if selection is None:
-        return Reads(dense=DenseKeys(keys, visibility.layout, *visibility[:2], values))
-    return picks.reads(keys, visibility, selection, values)
+        layout, rows = visibility.layout, visibility[:2]
+        return Reads(dense=DenseKeys(keys, layout, *rows, values, None, value_width))
+    return picks.reads(keys, visibility, selection, values, value_width)

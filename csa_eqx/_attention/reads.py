@@ -22,7 +22,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from .._layout import EntryLayout, gather_keys, scatter_rows
+from .._layout import EntryLayout, entry_visibility, gather_keys, scatter_rows
 
 __all__ = [
     "Reads",
@@ -31,7 +31,27 @@ __all__ = [
     "DenseKeys",
     "gather_keys",
     "picked_mask",
+    "nonfinite_rows",
+    "zero_rows",
 ]
+
+
+def _value_rows(keys: Array, values: Array | None, value_width: int | None) -> Array | None:
+    """A read set's values: its own, its keys' first ``value_width`` features, or ``None`` (the
+    keys themselves)."""
+    return keys[..., :value_width] if value_width is not None else values
+
+
+def _check_values(keys: Array, values: Array | None, value_width: int | None) -> None:
+    if value_width is None:
+        return
+    if values is not None:
+        raise ValueError("values and value_width are exclusive: give one (or neither)")
+    if not (isinstance(value_width, int) and 1 <= value_width <= keys.shape[-1]):
+        raise ValueError(
+            f"value_width must be an int in [1, {keys.shape[-1]}] (the keys' width; "
+            f"got {value_width!r})"
+        )
 
 
 class GatheredRows(eqx.Module):
@@ -42,11 +62,23 @@ class GatheredRows(eqx.Module):
     - ``keys``: float ``[B, N, d]``.
     - ``indices``: int32 ``[B, S, n]`` rows of ``keys`` per query (``-1`` = none).
     - ``values``: float ``[B, N, vdim]`` (MLA) or ``None`` (= ``keys``, V4).
+    - ``value_width``: the values are the keys' first ``value_width`` features (V3.2's MLA:
+        the latent ``c_kv`` of ``[c_kv ; k_rope]``; static), instead of ``values``. A kernel
+        may then read each row once (``MosaicAttention`` does).
     """
 
     keys: Float[Array, "batch keys dim"]
     indices: Int[Array, "batch seq n"]
     values: Float[Array, "batch keys vdim"] | None = None
+    value_width: int | None = eqx.field(static=True, default=None)
+
+    def __check_init__(self):
+        _check_values(self.keys, self.values, self.value_width)
+
+    def value_rows(self) -> Float[Array, "batch keys vdim"] | None:
+        """**Returns:** the values as an array of their own (``keys[..., :value_width]`` when
+        they are the keys' first features), or ``None`` when they are the keys."""
+        return _value_rows(self.keys, self.values, self.value_width)
 
 
 class BandRows(eqx.Module):
@@ -96,6 +128,8 @@ class DenseKeys(NamedTuple):
     - ``layout``: the entries' ``EntryLayout``.
     - ``query_index``, ``query_segment``: int32 ``[B, S]``, as in ``Visibility``.
     - ``picks``: int32 ``[B, S, p]`` or ``None`` (every visible entry).
+    - ``value_width``: the values are the keys' first ``value_width`` features (as in
+        ``GatheredRows``), instead of ``values``.
     """
 
     keys: Float[Array, "batch entries dim"]
@@ -104,6 +138,27 @@ class DenseKeys(NamedTuple):
     query_segment: Int[Array, "batch seq"]
     values: Float[Array, "batch entries vdim"] | None = None
     picks: Int[Array, "batch seq picks"] | None = None
+    value_width: int | None = None
+
+    def value_rows(self) -> Float[Array, "batch entries vdim"] | None:
+        """**Returns:** the values as an array of their own, or ``None`` (= the keys); see
+        ``GatheredRows.value_rows``."""
+        _check_values(self.keys, self.values, self.value_width)
+        return _value_rows(self.keys, self.values, self.value_width)
+
+    def picked_rows(self) -> GatheredRows:
+        """**Returns:** the entries with ``picks`` as the ``GatheredRows`` of each query's
+        visible picks (the same set of rows as the visibility mask within the picks, without
+        an ``[S, T]`` mask); a kernel that gathers reads them so."""
+        b, s, p = self.picks.shape
+        slots = jnp.clip(self.picks, 0, self.layout.end.shape[1] - 1)
+        end = gather_keys(self.layout.end[..., None], slots)[..., 0]
+        segment = gather_keys(self.layout.segment[..., None], slots)[..., 0]
+        own = EntryLayout(end.reshape(b * s, p), segment.reshape(b * s, p), None)
+        rows = (a.reshape(b * s, 1) for a in (self.query_index, self.query_segment))
+        seen = (self.picks >= 0) & entry_visibility(*rows, own).reshape(b, s, p)
+        picks = jnp.where(seen, self.picks, -1)
+        return GatheredRows(self.keys, picks, self.values, self.value_width)
 
 
 class Reads(eqx.Module):
@@ -135,6 +190,21 @@ class Reads(eqx.Module):
             other.band if self.band is None else self.band,
             other.dense if self.dense is None else self.dense,
         )
+
+
+def nonfinite_rows(keys: Array, values: Array | None) -> Bool[Array, "batch rows"]:
+    """**Returns:** which rows of ``keys`` (or of ``values``) hold a NaN or an Inf: the rows
+    that poison exactly the queries that read them (``AbstractAttentionKernel``'s contract)."""
+    bad = ~jnp.all(jnp.isfinite(keys), axis=-1)
+    return bad if values is None else bad | ~jnp.all(jnp.isfinite(values), axis=-1)
+
+
+def zero_rows(x: Array | None, bad: Array) -> Array | None:
+    """**Returns:** ``x`` with the rows flagged in ``bad`` (its leading axes) set to zero (a
+    flagged row must not reach the other queries of a matmul: ``0 x NaN``)."""
+    if x is None:
+        return None
+    return jnp.where(bad.reshape(bad.shape + (1,) * (x.ndim - bad.ndim)), 0, x)
 
 
 def picked_mask(

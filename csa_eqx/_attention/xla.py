@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool
+from jaxtyping import Array
 
 from .._layout import entry_visibility
 from .._ops import round_to
 from .._tiles import map_row_blocks
-from .base import AbstractAttentionKernel
-from .reads import Reads, gather_keys, picked_mask
+from .base import AbstractAttentionKernel, require_keys
+from .reads import Reads, gather_keys, nonfinite_rows, picked_mask, zero_rows
 
 __all__ = ["XlaAttention"]
 
@@ -31,17 +31,16 @@ class XlaAttention(AbstractAttentionKernel):
         self, q, reads: Reads, sinks, scale, *, return_lse=False, query_block, numerics=None
     ):
         b, s, h, d = q.shape
-        if not (reads.gathered or reads.band is not None or reads.dense is not None):
-            raise ValueError("reads must hold at least one key set (gathered, band or dense)")
+        require_keys(reads)
         qb = min(query_block, s) if s else 1
         n = -(-s // qb)
         # non-finite rows: zeroed for the matmuls, flagged to poison exactly the queries seeing them
         q_bad = ~jnp.all(jnp.isfinite(q), axis=(2, 3))
-        q = _zero_rows(q, q_bad)
+        q = zero_rows(q, q_bad)
         # the band's and the gathered sets' key rows: one zeroed table (one gather per block)
         band = reads.band
         sources = [] if band is None else [(band.keys, band.values)]
-        sources += [(g.keys, g.values) for g in reads.gathered]
+        sources += [(g.keys, g.value_rows()) for g in reads.gathered]
         tables, slots = _key_tables(sources)
         gathered, indices = {}, {}  # per table: its arrays and the concatenated indices
         gathered_slots = slots[len(sources) - len(reads.gathered) :]
@@ -71,9 +70,12 @@ class XlaAttention(AbstractAttentionKernel):
             rows["segment"] = reads.band.segment
         dense = reads.dense
         if dense is not None:
-            dense_bad = _nonfinite_rows(dense.keys, dense.values)
+            dense_values = dense.value_rows()
+            dense_bad = nonfinite_rows(dense.keys, dense_values)
             dense = dense._replace(
-                keys=_zero_rows(dense.keys, dense_bad), values=_zero_rows(dense.values, dense_bad)
+                keys=zero_rows(dense.keys, dense_bad),
+                values=zero_rows(dense_values, dense_bad),
+                value_width=None,
             )
             rows.update(query_index=dense.query_index, query_segment=dense.query_segment)
             if dense.picks is not None:
@@ -130,8 +132,8 @@ def _key_tables(sources: list) -> tuple[list, list]:
         slots = [(i, 0) for i in which]
     tables = []
     for keys, values in unique:
-        bad = _nonfinite_rows(keys, values)
-        tables.append((_zero_rows(keys, bad), _zero_rows(values, bad), bad))
+        bad = nonfinite_rows(keys, values)
+        tables.append((zero_rows(keys, bad), zero_rows(values, bad), bad))
     return tables, slots
 
 
@@ -153,19 +155,6 @@ def _band_part(band, start: Array, query_segment: Array, seq: int):
     mask = (token >= -before) & (lag >= 0) & (lag < window) & (row < seq)[:, None]
     mask = mask[None] & (key_segment[:, None, :] == query_segment[:, :, None])
     return keys, vals, mask, key_bad, False
-
-
-def _nonfinite_rows(keys: Array, values: Array | None) -> Bool[Array, "batch rows"]:
-    """Rows of ``keys`` (or of ``values``) holding a NaN or an Inf."""
-    bad = ~jnp.all(jnp.isfinite(keys), axis=-1)
-    return bad if values is None else bad | ~jnp.all(jnp.isfinite(values), axis=-1)
-
-
-def _zero_rows(x: Array | None, bad: Array) -> Array | None:
-    """``x`` with the rows flagged in ``bad`` (its leading axes) set to zero."""
-    if x is None:
-        return None
-    return jnp.where(bad.reshape(bad.shape + (1,) * (x.ndim - bad.ndim)), 0, x)
 
 
 def _attend(q, q_bad, parts, sinks, scale, return_lse, numerics=None):

@@ -21,6 +21,7 @@ import equinox as eqx
 
 from .._attention.auto import AutoAttention, AutoPicks
 from .._attention.base import AbstractAttentionKernel
+from .._attention.mosaic import MosaicAttention
 from .._attention.pallas import PallasAttention
 from .._attention.picks import AbstractPicks
 from .._attention.window import AbstractWindow, BandWindow
@@ -70,8 +71,9 @@ class Execution(eqx.Module):
     - ``window``: how V4 reads the sliding window (``BandWindow()``: a banded matmul,
         ``GatheredWindow()``: gathered token rows), in the forward and in ``extend``.
     - ``attention``: the attention kernel over what each query reads (``AutoAttention()``:
-        ``PallasAttention()`` on a GPU, else ``XlaAttention()``, the reference; for V3.2 under
-        ``DeepSeekInference``, DeepSeek's expanded MLA; any ``AbstractAttentionKernel``).
+        ``PallasAttention()`` on a GPU, ``MosaicAttention()`` on a TPU, else
+        ``XlaAttention()``, the reference; for V3.2 under ``DeepSeekInference``, DeepSeek's
+        expanded MLA; any ``AbstractAttentionKernel``).
     - ``qk_head_chunk_size``: indexer heads (and, for the KL target, attention heads) scored
         at once (0 = all); must divide ``index_n_heads`` (and ``num_heads`` when the
         indexer loss is on).
@@ -147,11 +149,12 @@ class Execution(eqx.Module):
             "must be None or a csa_eqx.TileSizes",
             self.tiles,
         )
+        fused = isinstance(self.attention, (PallasAttention, MosaicAttention))
         _require(
-            self.numerics.exact_softmax or not isinstance(self.attention, PallasAttention),
+            self.numerics.exact_softmax or not fused,
             "attention",
-            f"PallasAttention computes the exact softmax, not {type(self.numerics).__name__}'s "
-            "rounded one: use XlaAttention() or AutoAttention()",
+            f"{type(self.attention).__name__} computes the exact softmax, not "
+            f"{type(self.numerics).__name__}'s rounded one: use XlaAttention() or AutoAttention()",
             self.attention,
         )
         axis = self.indexer_heads_axis

@@ -169,7 +169,7 @@ class V32Attention(AbstractIndexedAttention):
         given = (x, qr, positions, index_keys, visibility, ex, self.formats)
         selection, problem, _ = self.indexer(*given)
         picks = None if stage == "dense" else selection
-        reads = entry_reads(ex.picks, keys, visibility, picks, keys[..., : c.kv_lora_rank])
+        reads = entry_reads(ex.picks, keys, visibility, picks, value_width=c.kv_lora_rank)
         expanded = nx.expanded_attention(self.formats)
         up = LatentUp(self.kv_b_proj, c.qk_nope_head_dim, c.v_head_dim, expanded)
         kernel = dict(numerics=nx, query_block=ex.query_block, tiles=ex.tiles)

@@ -146,8 +146,9 @@ class V41Attention(AbstractV4Attention):
         shared: V41Shared | None = None,
     ) -> tuple[Float[Array, "batch seq slots"], Int[Array, "batch seq k"]]:
         """As ``V4Attention.entry_attention``, for an index source (full or reindex), from the
-        state ``shared`` published before it (a consumer's mass is over its candidates)."""
-        return self._entry_attention(x, segment_ids, V41Shared() if shared is None else shared)
+        state ``shared`` published before it (a consumer's mass is over its candidates;
+        ``None`` or another layer kind's state: nothing published)."""
+        return self._entry_attention(x, segment_ids, self._state(shared))
 
 
 def _check_stack(layers: Sequence[V41Attention], xs) -> list:

@@ -105,8 +105,8 @@ class AbstractNumerics(eqx.Module):
     identity for ``ExactNumerics``.
 
     ``exact_softmax``: whether ``attention_max`` and ``attention_weights`` are the exact
-    softmax's (an attention kernel that fuses its own softmax, ``PallasAttention``, runs only
-    under such numerics)."""
+    softmax's (an attention kernel that fuses its own softmax, ``PallasAttention`` or
+    ``MosaicAttention``, runs only under such numerics)."""
 
     exact_softmax: ClassVar[bool] = True
 

@@ -38,10 +38,13 @@ def _rounded(x: Array, dtype) -> Array:
 
 
 def _score_heads(q: Array, w: Array, k: Array, score_dtype=None) -> Array:
-    acc = jnp.promote_types(q.dtype, jnp.float32)
-    logits = jnp.einsum("bshd,btd->bsht", q, k, preferred_element_type=acc)
+    # Both contractions at HIGHEST precision: float32 operands in float32 on a TPU (whose
+    # default takes bf16 passes), IEEE float32 on a GPU (not TF32); bf16 operands and the CPU
+    # are unchanged (tests/test_top_k_select.py).
+    acc, highest = jnp.promote_types(q.dtype, jnp.float32), jax.lax.Precision.HIGHEST
+    logits = jnp.einsum("bshd,btd->bsht", q, k, preferred_element_type=acc, precision=highest)
     if score_dtype is None:
-        return jnp.einsum("bsht,bsh->bst", jax.nn.relu(logits), w.astype(acc))
+        return jnp.einsum("bsht,bsh->bst", jax.nn.relu(logits), w.astype(acc), precision=highest)
     # as a bf16 einsum does: each head's logit and weighted logit rounded, the sum in float32
     rounded = jax.nn.relu(_rounded(logits, score_dtype))
     terms = _rounded(rounded * _rounded(w.astype(acc), score_dtype)[:, :, :, None], score_dtype)

@@ -1,11 +1,12 @@
 """The selection family's automatic choice (``AutoSelection``) and the rules it shares with the
 indexer loss's (``csa_eqx._loss.auto``): one size rule (``streams``) and one rule for V4.1's
-pre-filter (``filter_bites``). On a GPU the fused Pallas indexer
-(``csa_eqx._backend.kernel_platform``); elsewhere the dense, the streaming or the gathered top-k
+pre-filter (``filter_bites``). The fused indexer of the platform's kernels
+(``csa_eqx._backend.kernel_platform``: the Triton ``PallasSelection`` on a GPU, the Mosaic
+``MosaicSelection`` on a TPU); elsewhere the dense, the streaming or the gathered top-k
 (docs/memory.md, "Streaming top-k").
 Force a path by passing a concrete strategy instead (``DenseSelection()``,
-``StreamingSelection(...)``, ``GatheredSelection()``, ``PallasSelection(...)``) and tile sizes by
-``Execution(tiles=TileSizes(...))``.
+``StreamingSelection(...)``, ``GatheredSelection()``, ``PallasSelection(...)``,
+``MosaicSelection(...)``) and tile sizes by ``Execution(tiles=TileSizes(...))``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .candidate_source import (
 from .candidates import CandidateVisibility
 from .dense import DenseSelection
 from .gathered import GatheredSelection
+from .mosaic import MosaicSelection
 from .pallas import PallasSelection
 from .streaming import StreamingSelection
 
@@ -117,7 +119,8 @@ class DenseOrStreaming(eqx.Module):
 
 
 class AutoSelection(DenseOrStreaming, AbstractSelection):
-    """On a GPU (``kernel_platform``) the fused Pallas indexer, ``PallasSelection()``, for a
+    """The fused indexer of the platform's kernels (``kernel_platform``: ``PallasSelection()``
+    on a GPU, ``MosaicSelection()`` on a TPU where the problem's keys fit its VMEM) for a
     problem whose visibility has no biting V4.1 pre-filter. Otherwise dense while the largest
     score tensor ``[B, S, heads at once, T]`` fits one automatic tile
     (``SelectionProblem.tiles.elements``: 2^24 elements on CPU, 2^26 on accelerators), beyond
@@ -138,14 +141,18 @@ class AutoSelection(DenseOrStreaming, AbstractSelection):
     def strategy(self, problem: SelectionProblem) -> AbstractSelection:
         """**Arguments:** the ``problem``.
 
-        **Returns:** ``PallasSelection()`` on a GPU unless a V4.1 pre-filter bites, else
-        ``choose`` of its sizes, tiles and pre-filter (of the problem with a pre-filter that
-        cannot bite dropped).
+        **Returns:** unless a V4.1 pre-filter bites, ``PallasSelection()`` on a GPU and
+        ``MosaicSelection()`` on a TPU (where ``MosaicSelection.fits``); else ``choose`` of its
+        sizes, tiles and pre-filter (of the problem with a pre-filter that cannot bite
+        dropped).
         """
         problem = unfiltered(problem)
         filtered = filter_bites(problem.visibility, problem.keys.shape[1])
-        if not filtered and kernel_platform() == "gpu":
+        platform = None if filtered else kernel_platform()
+        if platform == "gpu":
             return PallasSelection()
+        if platform == "tpu" and MosaicSelection().fits(problem):
+            return MosaicSelection()
         return self.choose(*problem.sizes(), problem.tiles, filtered)
 
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
@@ -158,7 +165,8 @@ def candidate_source(selection: AbstractSelection, problem: SelectionProblem):
     itself; else the same strategy's (``DenseSelection``, ``StreamingSelection`` and
     ``GatheredSelection`` with their sizes), ``AutoSelection``'s choice for ``problem``, a
     split selection's (``ShardedSelection``) over its parts, each running its inner
-    strategy's; ``PallasSelection``'s blocks are not fused yet: streamed.
+    strategy's; the fused kernels' (``PallasSelection``, ``MosaicSelection``) blocks are not
+    fused yet: streamed.
 
     **Arguments:** the ``selection`` strategy and the candidate source's ``problem``.
 
@@ -177,7 +185,7 @@ def candidate_source(selection: AbstractSelection, problem: SelectionProblem):
         return StreamingCandidates(*sizes)
     if isinstance(selection, GatheredSelection):
         return GatheredCandidates(selection.query_block)
-    if isinstance(selection, PallasSelection):
+    if isinstance(selection, PallasSelection | MosaicSelection):
         return StreamingCandidates(query_block=selection.query_chunk)
     raise TypeError(
         f"{type(selection).__name__} cannot give a V4.1 candidate source its candidate blocks: "

@@ -49,9 +49,9 @@ class DenseCandidates(AbstractCandidateSource):
 
     def select_candidates(self, problem, k, topk_blocks, block_size):
         scores = problem.scores(*problem.queries(), problem.keys)
-        visible, unroll = problem.visibility.mask(), problem.tiles.unroll
-        selection = select_topk(scores, visible, k, unroll=unroll)
-        return selection, candidate_blocks(scores, visible, topk_blocks, block_size, unroll=unroll)
+        visible, topk = problem.visibility.mask(), problem.tiles.topk()
+        selection = select_topk(scores, visible, k, **topk)
+        return selection, candidate_blocks(scores, visible, topk_blocks, block_size, **topk)
 
 
 class StreamingCandidates(AbstractCandidateSource):

@@ -43,6 +43,7 @@ def block_top(
     topk_blocks: int,
     block_size: int,
     unroll: bool = False,
+    method: str = "radix",
 ) -> tuple[Float[Array, "batch seq {topk_blocks}"], Int[Array, "batch seq {topk_blocks}"]]:
     """The best ``topk_blocks`` blocks of a row buffer whose first slot, ``first_slot``, starts
     a block: each block scored by its best visible entry, the one holding ``newest`` (the
@@ -50,7 +51,8 @@ def block_top(
     entry; ties to the lower block (``exact_topk``).
 
     **Arguments:** float ``scores`` and ``visible`` ``[B, S, n]``, ``newest [B, S]``, the
-    buffer's ``first_slot`` (a multiple of ``block_size``), ``Nb``, ``bc`` and ``unroll``.
+    buffer's ``first_slot`` (a multiple of ``block_size``), ``Nb``, ``bc``, ``unroll`` and
+    ``method`` (``exact_topk``'s).
 
     **Returns:** ``(block scores, block ids)`` ``[B, S, Nb]`` in increasing id order,
     ``(-inf, -1)`` past the last: the running list ``_selection_streaming`` merges.
@@ -64,7 +66,7 @@ def block_top(
     ids = first + jnp.arange(nblk, dtype=jnp.int32)
     pinned = (newest >= 0)[..., None] & (ids == (newest // block_size)[..., None])
     best = jnp.where(pinned, jnp.inf, best)
-    val, pos = exact_topk(best, best > -jnp.inf, topk_blocks, unroll=unroll)
+    val, pos = exact_topk(best, best > -jnp.inf, topk_blocks, unroll=unroll, method=method)
     return val, jnp.where(pos >= 0, pos + first, -1)
 
 
@@ -75,6 +77,7 @@ def candidate_blocks(
     block_size: int,
     *,
     unroll: bool = False,
+    method: str = "radix",
 ) -> Int[Array, "batch seq {topk_blocks}"]:
     """V4.1's candidate pre-filter (docs/v41.md, "Candidates"), the dense reference: the entry
     slots in blocks of ``block_size``, each block scored by its best visible entry; per query
@@ -82,14 +85,14 @@ def candidate_blocks(
     blocks in all (ties to the lower block), never a block without a visible entry.
 
     **Arguments:** float index ``scores [B, S, T]``, their ``visible`` mask, ``Nb``, ``bc`` and
-    ``unroll`` (as for ``exact_topk``; same result).
+    ``unroll`` and ``method`` (as for ``exact_topk``; same result).
 
     **Returns:** int32 ``[B, S, Nb]``: the kept block ids in increasing order, ``-1`` past the
     last (``candidate_mask`` expands them to entries; the pinned block's slots past the query's
     newest visible one belong to it too, visibility still applies).
     """
     newest = newest_visible(visible)
-    return block_top(scores, visible, newest, 0, topk_blocks, block_size, unroll)[1]
+    return block_top(scores, visible, newest, 0, topk_blocks, block_size, unroll, method)[1]
 
 
 def candidate_mask(

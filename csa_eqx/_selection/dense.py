@@ -22,4 +22,4 @@ class DenseSelection(AbstractSelection):
 
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
         scores = problem.scores(*problem.queries(), problem.keys)
-        return select_topk(scores, problem.visibility.mask(), k, unroll=problem.tiles.unroll)
+        return select_topk(scores, problem.visibility.mask(), k, **problem.tiles.topk())

@@ -83,18 +83,18 @@ def gathered_topk(
     project, consts = jax.closure_convert(project, *block)
     rows, consts, keys = jax.lax.stop_gradient((rows, consts, keys))
     q_starts = block_starts(s, qb)
-    unroll = problem.tiles.unroll
+    topk = problem.tiles.topk()
 
     def query_block_body(i, outs):
         r0 = q_starts[i]
         qx, wx = project(*(take(r, r0, qb) for r in rows), *consts)
         slots = visibility.rows(r0, qb).slots()  # [B, Qb, n], -1 = none
         scores = problem.gathered_scores(qx, wx, gather_keys(keys, slots))
-        _, pos = exact_topk(scores, slots >= 0, k, unroll=unroll)
+        _, pos = exact_topk(scores, slots >= 0, k, **topk)
         picks = jnp.take_along_axis(slots, jnp.maximum(pos, 0), axis=-1)
         new = (jnp.where(pos >= 0, picks, -1),)
         if blocks is not None:
-            new += (_best_blocks(scores, slots, t, *blocks, unroll),)
+            new += (_best_blocks(scores, slots, t, *blocks, topk),)
         return tuple(
             jax.lax.dynamic_update_slice_in_dim(o, a, r0, 1) for o, a in zip(outs, new, strict=True)
         )
@@ -104,7 +104,7 @@ def gathered_topk(
 
 
 def _best_blocks(
-    scores: Array, slots: Array, entries: int, topk_blocks: int, block_size: int, unroll: bool
+    scores: Array, slots: Array, entries: int, topk_blocks: int, block_size: int, topk: dict
 ) -> Array:
     """The best ``Nb`` blocks of ``bc`` slots among a query block's gathered ``scores``
     (``csa_eqx.candidate_blocks``' rule: a block scores its best listed slot, the block of the
@@ -119,5 +119,5 @@ def _best_blocks(
     newest = jnp.max(jnp.where(listed, slots, -1), axis=-1) // block_size
     pinned = (newest >= 0)[..., None] & (jnp.arange(nblk) == newest[..., None])
     best = jnp.where(pinned, jnp.inf, best)
-    _, ids = exact_topk(best, best > -jnp.inf, topk_blocks, unroll=unroll)
+    _, ids = exact_topk(best, best > -jnp.inf, topk_blocks, **topk)
     return ids

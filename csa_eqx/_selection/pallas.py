@@ -37,8 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Int
 
-from .._blocks import block_starts, key_block_ranges, padded_keys, take
-from .._layout import Visibility
+from .._blocks import key_block_ranges
 from .._pallas import (
     MIN_DOT,
     barrier,
@@ -51,6 +50,7 @@ from .._pallas import (
 )
 from .._topk import _order_keys
 from .base import AbstractSelection, SelectionProblem
+from .row_chunks import kernel_row_chunks
 
 __all__ = ["PallasSelection"]
 
@@ -91,51 +91,17 @@ class PallasSelection(AbstractSelection):
             raise ValueError(f"PallasSelection.query_chunk must be an int >= 0 (got {v!r})")
 
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
-        if not isinstance(problem.visibility, Visibility):
-            raise TypeError(
-                "PallasSelection scores a plain Visibility; a V4.1 consumer's "
-                f"{type(problem.visibility).__name__} needs GatheredSelection (AutoSelection "
-                "chooses it)"
-            )
-        return _fused_topk(problem, k, self.query_block, self.key_block, self.query_chunk)
+        qb, kb = min(self.query_block, next_pow2(problem.sizes()[1], MIN_DOT)), self.key_block
+        buffer = (-(-k // kb) + 1) * kb
+        sizes = (k, qb, kb, buffer, problem.head_chunk, problem.score_dtype)
 
+        def kernel(q, w, keys, layout, query_index, query_segment):
+            return _select_rows(q, w, keys, query_index, query_segment, layout, sizes)
 
-def _fused_topk(problem: SelectionProblem, k: int, query_block, key_block, query_chunk):
-    """The selection of ``problem`` by the fused kernel, ``query_chunk`` rows per call."""
-    if k <= 0:
-        raise ValueError(f"k must be positive (got {k})")
-    project, rows, keys = problem.project, problem.rows, problem.keys
-    query_index, query_segment = problem.visibility.query_index, problem.visibility.query_segment
-    layout = problem.visibility.layout
-    b, s, h, d = jax.eval_shape(project, *rows)[0].shape
-    t = keys.shape[1]
-    if t == 0 or s == 0:
-        return jnp.full((b, s, k), -1, jnp.int32)
-    chunk = problem.head_chunk or h
-    if h % chunk:
-        raise ValueError(f"head_chunk={chunk} must divide the {h} indexer heads")
-    qb, kb = min(query_block, next_pow2(s, MIN_DOT)), key_block
-    buffer = (-(-k // kb) + 1) * kb
-    per_row = h * d + 2 * (buffer + kb)  # queries and candidate buffers of one row
-    rows_per_call = query_chunk or max(problem.tiles.elements // (b * per_row), qb)
-    rows_per_call = min(-(-rows_per_call // qb) * qb, s)  # whole blocks, or the sequence
-    # Integer output: nothing here is differentiated (closed-over parameters included).
-    like = [jax.ShapeDtypeStruct((r.shape[0], rows_per_call, *r.shape[2:]), r.dtype) for r in rows]
-    project, consts = jax.closure_convert(project, *like)
-    rows, consts, keys = jax.lax.stop_gradient((rows, consts, keys))
-    keys, layout = padded_keys(keys, layout, kb)
-    sizes = (k, qb, kb, buffer, chunk, problem.score_dtype)
-    starts = block_starts(s, rows_per_call)
-
-    def call(c, out):
-        r0 = starts[c]
-        qi, qs = take(query_index, r0, rows_per_call), take(query_segment, r0, rows_per_call)
-        q, w = project(*(take(r, r0, rows_per_call) for r in rows), *consts)
-        picks = _select_rows(q, w, keys, qi, qs, layout, sizes)
-        return jax.lax.dynamic_update_slice_in_dim(out, picks, r0, axis=1)
-
-    out = jnp.full((b, s, k), -1, jnp.int32)
-    return jax.lax.fori_loop(0, starts.shape[0], call, out)
+        chunks = dict(block=qb, key_block=kb, per_row=2 * (buffer + kb))
+        return kernel_row_chunks(
+            problem, k, kernel, "PallasSelection", **chunks, query_chunk=self.query_chunk
+        )
 
 
 def _select_rows(q, w, keys, qi, qs, layout, sizes):
@@ -144,6 +110,9 @@ def _select_rows(q, w, keys, qi, qs, layout, sizes):
     queries that see nothing."""
     k, qb, kb, buffer, chunk, score_dtype = sizes
     b, rows, h, d = q.shape
+    chunk = chunk or h
+    if h % chunk:
+        raise ValueError(f"head_chunk={chunk} must divide the {h} indexer heads")
     parts = feature_parts(d)
     width = sum(size for _, size in parts)
     dtype = jnp.promote_types(q.dtype, keys.dtype)

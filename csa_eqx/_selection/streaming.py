@@ -4,11 +4,12 @@ Queries are processed in blocks. For each query block a loop visits only the key
 can hold a visible entry (a dynamic trip count, so fully invisible tiles cost nothing under
 ``jit``) and scores each ``[B, Qb, Kb]`` tile with the problem's scorer
 (``SelectionProblem.scores``, head-chunked when asked) into a row buffer of ``topk_block``
-entries; each buffer gets one top-k, merged into the running top-k of each query. The buffer
-holds all entries unless ``[B, Qb, T]`` would pass the tile budget (``TileSizes.elements``:
-64 MiB of float32 on CPU), so at usual sizes there is one top-k per query row and no merge
-at all. Neither ``[B, H, S, T]`` nor ``[B, S, T]`` is ever formed: memory is linear in the
-sequence length.
+entries; each buffer gets one top-k (``exact_topk`` as the tiles' ``select`` says: the radix
+select, or on a TPU ``lax.top_k`` and a sort of the picks, with no gather), merged into the
+running top-k of each query. The buffer holds all entries unless ``[B, Qb, T]`` would pass the
+tile budget (``TileSizes.elements``: 64 MiB of float32 on CPU), so at usual sizes there is one
+top-k per query row and no merge loop at all. Neither ``[B, H, S, T]`` nor ``[B, S, T]`` is
+ever formed: memory is linear in the sequence length.
 The indexer queries are projected one query block at a time (``SelectionProblem.project``), so
 the ``[B, S, H, d]`` queries (the largest remaining tensor at V4 sizes) never exist either.
 
@@ -31,27 +32,18 @@ from jaxtyping import Array, Int
 
 from .._blocks import block_starts, key_block_ranges, padded_keys, take
 from .._tiles import streaming_block_sizes, topk_block_size
-from .._topk import exact_topk
+from .._topk import exact_topk, merge_topk
 from .base import AbstractSelection, SelectionProblem
 from .candidates import block_top, newest_visible
 
 __all__ = ["StreamingSelection", "stream_topk"]
 
 
-def _top_of(scores: Array, visible: Array, offset: Array, k: int, unroll: bool):
+def _top_of(scores: Array, visible: Array, offset: Array, k: int, topk: dict):
     """``(values, slots)`` of the ``k`` best visible scores of a row buffer whose first entry
-    is slot ``offset``, as ``exact_topk`` (``(-inf, -1)`` fill)."""
-    val, pos = exact_topk(scores, visible, k, unroll=unroll)
+    is slot ``offset``, as ``exact_topk`` with the ``topk`` keywords (``(-inf, -1)`` fill)."""
+    val, pos = exact_topk(scores, visible, k, **topk)
     return val, jnp.where(pos >= 0, pos + offset, -1)
-
-
-def _merge(running: tuple[Array, Array], new: tuple[Array, Array], k: int, unroll: bool):
-    """Top-k of two candidate lists; the running list holds the lower slots and comes first,
-    so ties keep it and the slots stay in increasing order."""
-    idx = jnp.concatenate([running[1], new[1]], axis=-1)
-    values = jnp.concatenate([running[0], new[0]], axis=-1)
-    val, pos = exact_topk(values, idx >= 0, k, unroll=unroll)
-    return val, jnp.where(pos >= 0, jnp.take_along_axis(idx, jnp.maximum(pos, 0), -1), -1)
 
 
 class StreamingSelection(AbstractSelection):
@@ -115,7 +107,7 @@ def stream_topk(
         problem.keys,
         problem.visibility,
     )
-    sizes, unroll = problem.tiles, problem.tiles.unroll
+    sizes, topk = problem.tiles, problem.tiles.topk()
     if k <= 0:
         raise ValueError(f"k must be positive (got {k})")
     b, s, h, _ = jax.eval_shape(project, *rows)[0].shape
@@ -156,21 +148,23 @@ def stream_topk(
             buffer = jax.lax.fori_loop(*tiles, tile, jnp.zeros((b, qb, group), jnp.float32))
             c0 = first * kb
             visible = seen.tile(c0, group)
-            tops = (_top_of(buffer, visible, c0, k, unroll),)
+            tops = (_top_of(buffer, visible, c0, k, topk),)
             if blocks is None:
                 return tops
-            return (*tops, block_top(buffer, visible, newest, c0, *blocks, unroll))
+            return (*tops, block_top(buffer, visible, newest, c0, *blocks, **topk))
 
         def merge(g, running):
             new = group_top(g)
             return tuple(
-                _merge(r, n, w, unroll) for r, n, w in zip(running, new, widths, strict=True)
+                merge_topk(r, n, w, **topk) for r, n, w in zip(running, new, widths, strict=True)
             )
 
-        # Groups before lo hold nothing visible; the first needed one starts the running list.
+        # Groups before lo hold nothing visible; the first needed one starts the running list
+        # (with one group, the whole row buffer, there is nothing to merge: no merge loop).
         g_lo, g_hi = lo[i] // tiles_per_group, -(-hi[i] // tiles_per_group)
         running = group_top(jnp.minimum(g_lo, last_group))
-        running = jax.lax.fori_loop(g_lo + 1, g_hi, merge, running)
+        if last_group > 0:
+            running = jax.lax.fori_loop(g_lo + 1, g_hi, merge, running)
         return tuple(
             jax.lax.dynamic_update_slice_in_dim(o, r[1], r0, axis=1)
             for o, r in zip(outs, running, strict=True)
