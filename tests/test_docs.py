@@ -139,6 +139,22 @@ def test_every_block_runs_or_says_why_not(page):
     jax.clear_caches()
 
 
+def test_readme_links_resolve():
+    """README.md is not part of the site (whose links ``mkdocs build --strict`` checks): each of
+    its relative links names a file of the checkout and, with ``#anchor``, one of that page's
+    headings (the site's anchors: python-markdown's ``toc`` slugs)."""
+    from markdown.extensions.toc import slugify
+
+    links = re.findall(r"\]\((?!https?:)([^)#]*)(?:#([^)]*))?\)", (ROOT / "README.md").read_text())
+    assert len(links) > 5
+    for path, anchor in links:
+        page = ROOT / (path or "README.md")
+        assert page.exists(), f"README.md links {path}, which does not exist"
+        if anchor:
+            headings = re.findall(r"^#+ (.+?)\s*$", page.read_text(), re.M)
+            assert anchor in {slugify(h, "-") for h in headings}, f"README.md: {path}#{anchor}"
+
+
 def test_home_page_examples_run():
     ns = run_page("docs/index.md")
     assert ns["y"].shape == (2, 32, 64)
@@ -196,6 +212,16 @@ def test_scaling_examples_run():
     want_y, want_aux = run(single, ns["x_hp"])
     np.testing.assert_array_equal(ns["aux_hp"]["selection"], want_aux["selection"])
     np.testing.assert_allclose(np.asarray(ns["y_hp"]), want_y, rtol=1e-5, atol=1e-5)
+
+
+def test_v41_examples_run():
+    """docs/v41.md's stack runs: the by-hand calls give the stack's layer-2 output, and the
+    stack under context x head parallelism (4 x 2 devices) the single-device outputs."""
+    ns = run_python_blocks("v41.md")
+    np.testing.assert_allclose(ns["y2"], ns["ys"][2], rtol=1e-6, atol=1e-6)
+    assert len(ns["ys_sharded"]) == len(ns["ys"]) == 6
+    for got, want in zip(ns["ys_sharded"], ns["ys"], strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def test_training_recipe_trains():
