@@ -240,7 +240,11 @@ class AbstractIndexedAttention(eqx.Module):
         and the chunk reads what the forward reads: the entries through the execution's
         ``picks`` and V4's sliding window through its ``window`` over ``[ring ; chunk]`` rows
         (``BandRows(history=...)``). It runs on one device: an execution with head or context
-        parallelism is refused (``ValueError``).
+        parallelism is refused (``ValueError``). A chunk that would take a row past the cache's
+        ``max_length`` raises ``decode cache overflow: ...``, naming the cache, its
+        ``max_length`` and the fix: a ``ValueError`` when the rows' lengths are concrete, else
+        at run time (``equinox.EquinoxRuntimeError`` under ``eqx.filter_jit``: compile
+        ``extend`` with it, not ``jax.jit``).
 
         **Arguments:**
 

@@ -79,20 +79,22 @@ def checked_now(*values: object) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext() if traced else jax.ensure_compile_time_eval()
 
 
-def require(value: Array, bad: Bool[Array, " batch"], message: str, given: ArrayLike) -> Array:
+def require(
+    value: Array, bad: Bool[Array, " batch"], message: str, given: ArrayLike, label: str = ""
+) -> Array:
     """``value``, checked for no ``bad`` row: a ``ValueError`` now (showing ``given``, or its
-    first bad row) when ``bad`` is concrete (computed under ``checked_now`` from concrete
-    values), else an ``eqx.error_if`` at run time. The run-time check guards a scalar zero that
-    is added to ``value``: what leaves the callback's device is that scalar, not ``value`` (a
-    broadcast XLA makes quietly; a sharded ``value`` through the callback would be gathered on
-    one device and sent back, an "involuntary full rematerialization")."""
+    first bad row, after ``label``) when ``bad`` is concrete (computed under ``checked_now``
+    from concrete values), else an ``eqx.error_if`` at run time. The run-time check guards a
+    scalar zero that is added to ``value``: what leaves the callback's device is that scalar,
+    not ``value`` (a broadcast XLA makes quietly; a sharded ``value`` through the callback
+    would be gathered on one device and sent back, an "involuntary full rematerialization")."""
     if isinstance(bad, jax.core.Tracer):
         return value + eqx.error_if(jnp.zeros((), value.dtype), jnp.any(bad), message)
     bad, given = np.asarray(bad), np.asarray(given)
     if bad.any():
         row = int(np.argmax(bad))
         shown = f"row {row}: {given[row]}" if given.ndim > 1 else str(given)
-        raise ValueError(f"{message} (got {shown})")
+        raise ValueError(f"{message} (got {label}{shown})")
     return value
 
 
