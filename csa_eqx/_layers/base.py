@@ -99,8 +99,11 @@ class AbstractIndexedAttention(eqx.Module):
         after this layer; then, with ``return_aux``, the aux dict: ``aux["selection"]`` int32
         ``[B, S, index_topk]`` in increasing order (V4 / V4.1: entry slots, V3.2: token
         indices; ``-1`` = none; a V4.1 reuse layer's is the one it inherits; ``None`` for a
-        layer that reads no selection) and ``aux["indexer_loss"]`` a float32 scalar (``None``
-        when the stage is ``"off"`` or the layer runs no indexer of its own).
+        layer that reads no selection) and ``aux["indexer_loss"]`` a float32 scalar, or
+        ``None`` when the stage is ``"off"`` (the default ``Execution.indexer_loss``) or the
+        layer runs no indexer of its own: then no loss reaches the indexer, and ``task +
+        aux["indexer_loss"]`` raises a ``TypeError``; ask for ``indexer_loss="dense"`` or
+        ``"sparse"`` to train it (docs/training.md).
 
         The execution's placement runs it (``Execution.heads`` / ``context``): ``shared``
         crosses it as carried state.
