@@ -50,3 +50,23 @@ def gpu_lowering(fn, *args) -> str:
 def tpu_lowering(fn, *args):
     """``jax.jit(fn)`` lowered for a TPU (no TPU needed; nothing is compiled)."""
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
+
+
+def kernel_dots(fn, *args) -> set[tuple[str, str]]:
+    """``(operand dtype, precision)`` of every ``dot_general`` inside a Pallas kernel's body in
+    ``jax.make_jaxpr(fn)(*args)``, traced under ``jax.default_matmul_precision("highest")``
+    (where a dot left at ``precision=None`` takes ``HIGHEST``, which Mosaic refuses for
+    bfloat16 operands)."""
+    with jax.default_matmul_precision("highest"):
+        jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    dots = set()
+    for eqn in walk_eqns(jaxpr):
+        if eqn.primitive.name != "pallas_call":
+            continue
+        for sub in jaxprs_in_params(eqn.params):
+            for dot in walk_eqns(sub):
+                if dot.primitive.name == "dot_general":
+                    precision = dot.params["precision"]
+                    name = str(precision[0] if isinstance(precision, tuple) else precision)
+                    dots.add((str(dot.invars[0].aval.dtype), name))
+    return dots

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_helpers import assert_close
-from jaxpr_helpers import gpu_lowering, tpu_lowering
+from jaxpr_helpers import gpu_lowering, kernel_dots, tpu_lowering
 
 import csa_eqx as ce
 from csa_eqx import MosaicAttention, presets
@@ -297,6 +297,20 @@ def test_forward_and_backward_lower_for_a_tpu(kind):
         backward = tpu_lowering(jax.grad(loss, argnums=(0, 1, 2)), *args).as_text()
         assert forward.count("tpu_custom_call") == 1
         assert backward.count("tpu_custom_call") == 2
+
+
+def test_dot_precisions_are_explicit():
+    """Every dot of the forward and backward kernels names its precision, so a caller's
+    ``jax.default_matmul_precision("highest")`` cannot reach it: bfloat16 operands (the
+    released shapes' tables, the tiles pass's pick counts) at ``DEFAULT``, where ``HIGHEST``
+    makes Mosaic refuse the kernel on a TPU (``Bad lhs type``); float32 ones at ``HIGHEST``."""
+    loss, args = released("v4", MosaicAttention(), 256)
+    assert kernel_dots(jax.grad(loss, argnums=(0, 1, 2)), *args) == {("bfloat16", "DEFAULT")}
+    wide = [
+        jax.ShapeDtypeStruct(a.shape, jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args
+    ]
+    dots = kernel_dots(jax.grad(loss, argnums=(0, 1, 2)), *wide)
+    assert dots == {("bfloat16", "DEFAULT"), ("float32", "HIGHEST")}
 
 
 def configs(kind: str, kernel: MosaicAttention, s: int, entries: int = 0):

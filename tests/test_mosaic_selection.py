@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxpr_helpers import gpu_lowering, tpu_lowering, walk_avals
+from jaxpr_helpers import gpu_lowering, kernel_dots, tpu_lowering, walk_avals
 from test_pallas_selection import problem, selections, v4_case
 from test_topk_reference import B, S, brute_force, fixed_case, layout_of
 
@@ -191,6 +191,18 @@ def test_lowers_for_a_tpu(dtype, heads, k, m, search, fields):
     strategy = ce.MosaicSelection(search=search)
     select, args = lowering_case(dtype, heads, k, m, 4096, strategy, **fields)
     assert tpu_lowering(select, *args).as_text().count("tpu_custom_call") == 1
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_dot_precisions_are_explicit(dtype):
+    """Every dot in the kernel names its precision, so a caller's
+    ``jax.default_matmul_precision("highest")`` cannot reach it: float32 scores at ``HIGHEST``,
+    bfloat16 dots (the scores of bf16 inputs, the compaction's rank) at ``DEFAULT``. Left to
+    the context, the bf16 rank dot took ``HIGHEST`` and Mosaic refused the float32 layer on a
+    TPU v5e (``Bad lhs type``, 2026-12-06)."""
+    select, args = lowering_case(dtype, 16, 512, 4, 1024, ce.MosaicSelection())
+    scores = "HIGHEST" if dtype == jnp.float32 else "DEFAULT"
+    assert kernel_dots(select, *args) == {("bfloat16", "DEFAULT"), (jnp.dtype(dtype).name, scores)}
 
 
 def test_refuses_other_platforms_small_blocks_and_too_many_keys():

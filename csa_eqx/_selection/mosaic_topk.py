@@ -119,6 +119,14 @@ def _count(mask: Array) -> Array:
     return jnp.sum(jnp.where(mask, 1.0, 0.0), axis=1, keepdims=True)
 
 
+def _precision(dtype) -> jax.lax.Precision:
+    """An in-kernel dot's precision, always explicit: ``HIGHEST`` for float32 operands,
+    ``DEFAULT`` for bfloat16 ones. Left as ``None`` it would follow
+    ``jax.default_matmul_precision``, and under ``"highest"`` Mosaic refuses a bfloat16 dot
+    (``Bad lhs type``: an fp32 contraction asked of bf16 operands, seen on a TPU v5e)."""
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
 def _tile_scores(q_ref, w_ref, keys, sizes) -> Float[Array, "qb kt"]:
     """Inside the kernel: one query block's scores against one key tile, formed as
     ``csa_eqx.indexer_scores`` forms them (per head ``ReLU(q.k) * w``; the head sum in chunks,
@@ -133,7 +141,7 @@ def _tile_scores(q_ref, w_ref, keys, sizes) -> Float[Array, "qb kt"]:
     """
     heads, chunk, group, bits = sizes
     qb, kt = w_ref.shape[1], keys.shape[0]
-    precision = jax.lax.Precision.HIGHEST if keys.dtype == jnp.float32 else None
+    precision = _precision(keys.dtype)
     zeros = jnp.zeros((qb, kt), jnp.float32)
     per_chunk = chunk // group
     dims = (((1,), (1,)), ((), ()))
@@ -305,7 +313,9 @@ def _make_kernel(k: int, search: str, sizes, blocks):
             index = first + lane
             pick = (keys > lo_b) | ((keys == lo_b) & (index <= last_b))
             ones = jnp.where(pick, 1.0, 0.0).astype(jnp.bfloat16)
-            rank = jnp.dot(ones, upper, preferred_element_type=jnp.float32).astype(jnp.int32)
+            rank = jnp.dot(
+                ones, upper, precision=_precision(ones.dtype), preferred_element_type=jnp.float32
+            ).astype(jnp.int32)
             n = rank[:, lanes - 1 : lanes]
             v = jnp.where(pick, ((lane + 1 - rank) << _INDEX_BITS) | index, _EMPTY)
             for b in range(steps):  # each pick left by its displacement, bit b
