@@ -209,16 +209,35 @@ def test_decode_step_traces_once(kind):
 
 
 def test_overflow_raises():
-    """Writing past max_length is an error (at trace time when the chunk alone is too long,
-    at run time under jit otherwise); nothing wraps around."""
+    """Writing past max_length is an error whose message names the cache, its max_length and
+    the fix (at trace time when the chunk alone is too long or the cache is concrete, at run
+    time under jit otherwise: readable under eqx.filter_jit, inside XLA's callback error under
+    jax.jit); nothing wraps around."""
     layer = make("csa")
     x = jnp.ones((1, 5, D))
+    says = (
+        "decode cache overflow",
+        "V4Cache's max_length=8",
+        "layer.init_cache(batch_size, max_length=...)",
+    )
     step = eqx.filter_jit(lambda m, x, c: m.extend(x, c))
     _, cache = step(layer, x, layer.init_cache(1, 8))
-    with pytest.raises(Exception, match="max_length"):
+    with pytest.raises(eqx.EquinoxRuntimeError) as caught:  # traced: the run-time check
         jax.block_until_ready(step(layer, x, cache))
-    with pytest.raises(ValueError, match="max_length"):
+    line = next(line for line in str(caught.value).splitlines() if says[0] in line)
+    assert line.startswith("equinox.EquinoxRuntimeError: decode cache overflow")
+    assert all(part in line for part in says), line
+    with pytest.raises(Exception) as caught:  # a plain jax.jit: the same text, wrapped
+        jax.block_until_ready(jax.jit(lambda m, x, c: m.extend(x, c))(layer, x, cache))
+    assert "INTERNAL: CpuCallback error" in str(caught.value)
+    assert all(part in str(caught.value) for part in says)
+    with pytest.raises(ValueError) as caught:  # a concrete cache: now, with the rows' lengths
+        layer.extend(x, cache)
+    assert all(part in str(caught.value) for part in says)
+    assert str(caught.value).endswith("(got row lengths [10])")
+    with pytest.raises(ValueError, match="a chunk of 9 tokens is longer than the V4Cache's"):
         layer.extend(jnp.ones((1, 9, D)), layer.init_cache(1, 8))
+    assert np.asarray(cache.length).tolist() == [5]
 
 
 def test_generate_matches_full_forward_argmax():

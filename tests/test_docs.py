@@ -1,14 +1,22 @@
 """The documentation builds with ``mkdocs build --strict`` (broken links, missing API objects and
-docstring warnings all fail), and the self-contained examples in the docs run."""
+docstring warnings all fail), every code block of README.md and the docs pages runs (or says
+why not) and prints what the page says it prints, and the examples compute what they claim."""
 
+import contextlib
+import io
 import os
 import re
 import subprocess
 import sys
+import tempfile
+import textwrap
 from pathlib import Path
+from typing import NamedTuple
 
 import equinox as eqx
+import jax
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,19 +45,118 @@ def test_mkdocs_build_strict(tmp_path):
     assert 'class="mermaid"' in (site / "concepts" / "index.html").read_text()
 
 
-def run_python_blocks(page: str) -> dict:
-    """Run the Python blocks of ``docs/<page>`` in order, in one namespace, as written."""
-    text = (ROOT / "docs" / page).read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert blocks, page
-    namespace: dict = {}
-    for block in blocks:
-        exec(compile(block, f"docs/{page}", "exec"), namespace)
+# Fenced blocks (docs/testing.md, "The docs test"): every ```python block of README.md and
+# docs/**/*.md runs, in page order, in one namespace per page (in a fresh working directory);
+# a ```text block right after an `<!-- output -->` marker must equal what the python block
+# before it printed; any block right after `<!-- not run: REASON -->` is skipped for that
+# stated reason; every other block with a shell language must carry such a marker; ```text and
+# ```mermaid blocks are output and diagrams, not code.
+FENCE = re.compile(r"^([ ]*)```([\w+-]*)[^\n]*\n(.*?)^\1```[ ]*$", re.S | re.M)
+MARKER = re.compile(r"<!--\s*(not run|output)\s*:?\s*(.*?)\s*-->\s*$", re.S)
+SHELL = {"bash", "sh", "shell", "console"}
+PAGES = ["README.md"] + sorted(
+    str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md") if "site" not in p.parts
+)
+
+
+class Block(NamedTuple):
+    lang: str
+    body: str
+    line: int
+    marker: str | None  # "not run" / "output" / None
+    reason: str
+
+
+def blocks(page: str) -> list[Block]:
+    """The fenced blocks of ``page`` with the marker (and reason) right before each."""
+    text = (ROOT / page).read_text()
+    out = []
+    for m in FENCE.finditer(text):
+        before = text[: m.start()].rstrip()
+        marker = MARKER.search(before[-400:])
+        kind, reason = (marker.group(1), marker.group(2)) if marker else (None, "")
+        body = textwrap.dedent(m.group(3))
+        out.append(Block(m.group(2), body, text.count("\n", 0, m.start()) + 1, kind, reason))
+    return out
+
+
+_RUNS: dict[str, dict] = {}
+
+
+def run_page(page: str) -> dict:
+    """Run the python blocks of ``page`` (as the module docstring says) once per test process;
+    **Returns:** the namespace, and ``"__outputs__"``: each block's printed text by line."""
+    if page in _RUNS:
+        return _RUNS[page]
+    namespace: dict = {"__name__": "__docs__"}
+    outputs = {}
+    cwd = os.getcwd()
+    os.chdir(tempfile.mkdtemp(prefix="docs-"))
+    try:
+        for block in blocks(page):
+            if block.lang != "python" or block.marker == "not run":
+                continue
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                exec(compile(block.body, f"{page}:{block.line}", "exec"), namespace)
+            outputs[block.line] = printed.getvalue()
+    finally:
+        os.chdir(cwd)
+    namespace["__outputs__"] = outputs
+    _RUNS[page] = namespace
     return namespace
 
 
+def run_python_blocks(page: str) -> dict:
+    """The namespace of ``docs/<page>``'s python blocks, run once (``run_page``)."""
+    return run_page(f"docs/{page}")
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_block_runs_or_says_why_not(page):
+    """Every fenced block of the page is run (python), checked (an output block against what
+    the block before it printed), a diagram or output text, or skipped with a stated reason."""
+    found = blocks(page)
+    for block in found:
+        where = f"{page}:{block.line} ({block.lang or 'no language'})"
+        assert block.lang, f"{where}: a fenced block needs a language (python, text, bash, ...)"
+        if block.marker == "not run":
+            assert block.reason, f"{where}: '<!-- not run -->' must state its reason"
+        elif block.lang in SHELL:
+            raise AssertionError(f"{where}: a shell block must be run or say why not")
+    if not any(b.lang == "python" and b.marker != "not run" for b in found):
+        return
+    outputs = run_page(page)["__outputs__"]
+    last = None
+    for block in found:
+        if block.lang == "python" and block.marker != "not run":
+            last = block
+        if block.marker == "output":
+            assert last is not None, f"{page}:{block.line}: an output block follows no python"
+            assert outputs[last.line].strip() == block.body.strip(), (
+                f"{page}:{block.line}: the block at line {last.line} printed\n{outputs[last.line]}"
+            )
+    jax.clear_caches()
+
+
+def test_readme_links_resolve():
+    """README.md is not part of the site (whose links ``mkdocs build --strict`` checks): each of
+    its relative links names a file of the checkout and, with ``#anchor``, one of that page's
+    headings (the site's anchors: python-markdown's ``toc`` slugs)."""
+    from markdown.extensions.toc import slugify
+
+    links = re.findall(r"\]\((?!https?:)([^)#]*)(?:#([^)]*))?\)", (ROOT / "README.md").read_text())
+    assert len(links) > 5
+    for path, anchor in links:
+        page = ROOT / (path or "README.md")
+        assert page.exists(), f"README.md links {path}, which does not exist"
+        if anchor:
+            headings = re.findall(r"^#+ (.+?)\s*$", page.read_text(), re.M)
+            assert anchor in {slugify(h, "-") for h in headings}, f"README.md: {path}#{anchor}"
+
+
 def test_home_page_examples_run():
-    ns = run_python_blocks("index.md")
+    ns = run_page("docs/index.md")
     assert ns["y"].shape == (2, 32, 64)
     selection = np.asarray(ns["aux"]["selection"])
     assert selection.shape == (2, 32, 4)
@@ -105,3 +212,26 @@ def test_scaling_examples_run():
     want_y, want_aux = run(single, ns["x_hp"])
     np.testing.assert_array_equal(ns["aux_hp"]["selection"], want_aux["selection"])
     np.testing.assert_allclose(np.asarray(ns["y_hp"]), want_y, rtol=1e-5, atol=1e-5)
+
+
+def test_v41_examples_run():
+    """docs/v41.md's stack runs: the by-hand calls give the stack's layer-2 output, and the
+    stack under context x head parallelism (4 x 2 devices) the single-device outputs."""
+    ns = run_python_blocks("v41.md")
+    np.testing.assert_allclose(ns["y2"], ns["ys"][2], rtol=1e-6, atol=1e-6)
+    assert len(ns["ys_sharded"]) == len(ns["ys"]) == 6
+    for got, want in zip(ns["ys_sharded"], ns["ys"], strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_training_recipe_trains():
+    """docs/training.md's three stages lower the task loss, keep the KL loss finite and, in the
+    indexer-only stage, change the indexer's parameters alone (its printed gradient claims are
+    checked as the page's output)."""
+    ns = run_page("docs/training.md")
+    history = ns["history"]
+    assert [h[0] for h in history] == ["dense"] * 8 + ["indexer-only"] * 4 + ["sparse"] * 8
+    assert history[-1][1] < history[0][1]
+    assert all(np.isfinite(h[2]) for h in history)
+    frozen = [h[1] for h in history if h[0] == "indexer-only"]
+    assert max(frozen) - min(frozen) < 1e-6  # the task loss does not move with the rest frozen

@@ -315,3 +315,37 @@ def test_from_options_refuses_a_field_naming_its_spelling(fields, spelled):
     assert csa_eqx.Execution(save_selection=True) == csa_eqx.Execution.from_options(
         indexer_save_selection=True
     )
+
+
+# ---- value checks under a mesh (issue 46) -----------------------------------------------
+
+
+def test_value_checks_on_a_mesh_leave_nothing_on_one_device(capfd):
+    """A head-parallel layer on a data x tensor mesh, x split over data. Numpy segment ids that
+    the jitted call captures are checked when it is traced: no run-time check (host callback)
+    in the program, and a bad one raises the named ValueError then. Segment ids passed as an
+    argument keep the run-time check, which sends only a scalar from the callback's device: XLA
+    reports no involuntary full rematerialization for either program."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    hp = _layer("csa").with_execution(csa_eqx.Execution.from_options(head_parallel=True))
+    mesh = jax.make_mesh((2, 2), ("data", "tensor"))
+    seg = np.repeat(np.array([[0, 1, 2], [0, 0, 0]]), [3, 2, 3], axis=1)
+    bad = seg.copy()
+    bad[0, -1] = 0  # document 0 comes back
+    capfd.readouterr()
+    with jax.set_mesh(mesh):
+        x = jax.device_put(X, NamedSharding(mesh, P("data")))
+        captured = jax.jit(lambda m, x: m(x, segment_ids=seg)).lower(hp, x)
+        passed = jax.jit(lambda m, x, s: m(x, segment_ids=s)).lower(hp, x, seg)
+        captured.compile(), passed.compile()
+        with _raises(ValueError, "segment_ids must be contiguous runs", "row 0: [0 0 0 1 1 2 2 0]"):
+            jax.jit(lambda m, x: m(x, segment_ids=bad))(hp, x)
+        with _raises(ValueError, "lengths must be in 0..8", "[1 9]"):  # extend, one device
+            jax.jit(lambda m, x, c: m.extend(x, c, lengths=np.array([1, 9])))(
+                _layer("csa"), X, _layer("csa").init_cache(2, 32)
+            )
+    assert "callback" not in captured.as_text()
+    assert "callback" in passed.as_text()  # the run-time check, for values known only then
+    assert "Involuntary full rematerialization" not in capfd.readouterr().err

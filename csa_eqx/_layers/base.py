@@ -99,8 +99,11 @@ class AbstractIndexedAttention(eqx.Module):
         after this layer; then, with ``return_aux``, the aux dict: ``aux["selection"]`` int32
         ``[B, S, index_topk]`` in increasing order (V4 / V4.1: entry slots, V3.2: token
         indices; ``-1`` = none; a V4.1 reuse layer's is the one it inherits; ``None`` for a
-        layer that reads no selection) and ``aux["indexer_loss"]`` a float32 scalar (``None``
-        when the stage is ``"off"`` or the layer runs no indexer of its own).
+        layer that reads no selection) and ``aux["indexer_loss"]`` a float32 scalar, or
+        ``None`` when the stage is ``"off"`` (the default ``Execution.indexer_loss``) or the
+        layer runs no indexer of its own: then no loss reaches the indexer, and ``task +
+        aux["indexer_loss"]`` raises a ``TypeError``; ask for ``indexer_loss="dense"`` or
+        ``"sparse"`` to train it (docs/training.md).
 
         The execution's placement runs it (``Execution.heads`` / ``context``): ``shared``
         crosses it as carried state.
@@ -240,7 +243,11 @@ class AbstractIndexedAttention(eqx.Module):
         and the chunk reads what the forward reads: the entries through the execution's
         ``picks`` and V4's sliding window through its ``window`` over ``[ring ; chunk]`` rows
         (``BandRows(history=...)``). It runs on one device: an execution with head or context
-        parallelism is refused (``ValueError``).
+        parallelism is refused (``ValueError``). A chunk that would take a row past the cache's
+        ``max_length`` raises ``decode cache overflow: ...``, naming the cache, its
+        ``max_length`` and the fix: a ``ValueError`` when the rows' lengths are concrete, else
+        at run time (``equinox.EquinoxRuntimeError`` under ``eqx.filter_jit``: compile
+        ``extend`` with it, not ``jax.jit``).
 
         **Arguments:**
 

@@ -2,15 +2,19 @@
 
 Every error names the argument, what was expected and what was given, and is raised before any
 compute. Shapes and dtypes are checked at trace time (``TypeError`` / ``ValueError``); values
-(segment ids, ``lengths``) are checked right away when they are concrete (``ValueError``) and
-otherwise at run time inside ``jit`` through ``eqx.error_if``: ``equinox.EquinoxRuntimeError``
-under ``eqx.filter_jit`` or an eager call; under a plain ``jax.jit`` the same message arrives
-wrapped in an ``INTERNAL: CpuCallback error`` (use ``eqx.filter_jit`` to read it).
+(segment ids, ``lengths``) are checked right away, in Python, when they are concrete (numpy, a
+list, a jax array that is no tracer: also one that a jitted function captures), raising a
+``ValueError`` and leaving no check in the program (``checked_now``); traced values are checked
+at run time inside ``jit`` through ``eqx.error_if``: ``equinox.EquinoxRuntimeError`` under
+``eqx.filter_jit``; under a plain ``jax.jit`` the same message arrives wrapped in an
+``INTERNAL: CpuCallback error`` (use ``eqx.filter_jit`` to read it).
 
 Empty inputs (no rows or no tokens) are valid: they get empty outputs of the right shape.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import equinox as eqx
 import jax
@@ -19,7 +23,15 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike, Bool, Int, TypeCheckError
 
-__all__ = ["layer_inputs", "chunk_inputs", "empty_outputs", "readable", "ShapeCheckError"]
+__all__ = [
+    "layer_inputs",
+    "chunk_inputs",
+    "empty_outputs",
+    "readable",
+    "ShapeCheckError",
+    "checked_now",
+    "require",
+]
 
 
 class ShapeCheckError(TypeCheckError, ValueError):
@@ -50,16 +62,39 @@ def _int_array(value: ArrayLike, name: str, shape: tuple[int, ...], axes: str) -
     return value.astype(jnp.int32)
 
 
-def _require(value: Array, bad: Bool[Array, " batch"], message: str, given: ArrayLike) -> Array:
+def checked_now(*values: object) -> contextlib.AbstractContextManager:
+    """The context for checks of ``values``' contents: where no array in ``values`` is a
+    tracer, the checks run now, in Python (``jax.ensure_compile_time_eval``: even inside a
+    ``jit`` trace the arrays computed from them are concrete), so ``require`` raises at once and
+    the program holds no check; otherwise a no-op, and ``require`` checks at run time.
+
+    A run-time check is a host callback (``eqx.error_if``) that XLA places on one device
+    (``require``); a concrete value needs none.
+
+    **Arguments:** the values (pytrees: arrays, numpy arrays, caches, ``None``) the checks read.
+
+    **Returns:** ``jax.ensure_compile_time_eval()`` or a ``contextlib.nullcontext()``.
+    """
+    traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(values))
+    return contextlib.nullcontext() if traced else jax.ensure_compile_time_eval()
+
+
+def require(
+    value: Array, bad: Bool[Array, " batch"], message: str, given: ArrayLike, label: str = ""
+) -> Array:
     """``value``, checked for no ``bad`` row: a ``ValueError`` now (showing ``given``, or its
-    first bad row) when ``bad`` is concrete, else an ``eqx.error_if`` at run time."""
+    first bad row, after ``label``) when ``bad`` is concrete (computed under ``checked_now``
+    from concrete values), else an ``eqx.error_if`` at run time. The run-time check guards a
+    scalar zero that is added to ``value``: what leaves the callback's device is that scalar,
+    not ``value`` (a broadcast XLA makes quietly; a sharded ``value`` through the callback
+    would be gathered on one device and sent back, an "involuntary full rematerialization")."""
     if isinstance(bad, jax.core.Tracer):
-        return eqx.error_if(value, bad, message)
+        return value + eqx.error_if(jnp.zeros((), value.dtype), jnp.any(bad), message)
     bad, given = np.asarray(bad), np.asarray(given)
     if bad.any():
         row = int(np.argmax(bad))
         shown = f"row {row}: {given[row]}" if given.ndim > 1 else str(given)
-        raise ValueError(f"{message} (got {shown})")
+        raise ValueError(f"{message} (got {label}{shown})")
     return value
 
 
@@ -77,8 +112,8 @@ _CONTIGUOUS = "segment_ids must be contiguous runs, one per document (an id may 
 
 
 def _segments(seg: Int[Array, "batch seq"], given: ArrayLike) -> Int[Array, "batch seq"]:
-    seg = _require(seg, jnp.any(seg < 0, axis=1), "segment_ids must be >= 0", given)
-    return _require(seg, _reused_ids(seg), _CONTIGUOUS, given)
+    seg = require(seg, jnp.any(seg < 0, axis=1), "segment_ids must be >= 0", given)
+    return require(seg, _reused_ids(seg), _CONTIGUOUS, given)
 
 
 def layer_inputs(
@@ -96,7 +131,9 @@ def layer_inputs(
         positions = _int_array(positions, "positions", rows, "[batch, seq]")
     if segment_ids is not None:
         given = segment_ids
-        segment_ids = _segments(_int_array(segment_ids, "segment_ids", rows, "[batch, seq]"), given)
+        with checked_now(given):
+            seg = _int_array(given, "segment_ids", rows, "[batch, seq]")
+            segment_ids = _segments(seg, given)
     return x, positions, segment_ids
 
 
@@ -123,28 +160,37 @@ def chunk_inputs(
             f"x must have the cache's batch size {cache.length.shape[0]} "
             f"(got shape {tuple(x.shape)})"
         )
-    n = jnp.full((batch,), seq, jnp.int32)
     if lengths is not None:
         given = lengths
-        lengths = _int_array(lengths, "lengths", (batch,), "[batch]")
-        outside = (lengths < 0) | (lengths > seq)
-        lengths = _require(lengths, outside, f"lengths must be in 0..{seq} (the chunk)", given)
-        n = lengths
+        with checked_now(given):
+            lengths = _int_array(given, "lengths", (batch,), "[batch]")
+            outside = (lengths < 0) | (lengths > seq)
+            lengths = require(lengths, outside, f"lengths must be in 0..{seq} (the chunk)", given)
     if segment_ids is not None:
         given = segment_ids
-        seg = _int_array(segment_ids, "segment_ids", (batch, seq), "[batch, chunk]")
-        valid = jnp.arange(seq) < n[:, None]
-        seg = _require(seg, jnp.any(valid & (seg < 0), 1), "segment_ids must be >= 0", given)
-        # padded tokens repeat the last real id; a non-empty cache's last id comes first
-        last = jnp.take_along_axis(seg, jnp.maximum(n - 1, 0)[:, None], axis=1)
-        ids = jnp.where(valid, seg, last)
-        first = jnp.where(cache.length > 0, cache.segment, ids[:, 0])[:, None]
-        previous = jnp.concatenate([first, ids[:, :-1]], axis=1)
-        new = jnp.where(valid & (ids != previous), ids, -2)  # -2: matches nothing cached
-        seen = jnp.any(new[:, :, None] == cache.held_segments()[:, None, :], axis=(1, 2))
-        reused = _reused_ids(jnp.concatenate([first, ids], axis=1)) | seen
-        segment_ids = _require(seg, reused, _CONTIGUOUS + " across chunks", given)
+        with checked_now(given, lengths, cache):
+            segment_ids = _chunk_segments(cache, given, lengths, batch, seq)
     return x, lengths, segment_ids
+
+
+def _chunk_segments(
+    cache, given: ArrayLike, lengths: Int[Array, " batch"] | None, batch: int, seq: int
+) -> Int[Array, "batch seq"]:
+    """``chunk_inputs``' check of ``segment_ids`` (``given``) against ``cache`` and the
+    chunk's real tokens (``lengths``, ``None``: all ``seq``)."""
+    n = jnp.full((batch,), seq, jnp.int32) if lengths is None else lengths
+    seg = _int_array(given, "segment_ids", (batch, seq), "[batch, chunk]")
+    valid = jnp.arange(seq) < n[:, None]
+    seg = require(seg, jnp.any(valid & (seg < 0), 1), "segment_ids must be >= 0", given)
+    # padded tokens repeat the last real id; a non-empty cache's last id comes first
+    last = jnp.take_along_axis(seg, jnp.maximum(n - 1, 0)[:, None], axis=1)
+    ids = jnp.where(valid, seg, last)
+    first = jnp.where(cache.length > 0, cache.segment, ids[:, 0])[:, None]
+    previous = jnp.concatenate([first, ids[:, :-1]], axis=1)
+    new = jnp.where(valid & (ids != previous), ids, -2)  # -2: matches nothing cached
+    seen = jnp.any(new[:, :, None] == cache.held_segments()[:, None, :], axis=(1, 2))
+    reused = _reused_ids(jnp.concatenate([first, ids], axis=1)) | seen
+    return require(seg, reused, _CONTIGUOUS + " across chunks", given)
 
 
 def empty_outputs(

@@ -20,12 +20,14 @@ exactly what the full forward over the whole stream returns for those tokens (do
   token with ``(position + 1) % m == 0`` and is visible to that token. Its slot order is the
   closing order, so top-k ties still go to the earlier entry.
 * RoPE positions are the index inside the segment (the full forward's default positions).
-* Writing past ``max_length`` raises: a chunk longer than ``max_length`` at trace time
-  (``ValueError``), otherwise at run time through ``eqx.error_if`` (``EquinoxRuntimeError``
+* Writing past ``max_length`` raises, naming the cache, its ``max_length`` and the fix
+  (``init_cache`` with room for every token a row will hold): a chunk longer than
+  ``max_length``, or a concrete cache (an eager call) without room, at trace time
+  (``ValueError``); otherwise at run time through ``eqx.error_if`` (``EquinoxRuntimeError``
   under ``eqx.filter_jit``; a donated cache is then gone). Nothing wraps around or is silently
   dropped. Run ``extend`` under ``eqx.filter_jit``: under a plain ``jax.jit`` these run-time
-  errors (overflow, ``lengths`` or ``segment_ids`` values) arrive as an unreadable
-  ``INTERNAL: CpuCallback error``.
+  errors (overflow, ``lengths`` or ``segment_ids`` values) arrive inside an ``INTERNAL:
+  CpuCallback error`` (the message after ``_EquinoxRuntimeError:``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from jaxtyping import Array, ArrayLike, Bool, Int
 from .._entries.compressor import pool_windows
 from .._layout import EntryLayout
 from .cache import AbstractCache, CompressorState
+from .checks import checked_now, require
 
 __all__ = [
     "ChunkRows",
@@ -74,15 +77,25 @@ def chunk_rows(
     segment_ids: Int[ArrayLike, "batch seq"] | None,
 ) -> ChunkRows:
     """Segments, positions and stream indices of a chunk of ``seq`` tokens after ``cache``;
-    checks (static shapes, then at run time) that the chunk fits in ``max_length``."""
+    checks that the chunk fits in ``max_length`` (static shapes, then the rows' lengths: now
+    when they are concrete, else at run time)."""
+    cache_name = f"the {type(cache).__name__}'s max_length={cache.max_length}"
+    fix = (
+        "make the cache with room for every token a row will hold: "
+        "layer.init_cache(batch_size, max_length=...) (in generate: max_length=...)"
+    )
     if seq > cache.max_length:
         raise ValueError(
-            f"a chunk of {seq} tokens exceeds the cache's max_length {cache.max_length}"
+            f"decode cache overflow: a chunk of {seq} tokens is longer than {cache_name}; {fix}"
         )
     b = cache.length.shape[0]
     idx = jnp.arange(seq, dtype=jnp.int32)
-    n = jnp.full((b,), seq, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
-    n = jnp.clip(n, 0, seq)
+    with checked_now(cache.length, lengths):
+        n = jnp.full((b,), seq, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+        n = jnp.clip(n, 0, seq)
+        after = cache.length + n
+        message = f"decode cache overflow: a row would hold more tokens than {cache_name}; {fix}"
+        new_length = require(after, after > cache.max_length, message, after, "row lengths ")
     valid = idx < n[:, None]
     if segment_ids is None:
         seg = jnp.broadcast_to(cache.segment[:, None], (b, seq))
@@ -97,12 +110,6 @@ def chunk_rows(
     seg = jnp.where(valid, seg, -1)
     last = jnp.maximum(n - 1, 0)[:, None]
     some = n > 0
-    new_length = cache.length + n
-    new_length = eqx.error_if(
-        new_length,
-        new_length > cache.max_length,
-        f"decode cache overflow: a row would exceed max_length={cache.max_length}",
-    )
     return ChunkRows(
         valid=valid,
         segment=seg,

@@ -89,9 +89,11 @@ class Execution(eqx.Module):
         off); composes with ``context`` (one ``shard_map`` over both axes), a
         ``ShardedSelection`` over the same axis and the indexer loss; not with
         ``indexer_heads_axis``; ``extend`` refuses it.
-    - ``indexer_loss``: the default training stage of the indexer's KL loss: ``"off"``,
+    - ``indexer_loss``: the default training stage of the indexer's KL loss: ``"off"``
+        (the default: ``aux["indexer_loss"]`` is ``None`` and the indexer gets no gradient),
         ``"dense"`` (warm-up: all visible entries, attended densely too) or ``"sparse"``
-        (the selected entries). A call can override it (``layer(x, indexer_loss=...)``).
+        (the selected entries). A call can override it (``layer(x, indexer_loss=...)``;
+        docs/training.md).
     - ``numerics``: how the layer rounds: ``ExactNumerics()`` (the default, float32 reference)
         or ``DeepSeekInference(...)`` (DeepSeek's inference code; docs/numerics.md).
     - ``indexer_kl``: how the indexer's KL loss is computed when a stage trains it

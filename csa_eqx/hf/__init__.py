@@ -1,5 +1,6 @@
 """Load DeepSeek-V4 / V3.2 / V4.1 attention weights (state dicts or safetensors checkpoint
-folders).
+folders), and write V4 / V3.2 layers as such a folder (``save_v4_checkpoint``,
+``save_v32_checkpoint``).
 
 State-dict keys are the HF attention module's own parameter names (``q_a_proj.weight``,
 ``compressor.indexer.kv_proj.weight``, …). Checkpoint folders may use those names or
@@ -24,6 +25,9 @@ from ._names import v32_parameter_names as v32_parameter_names
 from ._names import v41_parameter_names as v41_parameter_names
 from ._safetensors_io import SafetensorsError as SafetensorsError
 from ._safetensors_io import read_safetensors as read_safetensors
+from ._safetensors_io import write_safetensors as write_safetensors
+from ._save import save_v4_checkpoint as save_v4_checkpoint
+from ._save import save_v32_checkpoint as save_v32_checkpoint
 from ._v41 import load_v41_attention as load_v41_attention
 from ._v41 import load_v41_attention_from_safetensors as load_v41_attention_from_safetensors
 from ._v41 import v41_config_from_hf as v41_config_from_hf
@@ -31,6 +35,9 @@ from ._v41 import v41_config_from_hf as v41_config_from_hf
 __all__ = [
     "SafetensorsError",
     "read_safetensors",
+    "write_safetensors",
+    "save_v4_checkpoint",
+    "save_v32_checkpoint",
     "v4_config_from_hf",
     "v4_parameter_names",
     "native_v4_name",

@@ -1,4 +1,4 @@
-"""A small, validating ``.safetensors`` reader (numpy + ``ml_dtypes``; never pickle).
+"""A small, validating ``.safetensors`` reader and a writer (numpy + ``ml_dtypes``; never pickle).
 
 A file is an 8-byte little-endian header length, a JSON header mapping tensor names to
 ``{"dtype", "shape", "data_offsets"}``, then the raw bytes. Every structural fault — a file too
@@ -19,7 +19,13 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-__all__ = ["SafetensorsError", "read_safetensors", "safetensors_header", "decode_e8m0"]
+__all__ = [
+    "SafetensorsError",
+    "read_safetensors",
+    "write_safetensors",
+    "safetensors_header",
+    "decode_e8m0",
+]
 
 DTYPES: dict[str, Any] = {
     "F64": np.float64,
@@ -147,3 +153,36 @@ def read_safetensors(path: str | Path, keep=lambda name: True) -> dict[str, np.n
             dtype = np.dtype(DTYPES[info["dtype"]])
             out[name] = np.frombuffer(data, dtype=dtype).reshape(info["shape"]).copy()
     return out
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray]) -> None:
+    """Write ``tensors`` to one ``.safetensors`` file (the layout ``read_safetensors`` reads:
+    the header length, the JSON header with each tensor's dtype, shape and byte range, then the
+    bytes in name order, little-endian, C order).
+
+    **Arguments:** the file's ``path`` and name -> numpy array (a dtype of ``DTYPES``:
+    ``TypeError`` naming the tensor otherwise).
+
+    **Returns:** ``None``.
+    """
+    codes = {np.dtype(v): k for k, v in DTYPES.items()}
+    header, chunks, offset = {}, [], 0
+    for name in sorted(tensors):
+        array = np.ascontiguousarray(tensors[name])
+        if array.dtype not in codes:
+            raise TypeError(f"tensor {name!r} has dtype {array.dtype}, which safetensors lacks")
+        data = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+        header[name] = {
+            "dtype": codes[array.dtype],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
+        chunks.append(data)
+        offset += len(data)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for data in chunks:
+            f.write(data)
