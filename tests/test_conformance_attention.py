@@ -142,7 +142,7 @@ def reference(kind, arrays, weights_round=None):
     keys, values, mask = gathered_rows(kind, np, zero["kv"], zero["entries"])
     sinks = None if kind == "v32" else a["sinks"]
     out, lse = attention_np(np, zero["q"], keys, values, mask, sinks, SCALE, weights_round)
-    _, bad, _ = gathered_rows(kind, np, bad_kv[..., None], bad_entries[..., None])
+    bad, _, _ = gathered_rows(kind, np, bad_kv[..., None], bad_entries[..., None])
     poisoned = (bad[..., 0] & mask).any(-1) | ~np.isfinite(a["q"]).all((2, 3))
     return np.where(poisoned[..., None, None], np.nan, out), np.where(poisoned[..., None], np.nan, lse)
 
