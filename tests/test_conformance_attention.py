@@ -11,7 +11,8 @@ float64 numpy for the outputs and as plain ``jnp`` for the reference gradient.
 
 Checks, each a test parametrised over ``MEMBERS`` (one jitted program per member computes
 them all), on every kind of ``Reads`` the layers build (V4 CSA's band with gathered or masked
-picks, HCA's band and dense entries, V3.2's MLA picks with their own values and no sink,
+picks, HCA's band and dense entries, V3.2's MLA picks (gathered, or its tokens masked to the
+picks) with their own values and no sink,
 ``extend``'s band with a history ring, the gathered window): outputs and ``lse``, gradients
 with respect to queries, keys, entries and sinks; packed documents of ragged lengths, a
 query that reads nothing (zeros, ``lse = -inf``); bf16 inputs; the kernel contract for
@@ -43,7 +44,8 @@ REFUSES = {
 
 B, S, H, D, W, T, K = 2, 11, 3, 8, 4, 6, 3
 SCALE, VDIM = 0.3, 5
-KINDS = ["csa-gathered", "csa-masked", "hca", "v32", "extend", "gathered-window"]
+KINDS = ["csa-gathered", "csa-masked", "hca", "v32", "v32-masked", "extend", "gathered-window"]
+MLA = ("v32", "v32-masked")  # values of their own (narrower), no sink
 R = np.random.default_rng(4301)
 SEG = np.asarray([[0] * 5 + [1] * 6, [0] * 11], np.int32)
 HISTORY = np.asarray([[-1, 0, 0], [0, 0, 0]], np.int32)  # extend's ring: one empty row
@@ -57,7 +59,7 @@ ARRAYS = {
     "entries": R.normal(size=(B, T, D)),
     "sinks": R.normal(size=H),
 }
-COTANGENT = {kind: R.normal(size=(B, S, H, VDIM if kind == "v32" else D)) for kind in KINDS}
+COTANGENT = {kind: R.normal(size=(B, S, H, VDIM if kind in MLA else D)) for kind in KINDS}
 LAYOUT = ce.EntryLayout(*(np.asarray(a)[:, :T] for a in ce.entry_layout(jnp.asarray(SEG), 2)))
 
 
@@ -76,6 +78,11 @@ def reads_of(kind, kv, entries):
     if kind == "v32":  # MLA: keys and (narrower) values differ; no sink
         tokens = jnp.where(picks >= 0, picks + W, -1)
         return ce.Reads((ce.GatheredRows(kv, tokens, kv[..., :VDIM] * 2.0),))
+    if kind == "v32-masked":  # the token rows as entries (m = 1), masked to the picks
+        keys = kv[:, W - 1 :]
+        tokens = ce.EntryLayout(index, seg, jnp.ones((B, S), bool))
+        dense = ce.DenseKeys(keys, tokens, index, seg, keys[..., :VDIM] * 2.0, picks)
+        return ce.Reads(dense=dense)
     if kind == "extend":
         band = ce.BandRows(kv, seg, W, jnp.asarray(HISTORY))
         return ce.Reads((ce.GatheredRows(entries, picks),), band=band)
@@ -104,6 +111,9 @@ def rows_read(kind):
                 rows = window + [("entries", j) for j in visible]
             elif kind == "v32":
                 rows = [("kv", int(j) + W) for j in PICKS[b, t] if j >= 0]
+            elif kind == "v32-masked":  # a picked token the query sees (its own, earlier)
+                seen = [j for j in PICKS[b, t] if 0 <= j <= t and SEG[b, j] == SEG[b, t]]
+                rows = [("kv", int(j) + W - 1) for j in sorted(seen)]
             else:  # extend: tokens t - W < p <= t, the ring's rows (p < 0) first in the table
                 for p in range(t - W + 1, t + 1):
                     own = HISTORY[b, p + W - 1] if p < 0 else SEG[b, p]
@@ -127,7 +137,7 @@ def gathered_rows(kind, xp, kv, entries):
             index[i, j], mask[i, j] = offsets[table] + row, True
     index, mask = index.reshape(B, S, n), mask.reshape(B, S, n)
     keys = xp.concatenate([tables["kv"], tables["entries"]], axis=1)
-    values = keys[..., :VDIM] * 2.0 if kind == "v32" else keys
+    values = keys[..., :VDIM] * 2.0 if kind in MLA else keys
     take = jax.vmap(lambda t, i: t[i]) if xp is jnp else (lambda t, i: t[np.arange(B)[:, None, None], i])
     return take(keys, index), take(values, index), mask
 
@@ -140,7 +150,7 @@ def reference(kind, arrays, weights_round=None):
     bad_entries = ~np.isfinite(a["entries"]).all(-1)
     zero = {k: np.where(np.isfinite(v), v, 0.0) for k, v in a.items()}
     keys, values, mask = gathered_rows(kind, np, zero["kv"], zero["entries"])
-    sinks = None if kind == "v32" else a["sinks"]
+    sinks = None if kind in MLA else a["sinks"]
     out, lse = attention_np(np, zero["q"], keys, values, mask, sinks, SCALE, weights_round)
     bad, _, _ = gathered_rows(kind, np, bad_kv[..., None], bad_entries[..., None])
     poisoned = (bad[..., 0] & mask).any(-1) | ~np.isfinite(a["q"]).all((2, 3))
@@ -164,7 +174,7 @@ def reference_grads():
     def formula(kind):
         def fn(arrays):
             keys, values, mask = gathered_rows(kind, jnp, arrays["kv"], arrays["entries"])
-            sinks = None if kind == "v32" else arrays["sinks"]
+            sinks = None if kind in MLA else arrays["sinks"]
             return attention_np(jnp, arrays["q"], keys, values, mask, sinks, SCALE)
 
         return fn
@@ -176,7 +186,7 @@ def reference_grads():
 
 def _attend(kernel, kind, arrays, numerics=None):
     reads = reads_of(kind, arrays["kv"], arrays["entries"])
-    sinks = None if kind == "v32" else arrays["sinks"]
+    sinks = None if kind in MLA else arrays["sinks"]
     kw = dict(return_lse=True, query_block=4, numerics=numerics)
     return kernel.attend(arrays["q"], reads, sinks, SCALE, **kw)
 
@@ -266,7 +276,7 @@ def test_outputs_and_lse(results, name, kind):
 def test_gradients(results, reference_grads, name, kind):
     grads, _ = results(name)[kind]
     for array, want in reference_grads[kind].items():
-        if kind == "v32" and array in ("entries", "sinks"):
+        if kind in MLA and array in ("entries", "sinks"):
             assert not np.asarray(grads[array]).any()
             continue
         assert np.abs(want).max() > 0, array

@@ -131,7 +131,13 @@ def outputs(name: str, params, vis, foreign, blocks, selection):
         return jax.value_and_grad(lambda p: loss(_problem(p, vis, **kw), TARGET, selection))(params)
 
     within = ce.CandidateVisibility.within(vis, blocks, 2)
+    no_entries = vis._replace(layout=ce.EntryLayout(*(a[:, :0] for a in vis.layout)))
+    target = TARGET._replace(keys=TARGET.keys[:, :0])
+    empty = jax.value_and_grad(
+        lambda p: loss(_problem(p, no_entries), target, None), allow_int=True
+    )({**params, "keys": params["keys"][:, :0]})
     return {
+        "no_entries": empty,
         "dense": run(vis),
         "sparse": run(vis, selection),
         "consumer": run(within),
@@ -223,7 +229,7 @@ def test_bf16_scores_would_move_the_loss(references):
 @pytest.mark.parametrize("name", MEMBERS)
 def test_no_candidate_anywhere(results, name):
     out = results(name, "nothing")
-    for stage in ("nothing", "nothing_sparse"):
+    for stage in ("nothing", "nothing_sparse", "no_entries"):
         value, grads = out[stage]
         assert value == 0.0, stage
         assert all((np.asarray(g) == 0).all() for g in jax.tree.leaves(grads)), stage

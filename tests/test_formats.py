@@ -220,6 +220,74 @@ def test_e4m3_scales_round_to_even_at_their_midpoints(mode):
     np.testing.assert_array_equal(got, _reference(x, 16, "fp4_e4m3"))
 
 
+def _beside_midpoints(fmt, amax, block, rng):
+    """Blocks led by ``amax`` (so each has the scale ``s`` that ``amax`` gives, by the
+    reference) holding values a few float32 steps from ``mid · s`` for the grid's midpoints
+    ``mid``: not exact multiples, picked where the exact quotient and a multiplication by the
+    rounded reciprocal ``x · fl(1 / s)`` round to different values of the format."""
+    (grid, pats), fmt_max = FORMATS[fmt][:2]
+    lead = np.zeros((1, block), np.float32)
+    lead[0, 0] = amax
+    s = _reference_quant(lead, block, fmt)[1][0, 0, 0]
+    mids = (grid[1:] + grid[:-1]) / 2
+    near = (np.concatenate([mids, -mids]) * np.float64(s)).astype(np.float32)
+    for _ in range(3):
+        near = np.concatenate([near, np.nextafter(near, np.inf), np.nextafter(near, -np.inf)])
+    near = np.unique(near[np.abs(near) < amax])
+    exact = _round_to(np.clip(near / s, -fmt_max, fmt_max), (grid, pats))
+    recip = _round_to(np.clip(near * (np.float32(1) / s), -fmt_max, fmt_max), (grid, pats))
+    tells = near[exact != recip]
+    assert len(tells) >= 4, (fmt, amax)
+    x = np.zeros((-(-len(tells) // (block - 1)), block), np.float32)
+    x[:, 0] = amax
+    x[:, 1:].reshape(-1)[: len(tells)] = rng.permutation(tells)
+    return x, s
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fmt", ["fp8_amax", "fp4_e4m3"])
+def test_quotients_beside_midpoints_are_the_exact_ones(fmt, mode):
+    """Block scales that are not powers of two, values a few float32 steps from a midpoint of
+    the format times the scale (not exact multiples: ``test_midpoints_round_to_even``'s are,
+    and there the exact quotient and ``x · fl(1 / scale)`` agree): the round trip is the
+    numpy reference's with the exact quotient, on values each picked where a quotient by the
+    rounded reciprocal rounds otherwise."""
+    block = 16 if fmt.startswith("fp4") else 32
+    rng = np.random.default_rng(12)
+    amaxes = [83.12991333007812, 3184.989990234375] if fmt == "fp8_amax" else [2.8125, 5.625]
+    for amax in amaxes:
+        x, s = _beside_midpoints(fmt, amax, block, rng)
+        assert np.log2(s) % 1  # not a power of two
+        got = _round_trip(fmt, x, block, mode)
+        np.testing.assert_array_equal(got, _reference(x, block, fmt), f"amax {amax}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_e4m3_scales_beside_their_midpoints_are_exact_quotients(mode):
+    """``amax`` a few float32 steps from ``6 · m`` for the E4M3 midpoints ``m`` (not exact
+    multiples of 6), picked where ``amax / 6`` and ``amax · fl(1 / 6)`` round to different E4M3
+    scales: the scale, hence the block, is the reference's (the exact quotient's)."""
+    grid, pats = FP8
+    mids = (grid[1:] + grid[:-1]) / 2
+    mids = mids[(mids >= 2.0**-9) & (mids < 448)]
+    base = (6 * mids).astype(np.float32)
+    near = np.concatenate([base] + [np.nextafter(base, base * d) for d in (0.5, 2.0)])
+    for _ in range(3):
+        near = np.concatenate([near, np.nextafter(near, np.inf), np.nextafter(near, -np.inf)])
+    near = np.unique(near)
+    exact = _round_to(near / np.float32(6), FP8)
+    recip = _round_to(near * (np.float32(1) / np.float32(6)), FP8)
+    amax = near[exact != recip]
+    assert len(amax) >= 4
+    x = np.zeros((len(amax), 16), np.float32)
+    x[:, 0] = amax
+    x[:, 1:] = amax[:, None] * np.linspace(-0.9, 0.9, 15, dtype=np.float32)
+    _, scales = _reference_quant(x, 16, "fp4_e4m3")
+    np.testing.assert_array_equal(scales[:, 0, 0], exact[exact != recip])
+    got = _round_trip("fp4_e4m3", x, 16, mode)
+    np.testing.assert_array_equal(got, _reference(x, 16, "fp4_e4m3"))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_the_issues_fp4_block(mode):
     """The block of issue 33: with E4M3 scale 0.46875, -0.5859375 / s = -1.25 and 1.171875 / s
