@@ -101,7 +101,9 @@ def rows_read(kind):
             picked = [("entries", int(j)) for j in PICKS[b, t] if j >= 0]
             window = [("kv", p) for p in range(max(t - W + 1, 0), t + 1) if SEG[b, p] == SEG[b, t]]
             visible = [
-                j for j in range(T) if 0 <= LAYOUT.end[b, j] <= t and LAYOUT.segment[b, j] == SEG[b, t]
+                j
+                for j in range(T)
+                if 0 <= LAYOUT.end[b, j] <= t and LAYOUT.segment[b, j] == SEG[b, t]
             ]
             if kind in ("csa-gathered", "gathered-window"):
                 rows = picked + window
@@ -138,7 +140,11 @@ def gathered_rows(kind, xp, kv, entries):
     index, mask = index.reshape(B, S, n), mask.reshape(B, S, n)
     keys = xp.concatenate([tables["kv"], tables["entries"]], axis=1)
     values = keys[..., :VDIM] * 2.0 if kind in MLA else keys
-    take = jax.vmap(lambda t, i: t[i]) if xp is jnp else (lambda t, i: t[np.arange(B)[:, None, None], i])
+    take = (
+        jax.vmap(lambda t, i: t[i])
+        if xp is jnp
+        else (lambda t, i: t[np.arange(B)[:, None, None], i])
+    )
     return take(keys, index), take(values, index), mask
 
 
@@ -154,7 +160,9 @@ def reference(kind, arrays, weights_round=None):
     out, lse = attention_np(np, zero["q"], keys, values, mask, sinks, SCALE, weights_round)
     bad, _, _ = gathered_rows(kind, np, bad_kv[..., None], bad_entries[..., None])
     poisoned = (bad[..., 0] & mask).any(-1) | ~np.isfinite(a["q"]).all((2, 3))
-    return np.where(poisoned[..., None, None], np.nan, out), np.where(poisoned[..., None], np.nan, lse)
+    return np.where(poisoned[..., None, None], np.nan, out), np.where(
+        poisoned[..., None], np.nan, lse
+    )
 
 
 def loss_of(fn, kind):
@@ -180,7 +188,9 @@ def reference_grads():
         return fn
 
     arrays = {k: jnp.asarray(v, jnp.float32) for k, v in ARRAYS.items()}
-    grads = jax.jit(lambda a: {k: jax.grad(loss_of(formula(k), k), has_aux=True)(a)[0] for k in KINDS})
+    grads = jax.jit(
+        lambda a: {k: jax.grad(loss_of(formula(k), k), has_aux=True)(a)[0] for k in KINDS}
+    )
     return jax.device_get(grads(arrays))
 
 
@@ -350,12 +360,16 @@ def test_auto_attention_runs_the_kernel_on_a_gpu_only(monkeypatch):
     assert ce.AutoAttention().choose() == ce.XlaAttention()
 
 
-@pytest.mark.parametrize("entries, chosen", [(4 * K, ce.MaskedPicks), (4 * K + 1, ce.GatheredPicks)])
+@pytest.mark.parametrize(
+    "entries, chosen", [(4 * K, ce.MaskedPicks), (4 * K + 1, ce.GatheredPicks)]
+)
 def test_auto_picks_at_its_ratio(entries, chosen):
     """``AutoPicks`` (``ratio = 4``) at ``T = 4k`` and ``4k + 1``: what it chooses, and the
     attention over its reads the formula's over each query's visible picks."""
     seg = np.zeros((B, S), np.int32)
-    end = np.where(np.arange(entries) < S, np.arange(entries), -1)[None].repeat(B, 0).astype(np.int32)
+    end = (
+        np.where(np.arange(entries) < S, np.arange(entries), -1)[None].repeat(B, 0).astype(np.int32)
+    )
     index = np.broadcast_to(np.arange(S, dtype=np.int32), (B, S))
     visible = (end[:, None, :] >= 0) & (end[:, None, :] <= index[..., None])
     picks = np.full((B, S, K), -1, np.int32)
@@ -364,7 +378,9 @@ def test_auto_picks_at_its_ratio(entries, chosen):
         picks[b, t, : len(slots)] = slots
     entries_ = R.normal(size=(B, entries, D)).astype(np.float32)
     q = R.normal(size=(B, S, H, D)).astype(np.float32)
-    layout = ce.EntryLayout(jnp.asarray(end), jnp.zeros_like(jnp.asarray(end)), jnp.asarray(end >= 0))
+    layout = ce.EntryLayout(
+        jnp.asarray(end), jnp.zeros_like(jnp.asarray(end)), jnp.asarray(end >= 0)
+    )
     visibility = ce.Visibility(jnp.asarray(index), jnp.asarray(seg), layout)
     assert type(ce.AutoPicks().choose(entries, K)) is chosen
 

@@ -42,7 +42,9 @@ def _functional(problem, target, selection):
     else:
         hits = selection[..., None] == jnp.arange(problem.keys.shape[1])
         candidates = jnp.any(hits & (selection >= 0)[..., None], axis=-2)
-    return ce.indexer_kl_loss(*target[:3], scores, candidates, target.scale, head_chunk=problem.head_chunk)
+    return ce.indexer_kl_loss(
+        *target[:3], scores, candidates, target.scale, head_chunk=problem.head_chunk
+    )
 
 
 MEMBERS = {
@@ -74,7 +76,11 @@ def _f(*shape, scale=1.0):
     return (R.normal(size=shape) * scale).astype(np.float32)
 
 
-PARAMS = {"wq": _f(H_I * D_I, HIDDEN, scale=0.5), "ww": _f(H_I, HIDDEN, scale=3.0), "keys": _f(B, T, D_I)}
+PARAMS = {
+    "wq": _f(H_I * D_I, HIDDEN, scale=0.5),
+    "ww": _f(H_I, HIDDEN, scale=3.0),
+    "keys": _f(B, T, D_I),
+}
 X, Q, ENTRIES, LSE = _f(B, S, HIDDEN), _f(B, S, H, D), _f(B, T, D), _f(B, S, H) + 2.0
 VISIBLE = visible_np(QI, QSEG, np.asarray(LAYOUT.end), np.asarray(LAYOUT.segment))
 _noise = np.where(VISIBLE, R.random(VISIBLE.shape), -1.0)
@@ -259,7 +265,9 @@ def test_auto_loss_chooses_by_size_and_filter(elements, nb, chosen):
     within = ONE_VISIBLE & in_blocks_np(blocks, 2, T)
     if nb == 5:
         assert (within != ONE_VISIBLE).any()
-    vis = ce.CandidateVisibility.within(_visibility(np.zeros_like(QSEG), ONE_DOC), jnp.asarray(blocks), 2)
+    vis = ce.CandidateVisibility.within(
+        _visibility(np.zeros_like(QSEG), ONE_DOC), jnp.asarray(blocks), 2
+    )
     tiles = ce.TileSizes(elements=elements)
     params = {k: jnp.asarray(v) for k, v in PARAMS.items()}
     p = _problem(params, vis, tiles=tiles)

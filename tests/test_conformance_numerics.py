@@ -85,7 +85,9 @@ def kv_np(numerics, kv, formats):
     if isinstance(numerics, ce.ExactNumerics):
         return kv
     pow2 = numerics.scale_fmt is not None
-    nope, rope = (kv, kv[..., :0]) if formats.kv_channels == "all" else (kv[..., :-ROPE], kv[..., -ROPE:])
+    nope, rope = (
+        (kv, kv[..., :0]) if formats.kv_channels == "all" else (kv[..., :-ROPE], kv[..., -ROPE:])
+    )
     fp8 = numerics.kv_fp8 if formats.kv_fp8 is None else formats.kv_fp8
     if fp8:
         nope = _reference(nope, formats.kv_block, "fp8_pow2" if pow2 else "fp8_amax")
@@ -105,7 +107,9 @@ def indexer_np(numerics, v, formats):
         return v
     rotated = bf16(_fwht(v)) if formats.hadamard else v
     if formats.indexer == "fp8_e4m3":
-        return _reference(rotated, formats.indexer_block, "fp8_pow2" if numerics.scale_fmt else "fp8_amax")
+        return _reference(
+            rotated, formats.indexer_block, "fp8_pow2" if numerics.scale_fmt else "fp8_amax"
+        )
     return _reference(rotated, formats.indexer_block, "fp4_e8m0")
 
 
@@ -160,7 +164,11 @@ G = R.normal(size=(2, 3, 40)).astype(np.float32)
 def linear_np(numerics, x, weight):
     """``numerics.linear(x, weight)`` in numpy, for an array or the FP8 weight above."""
     if isinstance(numerics, ce.ExactNumerics):
-        w = W_VALUES * np.repeat(np.repeat(W_SCALE, 32, 0), 32, 1)[:40] if weight is WEIGHT else weight
+        w = (
+            W_VALUES * np.repeat(np.repeat(W_SCALE, 32, 0), 32, 1)[:40]
+            if weight is WEIGHT
+            else weight
+        )
         return x @ w.T
     if weight is not WEIGHT:  # bf16 product, float32 sums (exact here), one rounding
         return bf16(x.astype(np.float64) @ bf16(weight).T.astype(np.float64))
@@ -193,15 +201,21 @@ def outputs(numerics, formats: tuple[str, ...]):
         kv = jnp.asarray(KV[name], jnp.bfloat16)
         out[f"kv-{name}"] = numerics.kv(kv, ROPE, f).astype(jnp.float32)
         out[f"entries-{name}"] = numerics.entries(kv, ROPE, f).astype(jnp.float32)
-        out[f"indexer-{name}"] = numerics.indexer(jnp.asarray(INDEXER_V, jnp.bfloat16), f).astype(jnp.float32)
-        g = jnp.asarray(KV[name], jnp.float32) * 0.5 + 1.0
-        for hook in ("kv", "entries"):
-            fn = lambda x, hook=hook: jnp.sum(getattr(numerics, hook)(x, ROPE, f) * g)  # noqa: E731
-            out[f"grad-{hook}-{name}"] = jax.grad(fn)(jnp.asarray(KV[name], jnp.float32))
-        gi = jnp.asarray(INDEXER_V, jnp.float32) + 2.0
-        out[f"grad-indexer-{name}"] = jax.grad(lambda x: jnp.sum(numerics.indexer(x, f) * gi))(
-            jnp.asarray(INDEXER_V, jnp.float32)
+        out[f"indexer-{name}"] = numerics.indexer(jnp.asarray(INDEXER_V, jnp.bfloat16), f).astype(
+            jnp.float32
         )
+        x32, v32 = jnp.asarray(KV[name], jnp.float32), jnp.asarray(INDEXER_V, jnp.float32)
+        for hook in ("kv", "entries"):
+
+            def weighted(x, hook=hook, f=f, g=x32 * 0.5 + 1.0):
+                return jnp.sum(getattr(numerics, hook)(x, ROPE, f) * g)
+
+            out[f"grad-{hook}-{name}"] = jax.grad(weighted)(x32)
+
+        def weighted_indexer(x, f=f, g=v32 + 2.0):
+            return jnp.sum(numerics.indexer(x, f) * g)
+
+        out[f"grad-indexer-{name}"] = jax.grad(weighted_indexer)(v32)
         out[f"score_dtype-{name}"] = numerics.score_dtype(f)
         out[f"expanded-{name}"] = numerics.expanded_attention(f)
         for ratio in (1, 2, 4):
@@ -215,8 +229,12 @@ def outputs(numerics, formats: tuple[str, ...]):
     out["fp8-dtype"] = numerics.linear(x8, WEIGHT).dtype
     x8f = jnp.asarray(FP8_X)
     out["fp8-f32"] = numerics.linear(x8f, WEIGHT).astype(jnp.float32)
-    out["grad-fp8"] = jax.grad(lambda x: jnp.sum(numerics.linear(x, WEIGHT).astype(jnp.float32) * G))(x8f)
-    out["head_norm"] = numerics.head_norm(jnp.asarray(HEAD_Q, jnp.bfloat16), 1e-6).astype(jnp.float32)
+    out["grad-fp8"] = jax.grad(
+        lambda x: jnp.sum(numerics.linear(x, WEIGHT).astype(jnp.float32) * G)
+    )(x8f)
+    out["head_norm"] = numerics.head_norm(jnp.asarray(HEAD_Q, jnp.bfloat16), 1e-6).astype(
+        jnp.float32
+    )
     out["max"] = numerics.attention_max(jnp.asarray(PEAK), jnp.asarray(SINK))
     weights, divisor = numerics.attention_weights(jnp.asarray(P), jnp.asarray(DENOM))
     out["weights"], out["divisor"] = weights.astype(jnp.float32), divisor
@@ -251,7 +269,10 @@ def test_the_inputs_tell_right_from_wrong():
         assert (a != _reference(nope, f.kv_block, "fp8_pow2")).mean() > 0.3, name
     q, scale = _reference_quant(FP8_X, 32, "fp8_amax")
     assert (np.log2(scale) % 1 != 0).all() and (q == np.round(q)).all()
-    want = {rule: linear_np(MEMBERS[m], FP8_X, WEIGHT) for rule, m in (("a", "deepseek-amax"), ("p", "deepseek"))}
+    want = {
+        rule: linear_np(MEMBERS[m], FP8_X, WEIGHT)
+        for rule, m in (("a", "deepseek-amax"), ("p", "deepseek"))
+    }
     assert (want["a"] != want["p"]).mean() > 0.3
     assert (bf16(LIN_W) != LIN_W).mean() > 0.9  # the projection's weights round to bf16
 
@@ -292,7 +313,9 @@ def test_round_trips_pass_gradients_straight_through(results, name, formats):
     gi = INDEXER_V + 2.0
     rotates = f.hadamard and not isinstance(MEMBERS[name], ce.ExactNumerics)
     want = _fwht(gi) if rotates else gi
-    np.testing.assert_allclose(out[f"grad-indexer-{formats}"], want, rtol=0, atol=1e-6 * np.abs(want).max())
+    np.testing.assert_allclose(
+        out[f"grad-indexer-{formats}"], want, rtol=0, atol=1e-6 * np.abs(want).max()
+    )
 
 
 @pytest.mark.parametrize("formats", FORMATS)
@@ -401,6 +424,6 @@ def test_fp8_gemm_applies_the_product_of_its_two_scales():
     in_turn = np.zeros_like(want.reshape(-1, 40))
     w_scale = np.repeat(W_SCALE, 32, axis=0)[:40]
     for k in range(2):
-        part = (q.reshape(-1, 64)[:, k * 32 : (k + 1) * 32] @ W_VALUES[:, k * 32 : (k + 1) * 32].T)
+        part = q.reshape(-1, 64)[:, k * 32 : (k + 1) * 32] @ W_VALUES[:, k * 32 : (k + 1) * 32].T
         in_turn = in_turn + (part * q_scale.reshape(-1, 2)[:, k, None]) * w_scale[None, :, k]
     assert (in_turn.reshape(want.shape) != want).mean() > 0.05

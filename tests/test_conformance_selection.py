@@ -87,7 +87,11 @@ END = np.sort(R.integers(0, S, (B, T)), axis=1).astype(np.int32)
 END[:, 1::2] = -1  # every other slot empty
 SEG = np.where(END >= 0, np.take_along_axis(QS, np.maximum(END, 0), axis=1), -1).astype(np.int32)
 VISIBLE = visible_np(QI, QS, END, SEG)
-EXACT = (R.integers(-1, 2, (B, S, 2, 4)), R.integers(-2, 3, (B, S, 2)), R.integers(-1, 2, (B, T, 4)))
+EXACT = (
+    R.integers(-1, 2, (B, S, 2, 4)),
+    R.integers(-2, 3, (B, S, 2)),
+    R.integers(-1, 2, (B, T, 4)),
+)
 # bf16 must round: keys near one common key (large, close logits: bf16 ties them), weights
 # with 12 significant bits; one document per row, every slot filled
 _r = np.random.default_rng(2)
@@ -104,7 +108,11 @@ CS, NB, BC, CK = 23, 3, 4, 5
 CQI = np.broadcast_to(np.arange(CS, dtype=np.int32), (B, CS))
 CQS = np.zeros((B, CS), np.int32)
 CQS[:, 9:] = 1
-CAND = (R.integers(-1, 2, (B, CS, 2, 4)), R.integers(0, 3, (B, CS, 2)), R.integers(-1, 2, (B, CS, 4)))
+CAND = (
+    R.integers(-1, 2, (B, CS, 2, 4)),
+    R.integers(0, 3, (B, CS, 2)),
+    R.integers(-1, 2, (B, CS, 4)),
+)
 C_VISIBLE = visible_np(CQI, CQS, CQI, CQS)
 C_SCORES = scores_np(*CAND)
 C_BLOCKS = candidates_np(C_SCORES, C_VISIBLE, NB, BC)
@@ -171,7 +179,9 @@ def _run(name: str) -> dict:
     c_vis = ce.Visibility(jnp.asarray(CQI), jnp.asarray(CQS), layout(CQI, CQS))
     empty_vis = vis._replace(layout=layout(END[:, :0], SEG[:, :0]))
     args = (vis, b_vis, c_vis, jnp.asarray(C_BLOCKS), empty_vis)
-    flags = dict(scorer=(name, "scorer") not in EXCEPTIONS, consumer=(name, "consumer") not in REFUSES)
+    flags = dict(
+        scorer=(name, "scorer") not in EXCEPTIONS, consumer=(name, "consumer") not in REFUSES
+    )
     with jax.set_mesh(MESH) if name in SHARDED else contextlib.nullcontext():
         out = jax.device_get(outputs(strategy, *args, **flags))
         if not flags["consumer"]:
@@ -291,7 +301,11 @@ def test_no_entries(results, name):
 
 AS, AK = 23, 8  # one document of 23 entries in blocks of 4: ceil(23 / 4) = 6 blocks
 A_QI = np.broadcast_to(np.arange(AS, dtype=np.int32), (B, AS))
-A_ARGS = (R.integers(-1, 2, (B, AS, 2, 4)), R.integers(0, 3, (B, AS, 2)), R.integers(-1, 2, (B, AS, 4)))
+A_ARGS = (
+    R.integers(-1, 2, (B, AS, 2, 4)),
+    R.integers(0, 3, (B, AS, 2)),
+    R.integers(-1, 2, (B, AS, 4)),
+)
 A_VISIBLE = visible_np(A_QI, np.zeros_like(A_QI), A_QI, np.zeros_like(A_QI))
 A_SIZE = B * AS * AS * 2  # the dense score tensor [B, S, heads, T]
 
@@ -316,7 +330,9 @@ def test_auto_selection_chooses_by_size_and_filter(elements, nb, chosen):
     want = brute_topk(scores, within, AK)
     if nb == 5:  # the filter drops entries that would be picked without it
         assert (want != brute_topk(scores, A_VISIBLE, AK)).any()
-    base = ce.Visibility(jnp.asarray(A_QI), jnp.zeros((B, AS), jnp.int32), layout(A_QI, np.zeros_like(A_QI)))
+    base = ce.Visibility(
+        jnp.asarray(A_QI), jnp.zeros((B, AS), jnp.int32), layout(A_QI, np.zeros_like(A_QI))
+    )
     visibility = ce.CandidateVisibility.within(base, jnp.asarray(blocks), BC)
     tiles = ce.TileSizes(elements=elements)
     p = problem(*A_ARGS, visibility, tiles=tiles)
@@ -329,9 +345,13 @@ def test_auto_selection_chooses_by_size_and_filter(elements, nb, chosen):
 def test_auto_selection_takes_the_kernel_on_a_gpu_only(monkeypatch):
     """The backend boundary: the fused kernel on a GPU for a plain problem (not under a mesh
     the compiler shards), never for a biting V4.1 filter, never on a CPU or a TPU."""
-    base = ce.Visibility(jnp.asarray(A_QI), jnp.zeros((B, AS), jnp.int32), layout(A_QI, np.zeros_like(A_QI)))
+    base = ce.Visibility(
+        jnp.asarray(A_QI), jnp.zeros((B, AS), jnp.int32), layout(A_QI, np.zeros_like(A_QI))
+    )
     plain = problem(*A_ARGS, base)
-    bites = plain._replace(visibility=ce.CandidateVisibility.within(base, jnp.zeros((B, AS, 1), jnp.int32), BC))
+    bites = plain._replace(
+        visibility=ce.CandidateVisibility.within(base, jnp.zeros((B, AS, 1), jnp.int32), BC)
+    )
     auto = ce.AutoSelection()
     assert type(auto.strategy(plain)) is ce.DenseSelection  # CPU
     monkeypatch.setattr(choosers.jax, "default_backend", lambda: "gpu")

@@ -348,7 +348,7 @@ def test_stale_index_keys_by_value():
         )
         rule["position"] = s1
         assert pointer == rule["pointer"], s1
-    for i, held, want, got in checked:
+    for i, _, want, got in checked:
         assert (got is None) == (want is None), i
         if want is not None:
             np.testing.assert_array_equal(np.asarray(got), want, err_msg=str(i))

@@ -62,6 +62,17 @@ INDEPENDENT = {
         "numpy brute force"
     ),
     "tests/test_v41_layers.py::test_capacity_at_its_boundary": "numpy brute force",
+    # --- issue 43: the conformance suites and the value tests ---
+    "tests/test_conformance_scorer.py": "numpy formula of the scores (float64, bf16 model)",
+    "tests/test_conformance_selection.py": "numpy brute force",
+    "tests/test_conformance_loss.py": "numpy KL formula (float64)",
+    "tests/test_conformance_attention.py": "numpy softmax attention (float64)",
+    "tests/test_conformance_numerics.py": "numpy models of DeepSeek's arithmetic",
+    "tests/test_v41_layers.py::test_extend_stack_hook_sees_the_caches_so_far": (
+        "the documented contract (stand-in layers)"
+    ),
+    "tests/test_v41_layers.py::test_stale_index_keys_by_value": "the stale-key rule written out",
+    "tests/test_v41_layers.py::test_candidate_geometry_by_values": "numpy brute force",
 }
 
 
@@ -266,6 +277,119 @@ MUTATIONS = [
         "    up = ((bits & 0x7FFFFF) != 0).astype(jnp.int32)",
         "    up = jnp.zeros_like(exponent)",
         ("tests/test_formats.py",),
+    ),
+    # --- issue 43: the audit's list, and the bugs test docstrings name --------------------------
+    Mutation(
+        "pallas_scorer_grad_ignores_score_dtype",
+        "the Pallas scorer's backward differentiates the float32 scores, not the bf16 ones asked",
+        "csa_eqx/_scorer_pallas.py",
+        "    kw = dict(head_chunk=head_chunk, score_dtype=score_dtype)\n    _, vjp = jax.vjp(",
+        "    kw = dict(head_chunk=head_chunk, score_dtype=None)\n    _, vjp = jax.vjp(",
+        ("tests/test_conformance_scorer.py::test_bf16_gradients",),
+    ),
+    Mutation(
+        "pallas_head_weights_unrounded",
+        "the Pallas kernels' bf16 scores skip the rounding of the head weights DeepSeek does",
+        "csa_eqx/_pallas.py",
+        "term = rounded * w.astype(score_dtype).astype(jnp.float32)",
+        "term = rounded * w",
+        (
+            "tests/test_conformance_scorer.py::test_bf16_scores",
+            "tests/test_conformance_selection.py::test_bf16_scores_pick_as_bf16_rounds",
+        ),
+    ),
+    Mutation(
+        "xla_head_weights_unrounded",
+        "the reference scorer's bf16 scores skip the rounding of the head weights",
+        "csa_eqx/_scorer.py",
+        "_rounded(w.astype(acc), score_dtype)[:, :, :, None]",
+        "w.astype(acc)[:, :, :, None]",
+        ("tests/test_conformance_scorer.py::test_bf16_scores",),
+    ),
+    Mutation(
+        "fp8_scales_in_turn",
+        "the FP8 GEMM applies the activation's and the weight's scales one after the other",
+        "csa_eqx/_fp8_linear.py",
+        "return acc + part * (a_scale[:, None] * w_scale[None, :]), None",
+        "return acc + (part * a_scale[:, None]) * w_scale[None, :], None",
+        (
+            "tests/test_conformance_numerics.py::test_fp8_gemm_applies_the_product_of_its_two_scales",
+        ),
+    ),
+    Mutation(
+        "fp8_linear_ignores_scale_fmt",
+        "DeepSeekInference's FP8 projections quantise activations with power-of-two scales always",
+        "csa_eqx/_deepseek_numerics.py",
+        "return fp8_linear(x, weight, self._pow2)",
+        "return fp8_linear(x, weight, True)",
+        ("tests/test_conformance_numerics.py::test_projections",),
+    ),
+    Mutation(
+        "kv_ignores_scale_fmt",
+        "DeepSeekInference's KV round trip uses power-of-two scales always",
+        "csa_eqx/_deepseek_numerics.py",
+        "nope = fp8_e4m3_round_trip(nope, formats.kv_block, self._pow2, cast_to=through)",
+        "nope = fp8_e4m3_round_trip(nope, formats.kv_block, True, cast_to=through)",
+        ("tests/test_conformance_numerics.py::test_kv_round_trip",),
+    ),
+    Mutation(
+        "block_quotient_by_reciprocal",
+        "block quotients x / scale (amax and E4M3 scales) by a multiplication by 1 / scale",
+        "csa_eqx/_formats.py",
+        "else exact_divide(xb, scale)",
+        "else xb * (1.0 / scale)",
+        ("tests/test_formats.py",),
+    ),
+    Mutation(
+        "e4m3_scale_by_reciprocal",
+        "V4.1's E4M3 block scale amax / 6 by a multiplication by fl(1 / 6)",
+        "csa_eqx/_formats.py",
+        "scaled = jnp.minimum(exact_divide(amax, fmt_max), FP8_E4M3_MAX)",
+        "scaled = jnp.minimum(amax * np.float32(1.0 / fmt_max), FP8_E4M3_MAX)",
+        ("tests/test_formats.py",),
+    ),
+    Mutation(
+        "v41_filter_bites_floor",
+        "the automatic choices count a partial last candidate block out (floor(T / bc) blocks)",
+        "csa_eqx/_auto.py",
+        "    return -(-entries // visibility.block_size) > visibility.candidates.shape[-1]\n",
+        "    return entries // visibility.block_size > visibility.candidates.shape[-1]\n",
+        (
+            "tests/test_conformance_selection.py::test_auto_selection_chooses_by_size_and_filter",
+            "tests/test_conformance_loss.py::test_auto_loss_chooses_by_size_and_filter",
+        ),
+    ),
+    Mutation(
+        "extend_stack_hook_sees_old_caches",
+        "extend_stack's hook gets the caches as they were before the chunk",
+        "csa_eqx/_stack.py",
+        "before(i, x, new, shared)",
+        "before(i, x, caches, shared)",
+        ("tests/test_v41_layers.py::test_extend_stack_hook_sees_the_caches_so_far",),
+    ),
+    Mutation(
+        "stale_keys_padded_in_front",
+        "the stale-key emulation pads a shorter cache's keys at the front",
+        "csa_eqx/_v41.py",
+        "keys = jnp.pad(keys, [(0, 0), (0, max(slots - keys.shape[1], 0)), (0, 0)])",
+        "keys = jnp.pad(keys, [(0, 0), (max(slots - keys.shape[1], 0), 0), (0, 0)])",
+        ("tests/test_v41_layers.py::test_stale_index_keys_by_value",),
+    ),
+    Mutation(
+        "candidate_tile_offset_dropped",
+        "a V4.1 consumer's key tile maps its slots to blocks as if it started at a block",
+        "csa_eqx/_candidates.py",
+        "block = (start - first * bc + jnp.arange(width, dtype=jnp.int32)) // bc",
+        "block = jnp.arange(width, dtype=jnp.int32) // bc",
+        ("tests/test_v41_layers.py::test_candidate_geometry_by_values",),
+    ),
+    Mutation(
+        "problem_queries_drop_score_dtype",
+        "a problem rebuilt over its projected queries forgets its score dtype (sharded paths)",
+        "csa_eqx/_problem.py",
+        "return self._replace(project=_identity, rows=(q, weights))",
+        "return self._replace(project=_identity, rows=(q, weights), score_dtype=None)",
+        ("tests/test_conformance_selection.py::test_bf16_scores_pick_as_bf16_rounds",),
     ),
 ]
 
