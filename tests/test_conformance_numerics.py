@@ -434,3 +434,15 @@ def test_fp8_gemm_applies_the_product_of_its_two_scales():
     want = gemm_np(q, q_scale, values, scale, 32)
     got = jax.jit(fp8_product)(jnp.asarray(q.astype(E4M3)), jnp.asarray(q_scale), two)
     np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2**-22 * np.abs(want).max())
+
+
+def test_fp8_weight_checks_and_dequantizes():
+    """``values · scale`` tile by tile (the ragged last row tile included); a scale grid that
+    does not fit the tiles, or values that are not E4M3, are refused."""
+    full = np.repeat(np.repeat(W_SCALE, 32, 0), 32, 1)[:40]
+    np.testing.assert_array_equal(np.asarray(WEIGHT.dequantize()), W_VALUES * full)
+    assert WEIGHT.shape == (40, 32)
+    with pytest.raises(ValueError, match=r"scale has shape \(1, 1\), expected \(2, 1\)"):
+        ce.Fp8Weight(WEIGHT.values, WEIGHT.scale[:1], (32, 32))
+    with pytest.raises((TypeError, ValueError)):  # jaxtyping's check, or the module's own
+        ce.Fp8Weight(WEIGHT.values.astype(jnp.float32), WEIGHT.scale, (32, 32))

@@ -6,7 +6,10 @@ and FP4 E2M1 by the formats' definitions, rounds to the nearest representable va
 to the even pattern, divides with numpy's correctly rounded float32 division and applies
 DeepSeek's block-scale rules with ``np.frexp`` instead of the float32 bit manipulation the
 library uses. Every format and scale format is checked on quotients that land exactly on a
-midpoint (XLA would multiply by a rounded reciprocal and move them off it).
+midpoint (ties to even), and the formats whose block scales are not powers of two on values a
+few float32 steps beside a midpoint times the scale, each picked where the exact quotient and
+a multiplication by the rounded reciprocal (what XLA makes of a division by a broadcast) round
+to different values: on exact multiples of the scale the two agree.
 """
 
 import jax
@@ -192,7 +195,9 @@ def _midpoint_blocks(fmt, scale, block):
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_midpoints_round_to_even(fmt, mode):
     """Quotients exactly halfway between two values of the format go to the even pattern, for
-    every format and scale format, eager and jitted: the quotient is the exact one."""
+    every format and scale format, eager and jitted. (These values are exact multiples of
+    their scale, where a multiplication by the rounded reciprocal gives the same quotient:
+    ``test_quotients_beside_midpoints_are_the_exact_ones`` tells the two apart.)"""
     block = 16 if fmt.startswith("fp4") else 32
     for scale in MIDPOINT_SCALES[fmt]:
         x, want = _midpoint_blocks(fmt, scale, block)
@@ -205,8 +210,9 @@ def test_midpoints_round_to_even(fmt, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_e4m3_scales_round_to_even_at_their_midpoints(mode):
-    """``amax / 6`` exactly halfway between two E4M3 values rounds to the even one (the scale's
-    division is the exact one: a multiplication by ``fl(1/6)`` lands beside the midpoint)."""
+    """``amax / 6`` exactly halfway between two E4M3 values rounds to the even one. (An exact
+    multiple of 6 gives the same quotient by ``fl(1/6)``:
+    ``test_e4m3_scales_beside_their_midpoints_are_exact_quotients`` tells the two apart.)"""
     grid, pats = FP8
     mids = (grid[1:] + grid[:-1]) / 2
     even = np.where(pats[:-1] % 2 == 0, grid[:-1], grid[1:])

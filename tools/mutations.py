@@ -73,6 +73,9 @@ INDEPENDENT = {
     ),
     "tests/test_v41_layers.py::test_stale_index_keys_by_value": "the stale-key rule written out",
     "tests/test_v41_layers.py::test_candidate_geometry_by_values": "numpy brute force",
+    "tests/test_scorer.py::test_layer_selection_through_execution": (
+        "a negating scorer (the picks must change)"
+    ),
 }
 
 
@@ -390,6 +393,91 @@ MUTATIONS = [
         "return self._replace(project=_identity, rows=(q, weights))",
         "return self._replace(project=_identity, rows=(q, weights), score_dtype=None)",
         ("tests/test_conformance_selection.py::test_bf16_scores_pick_as_bf16_rounds",),
+    ),
+    Mutation(
+        "execution_scorer_ignored",
+        "the layers' selection problems score with the reference scorer, not Execution.scorer",
+        "csa_eqx/_execution.py",
+        "project, rows, keys, visibility, chunk, score_dtype, self.scorer, tiles",
+        "project, rows, keys, visibility, chunk, score_dtype, XlaScorer(), tiles",
+        ("tests/test_scorer.py::test_layer_selection_through_execution",),
+    ),
+    Mutation(
+        "streaming_scores_past_the_scorer",
+        "the streaming selection scores its tiles with the reference scorer, not the problem's",
+        "csa_eqx/_selection_streaming.py",
+        "scores = problem.scores(qx, wx, take(keys, j * kb, kb))",
+        'scores = problem._replace(scorer=problem._field_defaults["scorer"]).scores('
+        "qx, wx, take(keys, j * kb, kb))",
+        ("tests/test_conformance_selection.py::test_scores_through_the_problems_scorer",),
+    ),
+    Mutation(
+        "streaming_selection_differentiated",
+        "the streaming selection's inputs are not stop_gradient-ed (its loops get differentiated)",
+        "csa_eqx/_selection_streaming.py",
+        "    rows, consts, keys = jax.lax.stop_gradient((rows, consts, keys))\n"
+        "    keys, layout = padded_keys(keys, visibility.layout, group)",
+        "    keys, layout = padded_keys(keys, visibility.layout, group)",
+        ("tests/test_conformance_selection.py::test_picks_carry_no_gradient",),
+    ),
+    Mutation(
+        "xla_logits_unrounded",
+        "the reference scorer's bf16 scores skip the rounding of each head's logit",
+        "csa_eqx/_scorer.py",
+        "rounded = jax.nn.relu(_rounded(logits, score_dtype))",
+        "rounded = jax.nn.relu(logits)",
+        ("tests/test_conformance_scorer.py::test_bf16_scores",),
+    ),
+    Mutation(
+        "loss_rounds_scores",
+        "the dense indexer loss rounds its scores to the problem's score dtype",
+        "csa_eqx/_loss_dense.py",
+        "scores = problem.scorer.scores(*problem.project(*rows), keys, head_chunk=head_chunk)",
+        "scores = problem.scorer.scores(\n"
+        "            *problem.project(*rows), keys, head_chunk=head_chunk, "
+        "score_dtype=problem.score_dtype\n        )",
+        ("tests/test_conformance_loss.py::test_head_chunks_and_bf16_problems_keep_float32_scores",),
+    ),
+    Mutation(
+        "deepseek_probabilities_unrounded",
+        "DeepSeekInference's attention keeps float32 probabilities (no bf16 rounding)",
+        "csa_eqx/_deepseek_numerics.py",
+        "        return round_to(p, jnp.bfloat16), denominator",
+        "        return p, denominator",
+        ("tests/test_conformance_attention.py::test_deepseek_rounded_softmax",),
+    ),
+    Mutation(
+        "nonfinite_rows_not_flagged",
+        "the reference attention zeroes non-finite key rows without poisoning their readers",
+        "csa_eqx/_attention_xla.py",
+        "        poisoned |= jnp.any(mask & (bad if per_query else bad[:, None, :]), axis=-1)\n",
+        "",
+        ("tests/test_conformance_attention.py::test_nonfinite_rows_reach_only_their_readers",),
+    ),
+    Mutation(
+        "deepseek_linear_weight_unrounded",
+        "DeepSeekInference's bf16 projections multiply by the float32 weight (no bf16 rounding)",
+        "csa_eqx/_deepseek_numerics.py",
+        'y = jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype), preferred_element_type=acc)',
+        'y = jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=acc)',
+        ("tests/test_conformance_numerics.py::test_projections",),
+    ),
+    Mutation(
+        "compressor_ratio_boundary",
+        "DeepSeekInference keeps V4.1's ratio-2 compressor in bf16 too (<= for <)",
+        "csa_eqx/_deepseek_numerics.py",
+        "and ratio < formats.compressor_float32_ratio:",
+        "and ratio <= formats.compressor_float32_ratio:",
+        ("tests/test_conformance_numerics.py::test_what_the_layers_ask",),
+    ),
+    Mutation(
+        "round_to_by_astype",
+        "round_to as a plain cast (XLA drops a rounding upcast into a reduction under jit)",
+        "csa_eqx/_ops.py",
+        "        x = jax.lax.reduce_precision(x, exponent_bits=info.nexp, "
+        "mantissa_bits=info.nmant)\n",
+        "",
+        ("tests/test_formats.py::test_round_to_rounds_under_jit",),
     ),
 ]
 
