@@ -12,30 +12,29 @@ import numpy as np
 
 # --- every private name the suites use: the one place to retarget when modules move --------
 from csa_eqx import _auto as choosers  # the module whose jax.default_backend the choosers ask
-from csa_eqx._auto import (
-    ACCELERATOR_TILES,
-    attention_query_block,
-    expanded_query_block,
-    filter_bites,
-    streams,
-)
-from csa_eqx._candidates import block_top, candidate_slots
+from csa_eqx._auto import attention_query_block, filter_bites
+from csa_eqx._candidates import block_top
 from csa_eqx._fp8_linear import fp8_product
 from csa_eqx._numerics import V4_FORMATS, V32_FORMATS, V41_FORMATS
 
 __all__ = [
     "choosers",
-    "ACCELERATOR_TILES",
     "attention_query_block",
-    "expanded_query_block",
     "filter_bites",
-    "streams",
     "block_top",
-    "candidate_slots",
     "fp8_product",
     "V4_FORMATS",
     "V32_FORMATS",
     "V41_FORMATS",
+    "bf16",
+    "visible_np",
+    "scores_np",
+    "brute_topk",
+    "candidates_np",
+    "in_blocks_np",
+    "attention_np",
+    "kl_np",
+    "target_mass_np",
 ]
 
 
