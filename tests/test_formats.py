@@ -9,7 +9,7 @@ library uses. Every format and scale format is checked on quotients that land ex
 midpoint (ties to even), and the formats whose block scales are not powers of two on values a
 few float32 steps beside a midpoint times the scale, each picked where the exact quotient and
 a multiplication by the rounded reciprocal (what XLA makes of a division by a broadcast) round
-to different values: on exact multiples of the scale the two agree.
+to different values: on exact multiples of the scale the two mostly agree.
 """
 
 import jax
@@ -196,8 +196,10 @@ def _midpoint_blocks(fmt, scale, block):
 def test_midpoints_round_to_even(fmt, mode):
     """Quotients exactly halfway between two values of the format go to the even pattern, for
     every format and scale format, eager and jitted. (These values are exact multiples of
-    their scale, where a multiplication by the rounded reciprocal gives the same quotient:
-    ``test_quotients_beside_midpoints_are_the_exact_ones`` tells the two apart.)"""
+    their scale, where a multiplication by the rounded reciprocal moves only some quotients
+    off the midpoint, none for the ``amax / 448`` scales here:
+    ``test_quotients_beside_midpoints_are_the_exact_ones`` tells the two apart for every
+    scale rule that is not a power of two.)"""
     block = 16 if fmt.startswith("fp4") else 32
     for scale in MIDPOINT_SCALES[fmt]:
         x, want = _midpoint_blocks(fmt, scale, block)
@@ -210,8 +212,9 @@ def test_midpoints_round_to_even(fmt, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_e4m3_scales_round_to_even_at_their_midpoints(mode):
-    """``amax / 6`` exactly halfway between two E4M3 values rounds to the even one. (An exact
-    multiple of 6 gives the same quotient by ``fl(1/6)``:
+    """``amax / 6`` exactly halfway between two E4M3 values rounds to the even one. (On these
+    exact multiples of 6 a multiplication by ``fl(1/6)`` gives the same scales, since
+    ``6 · fl(1/6)`` is within ``2^-24`` of 1:
     ``test_e4m3_scales_beside_their_midpoints_are_exact_quotients`` tells the two apart.)"""
     grid, pats = FP8
     mids = (grid[1:] + grid[:-1]) / 2

@@ -341,7 +341,7 @@ MUTATIONS = [
         "csa_eqx/_formats.py",
         "else exact_divide(xb, scale)",
         "else xb * (1.0 / scale)",
-        ("tests/test_formats.py",),
+        ("tests/test_formats.py::test_quotients_beside_midpoints_are_the_exact_ones",),
     ),
     Mutation(
         "e4m3_scale_by_reciprocal",
@@ -349,7 +349,7 @@ MUTATIONS = [
         "csa_eqx/_formats.py",
         "scaled = jnp.minimum(exact_divide(amax, fmt_max), FP8_E4M3_MAX)",
         "scaled = jnp.minimum(amax * np.float32(1.0 / fmt_max), FP8_E4M3_MAX)",
-        ("tests/test_formats.py",),
+        ("tests/test_formats.py::test_e4m3_scales_beside_their_midpoints_are_exact_quotients",),
     ),
     Mutation(
         "v41_filter_bites_floor",
