@@ -173,6 +173,15 @@ MIDPOINT_SCALES = {
 }
 
 
+def _blocks_led_by(lead, values, block: int) -> np.ndarray:
+    """``values`` in blocks of ``block``, each block led by ``lead`` (zeros fill the last)."""
+    body = np.zeros(-(-len(values) // (block - 1)) * (block - 1))
+    body[: len(values)] = values
+    return np.concatenate(
+        [np.full((len(body) // (block - 1), 1), lead), body.reshape(-1, block - 1)], 1
+    )
+
+
 def _midpoint_blocks(fmt, scale, block):
     """Blocks holding every midpoint between neighbouring values of the grid (both signs) times
     ``scale``, each block led by ``fmt_max · scale`` so that its scale is ``scale``; and what
@@ -181,11 +190,8 @@ def _midpoint_blocks(fmt, scale, block):
     mids = (grid[1:] + grid[:-1]) / 2
     even = np.where(pats[:-1] % 2 == 0, grid[:-1], grid[1:])
     vals, want = np.concatenate([mids, -mids]), np.concatenate([even, -even])
-    n = -(-len(vals) // (block - 1))
-    x, expect = np.zeros((n, block)), np.zeros((n, block))
-    x[:, 0] = expect[:, 0] = fmt_max
-    x[:, 1:].reshape(-1)[: len(vals)] = vals
-    expect[:, 1:].reshape(-1)[: len(vals)] = want
+    x, expect = _blocks_led_by(fmt_max, vals, block), _blocks_led_by(fmt_max, want, block)
+    assert np.isin(mids, np.abs(x)).all()  # every midpoint is in the blocks
     x, expect = x * scale, expect * scale
     assert np.array_equal(x.astype(np.float32), x)  # the midpoints are exact float32 values
     return x.astype(np.float32), expect.astype(np.float32)
@@ -247,9 +253,8 @@ def _beside_midpoints(fmt, amax, block, rng):
     recip = _round_to(np.clip(near * (np.float32(1) / s), -fmt_max, fmt_max), (grid, pats))
     tells = near[exact != recip]
     assert len(tells) >= 4, (fmt, amax)
-    x = np.zeros((-(-len(tells) // (block - 1)), block), np.float32)
-    x[:, 0] = amax
-    x[:, 1:].reshape(-1)[: len(tells)] = rng.permutation(tells)
+    x = _blocks_led_by(amax, rng.permutation(tells), block).astype(np.float32)
+    assert np.isin(tells, x).all()
     return x, s
 
 

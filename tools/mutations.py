@@ -412,12 +412,12 @@ MUTATIONS = [
         ("tests/test_conformance_selection.py::test_scores_through_the_problems_scorer",),
     ),
     Mutation(
-        "streaming_selection_differentiated",
-        "the streaming selection's inputs are not stop_gradient-ed (its loops get differentiated)",
-        "csa_eqx/_selection_streaming.py",
+        "pallas_selection_differentiated",
+        "the fused indexer's inputs are not stop_gradient-ed (the kernel gets differentiated)",
+        "csa_eqx/_selection_pallas.py",
         "    rows, consts, keys = jax.lax.stop_gradient((rows, consts, keys))\n"
-        "    keys, layout = padded_keys(keys, visibility.layout, group)",
-        "    keys, layout = padded_keys(keys, visibility.layout, group)",
+        "    keys, layout = padded_keys(keys, layout, kb)",
+        "    keys, layout = padded_keys(keys, layout, kb)",
         ("tests/test_conformance_selection.py::test_picks_carry_no_gradient",),
     ),
     Mutation(
