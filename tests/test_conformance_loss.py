@@ -25,7 +25,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conformance import candidates_np, filter_bites, in_blocks_np, kl_np, target_mass_np, visible_np
+from conformance import (
+    bf16,
+    candidates_np,
+    filter_bites,
+    in_blocks_np,
+    kl_np,
+    scores_np,
+    target_mass_np,
+    visible_np,
+)
 
 import csa_eqx as ce
 
@@ -106,16 +115,20 @@ def scores_jnp(params, x):
     return jnp.einsum("bsh,bsht->bst", w, jnp.where(logits > 0, logits, 0.0)) * D_I**-0.5
 
 
-def reference(candidates, qseg=QSEG):
+def scores64() -> np.ndarray:
+    """The indexer scores of the inputs in float64, from the definition."""
+    p = {k: np.asarray(v, np.float64) for k, v in PARAMS.items()}
+    q = (X @ p["wq"].T).reshape(B, S, H_I, D_I)
+    return scores_np(q, X @ p["ww"].T * H_I**-0.5, p["keys"])
+
+
+MASS = target_mass_np(Q, ENTRIES, LSE, SCALE)
+
+
+def reference(candidates):
     """float64 loss and float32 reference gradient for ``candidates``."""
-    mass = target_mass_np(Q, ENTRIES, LSE, SCALE)
-    p64 = {k: np.asarray(v, np.float64) for k, v in PARAMS.items()}
-    q = (X.astype(np.float64) @ p64["wq"].T).reshape(B, S, H_I, D_I)
-    w = X.astype(np.float64) @ p64["ww"].T * H_I**-0.5
-    logits = np.einsum("bshd,btd->bsht", q, p64["keys"])
-    scores = np.einsum("bsh,bsht->bst", w, np.maximum(logits, 0)) * D_I**-0.5
-    value = kl_np(np, scores, mass, candidates)
-    grad = jax.grad(lambda p: kl_np(jnp, scores_jnp(p, jnp.asarray(X)), mass, candidates))(PARAMS)
+    value = kl_np(np, scores64(), MASS, candidates)
+    grad = jax.grad(lambda p: kl_np(jnp, scores_jnp(p, jnp.asarray(X)), MASS, candidates))(PARAMS)
     return value, jax.device_get(grad)
 
 
@@ -139,9 +152,9 @@ def outputs(name: str, params, vis, foreign, blocks, selection):
     within = ce.CandidateVisibility.within(vis, blocks, 2)
     no_entries = vis._replace(layout=ce.EntryLayout(*(a[:, :0] for a in vis.layout)))
     target = TARGET._replace(keys=TARGET.keys[:, :0])
-    empty = jax.value_and_grad(
-        lambda p: loss(_problem(p, no_entries), target, None), allow_int=True
-    )({**params, "keys": params["keys"][:, :0]})
+    empty = jax.value_and_grad(lambda p: loss(_problem(p, no_entries), target, None))(
+        {**params, "keys": params["keys"][:, :0]}
+    )
     return {
         "no_entries": empty,
         "dense": run(vis),
@@ -224,11 +237,7 @@ def test_head_chunks_and_bf16_problems_keep_float32_scores(results, references, 
 def test_bf16_scores_would_move_the_loss(references):
     """Scores rounded to bf16 change the loss well past the tolerance above (so a member that
     rounded them would fail)."""
-    from conformance import bf16
-
-    mass = target_mass_np(Q, ENTRIES, LSE, SCALE)
-    scores = np.asarray(jax.jit(scores_jnp)(PARAMS, jnp.asarray(X)), np.float64)
-    rounded = kl_np(np, bf16(scores).astype(np.float64), mass, VISIBLE)
+    rounded = kl_np(np, bf16(scores64()).astype(np.float64), MASS, VISIBLE)
     assert abs(rounded - references["dense"][0]) > 1e-4 * references["dense"][0]  # 10x rtol
 
 
@@ -275,9 +284,4 @@ def test_auto_loss_chooses_by_size_and_filter(elements, nb, chosen):
     assert filter_bites(vis, T) == (nb == 5)
     assert type(auto.choose(*auto.sizes(p, TARGET), tiles, nb == 5)) is chosen
     got = eqx.filter_jit(lambda p: auto.loss(p, TARGET))(p)
-    mass = target_mass_np(Q, ENTRIES, LSE, SCALE)
-    q = (X.astype(np.float64) @ PARAMS["wq"].T.astype(np.float64)).reshape(B, S, H_I, D_I)
-    w = X.astype(np.float64) @ PARAMS["ww"].T.astype(np.float64) * H_I**-0.5
-    logits = np.einsum("bshd,btd->bsht", q, PARAMS["keys"].astype(np.float64))
-    scores = np.einsum("bsh,bsht->bst", w, np.maximum(logits, 0)) * D_I**-0.5
-    np.testing.assert_allclose(float(got), kl_np(np, scores, mass, within), rtol=1e-5)
+    np.testing.assert_allclose(float(got), kl_np(np, scores64(), MASS, within), rtol=1e-5)
