@@ -12,8 +12,8 @@ float64 numpy for the outputs and as plain ``jnp`` for the reference gradient.
 Checks, each a test parametrised over ``MEMBERS`` (one jitted program per member computes
 them all), on every kind of ``Reads`` the layers build (V4 CSA's band with gathered or masked
 picks, HCA's band and dense entries, V3.2's MLA picks (gathered, or its tokens masked to the
-picks) with their own values and no sink,
-``extend``'s band with a history ring, the gathered window): outputs and ``lse``, gradients
+picks) with their own values and no sink, ``extend``'s band with a history ring, the gathered
+window): outputs and ``lse``, gradients
 with respect to queries, keys, entries and sinks; packed documents of ragged lengths, a
 query that reads nothing (zeros, ``lse = -inf``); bf16 inputs; the kernel contract for
 non-finite rows (NaN exactly for the queries that read them); DeepSeek's rounded softmax
