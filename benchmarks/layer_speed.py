@@ -62,8 +62,9 @@ def selection_stage(layer, x):
     layout = entry_layout(segment, layer.config.compress_rate)
     keys = layer.index_compressor(x, positions, layout)
     visibility = Visibility(positions, segment, layout)
-    problem = layer.indexer_problem(x, qr, positions, keys, visibility)
-    return layer.execution.select(problem, layer.config.index_topk)
+    ex, indexer = layer.execution, layer.indexer
+    problem = indexer.problem(x, qr, positions, keys, visibility, ex, layer.formats)
+    return indexer.select(problem, ex)
 
 
 FLOP_ROWS = (

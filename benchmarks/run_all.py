@@ -288,8 +288,9 @@ alone (`python -m benchmarks.<name>`); the command is given in each section.
   variants interleaved* (one call of each per round), and both the median and the minimum are
   reported; read ratios, not absolute seconds.
 - **GPU numbers** (an H200, fp32 and bf16) are on their own page, [Benchmarks (GPU)](
-  benchmarks_gpu.md), made by `python -m benchmarks.gpu_table` on a lent machine: this command
-  runs where it is started (here, the CPU).
+  benchmarks_gpu.md), made by `python -m benchmarks.accelerator_table` on a lent machine (it
+  makes the TPU page `benchmarks_tpu.md` too, "On a TPU" there): this command runs where it is
+  started (here, the CPU).
 - **V4 against V4.1** (an eight-layer attention-only stack each: compiled memory, CPU time) is
   in [DeepSeek-V4.1](v41.md), made by `python -m benchmarks.v41_stack`.
 

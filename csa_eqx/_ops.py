@@ -25,7 +25,7 @@ def round_to(x: Array, dtype) -> Array:
 
     **Arguments:** ``x`` (floating) and a floating ``dtype`` with IEEE semantics (bfloat16,
     float16, float32, float64: what ``lax.reduce_precision`` models; the FP8 / FP4 formats
-    round through ``csa_eqx._formats``).
+    round through ``csa_eqx._numerics.formats``).
 
     **Returns:** ``x`` rounded, in ``dtype`` (``x`` unchanged when it is no wider).
     """

@@ -1,4 +1,4 @@
-"""What the Pallas kernels share (``_scorer_pallas.py``, ``_selection_pallas.py``,
+"""What the Pallas kernels share (``_scorer/pallas.py``, ``_selection/pallas.py``,
 ``_attention_pallas.py``; docs/kernels.md): where they run, their Triton compiler parameters,
 the power-of-two shapes Triton needs and the in-kernel scoring of one tile.
 
@@ -12,12 +12,13 @@ row gathers nor per-lane scatters, has no interpret path for these ops, and its 
 model (warpgroup arrays, explicit shared-memory pipelines) would be a second kernel to prove
 without a device. The Triton backend is deprecated from JAX 0.11 (a warning on JAX 0.12; it
 still lowers), so the kernels are the ones to port when it goes. TPU (Mosaic) does not carry
-the design: it has no masked pointer gathers or scatters, so TPU stays on the XLA paths, and a
-kernel forced there refuses at lowering with a message naming it (``TPU_REFUSED``).
+the design: it has no masked pointer gathers or scatters, so a TPU runs kernels of its own
+(``MosaicSelection``, ``MosaicAttention``) or the XLA paths, and a Triton kernel forced there
+refuses at lowering with a message naming it (``TPU_REFUSED``).
 
 Every ``pallas_call`` passes Triton's ``CompilerParams`` (JAX 0.10 may otherwise pick Mosaic
 GPU) and runs in interpret mode when lowered for the CPU (``run_kernel``: a per-platform
-choice at lowering, so no module outside ``_auto.py`` asks for the backend). Triton needs
+choice at lowering, so no module outside ``_backend.py`` asks for the backend). Triton needs
 power-of-two block shapes and dots of at least 16 x 16 x 16: feature widths are split into
 power-of-two parts of at least 16 (``feature_parts``; zero padding leaves dots unchanged), head
 counts padded to a power of two of at least 16, and automatic tiles are at least 16 (tiles
@@ -32,8 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+
+from ._dispatch import refusal
 
 __all__ = [
     "run_kernel",
@@ -52,30 +53,9 @@ MIN_DOT = 16  # Triton's smallest dot side
 TPU_REFUSED = (
     "csa_eqx's Pallas kernel {name!r} is a Triton (GPU) kernel and cannot be lowered for a TPU: "
     "Mosaic TPU has none of its masked pointer gathers and scatters (docs/kernels.md). On a TPU "
-    "the automatic choices run the XLA paths; do not force PallasSelection, PallasAttention or "
-    "PallasScorer there."
+    "the automatic choices run the Mosaic kernels (MosaicSelection, MosaicAttention) or the XLA "
+    "paths; do not force PallasSelection, PallasAttention or PallasScorer there."
 )
-
-# A TPU's branch of ``run_kernel``: outputs of the kernel's shapes whose lowering refuses with
-# TPU_REFUSED. ``platform_dependent`` lowers only the branch of the platform lowered for, so a
-# CPU or GPU program never meets it (Pallas' own TPU lowering would fail on a bare assertion).
-_tpu_refused_p = Primitive("csa_eqx_kernel_refused_on_tpu")
-_tpu_refused_p.multiple_results = True
-_tpu_refused_p.def_abstract_eval(lambda *args, avals, message: avals)
-
-
-def _tpu_refused_lowering(ctx, *args, avals, message):
-    raise NotImplementedError(message)
-
-
-def _tpu_refused_batched(args, dims, *, avals, message):
-    size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
-    batched = tuple(a.update(shape=(size, *a.shape)) for a in avals)
-    return _tpu_refused_p.bind(*args, avals=batched, message=message), [0] * len(avals)
-
-
-mlir.register_lowering(_tpu_refused_p, _tpu_refused_lowering)
-batching.primitive_batchers[_tpu_refused_p] = _tpu_refused_batched
 
 
 def run_kernel(make_kernel, out_shape, grid, name: str, *args, aliases=None):
@@ -102,16 +82,10 @@ def run_kernel(make_kernel, out_shape, grid, name: str, *args, aliases=None):
             compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         )(*args)
 
-    def refused(*args):
-        flat, tree = jax.tree.flatten(out_shape)
-        avals = tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in flat)
-        out = _tpu_refused_p.bind(*args, avals=avals, message=TPU_REFUSED.format(name=name))
-        return jax.tree.unflatten(tree, out)
-
     return jax.lax.platform_dependent(
         *args,
         cpu=functools.partial(call, interpret=True),
-        tpu=refused,
+        tpu=refusal(out_shape, TPU_REFUSED.format(name=name)),
         default=functools.partial(call, interpret=False),
     )
 

@@ -22,6 +22,8 @@ __all__ = [
     "Rope",
     "rope_inv_freq",
     "yarn_mscale",
+    "yarn_attention_factor",
+    "yarn_table",
     "apply_rope_interleaved",
     "apply_rope_half_split",
 ]
@@ -82,6 +84,26 @@ def yarn_mscale(scaling: YaRNScaling | None) -> float:
 def _cos_sin(positions: Int[Array, "*pos"], inv_freq: np.ndarray, dtype):
     angles = positions.astype(dtype)[..., None] * jnp.asarray(inv_freq, dtype)
     return jnp.cos(angles), jnp.sin(angles)
+
+
+def yarn_attention_factor(scaling: YaRNScaling | None) -> float:
+    """YaRN's magnitude factor on the rotated channels (HF folds it into cos/sin; V3.2); 1 if
+    off."""
+    if scaling is None or scaling.factor <= 1:
+        return 1.0
+
+    def mscale(m: float) -> float:
+        return 0.1 * m * math.log(scaling.factor) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return mscale(scaling.mscale) / mscale(scaling.mscale_all_dim)
+    return mscale(1.0)
+
+
+def yarn_table(rope_dim: int, theta: float, scaling: YaRNScaling | None):
+    """**Returns:** ``(inverse frequencies, magnitude factor)`` of V3.2's RoPE (its MLA's and
+    its indexer's): ``rope_inv_freq`` and ``yarn_attention_factor``."""
+    return rope_inv_freq(rope_dim, theta, scaling), yarn_attention_factor(scaling)
 
 
 def apply_rope_interleaved(

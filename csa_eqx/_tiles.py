@@ -1,4 +1,4 @@
-"""The backend-dependent tile sizes (``TileSizes``, chosen for the backend in ``_auto.py``) and
+"""The backend-dependent tile sizes (``TileSizes``, chosen for the backend in ``_backend.py``) and
 the query / key / top-k block sizes they imply for the streaming selection and loss.
 """
 
@@ -24,7 +24,7 @@ __all__ = [
 
 class TileSizes(NamedTuple):
     """The backend-dependent sizes of the selection and the indexer loss (tiles, buffers,
-    unrolling). ``csa_eqx._auto.backend_tiles()`` chooses them for the backend (what the layers
+    unrolling). ``csa_eqx._backend.backend_tiles()`` chooses them for the backend (what the layers
     use, through ``Execution.tiles``); the defaults are the CPU sizes.
 
     **Arguments:**
@@ -36,7 +36,11 @@ class TileSizes(NamedTuple):
     - ``max_query_block``: largest automatic query block (default 256).
     - ``unroll``: unroll the radix select's 32 steps (``exact_topk``; default ``False``).
     - ``attention_elements``: the elements one query block of the attention keeps (gathered
-        keys and logits, ``csa_eqx._auto.attention_query_block``; default 2^24).
+        keys and logits, ``csa_eqx._attention.base.attention_query_block``; default 2^24).
+    - ``select``: how the XLA paths take an exact top-k (``csa_eqx._topk.exact_topk``'s
+        ``method``): ``"radix"`` (counting halvings and a binary-search compaction; default)
+        or ``"top_k"`` (``lax.top_k`` on integer order keys and a sort of the picks: no
+        gather, a TPU's). The same selection either way.
     """
 
     elements: int = 1 << 24
@@ -44,6 +48,12 @@ class TileSizes(NamedTuple):
     max_query_block: int = 256
     unroll: bool = False
     attention_elements: int = 1 << 24
+    select: str = "radix"
+
+    def topk(self) -> dict:
+        """**Returns:** the keywords of ``exact_topk`` / ``select_topk`` these tiles ask for
+        (``unroll``, ``method``)."""
+        return dict(unroll=self.unroll, method=self.select)
 
 
 _CPU_TILES = TileSizes()
@@ -61,7 +71,7 @@ def streaming_block_sizes(
 ) -> tuple[int, int]:
     """**Arguments:** the problem's sizes, the requested ``key_block`` / ``query_block``
     (0 = automatic), the backend's ``tiles`` (``TileSizes``; default the CPU sizes,
-    ``csa_eqx._auto.backend_tiles()`` for the current backend) and the ``multiple`` the key
+    ``csa_eqx._backend.backend_tiles()`` for the current backend) and the ``multiple`` the key
     block must be (V4.1's candidate blocks: ``bc``).
 
     **Returns:** ``(query_block, key_block)``, clipped to the sequence and the entries (the
@@ -110,8 +120,8 @@ def sparse_query_block(
     batch: int, heads: int, dim: int, k: int, entries: int = 0, elements: int = 1 << 24
 ) -> int:
     """The automatic query block of an attention over gathered picks (and dense entries; the
-    sizing rule of ``csa_eqx._auto.attention_query_block``, here so that the streaming indexer
-    loss sizes its blocks alike): keeps the gathered
+    sizing rule of ``csa_eqx._attention.base.attention_query_block``, here so that the
+    streaming indexer loss sizes its blocks alike): keeps the gathered
     ``[B, Qb, k, dim]`` keys (and values) plus the ``[B, Qb, H, k]`` logits of one block, and
     the ``[B, Qb, H, entries]`` logits and mask of entries attended by matmul, near 64 MiB of
     float32.

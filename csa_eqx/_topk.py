@@ -3,7 +3,10 @@
 Ties go to the lower index everywhere. ReLU-based scores produce both ``-0.0`` and ``+0.0``,
 which must tie, so scores are canonicalised (all zeros made ``+0.0``) before they are ranked.
 Selections list their picks in increasing index order (a set; the attention does not care
-about order), which lets an exact radix select replace a sort (``exact_topk``).
+about order), which lets an exact radix select replace a sort (``exact_topk``). On a TPU, where
+the radix select's compaction (a gather per halving) is slow, the same selection comes from
+``lax.top_k`` on order-preserving integer keys and a sort of the ``k`` picks by index
+(``method="top_k"``, ``TileSizes.select``; docs/kernels.md, "The XLA path on a TPU").
 """
 
 from __future__ import annotations
@@ -13,10 +16,17 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 __all__ = [
+    "METHODS",
     "canonical_scores",
     "exact_topk",
+    "merge_topk",
     "select_topk",
+    "signed_keys",
 ]
+
+METHODS = ("radix", "top_k")  # exact_topk's ways to one selection (TileSizes.select)
+_INT_MIN = jnp.iinfo(jnp.int32).min  # the key of an invalid entry (below every value's)
+_INT_MAX = jnp.iinfo(jnp.int32).max
 
 
 def canonical_scores(scores: Array) -> Array:
@@ -34,6 +44,46 @@ def _order_keys(values: Array) -> Array:
     """``uint32`` keys in the order of the float32 ``values`` (``-0.0`` and ``+0.0`` equal)."""
     bits = jax.lax.bitcast_convert_type(canonical_scores(values.astype(jnp.float32)), jnp.uint32)
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def signed_keys(values: Array) -> Array:
+    """``int32`` keys in the order of the float32 ``values`` (``-0.0`` and ``+0.0`` equal):
+    ``_order_keys`` with its top bit flipped, from signed integer operations only (the Mosaic
+    kernel forms them too). The map is its own inverse on the bits (``_key_values``).
+
+    **Arguments:** float ``values`` of any shape.
+
+    **Returns:** int32 keys of the same shape, above ``INT32_MIN`` but for one NaN bit pattern.
+    """
+    word = jax.lax.bitcast_convert_type(canonical_scores(values.astype(jnp.float32)), jnp.int32)
+    return jnp.where(word < 0, word ^ 0x7FFFFFFF, word)
+
+
+def _key_values(keys: Array) -> Array:
+    """The float32 values of ``signed_keys`` (zeros as ``+0.0``)."""
+    return jax.lax.bitcast_convert_type(jnp.where(keys < 0, keys ^ 0x7FFFFFFF, keys), jnp.float32)
+
+
+def _by_index(keys: Array, index: Array, k: int) -> tuple[Array, Array]:
+    """``(values, index)`` of the picks among ``keys`` / ``index`` (a pick: a key above
+    ``INT32_MIN``), sorted by index and padded to ``k`` with ``(-inf, -1)``: one sort of the
+    picks, no gather."""
+    index = jnp.where(keys > _INT_MIN, index, _INT_MAX)
+    index, keys = jax.lax.sort((index, keys), dimension=-1, num_keys=1)
+    pad = [(0, 0)] * (keys.ndim - 1) + [(0, k - keys.shape[-1])]
+    index = jnp.pad(index, pad, constant_values=_INT_MAX)
+    keys = jnp.pad(keys, pad, constant_values=_INT_MIN)
+    picked = index < _INT_MAX
+    return jnp.where(picked, _key_values(keys), -jnp.inf), jnp.where(picked, index, -1)
+
+
+def _top_k_select(values: Array, valid: Array, k: int) -> tuple[Array, Array]:
+    """``exact_topk`` by ``lax.top_k`` (exact; equal keys: the lower position first) on the
+    ``signed_keys`` of the valid values, then the picks sorted by position."""
+    want = min(k, values.shape[-1])
+    keys = jnp.where(valid, signed_keys(values), _INT_MIN)
+    top, pos = jax.lax.top_k(keys, want)
+    return _by_index(top, pos, k)
 
 
 def _compact(count: Int[Array, "*rows n"], k: int, unroll: bool) -> Int[Array, "*rows {k}"]:
@@ -57,7 +107,12 @@ def _compact(count: Int[Array, "*rows n"], k: int, unroll: bool) -> Int[Array, "
 
 
 def exact_topk(
-    values: Float[Array, "*rows n"], valid: Bool[Array, "*rows n"], k: int, *, unroll: bool = False
+    values: Float[Array, "*rows n"],
+    valid: Bool[Array, "*rows n"],
+    k: int,
+    *,
+    unroll: bool = False,
+    method: str = "radix",
 ) -> tuple[Float[Array, "*rows {k}"], Int[Array, "*rows {k}"]]:
     """The ``k`` largest valid values of each row and their positions, in increasing position
     order (the set a full sort would pick, ties to the lower position); ``(-inf, -1)`` fill
@@ -69,13 +124,22 @@ def exact_topk(
     CPU this is ~4x faster than ``lax.top_k`` at indexer sizes (k = 512 of 1024), and the
     cost does not grow with ``k`` (docs/concepts.md, "Top-k selection").
 
-    **Arguments:** float ``values [*rows, n]``, bool ``valid [*rows, n]``, ``k > 0`` and
+    ``method="top_k"`` gives the same selection by ``lax.top_k`` on the ``signed_keys`` and a
+    sort of the ``k`` picks by position: no gather (a TPU's; the values come from the keys, so
+    a ``-0.0`` comes back as ``+0.0``).
+
+    **Arguments:** float ``values [*rows, n]``, bool ``valid [*rows, n]``, ``k > 0``,
     ``unroll``: unroll the 32 steps (faster on accelerators, where each loop iteration costs a
-    predicate round trip; on CPU unrolling only slows compiles, ~1.5 s per layer). The
-    strategies take it from ``TileSizes.unroll``, chosen for the backend in ``_auto.py``.
+    predicate round trip; on CPU unrolling only slows compiles, ~1.5 s per layer), and
+    ``method``: ``"radix"`` or ``"top_k"`` (``METHODS``). The strategies take both from
+    ``TileSizes`` (``unroll``, ``select``), chosen for the backend in ``_backend.py``.
 
     **Returns:** ``(top values, positions)``, float32 and int32 ``[*rows, k]``.
     """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS} (got {method!r})")
+    if method == "top_k":
+        return _top_k_select(values, valid, k)
     want = min(k, values.shape[-1])
     key = jnp.where(valid, _order_keys(values), jnp.uint32(0))  # valid keys are > 0
 
@@ -95,12 +159,38 @@ def exact_topk(
     return jnp.where(pos >= 0, picked, -jnp.inf), pos
 
 
+def merge_topk(
+    running: tuple[Array, Array], new: tuple[Array, Array], k: int, *, unroll=False, method="radix"
+) -> tuple[Array, Array]:
+    """The top-k of two candidate lists ``(values, index) [*rows, n]`` (``-1`` = no candidate)
+    whose valid indices increase along the running list, then along the new one: ties keep the
+    lower index, and the merged indices increase.
+
+    **Arguments:** the ``running`` and the ``new`` list, ``k``, ``unroll`` and ``method`` (as
+    ``exact_topk``'s; ``"top_k"`` merges by one sort of the candidates' keys with their
+    indices, no gather).
+
+    **Returns:** ``(values, index) [*rows, k]``, ``(-inf, -1)`` past the last.
+    """
+    index = jnp.concatenate([running[1], new[1]], axis=-1)
+    values = jnp.concatenate([running[0], new[0]], axis=-1)
+    if method == "top_k":
+        keys = jnp.where(index >= 0, signed_keys(values), _INT_MIN)
+        # best key first (~ reverses the int32 order), equal keys by index
+        order, index = jax.lax.sort((~keys, index), dimension=-1, num_keys=2)
+        return _by_index(~order[..., :k], index[..., :k], k)
+    val, pos = exact_topk(values, index >= 0, k, unroll=unroll, method=method)
+    picked = jnp.take_along_axis(index, jnp.maximum(pos, 0), axis=-1)
+    return val, jnp.where(pos >= 0, picked, -1)
+
+
 def select_topk(
     scores: Float[Array, "batch seq entries"],
     visible: Bool[Array, "batch seq entries"],
     k: int,
     *,
     unroll: bool = False,
+    method: str = "radix",
 ) -> Int[Array, "batch seq {k}"]:
     """Indices of the ``k`` best visible entries per query, in increasing index order
     (docs/concepts.md, "Top-k selection").
@@ -113,6 +203,7 @@ def select_topk(
     - ``visible``: bool ``[B, S, T]``; invisible entries are never picked.
     - ``k``: picks per query (> 0).
     - ``unroll``: unroll the radix select's steps (``exact_topk``; same result).
+    - ``method``: ``"radix"`` or ``"top_k"`` (``exact_topk``; same result).
 
     **Returns:**
 
@@ -121,4 +212,4 @@ def select_topk(
     """
     if k <= 0:
         raise ValueError(f"k must be positive (got {k})")
-    return exact_topk(scores, visible, k, unroll=unroll)[1]
+    return exact_topk(scores, visible, k, unroll=unroll, method=method)[1]

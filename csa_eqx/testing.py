@@ -28,7 +28,7 @@ from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
 )
 
 from ._config import V4AttentionConfig, V32AttentionConfig, YaRNScaling
-from ._hf_config import v4_config_from_hf, v32_config_from_hf
+from .hf._config import v4_config_from_hf, v32_config_from_hf
 
 __all__ = [
     "TINY_YARN",

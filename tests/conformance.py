@@ -11,16 +11,18 @@ import ml_dtypes
 import numpy as np
 
 # --- every private name the suites use: the one place to retarget when modules move --------
-from csa_eqx import _auto as choosers  # the module whose jax.default_backend the choosers ask
-from csa_eqx._auto import attention_query_block, filter_bites
-from csa_eqx._candidates import block_top
-from csa_eqx._fp8_linear import fp8_product
-from csa_eqx._numerics import V4_FORMATS, V32_FORMATS, V41_FORMATS
+from csa_eqx import _backend as choosers  # the module whose jax.default_backend the choosers ask
+from csa_eqx._attention.base import attention_query_block
+from csa_eqx._numerics.base import V4_FORMATS, V32_FORMATS, V41_FORMATS
+from csa_eqx._numerics.fp8_linear import fp8_product
+from csa_eqx._selection.auto import candidate_source, filter_bites
+from csa_eqx._selection.candidates import block_top
 
 __all__ = [
     "choosers",
     "attention_query_block",
     "filter_bites",
+    "candidate_source",
     "block_top",
     "fp8_product",
     "V4_FORMATS",

@@ -26,6 +26,17 @@ def primitives(jaxpr) -> set[str]:
     return {eqn.primitive.name for eqn in walk_eqns(jaxpr)}
 
 
+def loop_primitives(jaxpr) -> set[str]:
+    """Names of the primitives used inside a loop (a ``while`` or ``scan``, at any depth) of
+    ``jaxpr``."""
+    inside = set()
+    for eqn in walk_eqns(jaxpr):
+        if eqn.primitive.name in ("while", "scan"):
+            for sub in jaxprs_in_params(eqn.params):
+                inside |= primitives(sub)
+    return inside
+
+
 def gpu_lowering(fn, *args) -> str:
     """The StableHLO text of ``jax.jit(fn)`` lowered for CUDA on an abstract H200 (no GPU
     needed): Pallas kernels go through their Triton lowering (``__gpu$xla.gpu.triton`` custom

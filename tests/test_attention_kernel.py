@@ -10,7 +10,7 @@ from jaxtyping import TypeCheckError
 
 import csa_eqx as ce
 from csa_eqx import presets
-from csa_eqx._auto import attention_query_block
+from csa_eqx._attention.base import attention_query_block
 from csa_eqx._tiles import sparse_query_block
 
 CALLS: dict[str, list[tuple[str, ...]]] = {}

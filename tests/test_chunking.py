@@ -14,7 +14,7 @@ from csa_eqx import (
     indexer_scores,
     select_topk,
 )
-from csa_eqx._loss import selection_mask
+from csa_eqx._loss.kl import selection_mask
 from csa_eqx.hf import load_v4_attention
 from csa_eqx.presets import tiny_v4
 from csa_eqx.testing import hf_v4_config, random_hf_v4_layer, state_dict_numpy

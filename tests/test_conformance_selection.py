@@ -20,13 +20,15 @@ them all):
   the negated weights);
 - no gradient through the picks: the gradient of scores gathered at the picks is the one
   with the brute force's picks held fixed (and differentiating through the strategy works);
-- V4.1: a candidate source's picks and blocks (``select_candidates``) and a consumer's picks
+- V4.1: a candidate source's picks and blocks (``select_candidates`` of the member's
+  candidate source, as the layers route it: ``candidate_source``) and a consumer's picks
   within them (``CandidateVisibility``, a partial last block), against the brute force;
 - no entries at all (``T = 0``).
 
 ``test_auto_selection_chooses_by_size_and_filter`` puts ``AutoSelection`` on both sides of
 each of its boundaries (``streams``' tile budget, ``filter_bites`` at a partial last candidate
-block, the backend) and checks what it chose and that the picks are the brute force's.
+block, the backend: the Triton kernel on a GPU, the Mosaic one on a TPU) and checks what it
+chose and that the picks are the brute force's.
 """
 
 import contextlib
@@ -39,6 +41,7 @@ import pytest
 from conformance import (
     bf16,
     brute_topk,
+    candidate_source,
     candidates_np,
     choosers,
     filter_bites,
@@ -59,7 +62,9 @@ MEMBERS = {
     "pallas": ce.PallasSelection(query_block=4, key_block=2, query_chunk=8),
     "sharded-pallas": ce.ShardedSelection(ce.PallasSelection(query_block=4, key_block=4)),
     "auto": ce.AutoSelection(),
-    # "mosaic": the TPU fused indexer (issue 44) joins here
+    # Pallas' TPU interpreter: two key tiles of 8 lanes, query blocks of 4 (the last padded),
+    # interpolated and halved threshold steps, three output tiles at k = 20, two kernel calls
+    "mosaic": ce.MosaicSelection(query_block=4, key_block=8, search="secant", query_chunk=8),
 }
 SHARDED = {"sharded", "sharded-pallas"}  # run under MESH
 MESH = jax.make_mesh((2, 4), ("data", "tensor"))
@@ -68,11 +73,19 @@ _IN_KERNEL = (
     "its scores are the scorer suite's pallas member's"
 )
 # (member, check) -> why the member cannot run the check
-EXCEPTIONS = {("pallas", "scorer"): _IN_KERNEL, ("sharded-pallas", "scorer"): _IN_KERNEL}
+EXCEPTIONS = {
+    ("pallas", "scorer"): _IN_KERNEL,
+    ("sharded-pallas", "scorer"): _IN_KERNEL,
+    ("mosaic", "scorer"): (
+        "the Mosaic kernel forms the scores in-kernel as indexer_scores does, not through "
+        "problem.scorer (docs/kernels.md)"
+    ),
+}
 # (member, check) -> the error the member refuses the check's problem with (asserted)
 REFUSES = {
     ("pallas", "consumer"): (TypeError, "PallasSelection scores a plain Visibility"),
     ("sharded-pallas", "consumer"): (TypeError, "PallasSelection scores a plain Visibility"),
+    ("mosaic", "consumer"): (TypeError, "MosaicSelection scores a plain Visibility"),
 }
 
 B, S, T, K = 2, 13, 16, 3
@@ -160,8 +173,9 @@ def outputs(strategy, vis, b_vis, c_vis, c_blocks, empty_vis, scorer: bool, cons
         return pick_loss(q, w, keys, strategy.select(problem(q, w, keys, vis), K))
 
     out["grads"] = jax.grad(loss, argnums=(0, 1, 2))(*(jnp.asarray(a, jnp.float32) for a in EXACT))
-    out["cand_picks"], out["cand_blocks"] = strategy.select_candidates(
-        problem(*CAND, c_vis), CK, NB, BC
+    source = problem(*CAND, c_vis)
+    out["cand_picks"], out["cand_blocks"] = candidate_source(strategy, source).select_candidates(
+        source, CK, NB, BC
     )
     if consumer:
         within = ce.CandidateVisibility.within(c_vis, c_blocks, BC)
@@ -342,9 +356,10 @@ def test_auto_selection_chooses_by_size_and_filter(elements, nb, chosen):
     np.testing.assert_array_equal(got, want)
 
 
-def test_auto_selection_takes_the_kernel_on_a_gpu_only(monkeypatch):
-    """The backend boundary: the fused kernel on a GPU for a plain problem (not under a mesh
-    the compiler shards), never for a biting V4.1 filter, never on a CPU or a TPU."""
+def test_auto_selection_takes_the_platforms_kernel(monkeypatch):
+    """The backend boundary: the platform's fused kernel (Triton on a GPU, Mosaic on a TPU) for
+    a plain problem (on a GPU not under a mesh the compiler shards), never for a biting V4.1
+    filter, never on a CPU."""
     base = ce.Visibility(
         jnp.asarray(A_QI), jnp.zeros((B, AS), jnp.int32), layout(A_QI, np.zeros_like(A_QI))
     )
@@ -360,4 +375,5 @@ def test_auto_selection_takes_the_kernel_on_a_gpu_only(monkeypatch):
     with jax.set_mesh(MESH):
         assert type(auto.strategy(plain)) is ce.DenseSelection
     monkeypatch.setattr(choosers.jax, "default_backend", lambda: "tpu")
-    assert type(auto.strategy(plain)) is ce.DenseSelection
+    assert auto.strategy(plain) == ce.MosaicSelection()
+    assert type(auto.strategy(bites)) is ce.DenseSelection

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from csa_eqx._formats import (
+from csa_eqx._numerics.formats import (
     FP4_E2M1_MAX,
     FP8_E4M3_MAX,
     act_quant,

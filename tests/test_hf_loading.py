@@ -10,7 +10,6 @@ import pytest
 import torch
 from transformers import DeepseekV4ForCausalLM
 
-from csa_eqx._safetensors_io import decode_e8m0
 from csa_eqx.hf import (
     load_v4_attention,
     load_v4_attention_from_safetensors,
@@ -18,6 +17,7 @@ from csa_eqx.hf import (
     read_safetensors,
     v4_config_from_hf,
 )
+from csa_eqx.hf._safetensors_io import decode_e8m0
 from csa_eqx.presets import tiny_v4, tiny_v32
 from csa_eqx.testing import (
     TINY_YARN,

@@ -217,3 +217,101 @@ def test_extend_refuses_a_split_execution(name):
         split_layer = layer.with_execution(csa_eqx.Execution(**split))
         with _raises(ValueError, "extend runs on one device", "=None"):
             split_layer.extend(X, split_layer.init_cache(2, 32))
+
+
+# ---- what a person reads: the named check's line first (issue 46) -----------------------
+
+
+def _first_line(error, call):
+    """The first line of the message of the ``error`` that ``call()`` raises."""
+    with pytest.raises(error) as caught:
+        call()
+    return str(caught.value).splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, line",
+    [
+        (
+            dict(x=X.astype(jnp.int32)),
+            TypeError,
+            "x must be a floating-point array [batch, seq, hidden] (got dtype int32)",
+        ),
+        (
+            dict(x=X[..., :63]),
+            ValueError,
+            "x must have shape [batch, seq, 64] (hidden = config.hidden_size) "
+            "(got shape (2, 8, 63))",
+        ),
+        (
+            dict(positions=jnp.zeros((2, 8), jnp.float32)),
+            TypeError,
+            "positions must be an integer array [batch, seq] (got dtype float32)",
+        ),
+        (
+            dict(positions=jnp.arange(8)),
+            ValueError,
+            "positions must have shape [batch, seq] = (2, 8) (got (8,))",
+        ),
+        (
+            dict(segment_ids=jnp.zeros((2, 8), jnp.float32)),
+            TypeError,
+            "segment_ids must be an integer array [batch, seq] (got dtype float32)",
+        ),
+        (
+            dict(segment_ids=jnp.zeros((8,), jnp.int32)),
+            ValueError,
+            "segment_ids must have shape [batch, seq] = (2, 8) (got (8,))",
+        ),
+    ],
+    ids=["integer-x", "hidden-size", "float-positions", "1d-positions", "float-ids", "1d-ids"],
+)
+def test_forward_errors_lead_with_the_named_check(layer, kwargs, error, line):
+    """The first line names the argument, what it must be and what came, with jaxtyping on
+    (the test session checks every function, as ``@jaxtyped`` does a user's call): the
+    named check leads and jaxtyping's account follows."""
+    kwargs = {"x": X, **kwargs}
+    assert _first_line(error, lambda: layer(**kwargs)) == line
+
+
+def test_extend_errors_lead_with_the_named_check(layer):
+    cache = layer.init_cache(2, 32)
+    assert (
+        _first_line(TypeError, lambda: layer.extend(X, cache, lengths=jnp.array([1.0, 2.0])))
+        == "lengths must be an integer array [batch] (got dtype float32)"
+    )
+    assert _first_line(TypeError, lambda: layer.extend(X.astype(jnp.int32), cache)) == (
+        "x must be a floating-point array [batch, seq, hidden] (got dtype int32)"
+    )
+
+
+# ---- one way to say how a layer runs (issue 46) -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options, spelled",
+    [
+        (dict(context_parallel=True), "Execution.from_options(context_parallel=...)"),
+        (dict(indexer_sharded_topk=True), "Execution.from_options(indexer_sharded_topk=...)"),
+    ],
+)
+def test_execution_refuses_a_loader_option_naming_from_options(options, spelled):
+    line = _first_line(TypeError, lambda: csa_eqx.Execution(**options))
+    assert line.endswith(spelled) and "not a field of Execution" in line, line
+
+
+@pytest.mark.parametrize(
+    "fields, spelled",
+    [
+        (dict(save_selection=True), "save_selection= is spelled indexer_save_selection= here"),
+        (dict(context=csa_eqx.ContextParallel()), "context= is a field: Execution(context=...)"),
+    ],
+)
+def test_from_options_refuses_a_field_naming_its_spelling(fields, spelled):
+    line = _first_line(TypeError, lambda: csa_eqx.Execution.from_options(**fields))
+    assert line == f"Execution.from_options: {spelled}", line
+    # the right spellings run
+    assert csa_eqx.Execution.from_options(indexer_save_selection=True).save_selection
+    assert csa_eqx.Execution(save_selection=True) == csa_eqx.Execution.from_options(
+        indexer_save_selection=True
+    )

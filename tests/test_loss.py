@@ -122,7 +122,7 @@ def test_indexer_loss_trains_only_the_indexer(stage):
     layer, x = small_layer(stage)
     grads = grads_by_leaf(indexer_loss_of, layer, x)
     # the indexer's heads and its own key compressor
-    indexer = {n for n in grads if n.startswith((".indexer.", ".index_compressor."))}
+    indexer = {n for n in grads if n.startswith(".selection_source.indexer.")}
     assert len(indexer) == 6
     assert_trains_only(grads, indexer)
 
@@ -132,11 +132,11 @@ def test_output_gives_the_indexer_no_gradient(stage):
     layer, x = small_layer(stage)
     grads = grads_by_leaf(output_loss_of, layer, x)
     for name, g in grads.items():
-        if name.startswith((".indexer.", ".index_compressor.")):
+        if name.startswith(".selection_source.indexer."):
             assert (g == 0).all(), f"{name} gets gradient from the layer output"
     assert (
         np.abs(grads[".block.q_a_proj"]).max() > 0
-        and np.abs(grads[".compressor.kv_proj"]).max() > 0
+        and np.abs(grads[".entry_source.compressor.kv_proj"]).max() > 0
     )
 
 

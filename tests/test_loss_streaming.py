@@ -22,7 +22,7 @@ from csa_eqx import (
     projected_indexer_kl_loss,
     select_topk,
 )
-from csa_eqx._loss import selection_mask
+from csa_eqx._loss.kl import selection_mask
 from csa_eqx.presets import tiny_v4
 
 H, D, H_I, D_I, HIDDEN = 4, 6, 4, 8, 12

@@ -22,7 +22,7 @@ from parallel_helpers import packed_segments, relative_error
 from test_v4_behaviour import randomise, tiny
 
 import csa_eqx as ce
-from csa_eqx._numerics import V41_FORMATS
+from csa_eqx._numerics.base import V41_FORMATS
 from csa_eqx.presets import tiny_v32
 
 BF16_CASES = ["q_v32", "q_v4_csa_flash", "q_v4_csa_pro", "q_v4_hca_pro"]
@@ -264,7 +264,7 @@ def test_one_deepseek_numerics_for_every_family():
     formats; what each hook computes for every family: tests/test_conformance_numerics.py);
     ``DeepSeekV41Inference`` is the same under V4.1's name, for V4.1 layers only. The loaders'
     keyword names them in one place (``named_numerics``)."""
-    from csa_eqx._deepseek_numerics import named_numerics
+    from csa_eqx._numerics.deepseek import named_numerics
 
     cfg = ce.V41AttentionConfig(
         compress_ratios=(0, 1),

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_helpers import assert_close
 from jaxpr_helpers import gpu_lowering, tpu_lowering, walk_avals
 
 import csa_eqx as ce
@@ -18,15 +19,6 @@ from csa_eqx import presets
 
 KERNEL = ce.PallasAttention(query_block=4, key_block=2)
 TRITON_DEPRECATED = "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
-
-
-def assert_close(got, want, rtol=1e-5, what=""):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    scale = np.max(np.abs(np.where(np.isfinite(want), want, 0.0))) or 1.0
-    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want), err_msg=what)
-    np.testing.assert_array_equal(got[np.isinf(want)], want[np.isinf(want)], err_msg=what)
-    finite = np.isfinite(want)
-    np.testing.assert_allclose(got[finite], want[finite], rtol=0, atol=rtol * scale, err_msg=what)
 
 
 def layer(kind, execution):

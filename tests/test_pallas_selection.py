@@ -21,11 +21,11 @@ REFERENCE = ce.XlaScorer()
 TRITON_DEPRECATED = "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
 
 
-def problem(q, w, keys, qi, qs, layout, scorer=REFERENCE):
+def problem(q, w, keys, qi, qs, layout, head_chunk=0, score_dtype=None, scorer=REFERENCE):
     """The ``SelectionProblem`` of projected float32 queries, weights and keys."""
     visibility = ce.Visibility(jnp.asarray(qi), jnp.asarray(qs), layout)
     f32 = [jnp.asarray(a, jnp.float32) for a in (q, w, keys)]
-    return ce.SelectionProblem.from_queries(*f32, visibility, scorer=scorer)
+    return ce.SelectionProblem.from_queries(*f32, visibility, head_chunk, score_dtype, scorer)
 
 
 @eqx.filter_jit

@@ -13,6 +13,7 @@ import pytest
 from test_v4_behaviour import randomise, tiny
 
 import csa_eqx as ce
+from csa_eqx._numerics.base import V4_FORMATS
 from csa_eqx._topk import exact_topk
 
 
@@ -87,5 +88,8 @@ def test_execution_fields_are_checked():
     keys = jnp.zeros((1, 3, 4))
     rows = jnp.zeros((1, 2), jnp.int32)
     vis = ce.Visibility(rows, rows, ce.entry_layout(rows, 1))
-    problem = ce.Execution(tiles=tiles).problem(lambda q, w: (q, w), (), keys, vis)
+    indexer = ce.IndexerHeads(tiny("csa"), key=jax.random.key(0))  # the problem's maker
+    x, qr = jnp.zeros((1, 2, tiny("csa").hidden_size)), jnp.zeros((1, 2, tiny("csa").q_lora_rank))
+    execution = ce.Execution(tiles=tiles)
+    problem = indexer.problem(x, qr, rows, keys, vis, execution, V4_FORMATS)
     assert problem.tiles == tiles and problem.scorer == ce.XlaScorer()

@@ -1,6 +1,7 @@
-"""The execution seams hold (issue: architecture step 2): every execution-path choice lives in
-``_auto.py`` or ``Execution`` (``_execution.py``). Read from the source with ``ast``: no module
-elsewhere asks for the backend, and none tests a value against a strategy class."""
+"""The execution seams hold (issue: architecture steps 2 and 4): every execution-path choice
+lives in a family's chooser (its ``auto.py``) or ``Execution`` (``_layers/execution.py``), every
+backend question in ``_backend.py``. Read from the source with ``ast``: no module elsewhere asks
+for the backend, and none tests a value against a strategy class."""
 
 import ast
 import inspect
@@ -11,7 +12,8 @@ import equinox as eqx
 import csa_eqx
 
 PACKAGE_ROOT = Path(csa_eqx.__file__).resolve().parent
-CHOOSERS = {"_auto.py", "_execution.py"}
+CHOOSERS = {"auto.py", "execution.py", "_backend.py"}
+BACKEND = "_backend.py"  # the one module that asks jax.default_backend()
 
 
 def library_sources() -> dict[str, ast.AST]:
@@ -71,6 +73,18 @@ def test_no_backend_choice_outside_the_choosers():
     assert hits == [], f"jax.default_backend() outside {sorted(CHOOSERS)}: {hits}"
 
 
+def test_only_the_backend_module_asks_for_the_backend():
+    hits = [
+        f"{path.relative_to(PACKAGE_ROOT)}:{node.lineno}"
+        for path in sorted(PACKAGE_ROOT.rglob("*.py"))
+        if path.name != BACKEND and path.relative_to(PACKAGE_ROOT).parts[0] != "demo"
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Attribute | ast.Name)
+        and (node.attr if isinstance(node, ast.Attribute) else node.id) == "default_backend"
+    ]
+    assert hits == [], f"jax.default_backend() outside {BACKEND}: {hits}"
+
+
 def test_no_strategy_isinstance_outside_the_choosers():
     strategies = strategy_classes()
     hits = [
@@ -88,7 +102,20 @@ def test_no_strategy_isinstance_outside_the_choosers():
 
 # --- presence-dispatch: a strategy never asks whether an optional input is there ------------
 
-STRATEGY_MODULES = ("_selection_", "_loss")  # the selection and indexer-loss strategies
+# the selection and indexer-loss strategies (the pre-filter's own module, candidates.py, is not one)
+STRATEGY_MODULES = tuple(
+    f"_selection/{name}.py"
+    for name in (
+        "base",
+        "dense",
+        "streaming",
+        "gathered",
+        "pallas",
+        "mosaic",
+        "row_chunks",
+        "sharded",
+    )
+) + ("_loss/",)
 VISIBILITIES = {"Visibility", "CandidateVisibility"}
 
 
@@ -167,7 +194,7 @@ def test_no_presence_dispatch_outside_the_choosers():
 def test_the_presence_guard_catches_a_deliberate_dispatch():
     """The guard is not vacuous: the dispatch the candidate filter used to need in every
     strategy (and its visibility form) is caught, a refusing check is not."""
-    dense = (PACKAGE_ROOT / "_selection_dense.py").read_text()
+    dense = (PACKAGE_ROOT / "_selection" / "dense.py").read_text()
     dispatch = dense.replace(
         "scores = problem.scores(*problem.queries(), problem.keys)\n",
         "scores = problem.scores(*problem.queries(), problem.keys)\n"

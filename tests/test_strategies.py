@@ -12,7 +12,7 @@ import pytest
 from test_v4_behaviour import randomise, tiny
 
 import csa_eqx as ce
-from csa_eqx._auto import ACCELERATOR_TILES
+from csa_eqx._backend import GPU_TILES as ACCELERATOR_TILES
 
 FORCED = ce.ShardedSelection(ce.StreamingSelection(key_block=3))
 RUN = jax.jit(lambda m, x, s: m(x, segment_ids=s, return_aux=True))

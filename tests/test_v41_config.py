@@ -136,14 +136,14 @@ def test_loader_names_and_errors():
     c = config()
     names = [v41_parameter_names(ce.V41Attention(c, i, key=jax.random.key(0))) for i in (1, 3, 5)]
     assert (
-        names[0]["compressor.key_proj"] == "indexer.wk.weight"
-        and "compressor.gate_proj" in names[0]
+        names[0]["entry_source.compressor.key_proj"] == "indexer.wk.weight"
+        and "entry_source.compressor.gate_proj" in names[0]
     )
-    assert "compressor.gate_proj" not in names[1]  # ratio 1 has no gate
+    assert "entry_source.compressor.gate_proj" not in names[1]  # ratio 1 has no gate
     assert set(names[2]) == {
         "block.q_a_proj", "block.q_a_norm", "block.q_b_proj", "block.kv_proj", "block.kv_norm",
-        "block.o_a_proj", "block.o_b_proj", "block.sinks", "indexer.q_b_proj",
-        "indexer.weights_proj",
+        "block.o_a_proj", "block.o_b_proj", "block.sinks", "selection_source.indexer.q_b_proj",
+        "selection_source.indexer.weights_proj",
     }  # fmt: skip
     layer = ce.V41Attention(c, 5, key=jax.random.key(1))
     tensors = {f"layers.5.attn.{n}": _get(layer, p) for p, n in names[2].items()}

@@ -2,6 +2,7 @@
 wiring errors (docs/v41.md)."""
 
 from collections import Counter
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -278,32 +279,41 @@ def test_a_mixed_stack_runs_through_one_protocol():
     np.testing.assert_allclose(np.asarray(ys[3]), np.asarray(y_reuse), rtol=1e-6, atol=1e-7)
 
 
+class Published(NamedTuple):
+    """A stand-in stack state: the layer that published last, what the hook handed on."""
+
+    selection: int | None = None
+    candidates: int | None = None
+
+
 def test_extend_stack_hook_sees_the_caches_so_far():
     """``extend_stack``'s documented hook: ``before(i, x, caches, shared)`` runs before layer
     ``i`` on the caches so far (the earlier layers' already past this chunk, the later ones'
-    still before it) and the state the earlier layers published; layer ``i`` gets what it
-    returns. Pinned with stand-in layers and a stand-in ``step`` that advance and publish
-    values."""
+    still before it) and the state the earlier layers published (before the first layer:
+    ``StackState()``, nothing); layer ``i`` gets what it returns. Pinned with stand-in layers,
+    a stand-in state and a stand-in ``step`` that advance and publish values."""
     cache = ce.V4Attention(tiny_v4("sliding"), key=jax.random.key(0)).init_cache(1, 8)
     caches = [eqx.tree_at(lambda c: c.position, cache, jnp.full((1,), 10 * i)) for i in range(3)]
     x = jnp.zeros((1, 2, 64))
     seen, stepped = [], []
 
     def before(i, x, caches_now, shared):
-        seen.append((i, [int(c.position[0]) for c in caches_now], shared.selection))
-        return shared._replace(candidates=jnp.full((1, 2, 1), 100 + i, jnp.int32))
+        seen.append((i, [int(c.position[0]) for c in caches_now], shared))
+        state = shared if isinstance(shared, Published) else Published()
+        return state._replace(candidates=100 + i)
 
     def step(layer, x, cache, lengths, segment_ids, shared):
-        stepped.append((layer, int(np.asarray(shared.candidates)[0, 0, 0])))
+        stepped.append((layer, shared.candidates))
         advanced = eqx.tree_at(lambda c: c.position, cache, cache.position + x.shape[1])
-        return x + 1, advanced, shared._replace(selection=jnp.full((1, 2, 1), layer, jnp.int32))
+        return x + 1, advanced, shared._replace(selection=layer)
 
     ys, new, published = ce.extend_stack([0, 1, 2], x, caches, step=step, before=before)
     assert [s[1] for s in seen] == [[0, 10, 20], [2, 10, 20], [2, 12, 20]]
-    assert [None if s[2] is None else int(s[2][0, 0, 0]) for s in seen] == [None, 0, 1]
+    assert type(seen[0][2]) is ce.StackState
+    assert [s[2].selection for s in seen[1:]] == [0, 1]
     assert stepped == [(0, 100), (1, 101), (2, 102)]
     assert [int(c.position[0]) for c in new] == [2, 12, 22]
-    assert [int(p.selection[0, 0, 0]) for p in published] == [0, 1, 2]
+    assert [p.selection for p in published] == [0, 1, 2]
 
 
 def test_stale_index_keys_by_value():
@@ -335,7 +345,8 @@ def test_stale_index_keys_by_value():
             slots = cache.compressor.entries.shape[1]
             want = np.zeros((1, slots, held.shape[-1]), np.float32)
             want[:, : min(slots, held.shape[1])] = held[:, :slots]
-        checked.append((i, held.shape[1] if want is not None else 0, want, shared.stale_keys))
+        got = getattr(shared, "stale_keys", None)  # the first layer's state: StackState()
+        checked.append((i, held.shape[1] if want is not None else 0, want, got))
         out = extend(layer, x, cache, lengths, segment_ids, shared=shared)
         latest[i] = out[1]
         return out

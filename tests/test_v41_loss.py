@@ -137,10 +137,10 @@ def test_losses_match_numpy_and_streaming_and_train_only_indexers(stage):
         if np.abs(g).max() > 0:
             trained.add(name)
     assert trained == {
-        "[0][0].compressor.key_proj",
-        "[0][0].compressor.key_norm",
-        "[0][0].indexer.q_b_proj",
-        "[0][0].indexer.weights_proj",
-        "[0][1].indexer.q_b_proj",
-        "[0][1].indexer.weights_proj",
+        "[0][0].entry_source.compressor.key_proj",
+        "[0][0].entry_source.compressor.key_norm",
+        "[0][0].selection_source.indexer.q_b_proj",
+        "[0][0].selection_source.indexer.weights_proj",
+        "[0][1].selection_source.indexer.q_b_proj",
+        "[0][1].selection_source.indexer.weights_proj",
     }

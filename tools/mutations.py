@@ -101,7 +101,7 @@ MUTATIONS = [
     Mutation(
         "sink_dropped",
         "attention sink left out of the softmax denominator",
-        "csa_eqx/_attention_xla.py",
+        "csa_eqx/_attention/xla.py",
         "        denom = denom + jnp.exp(sink - peak)\n",
         "        denom = denom\n",
         ("tests/test_v4_parity.py::test_matches_hf", "tests/test_decode_hf.py"),
@@ -109,7 +109,7 @@ MUTATIONS = [
     Mutation(
         "window_off_by_one",
         "banded sliding window one token too wide",
-        "csa_eqx/_attention_xla.py",
+        "csa_eqx/_attention/xla.py",
         "mask = (token >= -before) & (lag >= 0) & (lag < window)",
         "mask = (token >= -before) & (lag >= 0) & (lag <= window)",
         ("tests/test_v4_parity.py::test_matches_hf",),
@@ -117,7 +117,7 @@ MUTATIONS = [
     Mutation(
         "decode_window_short",
         "decode reads one window key fewer (the oldest cached ring row)",
-        "csa_eqx/_attention_xla.py",
+        "csa_eqx/_attention/xla.py",
         "mask = (token >= -before)",
         "mask = (token >= 1 - before)",
         ("tests/test_decode_hf.py",),
@@ -133,7 +133,7 @@ MUTATIONS = [
     Mutation(
         "rope_derotation_sign",
         "V4 output de-rotated at +t instead of -t",
-        "csa_eqx/_v4_block.py",
+        "csa_eqx/_layers/block.py",
         "o = self.rope.interleaved(o, -positions[..., None])",
         "o = self.rope.interleaved(o, positions[..., None])",
         ("tests/test_v4_parity.py::test_matches_hf", "tests/test_decode_hf.py"),
@@ -149,7 +149,7 @@ MUTATIONS = [
     Mutation(
         "kl_denominator_entries_only",
         "KL target normalised per head over the candidates only (window and sink left out)",
-        "csa_eqx/_loss.py",
+        "csa_eqx/_loss/kl.py",
         "    log_p = jnp.where(candidates[:, :, None, :], logits - lse[..., None], -jnp.inf)\n",
         "    log_p = jnp.where(candidates[:, :, None, :], logits, -jnp.inf)\n"
         "    norm = jax.nn.logsumexp(log_p, axis=-1, keepdims=True)\n"
@@ -160,7 +160,7 @@ MUTATIONS = [
         "v41_warmup_loss_ignores_candidates",
         "V4.1 consumer's mask (dense selection, dense-stage KL) over every visible entry, not "
         "only its candidates",
-        "csa_eqx/_candidates.py",
+        "csa_eqx/_selection/candidates.py",
         "        return visible & candidate_mask("
         "self.candidates, self.block_size, visible.shape[-1])",
         "        return visible",
@@ -169,7 +169,7 @@ MUTATIONS = [
     Mutation(
         "v41_tile_filter_widened",
         "V4.1 consumer's key tiles see their visible entries or the candidates (union, not both)",
-        "csa_eqx/_candidates.py",
+        "csa_eqx/_selection/candidates.py",
         "        return self.base.tile(start, width) & jnp.take_along_axis(",
         "        return self.base.tile(start, width) | jnp.take_along_axis(",
         ("tests/test_v41_layers.py::test_consumer_within_a_partial_last_candidate_block",),
@@ -177,7 +177,7 @@ MUTATIONS = [
     Mutation(
         "v41_filter_never_bites",
         "the automatic choices drop every V4.1 pre-filter (the rule that it bites always false)",
-        "csa_eqx/_auto.py",
+        "csa_eqx/_selection/auto.py",
         "    return -(-entries // visibility.block_size) > visibility.candidates.shape[-1]\n",
         "    return False\n",
         ("tests/test_v41_reference.py", "tests/test_v41_layers.py::test_capacity_at_its_boundary"),
@@ -185,15 +185,15 @@ MUTATIONS = [
     Mutation(
         "v41_consumer_ignores_candidates",
         "a V4.1 index source after the candidate source picks from every visible entry",
-        "csa_eqx/_sources.py",
-        "        seen = self.candidates.visibility(visibility, shared)\n",
+        "csa_eqx/_indexer/base.py",
+        "        seen = self.candidates.visibility(visibility, state)\n",
         "        seen = visibility\n",
         ("tests/test_v41_reference.py",),
     ),
     Mutation(
         "v41_candidates_not_pinned",
         "V4.1 candidate filter without the block of the query's newest visible entry pinned",
-        "csa_eqx/_candidates.py",
+        "csa_eqx/_selection/candidates.py",
         "    best = jnp.where(pinned, jnp.inf, best)\n",
         "    best = jnp.where(pinned, best, best)\n",
         ("tests/test_v41_reference.py",),
@@ -201,7 +201,7 @@ MUTATIONS = [
     Mutation(
         "selection_never_streams",
         "the automatic choices never stream the indexer top-k or loss (dense [B, S, T] scores)",
-        "csa_eqx/_auto.py",
+        "csa_eqx/_selection/auto.py",
         "    return batch * seq * entries * max(heads, 1) > tiles.elements\n",
         "    return False\n",
         ("tests/test_memory_guard.py::test_fwd_bwd_never_forms_bst",),
@@ -209,7 +209,7 @@ MUTATIONS = [
     Mutation(
         "native_v32_yarn_by_key",
         "a native V3.2 config gets YaRN only when it names original_seq_len (the old rule)",
-        "csa_eqx/_hf_config.py",
+        "csa_eqx/hf/_config.py",
         '    on = _int(args, "max_seq_len", source) > _int(args, "original_seq_len", source)\n',
         '    on = "original_seq_len" in d\n',
         ("tests/test_deepseek_reference.py",),
@@ -217,7 +217,7 @@ MUTATIONS = [
     Mutation(
         "v4_indexer_queries_unscaled",
         "V4 indexer queries rotated without YaRN",
-        "csa_eqx/_indexer_heads.py",
+        "csa_eqx/_indexer/heads.py",
         "        self.rope = Rope(c.rope_dim, c.compress_rope_theta, c.rope_scaling)",
         "        self.rope = Rope(c.rope_dim, c.compress_rope_theta)",
         (
@@ -236,7 +236,7 @@ MUTATIONS = [
     Mutation(
         "v4_head_weights_rescaled",
         "V4 indexer head weights without the H^-1/2 factor (selections unchanged)",
-        "csa_eqx/_indexer_heads.py",
+        "csa_eqx/_indexer/heads.py",
         "numerics.linear(x, self.weights_proj).astype(jnp.float32) * self.heads**-0.5",
         "numerics.linear(x, self.weights_proj).astype(jnp.float32)",
         ("tests/test_v4_parity.py::test_indexer_scores_match_hf",),
@@ -244,7 +244,7 @@ MUTATIONS = [
     Mutation(
         "numerics_no_hadamard",
         "DeepSeekInference quantises the indexer without the Hadamard rotation",
-        "csa_eqx/_deepseek_numerics.py",
+        "csa_eqx/_numerics/deepseek.py",
         "        rotated = hadamard(v) if formats.hadamard else v\n",
         "        rotated = v.astype(jnp.float32)\n",
         ("tests/test_numerics.py::test_matches_deepseeks_quantised_inference",),
@@ -252,7 +252,7 @@ MUTATIONS = [
     Mutation(
         "numerics_kv_not_rounded",
         "DeepSeekInference leaves V4's KV unrounded (V4-Pro's FP8 round trip dropped)",
-        "csa_eqx/_deepseek_numerics.py",
+        "csa_eqx/_numerics/deepseek.py",
         "        return jnp.concatenate([round_to(nope, kv.dtype), rope], axis=-1)",
         "        return kv",
         ("tests/test_numerics.py::test_matches_deepseeks_quantised_inference",),
@@ -260,7 +260,7 @@ MUTATIONS = [
     Mutation(
         "numerics_fp8_weights_dequantised",
         "DeepSeekInference holds an FP8 checkpoint's projections dequantised (bf16 products)",
-        "csa_eqx/_deepseek_numerics.py",
+        "csa_eqx/_numerics/deepseek.py",
         "        return weight  # DeepSeek's linear quantises",
         "        return weight.dequantize(dtype)  # DeepSeek's linear quantises",
         ("tests/test_numerics.py::test_matches_deepseeks_quantised_inference_on_fp8_checkpoints",),
@@ -268,7 +268,7 @@ MUTATIONS = [
     Mutation(
         "scores_rounded_by_astype",
         "V4's bf16 score roundings as astype pairs (XLA drops them under jit)",
-        "csa_eqx/_scorer.py",
+        "csa_eqx/_scorer/base.py",
         "    return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)",
         "    return x.astype(dtype).astype(x.dtype)",
         ("tests/test_numerics.py::test_v4_scores_round_under_jit",),
@@ -276,7 +276,7 @@ MUTATIONS = [
     Mutation(
         "pow2_scale_floored",
         "power-of-two scales floor the exponent (scale below amax / max: values saturate)",
-        "csa_eqx/_formats.py",
+        "csa_eqx/_numerics/formats.py",
         "    up = ((bits & 0x7FFFFF) != 0).astype(jnp.int32)",
         "    up = jnp.zeros_like(exponent)",
         ("tests/test_formats.py",),
@@ -285,7 +285,7 @@ MUTATIONS = [
     Mutation(
         "pallas_scorer_grad_ignores_score_dtype",
         "the Pallas scorer's backward differentiates the float32 scores, not the bf16 ones asked",
-        "csa_eqx/_scorer_pallas.py",
+        "csa_eqx/_scorer/pallas.py",
         "    kw = dict(head_chunk=head_chunk, score_dtype=score_dtype)\n    _, vjp = jax.vjp(",
         "    kw = dict(head_chunk=head_chunk, score_dtype=None)\n    _, vjp = jax.vjp(",
         ("tests/test_conformance_scorer.py::test_bf16_gradients",),
@@ -304,7 +304,7 @@ MUTATIONS = [
     Mutation(
         "xla_head_weights_unrounded",
         "the reference scorer's bf16 scores skip the rounding of the head weights",
-        "csa_eqx/_scorer.py",
+        "csa_eqx/_scorer/base.py",
         "_rounded(w.astype(acc), score_dtype)[:, :, :, None]",
         "w.astype(acc)[:, :, :, None]",
         ("tests/test_conformance_scorer.py::test_bf16_scores",),
@@ -312,7 +312,7 @@ MUTATIONS = [
     Mutation(
         "fp8_scales_in_turn",
         "the FP8 GEMM applies the activation's and the weight's scales one after the other",
-        "csa_eqx/_fp8_linear.py",
+        "csa_eqx/_numerics/fp8_linear.py",
         "return acc + part * (a_scale[:, None] * w_scale[None, :]), None",
         "return acc + (part * a_scale[:, None]) * w_scale[None, :], None",
         (
@@ -322,7 +322,7 @@ MUTATIONS = [
     Mutation(
         "fp8_linear_ignores_scale_fmt",
         "DeepSeekInference's FP8 projections quantise activations with power-of-two scales always",
-        "csa_eqx/_deepseek_numerics.py",
+        "csa_eqx/_numerics/deepseek.py",
         "return fp8_linear(x, weight, self._pow2)",
         "return fp8_linear(x, weight, True)",
         ("tests/test_conformance_numerics.py::test_projections",),
@@ -330,7 +330,7 @@ MUTATIONS = [
     Mutation(
         "kv_ignores_scale_fmt",
         "DeepSeekInference's KV round trip uses power-of-two scales always",
-        "csa_eqx/_deepseek_numerics.py",
+        "csa_eqx/_numerics/deepseek.py",
         "nope = fp8_e4m3_round_trip(nope, formats.kv_block, self._pow2, cast_to=through)",
         "nope = fp8_e4m3_round_trip(nope, formats.kv_block, True, cast_to=through)",
         ("tests/test_conformance_numerics.py::test_kv_round_trip",),
@@ -338,7 +338,7 @@ MUTATIONS = [
     Mutation(
         "block_quotient_by_reciprocal",
         "block quotients x / scale (amax and E4M3 scales) by a multiplication by 1 / scale",
-        "csa_eqx/_formats.py",
+        "csa_eqx/_numerics/formats.py",
         "else exact_divide(xb, scale)",
         "else xb * (1.0 / scale)",
         ("tests/test_formats.py::test_quotients_beside_midpoints_are_the_exact_ones",),
@@ -346,7 +346,7 @@ MUTATIONS = [
     Mutation(
         "e4m3_scale_by_reciprocal",
         "V4.1's E4M3 block scale amax / 6 by a multiplication by fl(1 / 6)",
-        "csa_eqx/_formats.py",
+        "csa_eqx/_numerics/formats.py",
         "scaled = jnp.minimum(exact_divide(amax, fmt_max), FP8_E4M3_MAX)",
         "scaled = jnp.minimum(amax * np.float32(1.0 / fmt_max), FP8_E4M3_MAX)",
         ("tests/test_formats.py::test_e4m3_scales_beside_their_midpoints_are_exact_quotients",),
@@ -354,7 +354,7 @@ MUTATIONS = [
     Mutation(
         "v41_filter_bites_floor",
         "the automatic choices count a partial last candidate block out (floor(T / bc) blocks)",
-        "csa_eqx/_auto.py",
+        "csa_eqx/_selection/auto.py",
         "    return -(-entries // visibility.block_size) > visibility.candidates.shape[-1]\n",
         "    return entries // visibility.block_size > visibility.candidates.shape[-1]\n",
         (
@@ -365,7 +365,7 @@ MUTATIONS = [
     Mutation(
         "extend_stack_hook_sees_old_caches",
         "extend_stack's hook gets the caches as they were before the chunk",
-        "csa_eqx/_stack.py",
+        "csa_eqx/_layers/stack.py",
         "before(i, x, new, shared)",
         "before(i, x, caches, shared)",
         ("tests/test_v41_layers.py::test_extend_stack_hook_sees_the_caches_so_far",),
@@ -373,7 +373,7 @@ MUTATIONS = [
     Mutation(
         "stale_keys_padded_in_front",
         "the stale-key emulation pads a shorter cache's keys at the front",
-        "csa_eqx/_v41.py",
+        "csa_eqx/_layers/v41.py",
         "keys = jnp.pad(keys, [(0, 0), (0, max(slots - keys.shape[1], 0)), (0, 0)])",
         "keys = jnp.pad(keys, [(0, 0), (max(slots - keys.shape[1], 0), 0), (0, 0)])",
         ("tests/test_v41_layers.py::test_stale_index_keys_by_value",),
@@ -381,7 +381,7 @@ MUTATIONS = [
     Mutation(
         "candidate_tile_offset_dropped",
         "a V4.1 consumer's key tile maps its slots to blocks as if it started at a block",
-        "csa_eqx/_candidates.py",
+        "csa_eqx/_selection/candidates.py",
         "block = (start - first * bc + jnp.arange(width, dtype=jnp.int32)) // bc",
         "block = jnp.arange(width, dtype=jnp.int32) // bc",
         ("tests/test_v41_layers.py::test_candidate_geometry_by_values",),
@@ -389,7 +389,7 @@ MUTATIONS = [
     Mutation(
         "problem_queries_drop_score_dtype",
         "a problem rebuilt over its projected queries forgets its score dtype (sharded paths)",
-        "csa_eqx/_problem.py",
+        "csa_eqx/_selection/base.py",
         "return self._replace(project=_identity, rows=(q, weights))",
         "return self._replace(project=_identity, rows=(q, weights), score_dtype=None)",
         ("tests/test_conformance_selection.py::test_bf16_scores_pick_as_bf16_rounds",),
@@ -397,33 +397,33 @@ MUTATIONS = [
     Mutation(
         "execution_scorer_ignored",
         "the layers' selection problems score with the reference scorer, not Execution.scorer",
-        "csa_eqx/_execution.py",
-        "project, rows, keys, visibility, chunk, score_dtype, self.scorer, tiles",
-        "project, rows, keys, visibility, chunk, score_dtype, XlaScorer(), tiles",
+        "csa_eqx/_indexer/base.py",
+        "SelectionProblem(project, rows, keys, visibility, chunk, score_dtype, scorer, tiles)",
+        "SelectionProblem(project, rows, keys, visibility, chunk, score_dtype, tiles=tiles)",
         ("tests/test_scorer.py::test_layer_selection_through_execution",),
     ),
     Mutation(
         "streaming_scores_past_the_scorer",
         "the streaming selection scores its tiles with the reference scorer, not the problem's",
-        "csa_eqx/_selection_streaming.py",
+        "csa_eqx/_selection/streaming.py",
         "scores = problem.scores(qx, wx, take(keys, j * kb, kb))",
         'scores = problem._replace(scorer=problem._field_defaults["scorer"]).scores('
         "qx, wx, take(keys, j * kb, kb))",
         ("tests/test_conformance_selection.py::test_scores_through_the_problems_scorer",),
     ),
     Mutation(
-        "pallas_selection_differentiated",
-        "the fused indexer's inputs are not stop_gradient-ed (the kernel gets differentiated)",
-        "csa_eqx/_selection_pallas.py",
+        "fused_selection_differentiated",
+        "the fused indexers' inputs are not stop_gradient-ed (the kernels get differentiated)",
+        "csa_eqx/_selection/row_chunks.py",
         "    rows, consts, keys = jax.lax.stop_gradient((rows, consts, keys))\n"
-        "    keys, layout = padded_keys(keys, layout, kb)",
-        "    keys, layout = padded_keys(keys, layout, kb)",
+        "    keys, layout = padded_keys(keys, visibility.layout, key_block)",
+        "    keys, layout = padded_keys(keys, visibility.layout, key_block)",
         ("tests/test_conformance_selection.py::test_picks_carry_no_gradient",),
     ),
     Mutation(
         "xla_logits_unrounded",
         "the reference scorer's bf16 scores skip the rounding of each head's logit",
-        "csa_eqx/_scorer.py",
+        "csa_eqx/_scorer/base.py",
         "rounded = jax.nn.relu(_rounded(logits, score_dtype))",
         "rounded = jax.nn.relu(logits)",
         ("tests/test_conformance_scorer.py::test_bf16_scores",),
@@ -431,7 +431,7 @@ MUTATIONS = [
     Mutation(
         "loss_rounds_scores",
         "the dense indexer loss rounds its scores to the problem's score dtype",
-        "csa_eqx/_loss_dense.py",
+        "csa_eqx/_loss/dense.py",
         "scores = problem.scorer.scores(*problem.project(*rows), keys, head_chunk=head_chunk)",
         "scores = problem.scorer.scores(\n"
         "            *problem.project(*rows), keys, head_chunk=head_chunk, "
@@ -441,7 +441,7 @@ MUTATIONS = [
     Mutation(
         "deepseek_probabilities_unrounded",
         "DeepSeekInference's attention keeps float32 probabilities (no bf16 rounding)",
-        "csa_eqx/_deepseek_numerics.py",
+        "csa_eqx/_numerics/deepseek.py",
         "        return round_to(p, jnp.bfloat16), denominator",
         "        return p, denominator",
         ("tests/test_conformance_attention.py::test_deepseek_rounded_softmax",),
@@ -449,7 +449,7 @@ MUTATIONS = [
     Mutation(
         "nonfinite_rows_not_flagged",
         "the reference attention zeroes non-finite key rows without poisoning their readers",
-        "csa_eqx/_attention_xla.py",
+        "csa_eqx/_attention/xla.py",
         "        poisoned |= jnp.any(mask & (bad if per_query else bad[:, None, :]), axis=-1)\n",
         "",
         ("tests/test_conformance_attention.py::test_nonfinite_rows_reach_only_their_readers",),
@@ -457,7 +457,7 @@ MUTATIONS = [
     Mutation(
         "deepseek_linear_weight_unrounded",
         "DeepSeekInference's bf16 projections multiply by the float32 weight (no bf16 rounding)",
-        "csa_eqx/_deepseek_numerics.py",
+        "csa_eqx/_numerics/deepseek.py",
         'y = jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype), preferred_element_type=acc)',
         'y = jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=acc)',
         ("tests/test_conformance_numerics.py::test_projections",),
@@ -465,10 +465,26 @@ MUTATIONS = [
     Mutation(
         "compressor_ratio_boundary",
         "DeepSeekInference keeps V4.1's ratio-2 compressor in bf16 too (<= for <)",
-        "csa_eqx/_deepseek_numerics.py",
+        "csa_eqx/_numerics/deepseek.py",
         "and ratio < formats.compressor_float32_ratio:",
         "and ratio <= formats.compressor_float32_ratio:",
         ("tests/test_conformance_numerics.py::test_what_the_layers_ask",),
+    ),
+    Mutation(
+        "mosaic_head_weights_unrounded",
+        "the Mosaic fused indexer's bf16 scores skip the rounding of the head weights",
+        "csa_eqx/_selection/mosaic_topk.py",
+        "    w = _round_mantissa(weights.astype(jnp.float32) * dim**-0.5, bits)\n",
+        "    w = weights.astype(jnp.float32) * dim**-0.5\n",
+        ("tests/test_conformance_selection.py::test_bf16_scores_pick_as_bf16_rounds",),
+    ),
+    Mutation(
+        "mosaic_band_rows_not_flagged",
+        "the Mosaic attention zeroes a non-finite window row without poisoning its readers",
+        "csa_eqx/_attention/mosaic.py",
+        "        poison = poison | _if_bad(bad, window_bad, (b, s))\n",
+        "",
+        ("tests/test_conformance_attention.py::test_nonfinite_rows_reach_only_their_readers",),
     ),
     Mutation(
         "round_to_by_astype",

@@ -11,14 +11,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from ... import StackState
 from ..._config import V4AttentionConfig, V4FamilyConfig, V32AttentionConfig
-from ..._execution import Execution
-from ..._forward import V41Shared
+from ..._layers.execution import Execution
+from ..._layers.v4 import V4Attention
+from ..._layers.v32 import V32Attention
+from ..._layers.v41 import V41Attention
+from ..._layers.v41_config import V41AttentionConfig
 from ..._ops import init_linear, linear, rms_norm
-from ..._v4 import V4Attention
-from ..._v32 import V32Attention
-from ..._v41 import V41Attention
-from ..._v41_config import V41AttentionConfig
 from ...presets import v32_sized_as
 
 __all__ = ["LMConfig", "DecoderLM", "Block", "FAMILIES"]
@@ -124,7 +124,7 @@ class Block(eqx.Module):
         segment_ids: Array | None,
         return_aux: bool,
         indexer_loss: str | None = None,
-        shared: V41Shared = V41Shared(),  # noqa: B008 (an immutable empty state)
+        shared: StackState = StackState(),  # noqa: B008 (an immutable empty state)
     ):
         """The block over ``h``, from the state the earlier layers published (``shared``).
 
@@ -212,7 +212,7 @@ class DecoderLM(eqx.Module):
         selections (None for layers without an indexer), "indexer_loss": summed KL loss}``.
         ``indexer_loss`` is the indexers' training stage for this call (``"off"``, ``"dense"``,
         ``"sparse"``; ``None``: ``config.execution.indexer_loss``)."""
-        h, auxes, shared = self.embed[tokens], [], V41Shared()
+        h, auxes, shared = self.embed[tokens], [], StackState()
         for block in self.blocks:
             h, aux, shared = block(h, segment_ids, return_aux, indexer_loss, shared)
             auxes.append(aux)
@@ -238,7 +238,7 @@ class DecoderLM(eqx.Module):
     ) -> tuple[Float[Array, "batch seq vocab"], tuple]:
         """Logits of a chunk that follows ``caches`` and the updated caches (prefill, chunked
         prefill or one decode step; equal to the full forward over the whole stream)."""
-        h, new, shared = self.embed[tokens], [], V41Shared()
+        h, new, shared = self.embed[tokens], [], StackState()
         for block, cache in zip(self.blocks, caches, strict=True):
             h, cache, shared = block.extend(h, cache, lengths, segment_ids, shared)
             new.append(cache)

@@ -6,10 +6,10 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ..._forward import V41Shared
+from ... import StackState
+from ..._layers.v4 import V4Attention
+from ..._layers.v41 import V41Attention
 from ..._ops import rms_norm
-from ..._v4 import V4Attention
-from ..._v41 import V41Attention
 from .lm import DecoderLM
 
 __all__ = ["indexer_recall", "layer_inputs"]
@@ -17,8 +17,8 @@ __all__ = ["indexer_recall", "layer_inputs"]
 
 def layer_inputs(model: DecoderLM, tokens: Int[Array, "batch seq"]) -> list[tuple]:
     """The normalised hidden states each block's attention receives, with the state the
-    earlier layers published (``V41Shared``; nothing before V4 / V3.2 layers)."""
-    h, inputs, shared = model.embed[tokens], [], V41Shared()
+    earlier layers published (a stack state: ``StackState()`` before any V4.1 layer)."""
+    h, inputs, shared = model.embed[tokens], [], StackState()
     for block in model.blocks:
         inputs.append((rms_norm(h, block.attn_norm, 1e-6), shared))
         h, _, shared = block(h, None, False, shared=shared)

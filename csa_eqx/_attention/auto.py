@@ -1,0 +1,79 @@
+"""The attention family's automatic choices: ``AutoPicks`` (a masked matmul or a gather for the
+attention over each query's picked entries; docs/memory.md, "Masked picks") and
+``AutoAttention`` (the Pallas attention kernel on a GPU, the Mosaic one on a TPU, XLA's
+elsewhere, DeepSeek's expanded MLA under its numerics; docs/kernels.md). Each kernel sizes its
+own query blocks (``AbstractAttentionKernel.query_block_for``; ``Execution(query_block=...)``
+forces one).
+"""
+
+from __future__ import annotations
+
+from .._backend import kernel_platform
+from .base import AbstractAttentionKernel, LatentUp
+from .expanded import ExpandedAttention
+from .mosaic import MosaicAttention
+from .pallas import PallasAttention
+from .picks import AbstractPicks, GatheredPicks, MaskedPicks
+from .xla import XlaAttention
+
+__all__ = ["AutoAttention", "AutoPicks"]
+
+
+class AutoPicks(AbstractPicks):
+    """A masked matmul over all entries while there are at most ``ratio`` entries per pick
+    (``T <= ratio * k``), else a gather of the picks: a matmul over ``T`` entries is far
+    cheaper than gathering ``k`` rows per query, and its gradient needs no scatter-add.
+
+    **Arguments:**
+
+    - ``ratio``: entries per pick up to which the picks are attended by a masked matmul.
+    """
+
+    ratio: int = 4
+
+    def choose(self, entries: int, picks: int) -> AbstractPicks:
+        """**Arguments:** the entry count ``T`` and picks per query ``k``.
+
+        **Returns:** ``MaskedPicks()`` when ``T <= ratio * k``, else ``GatheredPicks()``.
+        """
+        return MaskedPicks() if entries <= self.ratio * picks else GatheredPicks()
+
+    def reads(self, keys, visibility, picks, values=None, value_width=None):
+        strategy = self.choose(keys.shape[1], picks.shape[-1])
+        return strategy.reads(keys, visibility, picks, values, value_width)
+
+
+class AutoAttention(AbstractAttentionKernel):
+    """The attention kernel for the backend (``kernel_platform``): ``PallasAttention()`` on a
+    GPU, ``MosaicAttention()`` on a TPU (each reads every kind of ``Reads``; the Mosaic kernel
+    chooses its gather, blocks and VMEM use per call), ``XlaAttention()`` elsewhere and under
+    numerics that round the attention (``exact_softmax`` false: ``DeepSeekInference``); for
+    MLA (``latent``) under numerics that follow DeepSeek's expanded prefill
+    (``LatentUp.expanded``), ``ExpandedAttention()``. The same outputs up to rounding (up to
+    the numerics' own for the expanded one). **Arguments:** none."""
+
+    def choose(self, numerics=None, up: LatentUp | None = None) -> AbstractAttentionKernel:
+        """**Arguments:** the layer's numerics (``None``: exact) and, for MLA, its
+        up-projection.
+
+        **Returns:** ``ExpandedAttention()`` for an expanded MLA, else under exact-softmax
+        numerics ``PallasAttention()`` on a GPU and ``MosaicAttention()`` on a TPU, else
+        ``XlaAttention()``."""
+        if up is not None and up.expanded:
+            return ExpandedAttention()
+        if numerics is not None and not numerics.exact_softmax:
+            return XlaAttention()
+        kernels = {"gpu": PallasAttention(), "tpu": MosaicAttention()}
+        return kernels.get(kernel_platform(), XlaAttention())
+
+    def __call__(self, q, reads, sinks, scale, *, return_lse=False, numerics=None, **blocks):
+        kernel = self.choose(numerics)
+        return kernel(q, reads, sinks, scale, return_lse=return_lse, numerics=numerics, **blocks)
+
+    def attend(self, q, reads, sinks, scale, *, return_lse=False, query_block, numerics=None):
+        kw = dict(return_lse=return_lse, query_block=query_block, numerics=numerics)
+        return self.choose(numerics).attend(q, reads, sinks, scale, **kw)
+
+    def latent(self, q_nope, q_rope, reads, up, scale, *, numerics=None, **kw):
+        kernel = self.choose(numerics, up)
+        return kernel.latent(q_nope, q_rope, reads, up, scale, numerics=numerics, **kw)

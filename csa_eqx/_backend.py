@@ -1,0 +1,97 @@
+"""Every question about the backend a computation is traced for, in one place: which tile sizes
+the selection, the indexer loss and the attention use there (``backend_tiles``: one
+``TileSizes`` per backend, ``CPU_TILES``, ``GPU_TILES``, ``TPU_TILES``), and whose Pallas
+kernels the choosers may run (``kernel_platform``). No other module asks
+``jax.default_backend()`` (``tests/test_seams.py``).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import AxisType
+
+from ._tiles import TileSizes
+
+__all__ = [
+    "CPU_TILES",
+    "GPU_TILES",
+    "TPU_TILES",
+    "backend_tiles",
+    "tile_elements",
+    "shared_tiles",
+    "kernel_platform",
+]
+
+# CPU: tiles that stay in cache (64 MiB float32 at most), the radix select a loop (unrolling
+# only slows compiles, ~1.5 s per layer). Accelerators: every loop iteration costs launches and
+# a predicate round trip, so tiles are 4x larger, loops 4-16x shorter and the radix select's
+# 32 steps unrolled (measured on an H200: 128-entry tiles made the selection ~1.3x slower than
+# 512).
+CPU_TILES = TileSizes(elements=1 << 24, key_block=128, max_query_block=256, unroll=False)
+GPU_TILES = TileSizes(elements=1 << 26, key_block=512, max_query_block=1024, unroll=True)
+# TPU: the XLA fallback's (MosaicSelection is the automatic selection there). XLA on a TPU runs
+# gathers inside loops slowly (the radix select's compaction: ~95 % of a layer, measured on a
+# v5e), so the exact select is lax.top_k on integer order keys and a sort of the k picks
+# (select="top_k", gather-free; lax.top_k [16384, 4096] k 512: 36.6 ms there). The row buffer
+# [B, Qb, T] holds every entry up to T = 2^26 / Qb (65536 at Qb = 1024), so a query block takes
+# one top-k and no merge; the [B, Qb, H, Kb] float32 logits of a tile (128 MiB at 64 heads) are
+# the HBM round trip that bounds the scoring. Key tiles of 512: 4 MXU passes wide, and causal
+# skipping wastes under an eighth of the scored pairs at 16k (docs/kernels.md, "The XLA path on
+# a TPU").
+TPU_TILES = TileSizes(
+    elements=1 << 26, key_block=512, max_query_block=1024, unroll=True, select="top_k"
+)
+
+_TILES = {"cpu": CPU_TILES, "gpu": GPU_TILES, "tpu": TPU_TILES}
+
+
+def backend_tiles(tiles: TileSizes | None = None) -> TileSizes:
+    """**Arguments:** tile sizes a user forced (``Execution.tiles``; ``None``: none).
+
+    **Returns:** ``tiles`` when given, else the sizes of the backend the computation is traced
+    for (``CPU_TILES``, ``GPU_TILES``, ``TPU_TILES``; another backend gets the GPU's)."""
+    if tiles is not None:
+        return tiles
+    return _TILES.get(jax.default_backend(), GPU_TILES)
+
+
+def tile_elements() -> int:
+    """**Returns:** the elements of one automatic tile (and of one row buffer) for the current
+    backend: 2^24 on CPU, 2^26 on accelerators."""
+    return backend_tiles().elements
+
+
+def shared_tiles(tiles: TileSizes, devices: int) -> TileSizes:
+    """The tiles of one of ``devices`` that share a sequence (context parallelism), so that each
+    device's working buffers shrink with its share of the rows as its activations do: the
+    attention's query-block budget divided by ``devices`` (at least 2^20 elements), and the
+    selection's tile and row-buffer budget by ``devices**2`` (at least 2^18): a row buffer
+    ``[B, Qb, T]`` spans every entry of the whole sequence, so its query block must shrink
+    too (measured: docs/memory.md, "Context parallelism").
+
+    **Arguments:** the whole problem's ``tiles`` and the number of ``devices``.
+
+    **Returns:** the per-device ``TileSizes`` (key blocks, query-block caps and unrolling kept).
+    """
+
+    def share(elements: int, by: int, floor: int) -> int:
+        return max(elements // by, min(elements, floor))
+
+    return tiles._replace(
+        elements=share(tiles.elements, devices**2, 1 << 18),
+        attention_elements=share(tiles.attention_elements, devices, 1 << 20),
+    )
+
+
+def kernel_platform() -> str | None:
+    """**Returns:** the platform whose Pallas kernels the automatic choices may run, for the
+    backend the computation is traced for: ``"gpu"`` (Triton: ``PallasSelection``,
+    ``PallasAttention``) or ``"tpu"`` (Mosaic TPU: ``MosaicSelection``), where no
+    mesh axis in context is sharded by the compiler (none, or all ``Manual``: inside the
+    placements' ``shard_map``; a kernel is one device's program); ``None`` on the CPU, where
+    kernels run only in interpret mode (proven there, far slower than XLA), and under a
+    compiler-sharded mesh (docs/kernels.md)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    local = all(t == AxisType.Manual for t in getattr(mesh, "axis_types", ()))
+    backend = jax.default_backend()
+    return backend if local and backend in ("gpu", "tpu") else None

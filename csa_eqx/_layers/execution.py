@@ -1,0 +1,269 @@
+"""How a layer runs, apart from what it computes: ``Execution``, a record of one strategy per
+family (the selection, the attention's picks, window and kernel, the indexer loss, the scorer,
+the numerics), the sizes that tune them (head chunk, query block, tiles), remat tagging, head
+sharding of the indexer's activations, the placement (``heads``, ``context``) and the default
+training stage of the indexer loss, with their checks. The layers' pipelines call the chosen
+strategies themselves.
+
+The layer configs (``V4AttentionConfig``, ``V32AttentionConfig``) mirror the checkpoint only;
+``V4Attention(config, key=..., execution=Execution(...))`` decides how it runs. The default is
+automatic for the backend. The loaders' keyword options (``qk_head_chunk_size=``,
+``indexer_sharded_topk=``, …) map onto it with ``Execution.from_options``
+(``csa_eqx._layers.options``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import equinox as eqx
+
+from .._attention.auto import AutoAttention, AutoPicks
+from .._attention.base import AbstractAttentionKernel
+from .._attention.mosaic import MosaicAttention
+from .._attention.pallas import PallasAttention
+from .._attention.picks import AbstractPicks
+from .._attention.window import AbstractWindow, BandWindow
+from .._loss.auto import AutoIndexerLoss
+from .._loss.base import AbstractIndexerLoss
+from .._numerics.base import AbstractNumerics, DeepSeekFormats, ExactNumerics
+from .._placement.base import AbstractPlacement, SingleDevice
+from .._placement.context import ContextParallel
+from .._placement.heads import HeadParallel
+from .._scorer.base import AbstractScorer, XlaScorer
+from .._selection.auto import AutoSelection
+from .._selection.base import AbstractSelection
+from .._tiles import TileSizes
+from .options import from_options, refuse_options
+
+__all__ = ["Execution", "IndexerLossStage", "INDEXER_LOSS_STAGES"]
+
+IndexerLossStage = Literal["off", "dense", "sparse"]
+INDEXER_LOSS_STAGES = ("off", "dense", "sparse")
+
+
+def _require(ok: bool, field: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{field} {rule} (got {value!r})")
+
+
+def check_stage(stage: object) -> None:
+    """``ValueError`` unless ``stage`` is one of ``"off"``, ``"dense"``, ``"sparse"``."""
+    _require(
+        stage in INDEXER_LOSS_STAGES, "indexer_loss", "must be 'off', 'dense' or 'sparse'", stage
+    )
+
+
+class Execution(eqx.Module):
+    """How an attention layer runs (never what it computes: outputs agree across settings,
+    selections bitwise), and how it rounds (``numerics``: the one field that changes the
+    numbers, on purpose). Every field is a keyword (a loader's option given here is a
+    ``TypeError`` naming ``Execution.from_options``).
+
+    **Arguments:**
+
+    - ``selection``: the indexer top-k strategy (``AutoSelection()``, ``DenseSelection()``,
+        ``StreamingSelection(key_block, query_block, topk_block)``, ``PallasSelection(...)``,
+        ``ShardedSelection(inner, tensor_axis, data_axis)``).
+    - ``picks``: how the attention reads the picked entries (``AutoPicks()``,
+        ``MaskedPicks()``, ``GatheredPicks()``).
+    - ``window``: how V4 reads the sliding window (``BandWindow()``: a banded matmul,
+        ``GatheredWindow()``: gathered token rows), in the forward and in ``extend``.
+    - ``attention``: the attention kernel over what each query reads (``AutoAttention()``:
+        ``PallasAttention()`` on a GPU, ``MosaicAttention()`` on a TPU, else
+        ``XlaAttention()``, the reference; for V3.2 under ``DeepSeekInference``, DeepSeek's
+        expanded MLA; any ``AbstractAttentionKernel``).
+    - ``qk_head_chunk_size``: indexer heads (and, for the KL target, attention heads) scored
+        at once (0 = all); must divide ``index_n_heads`` (and ``num_heads`` when the
+        indexer loss is on).
+    - ``query_block``: queries per block of the attention (0 = the kernel's own automatic
+        block, ``AbstractAttentionKernel.query_block_for``).
+    - ``save_selection``: name the selection ``csa_eqx.SELECTION_NAME`` so that remat policies
+        (``csa_eqx.remat.compose_selection_policy``) can save it.
+    - ``indexer_heads_axis``: mesh axis to shard the indexer's per-head activations over
+        (``None`` = off); its size must divide ``index_n_heads``.
+    - ``context``: split the sequence over a mesh axis (``ContextParallel(axis)``; ``None`` =
+        off); ``extend`` refuses it (decoding runs on one device: ``check_one_device``).
+    - ``heads``: split the attention heads over a mesh axis (``HeadParallel(axis)``; ``None`` =
+        off); composes with ``context`` (one ``shard_map`` over both axes), a
+        ``ShardedSelection`` over the same axis and the indexer loss; not with
+        ``indexer_heads_axis``; ``extend`` refuses it.
+    - ``indexer_loss``: the default training stage of the indexer's KL loss: ``"off"``,
+        ``"dense"`` (warm-up: all visible entries, attended densely too) or ``"sparse"``
+        (the selected entries). A call can override it (``layer(x, indexer_loss=...)``).
+    - ``numerics``: how the layer rounds: ``ExactNumerics()`` (the default, float32 reference)
+        or ``DeepSeekInference(...)`` (DeepSeek's inference code; docs/numerics.md).
+    - ``indexer_kl``: how the indexer's KL loss is computed when a stage trains it
+        (``AutoIndexerLoss()``, ``DenseIndexerLoss()``, ``StreamingIndexerLoss(...)``).
+    - ``scorer``: the indexer's scoring kernel, used by every selection strategy and the loss
+        (``XlaScorer()``, the reference; ``BlockedScorer(key_block)``; ``PallasScorer(...)``).
+    - ``tiles``: the tile sizes of the selection, the loss and the attention (``TileSizes``;
+        ``None`` = the backend's, ``csa_eqx._backend.backend_tiles``, when traced).
+    """
+
+    selection: AbstractSelection = AutoSelection()
+    picks: AbstractPicks = AutoPicks()
+    window: AbstractWindow = BandWindow()
+    attention: AbstractAttentionKernel = AutoAttention()
+    qk_head_chunk_size: int = 0
+    query_block: int = 0
+    save_selection: bool = False
+    indexer_heads_axis: str | None = None
+    context: ContextParallel | None = None
+    heads: HeadParallel | None = None
+    indexer_loss: str = "off"
+    numerics: AbstractNumerics = ExactNumerics()
+    indexer_kl: AbstractIndexerLoss = AutoIndexerLoss()
+    scorer: AbstractScorer = XlaScorer()
+    tiles: TileSizes | None = None
+
+    from_options = classmethod(from_options)
+
+    def __init__(self, **fields):
+        refuse_options(type(self), fields)
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, fields.pop(field.name, field.default))
+        if fields:
+            raise TypeError(f"Execution has no fields {sorted(fields)}")
+
+    def __check_init__(self):
+        for name in ("qk_head_chunk_size", "query_block"):
+            v = getattr(self, name)
+            ok = isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            _require(ok, name, "must be a non-negative int", v)
+        check_stage(self.indexer_loss)
+        for name, base, what in (
+            ("numerics", AbstractNumerics, "ExactNumerics() or DeepSeekInference(...)"),
+            ("indexer_kl", AbstractIndexerLoss, "AutoIndexerLoss(), DenseIndexerLoss(), ..."),
+            ("scorer", AbstractScorer, "XlaScorer(), BlockedScorer(...), ..."),
+            ("attention", AbstractAttentionKernel, "AutoAttention(), XlaAttention(), ..."),
+        ):
+            value = getattr(self, name)
+            _require(
+                isinstance(value, base), name, f"must be a csa_eqx {base.__name__} ({what})", value
+            )
+        _require(
+            self.tiles is None or isinstance(self.tiles, TileSizes),
+            "tiles",
+            "must be None or a csa_eqx.TileSizes",
+            self.tiles,
+        )
+        fused = isinstance(self.attention, (PallasAttention, MosaicAttention))
+        _require(
+            self.numerics.exact_softmax or not fused,
+            "attention",
+            f"{type(self.attention).__name__} computes the exact softmax, not "
+            f"{type(self.numerics).__name__}'s rounded one: use XlaAttention() or AutoAttention()",
+            self.attention,
+        )
+        axis = self.indexer_heads_axis
+        _require(
+            axis is None or (isinstance(axis, str) and axis != ""),
+            "indexer_heads_axis",
+            "must be None or a non-empty mesh axis name",
+            axis,
+        )
+        _require(
+            self.context is None or isinstance(self.context, ContextParallel),
+            "context",
+            "must be None or a csa_eqx.ContextParallel",
+            self.context,
+        )
+        _require(  # the head-sharded stage cannot close over the context shards' arrays yet
+            self.context is None or axis is None,
+            "indexer_heads_axis",
+            "must be None with context parallelism (not composable yet)",
+            axis,
+        )
+        self._check_heads()
+
+    def _check_heads(self) -> None:
+        """``ValueError`` unless ``heads`` is ``None`` or a ``HeadParallel`` that the other
+        fields compose with."""
+        if self.heads is None:
+            return
+        _require(
+            isinstance(self.heads, HeadParallel),
+            "heads",
+            "must be None or a HeadParallel",
+            self.heads,
+        )
+        _require(
+            self.context is None or self.context.axis != self.heads.axis,
+            "heads",
+            f"needs a HeadParallel.axis other than the ContextParallel.axis {self.heads.axis!r}",
+            self.heads.axis,
+        )
+        _require(  # the indexer's heads would be split over the axis the attention heads use
+            self.indexer_heads_axis is None,
+            "heads",
+            "is not composable with indexer_heads_axis yet: set one of them to None",
+            self.indexer_heads_axis,
+        )
+        _require(  # composing both ways at once would say two different things
+            self.context is None or isinstance(self.context.inner, SingleDevice),
+            "heads",
+            "must be None when context already wraps an inner placement",
+            self.context,
+        )
+
+    @classmethod
+    def checked(cls, execution: Execution | None, config, formats: DeepSeekFormats) -> Execution:
+        """**Arguments:** an ``Execution`` (``None``: ``Execution()``), a layer ``config`` and what
+        DeepSeek's inference quantises in the layer's family (``formats``).
+
+        **Returns:** the ``Execution``, checked against ``config`` (``TypeError`` /
+        ``ValueError``).
+        """
+        execution = cls() if execution is None else execution
+        if not isinstance(execution, Execution):
+            raise TypeError(
+                f"execution must be a csa_eqx.Execution (got {type(execution).__name__})"
+            )
+        execution.check(config.index_n_heads, config.num_heads, execution.indexer_loss)
+        execution.numerics.check(formats, config)
+        return execution
+
+    def check(self, index_heads: int, heads: int, stage: str) -> None:
+        """``ValueError`` unless ``qk_head_chunk_size`` divides the ``index_heads`` (and the
+        attention's ``heads`` when ``stage`` trains the indexer).
+
+        **Arguments:** the layer's ``index_n_heads``, ``num_heads`` and the training ``stage``.
+
+        **Returns:** ``None``.
+        """
+        check_stage(stage)
+        c = self.qk_head_chunk_size
+        _require(
+            c == 0 or index_heads % c == 0,
+            "qk_head_chunk_size",
+            f"must be 0 (off) or divide index_n_heads={index_heads}",
+            c,
+        )
+        _require(  # the KL target of the indexer loss is chunked over the attention heads
+            c == 0 or stage == "off" or heads % c == 0,
+            "qk_head_chunk_size",
+            f"must divide num_heads={heads} when indexer_loss is on",
+            c,
+        )
+
+    def check_one_device(self, what: str) -> None:
+        """``ValueError`` naming ``what`` (e.g. ``"extend"``, which decodes on one device) when
+        the execution asks for head or context parallelism; the message says how to run it
+        without."""
+        asked = [name for name in ("heads", "context") if getattr(self, name) is not None]
+        if asked:
+            raise ValueError(
+                f"{what} runs on one device, but this layer's execution splits it "
+                f"(Execution.{' and Execution.'.join(asked)}): decode with "
+                f"layer.with_execution(dataclasses.replace(layer.execution, "
+                f"{', '.join(f'{name}=None' for name in asked)})), which shares the weights"
+            )
+
+    @property
+    def placement(self) -> AbstractPlacement:
+        """**Returns:** where the forward runs: ``heads`` (else ``SingleDevice()``), wrapped in
+        ``context`` when that is set (context around heads)."""
+        inner = SingleDevice() if self.heads is None else self.heads
+        return inner if self.context is None else self.context.around(inner)

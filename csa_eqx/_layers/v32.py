@@ -1,0 +1,211 @@
+"""DeepSeek-V3.2 DSA layer: MLA whose queries attend only to the tokens a lightning indexer
+selects (docs/concepts.md, "DeepSeek-V3.2 DSA").
+
+The MLA runs through the execution's attention kernel (``AbstractAttentionKernel.latent``): in
+its absorbed form every head's query is mapped into the kv latent (``q_nope · W_kb_h``) so all
+heads share one key ``[c_kv ; k_rope]`` and one value ``c_kv`` per token, the sparse attention
+reads each query's selected latents and ``W_vb_h`` maps the result back to per-head values.
+This equals expanding keys and values per head, which is what DeepSeek's inference code does in
+its prefill, in bf16 torch ops: under numerics that follow it (``DeepSeekInference``) the
+attention chooser runs that form (``csa_eqx._attention.expanded``).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float
+
+from .._attention.base import LatentUp
+from .._attention.picks import entry_reads
+from .._config import V32AttentionConfig
+from .._indexer.v32 import V32Indexer
+from .._layout import Visibility
+from .._loss.base import AttentionTarget
+from .._numerics.base import V32_FORMATS, DeepSeekFormats
+from .._numerics.fp8_weight import Fp8Weight
+from .._ops import init_linear, rms_norm, round_to
+from .._placement.heads import split_specs
+from .._rope import apply_rope_interleaved, yarn_mscale, yarn_table
+from .base import AbstractIndexedAttention
+from .cache import V32Cache, check_cache_size, empty_rows
+from .execution import Execution
+from .forward import Forward
+
+__all__ = ["V32Attention"]
+
+
+class V32Attention(AbstractIndexedAttention):
+    """One DeepSeek-V3.2 attention layer (MLA + DSA).
+
+    Parameters use the HF module's names and torch's ``[out, in]`` layout (``k_norm_bias`` holds
+    ``indexer.k_norm.bias``), so ``csa_eqx.hf.load_v32_attention`` is a plain copy. Every
+    projection goes through the numerics' ``linear``; under ``DeepSeekInference`` a loader keeps
+    an FP8 checkpoint's ``q_a_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``,
+    ``o_proj``, ``indexer.wq_b`` and ``indexer.wk`` as ``Fp8Weight`` (the absorbed form
+    dequantises ``kv_b_proj``, as DeepSeek's decode does). Its attention is the execution's
+    kernel's MLA (``AbstractAttentionKernel.latent``): absorbed, or under ``DeepSeekInference``
+    DeepSeek's expanded prefill (``ExpandedAttention``, ``AutoAttention``'s choice).
+
+    **Arguments:** ``config`` (a ``V32AttentionConfig``), ``key``, ``dtype``, ``execution``, as in
+    ``csa_eqx.AbstractIndexedAttention``.
+    """
+
+    q_a_proj: Float[Array, "q_lora hidden"] | Fp8Weight
+    q_a_layernorm: Float[Array, " q_lora"]
+    q_b_proj: Float[Array, "heads_x_qk q_lora"] | Fp8Weight
+    kv_a_proj_with_mqa: Float[Array, "kv_lora_plus_rope hidden"] | Fp8Weight
+    kv_a_layernorm: Float[Array, " kv_lora"]
+    kv_b_proj: Float[Array, "heads_x_kv kv_lora"] | Fp8Weight
+    o_proj: Float[Array, "hidden heads_x_v"] | Fp8Weight
+    indexer: V32Indexer
+    config: V32AttentionConfig = eqx.field(static=True)
+    execution: Execution = eqx.field(static=True)
+    formats: ClassVar[DeepSeekFormats] = V32_FORMATS
+
+    def __init__(
+        self, config: V32AttentionConfig, *, key: Array, dtype=jnp.float32, execution=None
+    ):
+        """A randomly initialised layer (``csa_eqx.hf`` loads weights): ``config``, PRNG
+        ``key``, parameter ``dtype`` (norms stay float32) and ``execution`` (``None``:
+        automatic), as ``AbstractIndexedAttention`` says."""
+        c = config
+        execution = Execution.checked(execution, c, V32_FORMATS)
+        ks = jax.random.split(key, 6)
+        qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+        self.q_a_proj = init_linear(ks[0], c.q_lora_rank, c.hidden_size, dtype)
+        self.q_a_layernorm = jnp.ones((c.q_lora_rank,), jnp.float32)
+        self.q_b_proj = init_linear(ks[1], c.num_heads * qk, c.q_lora_rank, dtype)
+        self.kv_a_proj_with_mqa = init_linear(
+            ks[2], c.kv_lora_rank + c.qk_rope_head_dim, c.hidden_size, dtype
+        )
+        self.kv_a_layernorm = jnp.ones((c.kv_lora_rank,), jnp.float32)
+        self.kv_b_proj = init_linear(
+            ks[3], c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank, dtype
+        )
+        self.o_proj = init_linear(ks[4], c.hidden_size, c.num_heads * c.v_head_dim, dtype)
+        self.indexer = V32Indexer(c, key=ks[5], dtype=dtype)
+        self.config = config
+        self.execution = execution
+
+    @property
+    def softmax_scale(self) -> float:
+        """``(d_nope + d_rope)^-1/2``, times YaRN's ``mscale²`` when the config uses YaRN."""
+        c = self.config
+        return (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5 * yarn_mscale(c.rope_scaling) ** 2
+
+    def _project(self, x, positions) -> tuple[Array, Array, Array, Array]:
+        """**Arguments:** ``x [B, S, hidden]`` and int32 RoPE ``positions [B, S]``.
+
+        **Returns:** the query latent ``qr [B, S, q_lora_rank]``, the per-head query parts
+        ``q_nope [B, S, H, d_nope]`` and ``q_rope [B, S, H, d_rope]``, and the shared per-token
+        key ``[c_kv ; k_rope]`` ``[B, S, kv_lora_rank + qk_rope_head_dim]`` (its first
+        ``kv_lora_rank`` channels are the value; as the numerics round it)."""
+        c, nx = self.config, self.execution.numerics
+        b, s, _ = x.shape
+        inv_freq, rope_factor = yarn_table(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling)
+        qr = rms_norm(nx.linear(x, self.q_a_proj), self.q_a_layernorm, c.rms_norm_eps)
+        qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+        q = nx.linear(qr, self.q_b_proj).reshape(b, s, -1, qk)
+        q_nope, q_rope = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
+        q_rope = apply_rope_interleaved(q_rope, positions[..., None], inv_freq) * rope_factor
+
+        latent = nx.linear(x, self.kv_a_proj_with_mqa)
+        c_kv = rms_norm(latent[..., : c.kv_lora_rank], self.kv_a_layernorm, c.rms_norm_eps)
+        k_rope = apply_rope_interleaved(latent[..., c.kv_lora_rank :], positions, inv_freq)
+        keys = jnp.concatenate([c_kv, round_to(k_rope * rope_factor, c_kv.dtype)], axis=-1)
+        # the latent as the numerics round it before it is cached and read (DeepSeek's FP8 KV)
+        keys = nx.kv(keys, c.qk_rope_head_dim, self.formats)
+        return qr, q_nope, round_to(q_rope, q.dtype), keys
+
+    def head_specs(self, axis: str) -> tuple:
+        """Head parallelism over ``axis``: the rows of ``q_b_proj`` and ``kv_b_proj`` (per-head
+        queries and up-projections) and ``o_proj``'s input columns are split; every other
+        array (the MLA latent, the indexer) is replicated. See
+        ``AbstractIndexedAttention.head_specs``."""
+        specs = split_specs(
+            {"q_b_proj": P(axis, None), "kv_b_proj": P(axis, None), "o_proj": P(None, axis)}
+        )
+        return specs, {"num_heads": self.config.num_heads}
+
+    @property
+    def selects(self) -> bool:
+        """**Returns:** ``True``: the MLA reads the tokens its indexer selects."""
+        return True
+
+    @property
+    def entry_rate(self) -> int:
+        """**Returns:** 1 (every token is an entry the indexer selects among)."""
+        return 1
+
+    @property
+    def context_halo(self) -> int:
+        """**Returns:** 0: a chunk's rows need nothing of the rows before them but their keys,
+        which context parallelism all-gathers (``Rows.gather``)."""
+        return 0
+
+    def forward_rows(self, x, source, stage, want_loss=False):
+        """The pipeline over ``source`` (see ``AbstractIndexedAttention.forward_rows``): sparse
+        MLA over the tokens the indexer selects (docs/concepts.md, "DeepSeek-V3.2 DSA"); in
+        the ``"dense"`` stage, the warm-up: plain causal MLA over every earlier token of the
+        segment. Every token is its own entry: under context parallelism the rows' MLA latents
+        and indexer keys are all-gathered into the whole sequence's; ``extend`` appends them
+        to the cache's. The attention is the execution's kernel's MLA (``latent``)."""
+        c, ex = self.config, self.execution
+        positions, nx = source.positions, ex.numerics
+        qr, q_nope, q_rope, keys = self._project(x, positions)
+        # the selection ignores gradients and the loss must train the indexer only, never x
+        index_keys = nx.indexer(
+            self.indexer.keys(jax.lax.stop_gradient(x), positions, nx), self.formats
+        )
+        keys, layout, source = source.tokens("latent", keys)
+        index_keys, _, source = source.tokens("index_keys", index_keys)
+        keys = keys.astype(q_nope.dtype)
+        visibility = Visibility(source.query_index, source.segment, layout)
+        given = (x, qr, positions, index_keys, visibility, ex, self.formats)
+        selection, problem, _ = self.indexer(*given)
+        picks = None if stage == "dense" else selection
+        reads = entry_reads(ex.picks, keys, visibility, picks, value_width=c.kv_lora_rank)
+        expanded = nx.expanded_attention(self.formats)
+        up = LatentUp(self.kv_b_proj, c.qk_nope_head_dim, c.v_head_dim, expanded)
+        kernel = dict(numerics=nx, query_block=ex.query_block, tiles=ex.tiles)
+        o = ex.attention.latent(
+            q_nope, q_rope, reads, up, self.softmax_scale, return_lse=want_loss, **kernel
+        )
+        o, lse = o if want_loss else (o, None)
+        y = nx.linear(o.reshape(*o.shape[:2], -1), self.o_proj)
+        target = None
+        if want_loss:  # KL distillation against the absorbed MLA queries and keys attended
+            target = AttentionTarget(up.absorb(q_nope, q_rope), keys, lse, self.softmax_scale)
+        return Forward(y, selection, problem, target, source, {})
+
+    def init_cache(self, batch_size: int, max_length: int, dtype=jnp.float32) -> V32Cache:
+        """An empty decode cache of fixed-size buffers.
+
+        **Arguments:**
+
+        - ``batch_size``: rows decoded at once.
+        - ``max_length``: tokens per row the cache can hold.
+        - ``dtype``: dtype of the cached latents and indexer keys.
+
+        **Returns:**
+
+        A ``csa_eqx.V32Cache`` (``length`` 0 in every row).
+        """
+        c = self.config
+        check_cache_size(batch_size, max_length)
+        length, position, segment = empty_rows(batch_size)
+        latent = c.kv_lora_rank + c.qk_rope_head_dim
+        return V32Cache(
+            length=length,
+            position=position,
+            segment=segment,
+            latent=jnp.zeros((batch_size, max_length, latent), dtype),
+            index_keys=jnp.zeros((batch_size, max_length, c.index_head_dim), dtype),
+            token_segment=jnp.full((batch_size, max_length), -1, jnp.int32),
+            max_length=max_length,
+        )

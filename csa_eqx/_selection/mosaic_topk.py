@@ -1,0 +1,509 @@
+"""The Mosaic (Pallas TPU) fused indexer's kernel: scores and the exact top-k of every query in
+one kernel, no ``[B, S, T]`` score ever written to HBM (``MosaicSelection``; docs/kernels.md,
+"The Mosaic fused indexer (TPU)").
+
+One grid step per query block of ``Qb`` queries of one batch row. The step visits only the key
+tiles its queries may see (``key_block_ranges``: causal and document skipping, the per-block
+tile range scalar-prefetched into SMEM) and works in VMEM:
+
+1. **Scores.** Per key tile of ``Kt`` entries, the block's queries of ``G`` heads at once
+   (head-major, stacked into the MXU's rows: ``[G*Qb, d] x [Kt, d]^T``, bf16 in, float32 out;
+   float32 inputs at ``HIGHEST`` precision), then per head ``ReLU(logit) * w`` summed on the
+   VPU, in head chunks and with ``score_dtype`` rounding exactly as
+   ``csa_eqx.indexer_scores`` forms them. Each score becomes an order-preserving ``int32`` key
+   (``csa_eqx._topk.signed_keys``' order: ``-0.0`` ties ``+0.0``; an invisible entry is
+   ``INT32_MIN``), kept for the whole visible range in a ``[tiles, Qb, Kt]`` buffer.
+2. **Threshold.** Per query, the largest key ``x`` with at least ``k`` keys ``>= x``, by a
+   search over the integer keys whose every step is one counting pass over the buffer
+   (compare and add, accumulated vreg-wise, one cross-lane sum per pass): ``"bisect"`` (32
+   halvings), ``"early"`` (halvings from the row's score range, stopping when a count is
+   exactly ``k``) or ``"secant"`` (interpolated guesses alternating with halvings).
+3. **Ties.** Where more than ``k`` keys reach the threshold, the lowest-index ``room`` of the
+   tied ones: a second search over the entry index (the count of tied entries with an index
+   ``<= j``), no prefix sum.
+4. **Compaction.** The picks in increasing index order, 128 lanes at a time: ranks by a
+   matmul with a triangular 0/1 matrix; each pick moves left by its displacement, one bit of
+   it per ``pltpu.roll`` step from the least significant (collision-free: displacements do
+   not decrease along the picks); the compacted lanes are rotated to the row's fill level (one
+   ``roll`` per bit) into a pending 128-lane tile, which is written to the row's next output
+   tile once full.
+
+Given the same scores this is ``select_topk`` exactly (ties to the lower index, picks in
+increasing index order, ``-1`` past the visible count). It runs where ``run_mosaic`` says:
+Pallas' TPU interpreter on the CPU (where the tests prove it), Mosaic on a TPU, a refusal
+naming it elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jaxtyping import Array, Float, Int
+
+from .._blocks import key_block_ranges, padded_keys
+from .._dispatch import run_mosaic
+from .._layout import EntryLayout
+from .._pallas import pad_axis
+from .._topk import signed_keys
+
+__all__ = [
+    "SEARCHES",
+    "NAME",
+    "TPU_BLOCKS",
+    "TPU_VMEM",
+    "mosaic_topk",
+    "score_rounding",
+    "fits_vmem",
+    "vmem_bytes",
+]
+
+NAME = "indexer_topk_mosaic"
+SEARCHES = ("bisect", "early", "secant")
+LANES = 128  # a vreg's lanes: the compaction's chunk and output tile on a TPU
+MIN_QUERY_BLOCK = 16  # Mosaic's sublane tile for bf16 (8 for float32): the smallest TPU block
+INVALID = np.iinfo(np.int32).min  # the key of an invisible entry (below every score's key)
+_INDEX_BITS = 24  # a packed pick: entry index in bits 0..23, its displacement in bits 24..30
+_EMPTY = (1 << _INDEX_BITS) - 1  # a lane without a pick (displacement 0: it never moves)
+_MAX_STEPS = 64  # "secant": at most 32 halvings, one every other step
+_VMEM_CAP = 96 << 20  # a step's estimate (vmem_bytes), of a v5e's 128 MiB
+_VMEM_LIMIT = 120 << 20  # the limit asked of Mosaic: the estimate with room for its temporaries
+TPU_BLOCKS = (
+    f"csa_eqx's Mosaic kernel {NAME!r} needs query_block >= {MIN_QUERY_BLOCK} and "
+    f"key_block >= {LANES} on a TPU (Mosaic's (8|16, 128) tiles); smaller blocks run in "
+    "interpret mode only."
+)
+TPU_VMEM = (
+    f"csa_eqx's Mosaic kernel {NAME!r} keeps every key of a batch row in VMEM: this problem's "
+    "do not fit even with the smallest query block; use StreamingSelection (AutoSelection "
+    "does)."
+)
+
+
+def score_rounding(score_dtype) -> int | None:
+    """**Arguments:** a problem's ``score_dtype`` (``None``, or a float dtype with float32's
+    exponent range: bfloat16).
+
+    **Returns:** the mantissa bits scores are rounded to, or ``None`` (no rounding).
+    """
+    if score_dtype is None:
+        return None
+    info = jnp.finfo(score_dtype)
+    if info.nexp != 8:
+        raise NotImplementedError(
+            f"the Mosaic indexer rounds scores to dtypes with float32's exponent range "
+            f"(bfloat16); score_dtype={score_dtype!r} is not one"
+        )
+    return None if info.nmant >= 23 else int(info.nmant)
+
+
+def _round_mantissa(x: Array, bits: int | None) -> Array:
+    """``x`` (float32) rounded to ``bits`` mantissa bits, to nearest even, kept in float32 (as
+    ``lax.reduce_precision`` with float32's exponent range, for every finite ``x``): integer
+    operations only, so the kernel does not depend on how Mosaic rounds a cast."""
+    if bits is None:
+        return x
+    drop = 23 - bits
+    word = jax.lax.bitcast_convert_type(x, jnp.int32)
+    half = (1 << (drop - 1)) - 1
+    word = (word + half + ((word >> drop) & 1)) & ~((1 << drop) - 1)
+    return jax.lax.bitcast_convert_type(word, jnp.float32)
+
+
+def _count(mask: Array) -> Array:
+    """float32 ``[rows, 1]`` number of ``True`` per row (exact below 2^24)."""
+    return jnp.sum(jnp.where(mask, 1.0, 0.0), axis=1, keepdims=True)
+
+
+def _tile_scores(q_ref, w_ref, keys, sizes) -> Float[Array, "qb kt"]:
+    """Inside the kernel: one query block's scores against one key tile, formed as
+    ``csa_eqx.indexer_scores`` forms them (per head ``ReLU(q.k) * w``; the head sum in chunks,
+    each chunk's sum added to the running one; with a rounding each head's logit, its weighted
+    term and the total rounded to ``score_dtype``).
+
+    **Arguments:** refs ``q [H/G, G*Qb, d]`` (head-major) and ``w [H/G, Qb, G]`` (float32,
+    ``d^-1/2`` included, already rounded), the tile's ``keys [Kt, d]`` and ``sizes``
+    ``(heads, head chunk, G, rounding bits)``.
+
+    **Returns:** float32 ``[Qb, Kt]``.
+    """
+    heads, chunk, group, bits = sizes
+    qb, kt = w_ref.shape[1], keys.shape[0]
+    precision = jax.lax.Precision.HIGHEST if keys.dtype == jnp.float32 else None
+    zeros = jnp.zeros((qb, kt), jnp.float32)
+    per_chunk = chunk // group
+    dims = (((1,), (1,)), ((), ()))
+
+    def heads_of(g, acc):
+        logits = jax.lax.dot_general(
+            q_ref[g], keys, dims, precision=precision, preferred_element_type=jnp.float32
+        )
+        w = w_ref[g]
+        for h in range(group):
+            logit = _round_mantissa(logits[h * qb : (h + 1) * qb], bits)
+            acc = acc + _round_mantissa(jnp.maximum(logit, 0.0) * w[:, h : h + 1], bits)
+        return acc
+
+    def chunk_sum(c, total):
+        return total + jax.lax.fori_loop(c * per_chunk, (c + 1) * per_chunk, heads_of, zeros)
+
+    return _round_mantissa(jax.lax.fori_loop(0, heads // chunk, chunk_sum, zeros), bits)
+
+
+def _ceil_mid(lo: Array, hi: Array) -> Array:
+    """``ceil((lo + hi) / 2)`` of int32 arrays without overflow."""
+    return (lo | hi) - ((lo ^ hi) >> 1)
+
+
+def _make_kernel(k: int, search: str, sizes, blocks):
+    qb, kt, lanes, n_out = blocks
+    chunks, steps, tile_bits = kt // lanes, lanes.bit_length() - 1, kt.bit_length() - 1
+    kf = float(k)
+
+    def kernel(lo_ref, hi_ref, rows_ref, q_ref, w_ref, ends_ref, keys_ref, out_ref, buf, pend):
+        i = pl.program_id(1)
+        t0, t1 = lo_ref[i], hi_ref[i]
+        q_index, q_segment = rows_ref[:, 0:1], rows_ref[:, 1:2]
+        lane = jax.lax.broadcasted_iota(jnp.int32, (qb, lanes), 1)
+
+        # 1. scores of the visible tiles, kept as keys; per row its visible count and range
+        def score(j, stats):
+            count, low, high = stats
+            tile = keys_ref[pl.ds(pl.multiple_of(j * kt, kt), kt), :]
+            scores = _tile_scores(q_ref, w_ref, tile, sizes)
+            ends = ends_ref[j]
+            end, segment = ends[0:1, :], ends[1:2, :]
+            visible = (end >= 0) & (end <= q_index) & (segment == q_segment)
+            buf[j] = jnp.where(visible, signed_keys(scores), INVALID)
+            low = jnp.minimum(low, jnp.min(jnp.where(visible, scores, jnp.inf), 1, keepdims=True))
+            high = jnp.maximum(
+                high, jnp.max(jnp.where(visible, scores, -jnp.inf), 1, keepdims=True)
+            )
+            return count + _count(visible), low, high
+
+        column = jnp.zeros((qb, 1), jnp.float32)
+        init = (column, column + jnp.inf, column - jnp.inf)
+        valid, low, high = jax.lax.fori_loop(t0, t1, score, init)
+
+        def count_pass(pred, stop=None):
+            """Per row, how many entries of the visible tiles satisfy ``pred(keys, first
+            index)``, float32 ``[Qb, 1]``: accumulated vreg-wise, one cross-lane sum."""
+
+            def body(j, acc):
+                for c in range(chunks):
+                    cols = pl.ds(c * lanes, lanes)
+                    acc = acc + jnp.where(pred(buf[j, :, cols], j * kt + c * lanes), 1.0, 0.0)
+                return acc
+
+            end = t1 if stop is None else jnp.minimum(t1, stop)
+            acc = jax.lax.fori_loop(t0, end, body, jnp.zeros((qb, lanes), jnp.float32))
+            return jnp.sum(acc, axis=1, keepdims=True)
+
+        def any_row(mask):
+            return jnp.max(jnp.where(mask, 1.0, 0.0)) > 0.0
+
+        # 2. the threshold: lo, the largest key x with count(keys >= x) >= k (or a key with a
+        # count of exactly k); invariants count(>= lo) = c_lo >= k > count(>= hi + 1) = c_hi.
+        # A row with at most k visible entries takes them all (lo above no valid key).
+        few = valid <= kf
+        lo = jnp.where(few, INVALID + 1, signed_keys(low))
+        hi = jnp.where(few, INVALID + 1, signed_keys(high))
+        state = (lo, hi, valid, jnp.zeros_like(valid))
+
+        def active(state):
+            lo, hi, c_lo, _ = state
+            return (lo < hi) & (c_lo != kf)
+
+        def step(guess, state):
+            lo, hi, c_lo, c_hi = state
+            move = active(state)
+            x = jnp.where(move, guess, lo)
+            x_b = jnp.broadcast_to(x, (qb, lanes))
+            c = count_pass(lambda keys, _: keys >= x_b)
+            up = c >= kf
+            lo, c_lo = jnp.where(up, x, lo), jnp.where(up, c, c_lo)
+            return lo, jnp.where(up, hi, x - 1), c_lo, jnp.where(up, c_hi, c)
+
+        def midpoint(state):
+            return _ceil_mid(state[0], state[1])
+
+        def interpolated(state):
+            """Where count(>= x) would reach k if it fell linearly between lo and hi + 1."""
+            lo, hi, c_lo, c_hi = state
+            frac = (c_lo - kf) / jnp.maximum(c_lo - c_hi, 1.0)
+            lo_f = lo.astype(jnp.float32)
+            guess = lo_f + frac * (hi.astype(jnp.float32) - lo_f + 1.0)
+            guess = jnp.clip(guess, -(2.0**31), 2.0**31 - 256).astype(jnp.int32)
+            return jnp.clip(guess, lo + 1, hi)
+
+        if search == "bisect":
+            state = jax.lax.fori_loop(0, 32, lambda _, s: step(midpoint(s), s), state)
+        else:
+
+            def more(carry):
+                n, state = carry
+                return (n < _MAX_STEPS) & any_row(active(state))
+
+            def next_step(carry):
+                n, state = carry
+                guess = midpoint(state)
+                if search == "secant":  # interpolate on even steps, halve on odd ones
+                    guess = jnp.where((n & 1) == 0, interpolated(state), guess)
+                return n + 1, step(guess, state)
+
+            state = jax.lax.while_loop(more, next_step, (0, state))[1]
+        lo, _, c_lo, c_hi = state
+
+        # 3. ties at lo beyond the room: the lowest-index ones, by a search over the index
+        # (at most 25 halvings of an index below 2^24: the cap only guards a misread value)
+        tied_rows = c_lo > kf
+        room = kf - c_hi
+        lo_b = jnp.broadcast_to(lo, (qb, lanes))
+        none = jnp.full((qb, 1), buf.shape[0] * kt, jnp.int32)  # above every index
+
+        def tie_step(carry):
+            n, (j_lo, j_hi) = carry
+            mid = (j_lo + j_hi) >> 1
+            mid_b = jnp.broadcast_to(mid, (qb, lanes))
+            stop = (jnp.max(jnp.where(j_lo < j_hi, mid, 0)) >> tile_bits) + 1
+            c = count_pass(lambda keys, first: (keys == lo_b) & (first + lane <= mid_b), stop)
+            enough = (c >= room) | (j_lo >= j_hi)
+            return n + 1, (jnp.where(enough, j_lo, mid + 1), jnp.where(enough, mid, j_hi))
+
+        def ties_left(carry):
+            n, (j_lo, j_hi) = carry
+            return (n < _INDEX_BITS + 2) & any_row(j_lo < j_hi)
+
+        bounds = (jnp.where(tied_rows, 0, none), jnp.where(tied_rows, none - 1, none))
+        last = jax.lax.while_loop(ties_left, tie_step, (0, bounds))[1][0]
+        last_b = jnp.broadcast_to(last, (qb, lanes))
+
+        # 4. compaction into the output tiles, in increasing index order
+        for t in range(n_out):
+            pend[t] = jnp.full((qb, lanes), _EMPTY, jnp.int32)
+        row, col = (jax.lax.broadcasted_iota(jnp.int32, (lanes, lanes), a) for a in (0, 1))
+        upper = jnp.where(row <= col, 1.0, 0.0).astype(jnp.bfloat16)
+
+        def flush(tile, full, slot):
+            """Write ``tile``'s rows where ``full`` to their output tile ``slot`` (visiting
+            only the tiles some row writes)."""
+
+            def put(u, _):
+                pend[u] = jnp.where(full & (slot == u), tile, pend[u])
+                return 0
+
+            first = jnp.maximum(jnp.min(jnp.where(full, slot, n_out)), 0)
+            stop = jnp.minimum(jnp.max(jnp.where(full, slot + 1, 0)), n_out)
+            jax.lax.fori_loop(first, stop, put, 0)
+
+        def chunk_of(keys, first, carry):
+            held, fill, slot = carry
+            index = first + lane
+            pick = (keys > lo_b) | ((keys == lo_b) & (index <= last_b))
+            ones = jnp.where(pick, 1.0, 0.0).astype(jnp.bfloat16)
+            rank = jnp.dot(ones, upper, preferred_element_type=jnp.float32).astype(jnp.int32)
+            n = rank[:, lanes - 1 : lanes]
+            v = jnp.where(pick, ((lane + 1 - rank) << _INDEX_BITS) | index, _EMPTY)
+            for b in range(steps):  # each pick left by its displacement, bit b
+                y = pltpu.roll(v, lanes - (1 << b), 1)  # y[p] = v[p + 2^b]
+                moves = (v << (7 - b)) < 0
+                v = jnp.where((y << (7 - b)) < 0, y, jnp.where(moves, _EMPTY, v))
+            v = v & _EMPTY
+            for b in range(steps):  # rotate right by the row's fill level
+                v = jnp.where(((fill >> b) & 1) == 1, pltpu.roll(v, 1 << b, 1), v)
+            merged = jnp.where(lane >= fill, v, held)
+            full = fill + n >= lanes
+            flush(merged, full, slot)
+            held = jnp.where(full, jnp.where(lane < fill, v, _EMPTY), merged)
+            return held, fill + n - jnp.where(full, lanes, 0), slot + jnp.where(full, 1, 0)
+
+        def compact(j, carry):
+            for c in range(chunks):
+                carry = chunk_of(buf[j, :, pl.ds(c * lanes, lanes)], j * kt + c * lanes, carry)
+            return carry
+
+        zero = jnp.zeros((qb, 1), jnp.int32)
+        carry = (jnp.full((qb, lanes), _EMPTY, jnp.int32), zero, zero)
+        held, fill, slot = jax.lax.fori_loop(t0, t1, compact, carry)
+        flush(held, fill > 0, slot)
+        for t in range(n_out):
+            tile = pend[t]
+            out_ref[:, t * lanes : (t + 1) * lanes] = jnp.where(tile == _EMPTY, -1, tile)
+
+    return kernel
+
+
+def vmem_bytes(
+    qb: int, kt: int, t_pad: int, heads: int, dim: int, group: int, k_out: int, itemsize
+) -> int:
+    """An upper estimate of one grid step's VMEM: the key buffer, the double-buffered blocks
+    (resident keys, queries, weights, layout, output), the pending output tiles and the
+    scoring's float32 temporaries."""
+    buffers = 4 * t_pad * qb + 4 * k_out * qb
+    blocks = t_pad * dim * itemsize + heads * qb * dim * itemsize
+    blocks += 4 * (heads // group) * qb * _round_up(group, LANES) + 4 * qb * LANES + 4 * t_pad * 8
+    blocks += 4 * qb * k_out
+    scratch = 4 * qb * kt * (group + 8)
+    return buffers + 2 * blocks + scratch
+
+
+def fits_vmem(entries: int, heads: int, dim: int, itemsize: int, key_block: int) -> bool:
+    """**Arguments:** a problem's ``entries``, indexer ``heads`` and ``dim``, the scoring
+    dtype's ``itemsize`` and the ``key_block``.
+
+    **Returns:** whether the kernel's smallest TPU query block, its picks aside (a few hundred
+    KiB, within the room ``_VMEM_LIMIT`` leaves), fits the VMEM budget: the keys of a batch
+    row stay resident, so past a few hundred thousand entries it does not."""
+    t_pad = _round_up(entries, key_block)
+    group = math.gcd(heads, 8)
+    need = vmem_bytes(MIN_QUERY_BLOCK, key_block, t_pad, heads, dim, group, 0, itemsize)
+    return need <= _VMEM_CAP
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _block_inputs(q, weights, keys, query_index, query_segment, layout, blocks, group, bits):
+    """The kernel's inputs in its blocks' layouts.
+
+    **Arguments:** ``mosaic_topk``'s arrays, the keys and layout already padded to whole key
+    tiles (``padded_keys``) and in the scoring dtype, the ``blocks`` ``(Qb, Kt)``, the heads
+    per matmul ``group`` and the ``score_rounding`` bits.
+
+    **Returns:** ``(lo, hi, rows, q, w, ends, keys)``: per query block its key-tile range
+    ``[lo, hi)`` (int32 ``[R / Qb]``), the query rows' index and segment ``[B, R, 2]`` (``R``:
+    the sequence padded to whole blocks with rows that see nothing), head-major query blocks
+    ``[B, R / Qb, H / G, G * Qb, d]``, their weights ``[B, R / Qb, H / G, Qb, G]`` (float32,
+    ``d^-1/2`` included, rounded), the entries' end and segment per tile ``[B, tiles, 2, Kt]``
+    and the keys ``[B, T, d]``.
+    """
+    b, s, heads, dim = q.shape
+    qb, kt = blocks
+    r = _round_up(s, qb)
+    w = _round_mantissa(weights.astype(jnp.float32) * dim**-0.5, bits)
+    q, w = pad_axis(q.astype(keys.dtype), 1, r), pad_axis(w, 1, r)
+    query_index = pad_axis(query_index.astype(jnp.int32), 1, r, -1)
+    query_segment = pad_axis(query_segment.astype(jnp.int32), 1, r, -1)
+    lo, hi = key_block_ranges(query_index, query_segment, layout, qb, kt)
+    n_blocks, n_tiles = r // qb, keys.shape[1] // kt
+    q = q.reshape(b, n_blocks, qb, heads // group, group, dim).transpose(0, 1, 3, 4, 2, 5)
+    q = q.reshape(b, n_blocks, heads // group, group * qb, dim)
+    w = w.reshape(b, n_blocks, qb, heads // group, group).transpose(0, 1, 3, 2, 4)
+    rows = jnp.stack([query_index, query_segment], axis=-1)
+    ends = jnp.stack([layout.end, layout.segment], axis=1).astype(jnp.int32)
+    ends = ends.reshape(b, 2, n_tiles, kt).transpose(0, 2, 1, 3)
+    return lo, hi, rows, q, w, ends, keys
+
+
+def mosaic_topk(
+    q: Float[Array, "batch seq heads dim"],
+    weights: Float[Array, "batch seq heads"],
+    keys: Float[Array, "batch entries dim"],
+    query_index: Int[Array, "batch seq"],
+    query_segment: Int[Array, "batch seq"],
+    layout: EntryLayout,
+    k: int,
+    *,
+    query_block: int = 256,
+    key_block: int = 512,
+    head_group: int = 8,
+    head_chunk: int = 0,
+    score_dtype=None,
+    search: str = "early",
+) -> Int[Array, "batch seq {k}"]:
+    """The exact indexer top-k of every query by the Mosaic kernel (see the module docstring).
+
+    **Arguments:**
+
+    - ``q``: projected indexer queries ``[B, S, H, d]``; ``weights``: ``[B, S, H]`` including
+        ``H^-1/2`` (``d^-1/2`` is applied here); ``keys``: ``[B, T, d]``. Scored in
+        ``promote_types(q, keys)`` (bf16 on the MXU, float32 at ``HIGHEST`` precision).
+    - ``query_index``, ``query_segment``, ``layout``: the visibility (``csa_eqx.Visibility``'s
+        fields).
+    - ``k``: picks per query (``> 0``).
+    - ``query_block``: queries per grid step (a shorter sequence takes whole multiples of 16,
+        padded with queries that see nothing; halved, not below 16, until the step's VMEM
+        estimate fits 96 MiB); ``key_block``: entries per key tile (a power of two, a multiple
+        of 128 on a TPU; smaller ones run in interpret mode only, with chunks of
+        ``key_block`` lanes).
+    - ``head_group``: heads stacked into one matmul (a divisor of the head chunk is used).
+    - ``head_chunk`` (0 = all heads) and ``score_dtype``: as ``csa_eqx.indexer_scores``.
+    - ``search``: the threshold search, one of ``SEARCHES``.
+
+    **Returns:** int32 ``[B, S, k]``: picks in increasing index order, ``-1`` past the visible
+    count.
+    """
+    if k <= 0:
+        raise ValueError(f"k must be positive (got {k})")
+    if search not in SEARCHES:
+        raise ValueError(f"search must be one of {SEARCHES} (got {search!r})")
+    b, s, heads, dim = q.shape
+    if s == 0 or keys.shape[1] == 0:
+        return jnp.full((b, s, k), -1, jnp.int32)
+    chunk = head_chunk or heads
+    if heads % chunk:
+        raise ValueError(f"head_chunk={chunk} must divide the {heads} indexer heads")
+    bits = score_rounding(score_dtype)
+    group = math.gcd(head_group, chunk)
+    dtype = jnp.promote_types(q.dtype, keys.dtype)
+    kt = key_block
+    if kt < 1 or kt & (kt - 1) or query_block < 1:
+        raise ValueError(f"key_block must be a power of two (got {kt})")
+    keys, layout = padded_keys(keys.astype(dtype), layout, kt)
+    t_pad = keys.shape[1]
+    if t_pad >= _EMPTY:
+        raise ValueError(f"the Mosaic indexer takes fewer than {_EMPTY} entries (got {t_pad})")
+    lanes = min(LANES, kt)
+    n_out = -(-k // lanes)
+    qb = min(query_block, _round_up(s, MIN_QUERY_BLOCK))
+    itemsize = jnp.dtype(dtype).itemsize
+    sizes = (t_pad, heads, dim, group, n_out * lanes, itemsize)
+    while qb > MIN_QUERY_BLOCK and vmem_bytes(qb, kt, *sizes) > _VMEM_CAP:
+        qb //= 2
+    visibility = (query_index, query_segment, layout)
+    args = _block_inputs(q, weights, keys, *visibility, (qb, kt), group, bits)
+    n_blocks, n_tiles = args[0].shape[0], args[5].shape[1]
+    qh, wh = args[3], args[4]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(b, n_blocks),
+        in_specs=[
+            pl.BlockSpec((None, qb, 2), lambda bi, i, *_: (bi, i, 0)),
+            pl.BlockSpec((None, None, *qh.shape[2:]), lambda bi, i, *_: (bi, i, 0, 0, 0)),
+            pl.BlockSpec((None, None, *wh.shape[2:]), lambda bi, i, *_: (bi, i, 0, 0, 0)),
+            pl.BlockSpec((None, n_tiles, 2, kt), lambda bi, i, *_: (bi, 0, 0, 0)),
+            pl.BlockSpec((None, t_pad, dim), lambda bi, i, *_: (bi, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, qb, n_out * lanes), lambda bi, i, *_: (bi, i, 0)),
+        scratch_shapes=[
+            pltpu.VMEM((n_tiles, qb, kt), jnp.int32),
+            pltpu.VMEM((n_out, qb, lanes), jnp.int32),
+        ],
+    )
+    kernel = _make_kernel(k, search, (heads, chunk, group, bits), (qb, kt, lanes, n_out))
+    out_shape = jax.ShapeDtypeStruct((b, n_blocks * qb, n_out * lanes), jnp.int32)
+    vmem = vmem_bytes(qb, kt, *sizes)
+
+    def build(interpret):
+        if interpret:
+            params = dict(interpret=interpret)
+        else:
+            limit = min(int(vmem * 1.5) + (16 << 20), _VMEM_LIMIT)
+            compiler = pltpu.CompilerParams(
+                dimension_semantics=("parallel", "parallel"), vmem_limit_bytes=limit
+            )
+            params = dict(compiler_params=compiler)
+        return pl.pallas_call(kernel, out_shape=out_shape, grid_spec=grid_spec, name=NAME, **params)
+
+    refusal = None
+    if qb < MIN_QUERY_BLOCK or kt < LANES:
+        refusal = TPU_BLOCKS
+    elif not fits_vmem(t_pad, heads, dim, itemsize, kt):
+        refusal = TPU_VMEM
+    out = run_mosaic(NAME, build, out_shape, *args, tpu_refusal=refusal)
+    return out[:, :s, :k]

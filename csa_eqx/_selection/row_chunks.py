@@ -1,0 +1,86 @@
+"""The row-chunk loop the fused selection kernels share (``PallasSelection``,
+``MosaicSelection``): the queries are projected ``query_chunk`` rows at a time
+(``SelectionProblem.project``), one kernel call per chunk, so the ``[B, S, H, d]`` queries never
+exist at once either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+from .._blocks import block_starts, padded_keys, take
+from .._layout import Visibility
+from .base import SelectionProblem
+
+__all__ = ["kernel_row_chunks"]
+
+
+def kernel_row_chunks(
+    problem: SelectionProblem,
+    k: int,
+    kernel: Callable,
+    name: str,
+    *,
+    block: int,
+    key_block: int,
+    per_row: int,
+    query_chunk: int = 0,
+) -> Int[Array, "batch seq {k}"]:
+    """The selection of ``problem`` by a fused kernel, called on a chunk of query rows at a
+    time (the last chunk pulled back to end at the sequence's end).
+
+    **Arguments:**
+
+    - ``problem``: its visibility a plain ``Visibility`` (a ``CandidateVisibility`` is refused
+        with a ``TypeError`` naming the strategy, ``name``).
+    - ``k``: picks per query (``> 0``).
+    - ``kernel(q, w, keys, layout, query_index, query_segment)``: the ``[B, R, k]`` int32 picks
+        of ``R`` projected query rows over every entry (the keys and their layout padded to
+        whole ``key_block`` tiles, once for every call).
+    - ``block``: the kernel's query block: a chunk is whole blocks (or the sequence).
+    - ``per_row``: the elements one query row takes in a call beside its ``[H, d]`` queries
+        (buffers, picks), for the automatic chunk.
+    - ``query_chunk``: rows per call (0 = automatic: as many as keep ``B x rows x (H d +
+        per_row)`` elements within ``problem.tiles.elements``).
+
+    **Returns:** int32 ``[B, S, k]``, ``-1`` = none.
+    """
+    if not isinstance(problem.visibility, Visibility):
+        raise TypeError(
+            f"{name} scores a plain Visibility; a V4.1 consumer's "
+            f"{type(problem.visibility).__name__} needs GatheredSelection (AutoSelection "
+            "chooses it)"
+        )
+    if k <= 0:
+        raise ValueError(f"k must be positive (got {k})")
+    project, rows, keys = problem.project, problem.rows, problem.keys
+    visibility = problem.visibility
+    b, s, h, d = jax.eval_shape(project, *rows)[0].shape
+    if s == 0 or keys.shape[1] == 0:
+        return jnp.full((b, s, k), -1, jnp.int32)
+    chunk = query_chunk or max(problem.tiles.elements // (b * (h * d + per_row)), block)
+    chunk = min(-(-chunk // block) * block, s)  # whole blocks, or the sequence
+    # Integer output: nothing here is differentiated (closed-over parameters included).
+    like = [jax.ShapeDtypeStruct((r.shape[0], chunk, *r.shape[2:]), r.dtype) for r in rows]
+    project, consts = jax.closure_convert(project, *like)
+    rows, consts, keys = jax.lax.stop_gradient((rows, consts, keys))
+    keys, layout = padded_keys(keys, visibility.layout, key_block)
+
+    def picks(r0):
+        q, w = project(*(take(r, r0, chunk) for r in rows), *consts)
+        seen = visibility.rows(r0, chunk)
+        return kernel(q, w, keys, layout, seen.query_index, seen.query_segment)
+
+    starts = block_starts(s, chunk)
+    if starts.shape[0] == 1:
+        return picks(0)
+
+    def call(c, out):
+        r0 = starts[c]
+        return jax.lax.dynamic_update_slice_in_dim(out, picks(r0), r0, axis=1)
+
+    return jax.lax.fori_loop(0, starts.shape[0], call, jnp.full((b, s, k), -1, jnp.int32))

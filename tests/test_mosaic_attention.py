@@ -1,0 +1,411 @@
+"""The Mosaic (Pallas TPU) sparse attention kernel (``MosaicAttention``, here in Pallas' TPU
+interpret mode) against the reference kernel (``XlaAttention``): outputs, ``lse`` and every
+gradient (queries, keys, values, sinks) within 1e-5 in float32 on every kind of ``Reads`` the
+layers build (a band with and without ``extend``'s history, gathered rows by row DMAs from HBM
+and from a resident table and by masked tiles, dense entries with and without picks, MLA values
+of their own and as the keys' first features), both homes of the backward's gradient tables
+(VMEM, and HBM tile by tile, where a rows source's backward reads its rows as tiles), ragged
+query blocks, packed documents, rows that read nothing, the sink alone, head blocks that split
+the heads; one case also against a numpy formula; the automatic configuration; the kernel
+contract (non-finite rows poison exactly their readers); bfloat16; V4 CSA and V3.2 layers; the
+lowering for a TPU at released shapes (forward and backward), the automatic choices there
+(gather, blocks, VMEM) up to 64k, a clear error where nothing fits, the refusal on a GPU and
+``AutoAttention``'s choice on a TPU.
+
+Tiny sizes: 11 queries in blocks of 8 (16 for the automatic configuration), chunks of 8
+gathered rows (6 picks, or 10: two chunks per query), tiles of 128 over 150 entries (two tiles,
+the second skipped by the first block).
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_helpers import assert_close
+from jaxpr_helpers import gpu_lowering, tpu_lowering
+
+import csa_eqx as ce
+from csa_eqx import MosaicAttention, presets
+from csa_eqx._attention import mosaic
+from csa_eqx._attention import mosaic_kernels as K
+
+S, D, W, T, K_PICKS = 11, 8, 4, 150, 10
+SEGMENTS = [[0] * 5 + [1] * 6, [0] * 11]
+
+
+def inputs(seed: int, batch: int, heads: int, dtype=jnp.float32, k: int = K_PICKS):
+    """Queries, window token rows (3 history rows first), 150 entries, sinks, segments, each
+    query's ``k`` distinct picks (a random number of them ``-1``; query 0 picks nothing)."""
+    r = np.random.default_rng(seed)
+    f = lambda *shape: jnp.asarray(r.normal(size=shape), dtype)  # noqa: E731
+    picks = np.stack([r.permutation(T)[:k] for _ in range(batch * S)]).reshape(batch, S, k)
+    picks = np.where(np.arange(k) < r.integers(0, k + 1, (batch, S, 1)), picks, -1)
+    picks[:, 0] = -1
+    arrays = dict(
+        q=f(batch, S, heads, D), kv=f(batch, S + W - 1, D), entries=f(batch, T, D),
+        sinks=f(heads).astype(jnp.float32),
+    )  # fmt: skip
+    segment = jnp.asarray(SEGMENTS[:batch], jnp.int32)
+    return arrays, segment, jnp.asarray(picks, jnp.int32)
+
+
+def entry_layout(segment):
+    """150 entry slots whose windows end at row ``j // 12 - 1`` (the first 12 empty, the last
+    ones after every query): the first query block sees only the first tile."""
+    end = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) // 12 - 1, (segment.shape[0], T))
+    seg = jnp.take_along_axis(segment, jnp.clip(end, 0, S - 1), axis=1)
+    return ce.EntryLayout(end, seg, end >= 0)
+
+
+def reads_of(kind: str, arrays, segment, picks) -> ce.Reads:
+    kv, entries = arrays["kv"], arrays["entries"]
+    b = segment.shape[0]
+    index = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (b, S))
+    band = ce.BandRows(kv[:, W - 1 :], segment, W)
+    picked = ce.Reads((ce.GatheredRows(entries, picks),))
+    if kind == "band+picks":
+        return picked.join(ce.Reads(band=band))
+    if kind == "everything":  # every kind of source at once
+        dense = ce.DenseKeys(entries, entry_layout(segment), index, segment)
+        return ce.Reads((ce.GatheredRows(entries, picks),), band=band, dense=dense)
+    if kind == "band+masked-picks":
+        dense = ce.DenseKeys(entries, entry_layout(segment), index, segment, None, picks)
+        return ce.Reads(band=band, dense=dense)
+    if kind == "picks":
+        return picked
+    if kind == "latent":  # values: the keys' first 5 features (V3.2's MLA)
+        return ce.Reads((ce.GatheredRows(entries, picks, value_width=5),))
+    # extend: the ring's 3 rows (row 0's first one empty), then the queries' own; MLA values
+    assert kind == "extend-mla"
+    history = jnp.asarray([[-1, 0, 0], [0, 0, 0]][:b], jnp.int32)
+    values = ce.Reads((ce.GatheredRows(entries, picks, entries[..., :5] * 2.0),))
+    return values.join(ce.Reads(band=ce.BandRows(kv, segment, W, history, kv[..., 3:] - 1.0)))
+
+
+# (reads, kernel, batch, heads, picks per query, sinks)
+CASES = {
+    "band+picks/rows": ("band+picks", MosaicAttention(8, 0, 8, 128, "rows"), 2, 3, 6, True),
+    "everything/automatic": ("everything", MosaicAttention(), 2, 3, 6, True),
+    "band+masked-picks/tiles/hbm-gradients": (
+        "band+masked-picks",
+        MosaicAttention(8, 0, 8, 128, "tiles", False, "hbm"),
+        1,
+        3,
+        K_PICKS,
+        True,
+    ),
+    "latent/tiles/resident/split-heads": (
+        "latent",
+        MosaicAttention(8, 8, 8, 128, "tiles", True),
+        1,
+        12,
+        6,
+        False,
+    ),
+    "extend-mla/rows-resident/backward-as-tiles": (
+        "extend-mla",
+        MosaicAttention(8, 0, 8, 128, "rows", True, "hbm"),
+        1,
+        3,
+        K_PICKS,
+        True,
+    ),
+}
+
+
+def attend(kernel, kind, sinks, arrays, segment, picks):
+    """``(out, lse)`` (the reference in one query block: the fastest to compile)."""
+    reads = reads_of(kind, arrays, segment, picks)
+    sink = arrays["sinks"] if sinks else None
+    return kernel.attend(arrays["q"], reads, sink, 0.3, return_lse=True, query_block=16)
+
+
+@eqx.filter_jit
+def outputs_and_grads(kernel, kind, sinks, arrays, segment, picks, cotangent):
+    def loss(arrays):
+        out, lse = attend(kernel, kind, sinks, arrays, segment, picks)
+        seen = jnp.isfinite(lse)
+        return jnp.sum(out * cotangent) + 0.1 * jnp.sum(jnp.where(seen, lse, 0.0)), (out, lse)
+
+    return jax.grad(loss, has_aux=True)(arrays)
+
+
+def numpy_attention(arrays, segment, picks, scale=0.3):
+    """``(out, lse)`` of the ``"band+picks"`` reads with sinks, query by query."""
+    q, kv, entries, sinks = (
+        np.asarray(arrays[k], np.float64) for k in ("q", "kv", "entries", "sinks")
+    )
+    tokens, segment, picks = kv[:, W - 1 :], np.asarray(segment), np.asarray(picks)
+    b, s, h, _ = q.shape
+    out, lse = np.zeros((b, s, h, D)), np.zeros((b, s, h))
+    for bi in range(b):
+        for t in range(s):
+            window = [
+                j for j in range(t - W + 1, t + 1) if j >= 0 and segment[bi, j] == segment[bi, t]
+            ]
+            keys = np.concatenate(
+                [entries[bi, [p for p in picks[bi, t] if p >= 0]], tokens[bi, window]]
+            )
+            for hi in range(h):
+                logits = np.append(keys @ q[bi, t, hi] * scale, sinks[hi])
+                top = logits.max()
+                weights = np.exp(logits - top)
+                lse[bi, t, hi] = top + np.log(weights.sum())
+                out[bi, t, hi] = weights[:-1] @ keys / weights.sum()
+    return out, lse
+
+
+def run_case(case: str, arrays=None):
+    """The kernel's and the reference's ``(grads, (out, lse))`` on a case's inputs (or
+    ``arrays``)."""
+    kind, kernel, batch, heads, k, sinks = CASES[case]
+    given, segment, picks = inputs(0, batch, heads, k=k)
+    arrays = given if arrays is None else arrays
+    width = 5 if kind in ("latent", "extend-mla") else D
+    cotangent = jax.random.normal(jax.random.key(1), (batch, S, heads, width))
+    got = outputs_and_grads(kernel, kind, sinks, arrays, segment, picks, cotangent)
+    want = outputs_and_grads(ce.XlaAttention(), kind, sinks, arrays, segment, picks, cotangent)
+    return got, want, (arrays, segment, picks)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_outputs_and_gradients_equal_the_reference(case):
+    kind, _, _, _, _, sinks = CASES[case]
+    got, want, (arrays, segment, picks) = run_case(case)
+    (grads, (out, lse)), (ref_grads, (ref_out, ref_lse)) = got, want
+    assert_close(out, ref_out, what="out")
+    assert_close(lse, ref_lse, what="lse")
+    assert set(grads) == {"q", "kv", "entries", "sinks"}
+    read = (
+        {"q", "entries"} | ({"sinks"} if sinks else set()) | ({"kv"} if kind != "latent" else set())
+    )
+    for name in grads:
+        assert_close(grads[name], ref_grads[name], what=f"d{name}")
+        assert (float(jnp.max(jnp.abs(ref_grads[name]))) > 0) == (name in read), name
+    if kind == "band+picks":  # and a formula of its own
+        np_out, np_lse = numpy_attention(arrays, segment, picks)
+        assert_close(out, np_out, what="numpy out")
+        assert_close(lse, np_lse, what="numpy lse")
+    if kind == "latent":  # query 0 reads nothing (and has no sink): zeros, lse = -inf
+        assert (np.asarray(out)[:, 0] == 0).all() and (np.asarray(lse)[:, 0] == -np.inf).all()
+
+
+def test_nonfinite_rows_reach_only_their_readers():
+    """A NaN window row, an Inf entry row (read densely by some queries, picked by others), a
+    picked NaN entry and a NaN query, through the automatic configuration: exactly the queries
+    that read them (or own them) return NaN, where the reference's do; the others' outputs and
+    every gradient agree with it."""
+    arrays, segment, picks = inputs(0, 2, 3, k=6)
+    arrays["kv"] = arrays["kv"].at[0, 6].set(jnp.nan)  # token 3 of row 0
+    arrays["entries"] = arrays["entries"].at[1, 40, 1].set(jnp.inf)  # visible from query 2
+    picked = int(np.asarray(picks)[0, 5][np.asarray(picks)[0, 5] >= 0][0])  # (never visible)
+    arrays["entries"] = arrays["entries"].at[0, picked].set(jnp.nan)
+    arrays["q"] = arrays["q"].at[1, 9, 0, 0].set(jnp.nan)
+    got, want, _ = run_case("everything/automatic", arrays)
+    (grads, (out, lse)), (ref_grads, (ref_out, ref_lse)) = got, want
+    bad = np.isnan(np.asarray(ref_out)).any(axis=(2, 3))
+    assert bad.any() and not bad.all() and bad[0, 5]
+    np.testing.assert_array_equal(np.isnan(np.asarray(out)).all(axis=(2, 3)), bad)
+    assert_close(out, ref_out)
+    assert_close(lse, ref_lse)
+    for name in grads:
+        assert_close(grads[name], ref_grads[name], what=f"d{name}")
+
+
+def test_bf16_and_the_sink_alone():
+    """bfloat16 (two features per word) within bf16 rounding of the reference; query 0 reads
+    nothing but the sink: zeros, ``lse`` = the sink exactly."""
+    arrays, segment, picks = inputs(2, 1, 3, jnp.bfloat16, k=6)
+    run = eqx.filter_jit(attend)
+    out, lse = run(MosaicAttention(8, 16, 8, 128, "rows"), "picks", True, arrays, segment, picks)
+    ref_out, ref_lse = run(ce.XlaAttention(), "picks", True, arrays, segment, picks)
+    assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+    assert_close(out, ref_out, rtol=2e-2, what="out")
+    assert_close(lse, ref_lse, rtol=1e-2, what="lse")
+    assert (np.asarray(out)[:, 0] == 0).all()
+    np.testing.assert_array_equal(np.asarray(lse)[0, 0], np.asarray(arrays["sinks"]))
+
+
+def test_a_v32_layer_with_the_kernel():
+    """A V3.2 layer (packed documents) with ``MosaicAttention``, its latent read once as keys
+    and values (``value_width``, through ``latent``): outputs and every parameter's gradient
+    within 1e-5 of ``XlaAttention``'s (the V4 layers' reads are the cases above)."""
+    base = ce.V32Attention(presets.tiny_v32(), key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(2), (2, 24, base.config.hidden_size))
+    seg = jnp.asarray([[0] * 9 + [1] * 15, [0] * 24], jnp.int32)
+
+    def loss(model):
+        y = model(x, segment_ids=seg)
+        return jnp.sum(jnp.sin(y)), y
+
+    run = eqx.filter_jit(eqx.filter_grad(loss, has_aux=True))
+    kernel = MosaicAttention(8, 0, 8, 128, "tiles")
+    got = run(base.with_execution(ce.Execution(attention=kernel)))
+    want = run(base.with_execution(ce.Execution(attention=ce.XlaAttention())))
+    assert_close(got[1], want[1], what="y")
+    for g, r in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0]), strict=True):
+        assert_close(g, r, what="grad")
+
+
+def released(kind: str, kernel: MosaicAttention, s: int = 256, entries: int = 0):
+    """A loss over the kernel's attention with released-size reads (bf16), and its abstract
+    arguments: V4-Flash CSA (64 heads x 512, 512 picks of ``s / 4`` entries, window 128, sinks)
+    or V3.2 DSA (128 heads, 576-wide latents whose first 512 features are the values, 2048
+    picks of the ``s`` tokens); ``entries`` other than the prefill's: decoding."""
+    sd = jax.ShapeDtypeStruct
+    seg = jnp.zeros((1, s), jnp.int32)
+    if kind == "v4":
+        heads, width, rows, k = 64, 512, entries or s // 4, 512
+    else:
+        heads, width, rows, k = 128, 576, entries or s, 2048
+
+    def loss(q, kv, entries, sinks, picks):
+        if kind == "v4":
+            reads = ce.Reads((ce.GatheredRows(entries, picks),), band=ce.BandRows(kv, seg, 128))
+        else:
+            reads = ce.Reads((ce.GatheredRows(entries, picks, value_width=512),))
+            sinks = None
+        out = kernel.attend(q, reads, sinks, 0.05, query_block=16)
+        return out.astype(jnp.float32).sum()
+
+    args = (
+        sd((1, s, heads, width), jnp.bfloat16), sd((1, s, width), jnp.bfloat16),
+        sd((1, rows, width), jnp.bfloat16), sd((heads,), jnp.float32), sd((1, s, k), jnp.int32),
+    )  # fmt: skip
+    return loss, args
+
+
+@pytest.mark.parametrize("kind", ["v4", "v32"])
+def test_forward_and_backward_lower_for_a_tpu(kind):
+    """At the released shapes (bf16) the forward and the backward lower through Pallas' Mosaic
+    backend for a TPU (one kernel each): the automatic configuration (prefill: tiles; decoding:
+    row DMAs), rows from HBM and from a resident table (the design whose squeezed batch
+    dimension Mosaic's verifier rejected on the chip: the same verifier runs here), tiles with
+    the gradients in HBM, head blocks that split the heads, a rows backward read as tiles."""
+    kernels = (
+        (MosaicAttention(), 256, 0),
+        (MosaicAttention(), 1, 8192),
+        (MosaicAttention(gather="rows"), 256, 0),
+        (MosaicAttention(gather="rows", resident=True), 256, 0),
+        (MosaicAttention(8, 32, 128, 512, "tiles", False, "hbm"), 256, 0),
+        (MosaicAttention(gather="rows", gradients="hbm"), 256, 0),
+    )
+    for kernel, s, entries in kernels:
+        loss, args = released(kind, kernel, s, entries)
+        forward = tpu_lowering(loss, *args).as_text()
+        backward = tpu_lowering(jax.grad(loss, argnums=(0, 1, 2)), *args).as_text()
+        assert forward.count("tpu_custom_call") == 1
+        assert backward.count("tpu_custom_call") == 2
+
+
+def configs(kind: str, kernel: MosaicAttention, s: int, entries: int = 0):
+    """The forward's and the backward's kernel configurations of a released-size call (traced
+    abstractly: nothing runs)."""
+    seen = []
+    plan = mosaic._plan
+
+    def spy(*args):
+        seen.append(plan(*args))
+        return seen[-1]
+
+    loss, args = released(kind, kernel, s, entries)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mosaic, "_plan", spy)
+        jax.eval_shape(jax.grad(loss, argnums=(0, 2)), *args)
+    return seen[0].static.config, seen[0].static.backward
+
+
+# (kind, queries, entries) -> gather, head block, resident table, HBM gradients (backward)
+AUTOMATIC = {
+    ("v4", 8192, 0): ("tiles", 64, True, False),
+    ("v4", 65536, 0): ("tiles", 64, True, False),
+    ("v4", 1, 8192): ("rows", 64, False, False),  # decoding one token at 32k
+    ("v32", 8192, 0): ("tiles", 64, True, False),
+    ("v32", 16384, 0): ("tiles", 64, False, False),  # its 40 MiB gradient table, not both
+    ("v32", 32768, 0): ("tiles", 64, False, True),  # its 80 MiB gradient table: HBM
+    ("v32", 65536, 0): ("rows", 128, False, True),  # rows beat tiles; the backward: tiles
+}
+
+
+def test_automatic_choices_fit_vmem_at_released_sizes():
+    """The automatic configuration at released sizes up to 64k: tiles for prefill, row DMAs
+    for decoding and for V3.2 at 64k (the cost model), 1024 softmax rows a step for tiles,
+    resident tables and VMEM gradient tables where the estimate fits, each kernel's estimated
+    VMEM within 80 % of the limit."""
+    for (kind, s, entries), want in AUTOMATIC.items():
+        forward, backward = configs(kind, MosaicAttention(), s, entries)
+        gathered = forward.sources[0]
+        got = (gathered.kind, forward.head_block, forward.tables[gathered.table].resident,
+               backward.tables[backward.sources[0].table].hbm_grads)  # fmt: skip
+        assert got == want, (kind, s, entries)
+        assert backward.sources[0].kind == ("tiles" if want[3] else want[0])
+        for config, is_backward in ((forward, False), (backward, True)):
+            assert K.vmem_bytes(config, is_backward) <= 0.8 * config.vmem_limit
+
+
+def test_what_cannot_fit_vmem_is_refused_clearly():
+    """A V3.2 table forced resident at 64k (96 MiB) and its gradients forced into VMEM (160
+    MiB): ``ValueError`` naming the VMEM needed and what to change, not Mosaic's error."""
+    with pytest.raises(ValueError, match=r"forward kernel needs about \d+ MiB of VMEM"):
+        configs("v32", MosaicAttention(resident=True), 65536)
+    with pytest.raises(ValueError, match=r"backward kernel needs .* gradients='hbm'"):
+        configs("v32", MosaicAttention(gather="tiles", gradients="vmem"), 65536)
+
+
+def test_cost_model_of_the_gather():
+    """The measured cost model (20.5 ns a row DMA, 136 TFLOP/s of tiles work) reproduces the
+    chip's V4-Flash CSA forward timings within 2x (8k: tiles 17.7 ms, rows 84.1 ms; 32k: 141.6 /
+    332 ms) and their order."""
+    v4 = dict(sets=[(8192 // 4, 512)], heads=64, width=1024, tile=512, qb=16)
+    for s, tiles, rows in ((8192, 17.7e-3, 84.1e-3), (32768, 141.6e-3, 332e-3)):
+        v4["sets"] = [(s // 4, 512)]
+        got = {way: mosaic.gather_seconds(way, s, **v4) for way in ("tiles", "rows")}
+        assert tiles / 2 < got["tiles"] < 2 * tiles and rows / 2 < got["rows"] < 2 * rows
+        assert got["tiles"] < got["rows"]
+
+
+def test_a_gpu_is_refused_by_name():
+    loss, args = released("v4", MosaicAttention(), s=64)
+    with pytest.raises(NotImplementedError, match="'mosaic_sparse_attention' is a Mosaic"):
+        gpu_lowering(loss, *args)
+
+
+def test_auto_attention_takes_it_on_a_tpu(monkeypatch):
+    """On a TPU (the backend faked as the other choosers' tests do) ``AutoAttention`` picks
+    ``MosaicAttention()`` under exact-softmax numerics, ``XlaAttention`` under numerics that
+    round the attention and ``ExpandedAttention`` for DeepSeek's expanded MLA."""
+    from csa_eqx import _backend
+    from csa_eqx._attention.base import LatentUp
+
+    up = LatentUp(jnp.zeros((4, 2)), 1, 1, expanded=True)
+    monkeypatch.setattr(_backend.jax, "default_backend", lambda: "tpu")
+    assert ce.AutoAttention().choose() == MosaicAttention()
+    assert ce.AutoAttention().choose(ce.ExactNumerics()) == MosaicAttention()
+    assert ce.AutoAttention().choose(ce.DeepSeekInference()) == ce.XlaAttention()
+    assert ce.AutoAttention().choose(ce.DeepSeekInference(), up) == ce.ExpandedAttention()
+
+
+def test_fields_and_numerics_are_checked():
+    with pytest.raises(ValueError, match="query_block must be a multiple of 8"):
+        MosaicAttention(query_block=12)
+    with pytest.raises(ValueError, match="tile_block must be a multiple of 128"):
+        MosaicAttention(tile_block=64)
+    with pytest.raises(ValueError, match="head_block must be 0 or a multiple of 8"):
+        MosaicAttention(head_block=4)
+    with pytest.raises(ValueError, match="gather must be one of"):
+        MosaicAttention(gather="dense")
+    with pytest.raises(ValueError, match="gradients must be one of"):
+        MosaicAttention(gradients="smem")
+    q = jnp.zeros((1, 5, 2, 4))
+    with pytest.raises(ValueError, match="at least one key set"):
+        MosaicAttention().attend(q, ce.Reads(), None, 1.0, query_block=4)
+    with pytest.raises(ValueError, match="MosaicAttention computes the exact softmax"):
+        MosaicAttention().attend(q, ce.Reads(), None, 1.0, query_block=4,
+                                 numerics=ce.DeepSeekInference())  # fmt: skip
+    with pytest.raises(ValueError, match="MosaicAttention computes the exact softmax"):
+        ce.Execution(attention=MosaicAttention(), numerics=ce.DeepSeekInference())
+    reads = ce.Reads((ce.GatheredRows(jnp.zeros((1, 3, 4)), jnp.zeros((1, 5, 2), jnp.int32)),))
+    with pytest.raises(ValueError, match="head_block must be a multiple of 16 for bfloat16"):
+        MosaicAttention(head_block=8).attend(q.astype(jnp.bfloat16), reads, None, 1.0,
+                                             query_block=4)  # fmt: skip
