@@ -6,7 +6,10 @@ and FP4 E2M1 by the formats' definitions, rounds to the nearest representable va
 to the even pattern, divides with numpy's correctly rounded float32 division and applies
 DeepSeek's block-scale rules with ``np.frexp`` instead of the float32 bit manipulation the
 library uses. Every format and scale format is checked on quotients that land exactly on a
-midpoint (XLA would multiply by a rounded reciprocal and move them off it).
+midpoint (ties to even), and the formats whose block scales are not powers of two on values a
+few float32 steps beside a midpoint times the scale, each picked where the exact quotient and
+a multiplication by the rounded reciprocal (what XLA makes of a division by a broadcast) round
+to different values: on exact multiples of the scale the two mostly agree.
 """
 
 import jax
@@ -170,6 +173,15 @@ MIDPOINT_SCALES = {
 }
 
 
+def _blocks_led_by(lead, values, block: int) -> np.ndarray:
+    """``values`` in blocks of ``block``, each block led by ``lead`` (zeros fill the last)."""
+    body = np.zeros(-(-len(values) // (block - 1)) * (block - 1))
+    body[: len(values)] = values
+    return np.concatenate(
+        [np.full((len(body) // (block - 1), 1), lead), body.reshape(-1, block - 1)], 1
+    )
+
+
 def _midpoint_blocks(fmt, scale, block):
     """Blocks holding every midpoint between neighbouring values of the grid (both signs) times
     ``scale``, each block led by ``fmt_max · scale`` so that its scale is ``scale``; and what
@@ -178,11 +190,8 @@ def _midpoint_blocks(fmt, scale, block):
     mids = (grid[1:] + grid[:-1]) / 2
     even = np.where(pats[:-1] % 2 == 0, grid[:-1], grid[1:])
     vals, want = np.concatenate([mids, -mids]), np.concatenate([even, -even])
-    n = -(-len(vals) // (block - 1))
-    x, expect = np.zeros((n, block)), np.zeros((n, block))
-    x[:, 0] = expect[:, 0] = fmt_max
-    x[:, 1:].reshape(-1)[: len(vals)] = vals
-    expect[:, 1:].reshape(-1)[: len(vals)] = want
+    x, expect = _blocks_led_by(fmt_max, vals, block), _blocks_led_by(fmt_max, want, block)
+    assert np.isin(mids, np.abs(x)).all()  # every midpoint is in the blocks
     x, expect = x * scale, expect * scale
     assert np.array_equal(x.astype(np.float32), x)  # the midpoints are exact float32 values
     return x.astype(np.float32), expect.astype(np.float32)
@@ -192,7 +201,11 @@ def _midpoint_blocks(fmt, scale, block):
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_midpoints_round_to_even(fmt, mode):
     """Quotients exactly halfway between two values of the format go to the even pattern, for
-    every format and scale format, eager and jitted: the quotient is the exact one."""
+    every format and scale format, eager and jitted. (These values are exact multiples of
+    their scale, where a multiplication by the rounded reciprocal moves only some quotients
+    off the midpoint, none for the ``amax / 448`` scales here:
+    ``test_quotients_beside_midpoints_are_the_exact_ones`` tells the two apart for every
+    scale rule that is not a power of two.)"""
     block = 16 if fmt.startswith("fp4") else 32
     for scale in MIDPOINT_SCALES[fmt]:
         x, want = _midpoint_blocks(fmt, scale, block)
@@ -205,8 +218,10 @@ def test_midpoints_round_to_even(fmt, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_e4m3_scales_round_to_even_at_their_midpoints(mode):
-    """``amax / 6`` exactly halfway between two E4M3 values rounds to the even one (the scale's
-    division is the exact one: a multiplication by ``fl(1/6)`` lands beside the midpoint)."""
+    """``amax / 6`` exactly halfway between two E4M3 values rounds to the even one. (On these
+    exact multiples of 6 a multiplication by ``fl(1/6)`` gives the same scales, since
+    ``6 · fl(1/6)`` is within ``2^-24`` of 1:
+    ``test_e4m3_scales_beside_their_midpoints_are_exact_quotients`` tells the two apart.)"""
     grid, pats = FP8
     mids = (grid[1:] + grid[:-1]) / 2
     even = np.where(pats[:-1] % 2 == 0, grid[:-1], grid[1:])
@@ -216,6 +231,73 @@ def test_e4m3_scales_round_to_even_at_their_midpoints(mode):
     assert np.array_equal(x[:, 0].astype(np.float64), 6 * mids[keep])
     _, scales = _reference_quant(x, 16, "fp4_e4m3")
     np.testing.assert_array_equal(scales[:, 0, 0], even[keep].astype(np.float32))
+    got = _round_trip("fp4_e4m3", x, 16, mode)
+    np.testing.assert_array_equal(got, _reference(x, 16, "fp4_e4m3"))
+
+
+def _beside_midpoints(fmt, amax, block, rng):
+    """Blocks led by ``amax`` (so each has the scale ``s`` that ``amax`` gives, by the
+    reference) holding values a few float32 steps from ``mid · s`` for the grid's midpoints
+    ``mid``: not exact multiples, picked where the exact quotient and a multiplication by the
+    rounded reciprocal ``x · fl(1 / s)`` round to different values of the format."""
+    (grid, pats), fmt_max = FORMATS[fmt][:2]
+    lead = np.zeros((1, block), np.float32)
+    lead[0, 0] = amax
+    s = _reference_quant(lead, block, fmt)[1][0, 0, 0]
+    mids = (grid[1:] + grid[:-1]) / 2
+    near = (np.concatenate([mids, -mids]) * np.float64(s)).astype(np.float32)
+    for _ in range(3):
+        near = np.concatenate([near, np.nextafter(near, np.inf), np.nextafter(near, -np.inf)])
+    near = np.unique(near[np.abs(near) < amax])
+    exact = _round_to(np.clip(near / s, -fmt_max, fmt_max), (grid, pats))
+    recip = _round_to(np.clip(near * (np.float32(1) / s), -fmt_max, fmt_max), (grid, pats))
+    tells = near[exact != recip]
+    assert len(tells) >= 4, (fmt, amax)
+    x = _blocks_led_by(amax, rng.permutation(tells), block).astype(np.float32)
+    assert np.isin(tells, x).all()
+    return x, s
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fmt", ["fp8_amax", "fp4_e4m3"])
+def test_quotients_beside_midpoints_are_the_exact_ones(fmt, mode):
+    """Block scales that are not powers of two, values a few float32 steps from a midpoint of
+    the format times the scale (not exact multiples: ``test_midpoints_round_to_even``'s are,
+    and there the exact quotient and ``x · fl(1 / scale)`` agree): the round trip is the
+    numpy reference's with the exact quotient, on values each picked where a quotient by the
+    rounded reciprocal rounds otherwise."""
+    block = 16 if fmt.startswith("fp4") else 32
+    rng = np.random.default_rng(12)
+    amaxes = [83.12991333007812, 3184.989990234375] if fmt == "fp8_amax" else [2.8125, 5.625]
+    for amax in amaxes:
+        x, s = _beside_midpoints(fmt, amax, block, rng)
+        assert np.log2(s) % 1  # not a power of two
+        got = _round_trip(fmt, x, block, mode)
+        np.testing.assert_array_equal(got, _reference(x, block, fmt), f"amax {amax}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_e4m3_scales_beside_their_midpoints_are_exact_quotients(mode):
+    """``amax`` a few float32 steps from ``6 · m`` for the E4M3 midpoints ``m`` (not exact
+    multiples of 6), picked where ``amax / 6`` and ``amax · fl(1 / 6)`` round to different E4M3
+    scales: the scale, hence the block, is the reference's (the exact quotient's)."""
+    grid, pats = FP8
+    mids = (grid[1:] + grid[:-1]) / 2
+    mids = mids[(mids >= 2.0**-9) & (mids < 448)]
+    base = (6 * mids).astype(np.float32)
+    near = np.concatenate([base] + [np.nextafter(base, base * d) for d in (0.5, 2.0)])
+    for _ in range(3):
+        near = np.concatenate([near, np.nextafter(near, np.inf), np.nextafter(near, -np.inf)])
+    near = np.unique(near)
+    exact = _round_to(near / np.float32(6), FP8)
+    recip = _round_to(near * (np.float32(1) / np.float32(6)), FP8)
+    amax = near[exact != recip]
+    assert len(amax) >= 4
+    x = np.zeros((len(amax), 16), np.float32)
+    x[:, 0] = amax
+    x[:, 1:] = amax[:, None] * np.linspace(-0.9, 0.9, 15, dtype=np.float32)
+    _, scales = _reference_quant(x, 16, "fp4_e4m3")
+    np.testing.assert_array_equal(scales[:, 0, 0], exact[exact != recip])
     got = _round_trip("fp4_e4m3", x, 16, mode)
     np.testing.assert_array_equal(got, _reference(x, 16, "fp4_e4m3"))
 

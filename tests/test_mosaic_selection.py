@@ -11,7 +11,10 @@ slots, queries that see nothing, ``k`` above the visible count. Tiny blocks (``q
 to 8, ``key_block`` 4 to 8: chunks of that many lanes) give several query blocks, skipped and
 ragged key tiles, several output tiles and several kernel calls; one case runs the TPU's own
 128-lane chunks (``key_block`` 256: two chunks per tile). Each of the three threshold searches
-runs, and the tie search on rows with more ties than room.
+runs, and the tie search on rows with more ties than room. The selection family's conformance
+suite runs the kernel as a member too (tests/test_conformance_selection.py: rows whose every
+score ties, bf16 head weights that bf16 must round, no gradient through the picks, a V4.1
+consumer refused and a candidate source streamed, no entries at all).
 """
 
 import re
@@ -21,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jaxpr_helpers import gpu_lowering, kernel_dots, tpu_lowering, walk_avals
-from test_pallas_selection import problem, selections, v4_case
+from test_pallas_selection import problem, selections
 from test_topk_reference import B, S, brute_force, fixed_case, layout_of
 
 import csa_eqx as ce
@@ -44,6 +47,23 @@ BLOCKS = {
 }
 
 
+def v4_case(seed, s=29, heads=4, dim=16, m=2):
+    """V4 CSA-like: compressed entries (``m`` tokens each, segment-aligned), two packed
+    documents in row 0; integer keys near one common key, so the logits are large (bf16 rounds
+    them, to ties) and close, while float32 holds every score exactly (``d = 16``)."""
+    r = np.random.default_rng(seed)
+    q = r.integers(-16, 17, (2, s, heads, dim))
+    w = r.integers(-3, 4, (2, s, heads)) * 4
+    seg = np.zeros((2, s), np.int32)
+    seg[0, 11:] = 1
+    layout = ce.entry_layout(jnp.asarray(seg), m)
+    t = layout.end.shape[1]
+    sparse = r.integers(-1, 2, (2, t, dim)) * (r.random((2, t, dim)) < 0.1)
+    keys = r.integers(-8, 9, (1, 1, dim)) + sparse
+    qi = np.broadcast_to(np.arange(s, dtype=np.int32), (2, s))
+    return q, w, keys, qi, seg, layout
+
+
 def brute(q, w, keys, qi, qs, layout, k):
     """``brute_force`` of test_topk_reference.py over a layout."""
     end, seg = np.asarray(layout.end), np.asarray(layout.segment)
@@ -63,24 +83,6 @@ def test_selection_equals_xla_and_brute_force(name):
     picks = np.asarray(got)
     assert (picks == -1).all(-1).any()  # queries that see nothing
     assert (picks >= 0).all(-1).any() == (k <= 5) and (picks[..., -1] == -1).any()
-
-
-def test_all_tied_picks_the_lowest_visible_slots():
-    """All weights zero: every visible score ties at 0, so the tie search takes each row's
-    ``k`` lowest visible slots (written out here, no sort)."""
-    k, fields = BLOCKS["tiles"]
-    q, _, keys, qi, qs, end = fixed_case(0)
-    layout = layout_of(end, qs)
-    seg = np.asarray(layout.segment)
-    want = np.full((B, S, k), -1, np.int32)
-    for bi in range(B):
-        for si in range(S):
-            slots = np.nonzero((end[bi] >= 0) & (end[bi] <= si) & (seg[bi] == qs[bi, si]))[0]
-            want[bi, si, : min(k, len(slots))] = slots[:k]
-    args = (q, np.zeros_like(q[..., 0]), keys, qi, qs, layout)  # the "tiles" program again
-    got, _ = selections((ce.MosaicSelection(**fields), STREAMING), k, *args)
-    np.testing.assert_array_equal(got, want)
-    assert (want >= 0).all(-1).any()  # rows with more ties than room
 
 
 def test_bf16_scores_round_alike_in_compressed_entries():

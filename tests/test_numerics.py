@@ -22,7 +22,7 @@ from parallel_helpers import packed_segments, relative_error
 from test_v4_behaviour import randomise, tiny
 
 import csa_eqx as ce
-from csa_eqx._numerics.base import V32_FORMATS, V41_FORMATS
+from csa_eqx._numerics.base import V41_FORMATS
 from csa_eqx.presets import tiny_v32
 
 BF16_CASES = ["q_v32", "q_v4_csa_flash", "q_v4_csa_pro", "q_v4_hca_pro"]
@@ -240,69 +240,8 @@ def test_sizes_the_formats_cannot_take_are_named():
         ce.Execution(attention=ce.PallasAttention(), numerics=NUMERICS)
 
 
-@pytest.mark.parametrize(
-    "score_dtype, want", [("bfloat16", [17, 18, 19, 20]), (None, [28, 29, 30, 31])]
-)
-def test_every_selection_strategy_rounds_scores_alike(score_dtype, want):
-    """Scores ``1 + t·2^-12`` (t < 32) differ in float32 but round to two bf16 values (1 for
-    t <= 16, 1 + 2^-7 above): rounded, the top 4 are the lowest indices of the upper tie;
-    unrounded, the four largest. Dense, streaming and the row-sharded top-k all round (a
-    strategy that rebuilt the problem without ``score_dtype`` would pick the largest)."""
-    b, s, t, d = 1, 8, 32, 16
-    keys = np.zeros((b, t, d), np.float32)
-    keys[0, :, 0] = (1 + np.arange(t) * 2.0**-12) * d**0.5  # the d^-1/2 factor cancels
-    q = np.zeros((b, s, 1, d), np.float32)
-    q[..., 0] = 1.0
-    slots = jnp.arange(t, dtype=jnp.int32)[None]
-    layout = ce.EntryLayout(slots, jnp.zeros_like(slots), jnp.ones(slots.shape, bool))
-    rows = jnp.full((b, s), t, jnp.int32)  # every query sees every entry
-    visibility = ce.Visibility(rows, jnp.zeros_like(rows), layout)
-    problem = ce.SelectionProblem.from_queries(
-        jnp.asarray(q), jnp.ones((b, s, 1)), jnp.asarray(keys), visibility, 0, score_dtype
-    )
-    strategies = [
-        ce.DenseSelection(),
-        ce.StreamingSelection(key_block=8, query_block=4),
-        ce.ShardedSelection(ce.DenseSelection()),
-    ]
-    with jax.set_mesh(jax.make_mesh((4, 2), ("data", "tensor"))):
-        for strategy in strategies:
-            got = np.asarray(eqx.filter_jit(lambda p, st=strategy: st.select(p, 4))(problem))
-            np.testing.assert_array_equal(got, np.broadcast_to(want, (b, s, 4)), str(strategy))
-
-
 def _bf16(v) -> np.ndarray:
     return np.asarray(v, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
-
-
-def test_v4_head_weights_are_rounded_to_bf16():
-    """DeepSeek-V4 scores with a bf16 einsum: each head's weight ``w·d^-1/2`` is a bf16 value.
-    Two heads, two entries, bf16 logits: with the weights rounded the entries' scores tie at
-    3.4375 (the lower index wins), unrounded entry 1 wins (3.421875 < 3.4375); the jitted
-    selection is the rounded one (a numpy computation of both roundings tells them apart)."""
-    w = np.array([0.9362432360649109, 1.6851917505264282], np.float32)
-    logits = np.array([[0.9140625, 0.609375], [1.5234375, 1.6953125]], np.float32)  # [h, entry]
-
-    def pick(head_weights):
-        terms = _bf16(logits * head_weights[:, None])
-        return int(np.argmax(_bf16(terms.sum(0))))  # ties to the lower index
-
-    assert (pick(_bf16(w)), pick(w)) == (0, 1)
-    d = 4  # d^-1/2 = 0.5: the weights passed are 2 w
-    q = np.zeros((1, 1, 2, d), np.float32)
-    q[0, 0, 0, 0] = q[0, 0, 1, 1] = 1.0
-    keys = np.zeros((1, 2, d), np.float32)
-    keys[0, :, :2] = logits.T
-    slots = jnp.arange(2, dtype=jnp.int32)[None]
-    layout = ce.EntryLayout(slots, jnp.zeros_like(slots), jnp.ones(slots.shape, bool))
-    rows = jnp.full((1, 1), 2, jnp.int32)
-    visibility = ce.Visibility(rows, jnp.zeros_like(rows), layout)
-    weights = jnp.asarray(2 * w)[None, None]
-    problem = ce.SelectionProblem.from_queries(
-        jnp.asarray(q), weights, jnp.asarray(keys), visibility, 0, "bfloat16"
-    )
-    got = eqx.filter_jit(lambda p: ce.DenseSelection().select(p, 1))(problem)
-    assert np.asarray(got).tolist() == [[[0]]]
 
 
 def test_v4_scores_round_under_jit():
@@ -320,70 +259,13 @@ def test_v4_scores_round_under_jit():
     np.testing.assert_array_equal(np.asarray(got), _bf16(terms.sum(2)))
 
 
-def test_v32_indexer_without_scale_fmt_quantises_128_blocks_with_amax_scales():
-    """V3.2's checkpoints may leave ``scale_fmt`` unset: the indexer's rotated queries and keys
-    are then FP8 in 128-blocks with ``amax / 448`` scales (not powers of two), as a numpy
-    Hadamard + FP8 reference says bit for bit; 64-blocks or power-of-two scales give other
-    values."""
-    from test_formats import _fwht, _reference
-
-    v = np.random.default_rng(11).standard_t(3, size=(2, 6, 128)).astype(np.float32)
-    v[..., 64:] *= 40  # the two halves of the 128-block have different ranges
-    v = _bf16(v)
-    numerics = ce.DeepSeekInference(scale_fmt=None)
-    indexer = jax.jit(lambda v: numerics.indexer(v, V32_FORMATS))
-    got = np.asarray(indexer(jnp.asarray(v, jnp.bfloat16)))
-    rotated = _bf16(_fwht(v))  # DeepSeek's rotation returns bf16
-    np.testing.assert_array_equal(got, _reference(rotated, 128, "fp8_amax"))
-    assert not np.array_equal(got, _reference(rotated, 64, "fp8_amax"))
-    assert not np.array_equal(got, _reference(rotated, 128, "fp8_pow2"))
-
-
-def test_head_norm_and_attention_weights_round_as_deepseek():
-    """V4's per-head query norm in bf16 ops (each of square, mean, + eps, rsqrt and the product
-    rounded), and the attention's bf16 probabilities divided after the values (DeepSeek's
-    ``sparse_attn``), against numpy; ``ExactNumerics`` normalises in float32 first."""
-    rng = np.random.default_rng(12)
-    q = _bf16(rng.normal(size=(3, 5, 80)) * 3)
-    mean = _bf16(_bf16(q * q).mean(-1, keepdims=True))
-    want = _bf16(q * _bf16(1 / np.sqrt(_bf16(mean + np.float32(1e-6)))))
-    got = jax.jit(lambda q: NUMERICS.head_norm(q, 1e-6))(jnp.asarray(q, jnp.bfloat16))
-    assert got.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2**-8)
-    assert (np.asarray(got, np.float32) == want).mean() > 0.99
-    p = jnp.asarray(np.exp(-rng.uniform(0, 5, (2, 7))), jnp.float32)
-    denom = jnp.sum(p, -1) + 0.25
-    weights, divisor = NUMERICS.attention_weights(p, denom)
-    np.testing.assert_array_equal(np.asarray(weights, np.float32), _bf16(p))
-    np.testing.assert_array_equal(np.asarray(divisor), np.asarray(denom))
-    exact, none = ce.ExactNumerics().attention_weights(p, denom)
-    assert none is None
-    np.testing.assert_allclose(np.asarray(exact), np.asarray(p / denom[:, None]), rtol=1e-7)
-
-
 def test_one_deepseek_numerics_for_every_family():
-    """``DeepSeekInference`` reads what to quantise from the layer family's formats (V4.1: the
-    whole window rows through FP8 in 32-blocks, the entries through FP4 in 16-blocks with E4M3
-    scales, the indexer through FP4 without the Hadamard rotation, as the numpy references
-    say); ``DeepSeekV41Inference`` is the same under V4.1's name, for V4.1 layers only. The
-    loaders' keyword names them in one place (``named_numerics``)."""
-    from test_formats import _reference
-
+    """``DeepSeekInference`` runs a V4.1 layer (it reads what to quantise from the family's
+    formats; what each hook computes for every family: tests/test_conformance_numerics.py);
+    ``DeepSeekV41Inference`` is the same under V4.1's name, for V4.1 layers only. The loaders'
+    keyword names them in one place (``named_numerics``)."""
     from csa_eqx._numerics.deepseek import named_numerics
 
-    v = _bf16(np.random.default_rng(13).standard_t(3, size=(2, 5, 64)))
-    x = jnp.asarray(v, jnp.bfloat16)
-    for numerics in (ce.DeepSeekInference(), ce.DeepSeekV41Inference()):
-        kv, entries, keys = jax.jit(
-            lambda x, n=numerics: (
-                n.kv(x, 16, V41_FORMATS).astype(jnp.float32),
-                n.entries(x, 16, V41_FORMATS).astype(jnp.float32),
-                n.indexer(x, V41_FORMATS),
-            )
-        )(x)
-        np.testing.assert_array_equal(kv, _bf16(_reference(v, 32, "fp8_pow2")))
-        np.testing.assert_array_equal(entries, _bf16(_reference(v, 16, "fp4_e4m3")))
-        np.testing.assert_array_equal(keys, _reference(v, 32, "fp4_e8m0"))
     cfg = ce.V41AttentionConfig(
         compress_ratios=(0, 1),
         kv_source_layers=(1,),

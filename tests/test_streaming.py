@@ -1,8 +1,11 @@
-"""Streaming selection and query-blocked sparse attention equal their dense versions.
+"""Streaming selection and query-blocked sparse attention equal their dense versions, on
+random tilings and shapes (every strategy and kernel against the numpy references on fixed
+cases: tests/test_conformance_selection.py, tests/test_conformance_attention.py), and what
+they never form.
 
 References: the dense ``select_topk(indexer_scores(...), entry_visibility(...), k)`` (itself
 checked against transformers in test_v4_parity.py), a numpy brute force for block skipping,
-and the unblocked sparse attention.
+the window gathered by index.
 """
 
 import functools
@@ -19,7 +22,6 @@ from selection_helpers import problem, selected
 
 import csa_eqx as ce
 from csa_eqx import (
-    DenseKeys,
     V4Attention,
     V4AttentionConfig,
     entry_layout,
@@ -29,7 +31,6 @@ from csa_eqx import (
     sparse_attention,
 )
 from csa_eqx._blocks import key_block_ranges
-from csa_eqx._selection.auto import candidate_source
 from csa_eqx._tiles import streaming_block_sizes, topk_block_size
 
 
@@ -143,23 +144,6 @@ def test_streaming_equals_dense(case):
     for row in got.reshape(-1, k):
         valid = row[row >= 0]
         assert len(set(valid.tolist())) == len(valid)
-
-
-def test_no_entries():
-    """``T == 0`` (no entry slots at all) selects nothing, like the dense path."""
-    b, s, h, d, k = 2, 5, 2, 4, 3
-    layout = entry_layout(jnp.zeros((b, 0), jnp.int32), 4)
-    args = (
-        jnp.ones((b, s, h, d)),
-        jnp.ones((b, s, h)),
-        jnp.ones((b, 0, d)),
-        jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)),
-        jnp.zeros((b, s), jnp.int32),
-        layout,
-    )
-    got = ce.StreamingSelection(key_block=2).select(problem(*args), k)
-    np.testing.assert_array_equal(got, dense_selection(*args, k))
-    np.testing.assert_array_equal(got, np.full((b, s, k), -1))
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -284,32 +268,6 @@ def test_automatic_block_sizes():
     assert streaming_block_sizes(1, 10, 7, 1) == (10, 7)
 
 
-@pytest.mark.parametrize("sinks, separate_values, qb", [(True, False, 5), (False, True, 16)])
-def test_blocked_sparse_attention_matches_unblocked(sinks, separate_values, qb):
-    b, s, h, d, n, k = 2, 37, 3, 8, 50, 6
-    rng = np.random.default_rng(qb)
-    q = jnp.asarray(rng.normal(size=(b, s, h, d)), jnp.float32)
-    kv = jnp.asarray(rng.normal(size=(b, n, d)), jnp.float32)
-    vals = jnp.asarray(rng.normal(size=(b, n, 5)), jnp.float32) if separate_values else None
-    idx = rng.integers(-1, n, (b, s, k))
-    idx[0, 3] = -1  # a row with no key at all
-    idx = jnp.asarray(idx, jnp.int32)
-    sink = jnp.asarray(rng.normal(size=h), jnp.float32) if sinks else None
-
-    def loss(q, kv, vals, block):
-        o, lse = sparse_attention(q, kv, idx, sink, 0.3, vals, True, query_block=block)
-        return jnp.sum(jnp.sin(o)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (o, lse)
-
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True), static_argnums=3)
-    (g_ref, (o_ref, lse_ref)), (g, (o, lse)) = grad(q, kv, vals, s), grad(q, kv, vals, qb)
-    np.testing.assert_allclose(o, o_ref, 1e-6, 1e-6)
-    np.testing.assert_allclose(lse, lse_ref, 1e-6, 1e-6)
-    assert not np.isnan(np.asarray(o)).any()
-    for a, r in zip(g, g_ref, strict=True):
-        if r is not None:
-            np.testing.assert_allclose(a, r, 1e-5, 1e-6)
-
-
 def assert_same_attention(fn, reference, *args):
     """``fn(*args)`` and ``reference(*args)`` (each ``(out, lse)``) agree, and so do the
     gradients of a loss on both w.r.t. every argument."""
@@ -326,43 +284,6 @@ def assert_same_attention(fn, reference, *args):
     np.testing.assert_allclose(lse, lse_ref, 1e-5, 1e-6)
     for a, r in zip(g, g_ref, strict=True):
         np.testing.assert_allclose(a, r, 1e-5, 1e-5)
-
-
-@pytest.mark.parametrize("qb", [0, 7])
-def test_masked_picks_equal_gathered_picks(qb):
-    """Entries attended through ``DenseKeys(picks=...)`` (masked matmul) equal the same picks
-    gathered next to the window keys: outputs, log-normalisers and gradients, with ``-1`` picks,
-    rows that see nothing, packed segments and sinks."""
-    b, s, h, d, m, w, k = 2, 30, 3, 8, 4, 4, 5
-    rng = np.random.default_rng(qb)
-    seg = jnp.asarray(np.sort(rng.integers(0, 3, (b, s)), axis=1), jnp.int32)
-    layout = entry_layout(seg, m)
-    t = layout.end.shape[1]
-    qidx = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    visible = np.asarray(entry_visibility(qidx, seg, layout))
-    picks = np.full((b, s, k), -1)
-    for i in np.ndindex(b, s):  # distinct visible picks, in random order, some rows fewer
-        slots = rng.permutation(np.flatnonzero(visible[i]))[: rng.integers(0, k + 1)]
-        picks[i][: len(slots)] = slots
-    picks = jnp.asarray(picks, jnp.int32)
-    window = jnp.where(qidx[..., None] - jnp.arange(w) >= 0, qidx[..., None] - jnp.arange(w), -1)
-    window = jnp.where(window == 0, -1, window)  # query 0 sees nothing but its picks (none)
-    q = jnp.asarray(rng.normal(size=(b, s, h, d)), jnp.float32)
-    kv = jnp.asarray(rng.normal(size=(b, s, d)), jnp.float32)
-    entries = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
-    sink = jnp.asarray(rng.normal(size=h), jnp.float32)
-
-    def masked(q, kv, entries):
-        dense = DenseKeys(entries, layout, qidx, seg, picks=picks)
-        return sparse_attention(q, kv, window, sink, 0.3, None, True, query_block=qb, dense=dense)
-
-    def gathered(q, kv, entries):
-        idx = jnp.concatenate([window, jnp.where(picks >= 0, picks + s, -1)], axis=-1)
-        keys = jnp.concatenate([kv, entries], axis=1)
-        return sparse_attention(q, keys, idx, sink, 0.3, None, True, query_block=qb)
-
-    assert_same_attention(masked, gathered, q, kv, entries)
-    assert np.asarray(picks < 0).all(-1).any()  # the case holds rows without picks
 
 
 @pytest.mark.parametrize("window, qb", [(4, 0), (4, 5), (1, 3), (9, 64), (30, 7)])
@@ -390,12 +311,6 @@ def test_band_window_equals_gathered_window(window, qb):
         return sparse_attention(q, kv, idx, sink, 0.3, vals, True, query_block=qb)
 
     assert_same_attention(band, gathered, q, kv, vals)
-
-
-def test_masked_picks_rule():
-    auto = ce.AutoPicks()
-    assert isinstance(auto.choose(2048, 512), ce.MaskedPicks)
-    assert isinstance(auto.choose(2049, 512), ce.GatheredPicks)
 
 
 def test_blocked_sparse_attention_never_gathers_all_rows():
@@ -442,79 +357,3 @@ def test_v4_layer_small_blocks_match_dense():
     np.testing.assert_array_equal(sel, aux_ref["selection"])
     assert (sel >= 0).any() and (sel == -1).any()
     np.testing.assert_allclose(y, y_ref, 1e-5, 1e-6)
-
-
-def _np_candidates(scores, visible, nb, bc):
-    """numpy brute force of V4.1's candidate pre-filter (docs/v41.md, "Candidates"): block ids
-    ``[B, S, nb]``, increasing, ``-1`` past the last."""
-    b, s, t = scores.shape
-    out = np.full((b, s, nb), -1)
-    for i, j in np.ndindex(b, s):
-        vis = visible[i, j]
-        if not vis.any():
-            continue
-        best = {}
-        for blk in range(-(-t // bc)):
-            seen = vis[blk * bc : (blk + 1) * bc]
-            if seen.any():
-                best[blk] = scores[i, j, blk * bc : (blk + 1) * bc][seen].max()
-        best[np.nonzero(vis)[0].max() // bc] = np.inf
-        kept = sorted(sorted(best, key=lambda blk: (-best[blk], blk))[:nb])
-        out[i, j, : len(kept)] = kept
-    return out
-
-
-def _np_topk(scores, allowed, k):
-    """numpy brute force of the exact top-k among ``allowed`` (ties to the lower index)."""
-    b, s, _ = scores.shape
-    out = np.full((b, s, k), -1)
-    for i, j in np.ndindex(b, s):
-        idx = np.nonzero(allowed[i, j])[0]
-        picks = sorted(sorted(idx, key=lambda e: (-scores[i, j, e], e))[:k])
-        out[i, j, : len(picks)] = picks
-    return out
-
-
-def test_v41_candidates_equal_brute_force():
-    """A V4.1 candidate source's selection and blocks (``select_candidates``) and a consumer's
-    selection within them (``SelectionProblem.candidates``), dense and streaming (merged row
-    buffers, a key block rounded up to ``bc``, the consumer's gathered candidates in query
-    blocks), against numpy. Two packed documents, exact
-    small-integer scores, many ties."""
-    b, s, nb, bc, k = 2, 37, 3, 4, 5
-    r = np.random.default_rng(0)
-    seg = np.zeros((b, s), np.int32)
-    seg[:, 13:] = 1
-    layout = entry_layout(jnp.asarray(seg), 1)
-    q = jnp.asarray(r.integers(-1, 2, (b, s, 2, 4)), jnp.float32)
-    w = jnp.asarray(r.integers(0, 3, (b, s, 2)), jnp.float32)
-    keys = jnp.asarray(r.integers(-1, 2, (b, s, 4)), jnp.float32)
-    qi = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    args = (q, w, keys, qi, jnp.asarray(seg), layout)
-    scores = np.asarray(indexer_scores(q, w, keys))
-    visible = np.asarray(entry_visibility(qi, jnp.asarray(seg), layout))
-    want_cand = _np_candidates(scores, visible, nb, bc)
-    assert (want_cand >= 0).all(-1).mean() > 0.5  # the filter bites on most rows
-    in_blocks = (want_cand[..., None, :] == (np.arange(s) // bc)[:, None]).any(-1)
-    want = _np_topk(scores, visible, k), _np_topk(scores, visible & in_blocks, k)
-    assert (want[0] != want[1]).any()
-    # key tiles of 3 rounded up to 4, two tiles per row buffer, 5-query blocks
-    strategies = [
-        ce.DenseSelection(),
-        ce.StreamingSelection(3, query_block=5, topk_block=8),
-        ce.GatheredSelection(query_block=5),
-    ]
-    for strategy in strategies:
-
-        @jax.jit
-        def run(*args, strategy=strategy):
-            p = problem(*args)  # the strategy's candidate source (the chooser's routing)
-            sel, cand = candidate_source(strategy, p).select_candidates(p, k, nb, bc)
-            p = problem(*args)
-            within = p._replace(visibility=ce.CandidateVisibility.within(p.visibility, cand, bc))
-            return sel, cand, strategy.select(within, k)
-
-        sel, cand, within = run(*args)
-        np.testing.assert_array_equal(np.asarray(cand), want_cand, err_msg=str(strategy))
-        np.testing.assert_array_equal(np.asarray(sel), want[0], err_msg=str(strategy))
-        np.testing.assert_array_equal(np.asarray(within), want[1], err_msg=str(strategy))

@@ -2,12 +2,14 @@
 wiring errors (docs/v41.md)."""
 
 from collections import Counter
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conformance import block_top, visible_np
 from jaxpr_helpers import walk_eqns
 from test_v41_config import SIZES
 
@@ -275,3 +277,155 @@ def test_a_mixed_stack_runs_through_one_protocol():
     same = jax.tree.map(lambda a, b: bool((a == b).all()), published[2], published[1])
     assert jax.tree.all(same)  # the V4 layer publishes nothing
     np.testing.assert_allclose(np.asarray(ys[3]), np.asarray(y_reuse), rtol=1e-6, atol=1e-7)
+
+
+class Published(NamedTuple):
+    """A stand-in stack state: the layer that published last, what the hook handed on."""
+
+    selection: int | None = None
+    candidates: int | None = None
+
+
+def test_extend_stack_hook_sees_the_caches_so_far():
+    """``extend_stack``'s documented hook: ``before(i, x, caches, shared)`` runs before layer
+    ``i`` on the caches so far (the earlier layers' already past this chunk, the later ones'
+    still before it) and the state the earlier layers published (before the first layer:
+    ``StackState()``, nothing); layer ``i`` gets what it returns. Pinned with stand-in layers,
+    a stand-in state and a stand-in ``step`` that advance and publish values."""
+    cache = ce.V4Attention(tiny_v4("sliding"), key=jax.random.key(0)).init_cache(1, 8)
+    caches = [eqx.tree_at(lambda c: c.position, cache, jnp.full((1,), 10 * i)) for i in range(3)]
+    x = jnp.zeros((1, 2, 64))
+    seen, stepped = [], []
+
+    def before(i, x, caches_now, shared):
+        seen.append((i, [int(c.position[0]) for c in caches_now], shared))
+        state = shared if isinstance(shared, Published) else Published()
+        return state._replace(candidates=100 + i)
+
+    def step(layer, x, cache, lengths, segment_ids, shared):
+        stepped.append((layer, shared.candidates))
+        advanced = eqx.tree_at(lambda c: c.position, cache, cache.position + x.shape[1])
+        return x + 1, advanced, shared._replace(selection=layer)
+
+    ys, new, published = ce.extend_stack([0, 1, 2], x, caches, step=step, before=before)
+    assert [s[1] for s in seen] == [[0, 10, 20], [2, 10, 20], [2, 12, 20]]
+    assert type(seen[0][2]) is ce.StackState
+    assert [s[2].selection for s in seen[1:]] == [0, 1]
+    assert stepped == [(0, 100), (1, 101), (2, 102)]
+    assert [int(c.position[0]) for c in new] == [2, 12, 22]
+    assert [p.selection for p in published] == [0, 1, 2]
+
+
+def test_stale_index_keys_by_value():
+    """``stale_index_keys`` hands each index source on a call that closes none of its groups
+    the keys of the layer DeepSeek's ``index_k`` last pointed to (the last KV source that
+    closed a group, in layer order), as that layer's cache holds them when the source runs,
+    cut or zero-padded at the end to the source's slots: a ratio-2 and a ratio-4 KV source,
+    one token a call from the start, the pointer at the ratio-4 one before the first (the
+    ratio-4 one then scores the ratio-2 one's keys, cut to its slots, and the ratio-2 one the
+    ratio-4 one's, padded). Checked value by value against that rule written out here, with
+    the pointer passed on after each call."""
+    config = ce.V41AttentionConfig(
+        compress_ratios=(2, 4), kv_source_layers=(0, 1), index_source_layers=(0, 1), **SIZES
+    )
+    keys = jax.random.split(jax.random.key(8), 2)
+    layers = [ce.V41Attention(config, i, key=k) for i, k in enumerate(keys)]
+    x = np.asarray(jax.random.normal(jax.random.key(9), (1, 6, 32)))
+    extend = eqx.filter_jit(ce.V41Attention.extend)
+    latest = {i: layer.init_cache(1, 8) for i, layer in enumerate(layers)}
+    rule = {"pointer": 1, "position": 0}
+    checked = []
+
+    def step(layer, x, cache, lengths, segment_ids, shared):
+        i, m, position = layer.layer, config.compress_ratios[layer.layer], rule["position"]
+        if (position + x.shape[1]) // m > position // m:  # closes a group: publishes its keys
+            rule["pointer"], want = i, None
+        else:  # the last closer's keys as its cache holds them now, fitted to this one's slots
+            held = np.asarray(latest[rule["pointer"]].compressor.entries)[..., SIZES["head_dim"] :]
+            slots = cache.compressor.entries.shape[1]
+            want = np.zeros((1, slots, held.shape[-1]), np.float32)
+            want[:, : min(slots, held.shape[1])] = held[:, :slots]
+        got = getattr(shared, "stale_keys", None)  # the first layer's state: StackState()
+        checked.append((i, held.shape[1] if want is not None else 0, want, got))
+        out = extend(layer, x, cache, lengths, segment_ids, shared=shared)
+        latest[i] = out[1]
+        return out
+
+    caches, pointer = list(latest.values()), 1
+    for s0, s1 in [(t, t + 1) for t in range(6)]:
+        chunk = jnp.asarray(x[:, s0:s1])
+        _, caches, _, pointer = ce.extend_v41_stack(
+            layers, chunk, caches, step=step, stale_index_keys=pointer
+        )
+        rule["position"] = s1
+        assert pointer == rule["pointer"], s1
+    for i, _, want, got in checked:
+        assert (got is None) == (want is None), i
+        if want is not None:
+            np.testing.assert_array_equal(np.asarray(got), want, err_msg=str(i))
+    slots = {i: latest[i].compressor.entries.shape[1] for i in (0, 1)}
+    cut = [held for i, held, want, _ in checked if want is not None and held > slots[i]]
+    pads = [w for i, held, w, _ in checked if w is not None and 0 < held < slots[i]]
+    assert cut and pads and any(w[:, : slots[1]].any() for w in pads)
+
+
+def test_candidate_geometry_by_values():
+    """What ``CandidateVisibility`` answers a strategy, value by value against numpy: 13 entry
+    slots in blocks of 4 (the last holds 1), kept block ids with ``-1`` holes, packed
+    documents and empty slots; ``mask``, ``tile`` at aligned and unaligned starts (tiles that
+    cut blocks, the partial last block), ``slots`` (block by block, ``-1`` where not visible
+    or past the last slot), ``rows`` / ``pad_rows``; and ``block_top`` (a row buffer's best
+    blocks) on buffers that start at a later block and end in a partial one."""
+    b, s, t, bc, nb = 2, 9, 13, 4, 3
+    r = np.random.default_rng(11)
+    seg = np.zeros((b, s), np.int32)
+    seg[0, 4:] = 1
+    end = np.sort(r.integers(0, s, (b, t)), axis=1).astype(np.int32)
+    end[:, ::5] = -1
+    eseg = np.where(end >= 0, np.take_along_axis(seg, np.maximum(end, 0), 1), -1).astype(np.int32)
+    blocks = np.full((b, s, nb), -1, np.int32)
+    for i, j in np.ndindex(b, s):
+        kept = np.sort(r.choice(4, r.integers(0, nb + 1), replace=False))
+        blocks[i, j, : len(kept)] = kept
+    qi = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
+    layout = ce.EntryLayout(jnp.asarray(end), jnp.asarray(eseg), jnp.asarray(end >= 0))
+    base = ce.Visibility(jnp.asarray(qi), jnp.asarray(seg), layout)
+    vis = ce.CandidateVisibility.within(base, jnp.asarray(blocks), bc)
+    visible = visible_np(qi, seg, end, eseg)
+    kept = (blocks[..., None, :] == (np.arange(t) // bc)[:, None]).any(-1)
+    want = visible & kept
+    assert want.any() and (visible & ~kept).any() and (blocks == 3).any()
+    tiles = [(0, t), (0, 4), (1, 3), (2, 7), (5, 8), (10, 3), (12, 1)]
+    scores = r.integers(-3, 4, (b, s, t)).astype(np.float32)
+    newest = np.where(visible.any(-1), t - 1 - np.argmax(visible[..., ::-1], -1), -1)
+
+    @eqx.filter_jit
+    def answers(vis, scores, visible, newest):
+        # block_top: a row buffer of slots 4 .. 12 (blocks 1, 2 and the partial 3)
+        top = block_top(scores[..., 4:], visible[..., 4:], newest, 4, 2, bc)
+        tile = [vis.tile(start, width) for start, width in tiles]
+        return vis.mask(), tile, vis.slots(), vis.rows(3, 4).pad_rows(2).mask(), top
+
+    mask, tile, got_slots, rows, (values, ids) = jax.device_get(
+        answers(vis, *(jnp.asarray(a) for a in (scores, visible, newest)))
+    )
+    np.testing.assert_array_equal(mask, want)
+    for (start, width), got in zip(tiles, tile, strict=True):
+        np.testing.assert_array_equal(got, want[..., start : start + width], f"{start}+{width}")
+    slots = np.where((blocks >= 0)[..., None], blocks[..., None] * bc + np.arange(bc), -1)
+    slots = slots.reshape(b, s, nb * bc)
+    seen = np.take_along_axis(want, np.clip(slots, 0, t - 1), -1) & (slots >= 0) & (slots < t)
+    np.testing.assert_array_equal(got_slots, np.where(seen, slots, -1))
+    np.testing.assert_array_equal(rows, np.pad(want[:, 3:7], [(0, 0), (0, 2), (0, 0)]))
+    for i, j in np.ndindex(b, s):
+        best = {}
+        for blk in (1, 2, 3):
+            seen_here = visible[i, j, blk * bc : (blk + 1) * bc]
+            if seen_here.any():
+                best[blk] = scores[i, j, blk * bc : (blk + 1) * bc][seen_here].max()
+        if newest[i, j] >= 4:
+            best[newest[i, j] // bc] = np.inf
+        top = sorted(sorted(best, key=lambda k: (-best[k], k))[:2])
+        want_ids = top + [-1] * (2 - len(top))
+        np.testing.assert_array_equal(ids[i, j], want_ids, f"{i} {j}")
+        np.testing.assert_array_equal(values[i, j], [best.get(k, -np.inf) for k in want_ids])

@@ -239,7 +239,7 @@ def extend_v41_stack(
         keys = caches_now[pointer[0]].compressor.entries[..., config.head_dim :]
         slots = caches[config.kv_source(i)].compressor.entries.shape[1]
         keys = jnp.pad(keys, [(0, 0), (0, max(slots - keys.shape[1], 0)), (0, 0)])
-        return shared._replace(stale_keys=keys[:, :slots])
+        return layer._state(shared)._replace(stale_keys=keys[:, :slots])  # the first: StackState()
 
     ys, new, published = extend_stack(layers, xs, caches, step=step, before=stale)
     return ys, new, published, pointer[0]

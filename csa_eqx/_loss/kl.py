@@ -112,7 +112,8 @@ def row_kl(mass: Array, scores: Array, candidates: Array) -> tuple[Array, Array]
     p = mass / jnp.where(total > 0, total, 1.0)
     has = jnp.any(candidates, axis=-1)
     s = scores.astype(jnp.float32)
-    peak = jax.lax.stop_gradient(jnp.max(jnp.where(candidates, s, -jnp.inf), axis=-1))
+    peak = jnp.max(jnp.where(candidates, s, -jnp.inf), axis=-1, initial=-jnp.inf)  # T = 0 too
+    peak = jax.lax.stop_gradient(peak)
     shifted = jnp.where(candidates, s - jnp.where(has, peak, 0.0)[..., None], 0.0)
     z = jnp.sum(jnp.where(candidates, jnp.exp(shifted), 0.0), axis=-1)
     log_q = shifted - jnp.log(jnp.where(has, z, 1.0))[..., None]
