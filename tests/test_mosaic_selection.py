@@ -33,6 +33,7 @@ from csa_eqx._dispatch import MOSAIC_REFUSED
 from csa_eqx._selection.auto import candidate_source
 from csa_eqx._selection.candidate_source import StreamingCandidates
 from csa_eqx._selection.mosaic_topk import NAME, TPU_BLOCKS, TPU_VMEM
+from csa_eqx._selection.row_chunks import kernel_row_chunks
 
 DENSE = ce.DenseSelection()  # select_topk over indexer_scores: the XLA reference
 STREAMING = ce.StreamingSelection(key_block=3, query_block=5, topk_block=6)
@@ -291,3 +292,30 @@ def test_fields_are_checked():
         ce.MosaicSelection().select(p, 3)
     with pytest.raises(ValueError, match="k must be positive"):
         ce.MosaicSelection().select(problem(q, w, keys, qi, qs, layout_of(end, qs)), 0)
+
+
+@pytest.mark.parametrize("s, query_chunk, chunk", [(40, 24, 20), (40, 40, 40), (37, 16, 16)])
+def test_row_chunks_are_balanced_and_cover_every_row_once(s, query_chunk, chunk):
+    """The fused kernels' row chunks (``kernel_row_chunks``, shared by ``MosaicSelection`` and
+    ``PallasSelection``): a stub kernel that answers each row with its own query index shows
+    every row answered by a call covering it, in as few calls as ``query_chunk`` allows, each
+    as short as whole blocks of 4 allow (40 rows at most 24 a call: two calls of 20, where a
+    chunk of 24 made the second call redo 8 rows; 37 at 16: three of 16)."""
+    seen = []
+
+    def stub(q, w, keys, layout, query_index, query_segment):
+        seen.append(q.shape[1])
+        return jnp.broadcast_to(query_index[..., None], (*query_index.shape, 3))
+
+    seg = jnp.zeros((1, s), jnp.int32)
+    qi = jnp.arange(s, dtype=jnp.int32)[None]
+    vis = ce.Visibility(qi, seg, ce.entry_layout(seg, 4))
+    q = jnp.zeros((1, s, 2, 8))
+    p = ce.SelectionProblem.from_queries(q, jnp.ones((1, s, 2)), jnp.zeros((1, -(-s // 4), 8)), vis)
+    out = kernel_row_chunks(
+        p, 3, stub, "stub", block=4, key_block=4, per_row=0, query_chunk=query_chunk
+    )
+    assert seen == [chunk]
+    np.testing.assert_array_equal(
+        np.asarray(out), np.broadcast_to(np.arange(s)[None, :, None], (1, s, 3))
+    )

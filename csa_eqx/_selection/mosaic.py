@@ -48,8 +48,9 @@ class MosaicSelection(AbstractSelection):
         problem's head chunk is used).
     - ``search``: the threshold search (``"early"``, ``"secant"`` or ``"bisect"``; see
         ``csa_eqx._selection.mosaic_topk``).
-    - ``query_chunk``: queries projected and selected per kernel call (0 = automatic: as many
-        as keep their ``[B, rows, H, d]`` queries and picks within ``problem.tiles.elements``).
+    - ``query_chunk``: at most this many queries projected and selected per kernel call, the
+        calls' chunks balanced (0 = automatic: as many as keep their ``[B, rows, H, d]``
+        queries and picks within ``problem.tiles.elements``).
     """
 
     query_block: int = 256

@@ -72,9 +72,9 @@ class PallasSelection(AbstractSelection):
     - ``query_block``: queries per program (a power of two; at most the sequence's largest
         power of two is used).
     - ``key_block``: entries per key tile (a power of two). On a GPU both must be at least 16.
-    - ``query_chunk``: queries projected and selected per kernel call (0 = automatic: as many
-        as keep their ``[B, rows, H, d]`` queries and candidate buffers within
-        ``problem.tiles.elements``).
+    - ``query_chunk``: at most this many queries projected and selected per kernel call, the
+        calls' chunks balanced (0 = automatic: as many as keep their ``[B, rows, H, d]``
+        queries and candidate buffers within ``problem.tiles.elements``).
     """
 
     query_block: int = 64
