@@ -4,7 +4,10 @@ Quick mode only: tiny sizes, so the numbers mean nothing and are not asserted; w
 is that each benchmark ran and its section, table and PNG plot were written.
 """
 
+import importlib.util
+import os
 import struct
+from pathlib import Path
 
 import pytest
 
@@ -453,3 +456,20 @@ def test_kernel_calls_are_found_in_a_lowering():
         assert KERNEL_CALLS.findall(text) == calls
     triton = 'stablehlo.custom_call @__gpu$xla.gpu.triton(%0) {backend_config = ""}'
     assert KERNEL_CALLS.findall(triton) == ["__gpu$xla.gpu.triton"]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is not None, reason="libtpu is installed here"
+)
+def test_tpu_compile_without_libtpu_says_how_to_install_it(capsys, monkeypatch):
+    # the tool refuses before importing JAX and leaves the environment alone
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    path = Path(__file__).resolve().parents[1] / "tools" / "tpu_compile.py"
+    spec = importlib.util.spec_from_file_location("tpu_compile", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["--seqs", "4096", "--programs", "stage"]) == 2
+    err = capsys.readouterr().err
+    assert "libtpu is not importable" in err
+    assert "pip install --no-deps --target /tmp/libtpu libtpu==0.0.42.1" in err
+    assert "JAX_PLATFORMS" not in os.environ
