@@ -8,9 +8,9 @@ of their own and as the keys' first features), both homes of the backward's grad
 query blocks, packed documents, rows that read nothing, the sink alone, head blocks that split
 the heads; one case also against a numpy formula; the automatic configuration; the kernel
 contract (non-finite rows poison exactly their readers); bfloat16; V4 CSA and V3.2 layers; the
-lowering for a TPU at released shapes (forward and backward), the automatic choices there
-(gather, blocks, VMEM) up to 64k, a clear error where nothing fits, the refusal on a GPU and
-``AutoAttention``'s choice on a TPU.
+lowering for a TPU at released shapes (forward and backward), the tiles kernels' one pick
+operand (no transposed copy), the automatic choices there (gather, blocks, VMEM) up to 64k, a
+clear error where nothing fits, the refusal on a GPU and ``AutoAttention``'s choice on a TPU.
 
 Tiny sizes: 11 queries in blocks of 8 (16 for the automatic configuration), chunks of 8
 gathered rows (6 picks, or 10: two chunks per query), tiles of 128 over 150 entries (two tiles,
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_helpers import assert_close
-from jaxpr_helpers import gpu_lowering, kernel_dots, tpu_lowering
+from jaxpr_helpers import gpu_lowering, kernel_dots, tpu_lowering, walk_eqns
 
 import csa_eqx as ce
 from csa_eqx import MosaicAttention, presets
@@ -311,6 +311,21 @@ def test_dot_precisions_are_explicit():
     ]
     dots = kernel_dots(jax.grad(loss, argnums=(0, 1, 2)), *wide)
     assert dots == {("bfloat16", "DEFAULT"), ("float32", "HIGHEST")}
+
+
+def test_tiles_kernels_take_the_picks_once():
+    """The tiles kernels (forward and backward, at a released V4 shape: 16 blocks of 16
+    queries, 512 picks) read the picks ``[B, S, k]`` as their only pick operand: no transposed
+    copy per query block ``[B, n_q, k, Qb]`` (16 queries on 128 lanes: 8x padded in HBM) is
+    built for them; each grid step transposes its own block."""
+    loss, args = released("v4", MosaicAttention(), 256)
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*args).jaxpr
+    calls = [eqn for eqn in walk_eqns(jaxpr) if eqn.primitive.name == "pallas_call"]
+    assert calls
+    for eqn in calls:
+        ints = [v.aval.shape for v in eqn.invars if v.aval.dtype == jnp.int32]
+        assert ints.count((1, 256, 512)) == 1, ints
+        assert not [shape for shape in ints if shape[-2:] == (512, 16)], ints
 
 
 def configs(kind: str, kernel: MosaicAttention, s: int, entries: int = 0):

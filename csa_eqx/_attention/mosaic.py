@@ -244,13 +244,11 @@ def gather_seconds(gather: str, seq: int, sets, heads: int, width: int, tile: in
 
 
 def _tiles_ints(idx: Array, nq: int, qb: int, tile: int):
-    """A tiles source's int arrays (its indices ``[B, seq, width]`` and per query block
-    ``[B, n_q, width, Qb]``) and its tile counts ``[B, n_q]`` (up to the block's largest
-    index)."""
+    """A tiles source's int arrays (its indices ``[B, seq, width]``; the kernel transposes
+    each block itself) and its tile counts ``[B, n_q]`` (up to the block's largest index)."""
     b, _, width = idx.shape
-    blocks = idx.reshape(b, nq, qb, width)
-    counts = (jnp.max(blocks.reshape(b, nq, qb * width), axis=-1) + tile) // tile
-    return (idx, blocks.transpose(0, 1, 3, 2)), counts
+    counts = (jnp.max(idx.reshape(b, nq, qb * width), axis=-1) + tile) // tile
+    return (idx,), counts
 
 
 def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: float) -> _Plan:

@@ -205,7 +205,8 @@ def vmem_bytes(config: Config, backward: bool) -> int:
     (the online softmax state or the backward's accumulators, VMEM gradient tables, each
     source's buffers) and the largest working set of one source's step (logits,
     probabilities and their products ``[R, tile]``, the unpacked keys and values, the pick
-    counts' one-hot operands), all in Mosaic's (8, 128) tiles.
+    counts' one-hot operands and the block's picks padded and transposed), all in Mosaic's
+    (8, 128) tiles.
 
     **Arguments:** the ``config``; ``backward``: the backward kernel's, else the forward's.
 
@@ -234,9 +235,10 @@ def vmem_bytes(config: Config, backward: bool) -> int:
         if backward:
             step += _vmem((lanes, gg * LANES)) + _vmem((rows, dk))
         if src.kind == "tiles":
-            blocks += [_vmem((qb, src.width)), _vmem((src.width, qb))]
-            high = table.rows // LANES
-            step = max(step, _vmem((high, src.width), 6) + _vmem((src.width, LANES), 6))
+            blocks.append(_vmem((qb, src.width)))
+            high, padded = table.rows // LANES, qb + -qb % LANES
+            picks = _vmem((padded, src.width)) + _vmem((src.width, padded))  # and transposed
+            step = max(step, _vmem((high, src.width), 6) + _vmem((src.width, LANES), 6) + picks)
         elif src.kind == "dense":
             blocks.append(_vmem((table.rows // c.tile * 8, c.tile)))
         elif src.kind == "band":
@@ -383,11 +385,11 @@ def _meta_spec(config: Config):
 
 def _source_specs(config: Config) -> list:
     """The BlockSpecs of each source's int arrays (rows: its indices ``[B, seq, width]`` in
-    SMEM; tiles: the same in VMEM, and transposed ``[B, n_q, width, Qb]``; dense: the entries'
-    end and segment per tile ``[B, rows / tile, 8, tile]``; band: the slab rows' segments
-    ``[B, n_q, 1, slab]``), then of each table (HBM, or a single-buffered VMEM block per batch
-    row, its batch dimension kept: a DMA from a block whose batch dimension is squeezed is
-    lowered with too few indices, which Mosaic's verifier rejects)."""
+    SMEM; tiles: the same in VMEM; dense: the entries' end and segment per tile ``[B, rows /
+    tile, 8, tile]``; band: the slab rows' segments ``[B, n_q, 1, slab]``), then of each table
+    (HBM, or a single-buffered VMEM block per batch row, its batch dimension kept: a DMA from a
+    block whose batch dimension is squeezed is lowered with too few indices, which Mosaic's
+    verifier rejects)."""
     qb = config.query_block
     specs = []
     for src in config.sources:
@@ -396,9 +398,6 @@ def _source_specs(config: Config) -> list:
             index = pl.BlockSpec((None, qb, src.width), lambda b, i, j, *_: (b, i, 0),
                                  memory_space=space)  # fmt: skip
             specs.append(index)
-            if src.kind == "tiles":
-                transposed = (None, None, src.width, qb)
-                specs.append(pl.BlockSpec(transposed, lambda b, i, j, *_: (b, i, 0, 0)))
         elif src.kind == "dense":
             shape = (None, config.tables[src.table].rows // config.tile, 8, config.tile)
             specs.append(pl.BlockSpec(shape, lambda b, i, j, *_: (b, 0, 0, 0)))
@@ -414,10 +413,6 @@ def _source_specs(config: Config) -> list:
         else:
             specs.append(pl.BlockSpec(memory_space=pl.ANY))
     return specs
-
-
-def _n_ints(src: Source) -> int:
-    return 2 if src.kind == "tiles" else 1
 
 
 def _source_scratch(config: Config, backward: bool) -> list[tuple[dict, int]]:
@@ -739,11 +734,17 @@ def _count_picks(step: _Step, s: _SourceRefs):
     """Fill the counts scratch ``[rows / 128 * Qb, 128]``: row ``h * Qb + q``, lane ``l`` is
     how often query ``q`` of the block picked table row ``128 h + l``."""
     c = step.config
-    idx, idx_t = s.ints
+    (idx,) = s.ints
     counts = s.bufs["counts"]
     high = s.table.rows // LANES
     width = s.src.width
-    picks, picks_t = idx[...], idx_t[...]
+    picks = idx[...]
+    # [width, >= 128]: lane q holds query q's picks (the block padded with -1 rows to whole
+    # 128-row tiles before its transpose; the padding's lanes are never read).
+    pad = -c.query_block % LANES
+    if pad:
+        picks = jnp.concatenate([picks, jnp.full((pad, width), -1, jnp.int32)], axis=0)
+    picks_t = picks.T
     hi_rows = jax.lax.broadcasted_iota(jnp.int32, (high, width), 0)
     lo_lanes = jax.lax.broadcasted_iota(jnp.int32, (width, LANES), 1)
     for qq in range(c.query_block):
@@ -815,7 +816,7 @@ def _forward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
     q_ref = refs.take()
     sink_ref = refs.take() if config.has_sinks else None
     qmeta_ref = refs.take() if config.has_meta else None
-    ints = [refs.take(_n_ints(src)) for src in config.sources]
+    ints = [refs.take(1) for _ in config.sources]
     tables = refs.take(len(config.tables))
     out_ref, lse_ref, m_ref, l_ref, acc_ref = refs.take(5)
     *scratch, sems = refs.rest()
@@ -966,7 +967,7 @@ def _backward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
     refs = _Refs(refs)
     q_ref, do_ref, lse_ref, coeff_ref = refs.take(4)
     qmeta_ref = refs.take() if config.has_meta else None
-    ints = [refs.take(_n_ints(src)) for src in config.sources]
+    ints = [refs.take(1) for _ in config.sources]
     tables = refs.take(len(config.tables))
     gathered, in_vmem = config.gathered_tables(), config.vmem_grad_tables()
     refs.take(len(gathered) - len(in_vmem))  # the zeros aliased to the HBM gradient tables
