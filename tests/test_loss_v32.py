@@ -279,13 +279,14 @@ def _topk_widths(jaxpr) -> set[int]:
 
 def test_sharded_selection_uses_the_key_and_query_blocks():
     """indexer_sharded_topk passes key_block / query_block on (streaming over tiles of 3 keys:
-    one row buffer of 15 = the 14 tokens padded to whole tiles, and a compiled-in k + k = 8
-    merge; unblocked it would be one exact top-k over the 14 tokens) and stays exact."""
+    one row buffer of 15 = the 14 tokens padded to whole tiles; it holds every entry, so no
+    k + k merge follows; unblocked it would be one exact top-k over the 14 tokens) and stays
+    exact."""
     x = _inputs(14, seed=4)
     selection = lambda m, x: m(x, return_aux=True)[1]["selection"]  # noqa: E731
     ref = jax.jit(selection)(_layer("off")[2], x)
     with jax.set_mesh(jax.make_mesh((2, 4), ("data", "tensor"))):
         layer = _layer("off", indexer_sharded_topk=True, indexer_key_block=3, query_block=5)[2]
         jaxpr = jax.make_jaxpr(selection)(layer, x)
-        assert "shard_map" in str(jaxpr) and _topk_widths(jaxpr.jaxpr) == {15, 8}
+        assert "shard_map" in str(jaxpr) and _topk_widths(jaxpr.jaxpr) == {15}
         np.testing.assert_array_equal(np.asarray(jax.jit(selection)(layer, x)), np.asarray(ref))
