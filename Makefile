@@ -58,9 +58,11 @@ test:
 	$(MAKE) -j2 $(STAMP) $(STAMP312)
 	$(BIN)/ruff check csa_eqx tests benchmarks
 	rm -rf $(REPORTS) $(CACHE)/py311 $(CACHE)/py312 && mkdir -p $(REPORTS)
-	XLA_FLAGS="$(XLA_TEST)" $(call CACHE_ENV,py311) $(BIN)/python -m pytest $(PYTEST) \
+	CSA_EQX_TEST_HALF=py311 XLA_FLAGS="$(XLA_TEST)" $(call CACHE_ENV,py311) \
+		$(BIN)/python -m pytest $(PYTEST) \
 		--junitxml=$(REPORTS)/py311.xml
-	XLA_FLAGS="$(XLA_TEST)" $(call CACHE_ENV,py312) $(VENV312)/bin/python -m pytest $(PYTEST) \
+	CSA_EQX_TEST_HALF=py312 XLA_FLAGS="$(XLA_TEST)" $(call CACHE_ENV,py312) \
+		$(VENV312)/bin/python -m pytest $(PYTEST) \
 		--torch-free --junitxml=$(REPORTS)/py312.xml
 	$(BIN)/python tools/test_timing.py $(REPORTS)/py311.xml $(REPORTS)/py312.xml
 

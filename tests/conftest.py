@@ -54,6 +54,26 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+# Modules that `make test` runs in one half only (it names the half in CSA_EQX_TEST_HALF; a
+# pytest run without it runs them all): the application-level modules, whose results the JAX
+# version does not change beyond what the library's own modules test on both. The JAX-facing
+# ones (docs, notebooks, the CLI, the trainer's fault handling) on the newest JAX; the
+# benchmarks (they time HF's layer with torch) and the seed sweep on 3.11. docs/testing.md,
+# "Modules run once".
+ONE_HALF = {
+    "test_docs.py": "py312",
+    "test_notebooks.py": "py312",
+    "test_cli.py": "py312",
+    "test_train_faults.py": "py312",
+    "test_benchmarks.py": "py311",
+    "test_demo_seeds.py": "py311",
+}
+
+
+def _other_half(item, half: str | None) -> bool:
+    return half is not None and ONE_HALF.get(item.path.name, half) != half
+
+
 # Each module's share of a run (seconds of test time on the 2-core machine, measured: the 3.11
 # half of a fresh-clone `bash .ci/run` of 71c37b4;
 # `python tools/test_timing.py build/test/py311.xml --write-weights tests/module_seconds.json`
@@ -71,6 +91,11 @@ def _module_order(items) -> None:
 
 def pytest_collection_modifyitems(config, items):
     _module_order(items)
+    half = os.environ.get("CSA_EQX_TEST_HALF")
+    elsewhere = [item for item in items if _other_half(item, half)]
+    if elsewhere:
+        config.hook.pytest_deselected(items=elsewhere)
+        items[:] = [item for item in items if not _other_half(item, half)]
     for item in items:
         if item.path.name in TORCH_MODULES:
             item.add_marker(pytest.mark.torch)
@@ -82,6 +107,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter, config):
+    half = os.environ.get("CSA_EQX_TEST_HALF")
+    if half is not None:
+        elsewhere = sorted(name for name, where in ONE_HALF.items() if where != half)
+        terminalreporter.write_line(
+            f"CSA_EQX_TEST_HALF={half}: deselected here, run in the other half: "
+            + ", ".join(elsewhere)
+        )
     if config.getoption("torch_free"):
         terminalreporter.write_line(
             f"--torch-free: {len(TORCH_MODULES)} modules not collected (they import torch): "
