@@ -29,6 +29,7 @@ from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
 
 from ._config import V4AttentionConfig, V32AttentionConfig, YaRNScaling
 from .hf._config import v4_config_from_hf, v32_config_from_hf
+from .hf._to_hf import v4_hf_fields, v32_hf_fields
 
 __all__ = [
     "TINY_YARN",
@@ -49,11 +50,6 @@ TINY_YARN = YaRNScaling(
     factor=16.0, original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=0.7
 )
 
-_HF_LAYER_TYPE = {
-    "sliding": "sliding_attention",
-    "csa": "compressed_sparse_attention",
-    "hca": "heavily_compressed_attention",
-}
 # fields every transformers config requires but an attention layer never reads
 _UNUSED_MOE = dict(
     vocab_size=64,
@@ -61,27 +57,6 @@ _UNUSED_MOE = dict(
     num_experts_per_tok=2,
     moe_intermediate_size=16,
 )
-
-
-def _yarn_parameters(scaling: YaRNScaling) -> dict:
-    params = dict(
-        rope_type="yarn",
-        factor=scaling.factor,
-        original_max_position_embeddings=scaling.original_max_position_embeddings,
-        beta_fast=scaling.beta_fast,
-        beta_slow=scaling.beta_slow,
-        truncate=scaling.truncate,
-    )
-    for name in ("mscale", "mscale_all_dim"):
-        if getattr(scaling, name) is not None:
-            params[name] = getattr(scaling, name)
-    return params
-
-
-def _yarn_length(scaling: YaRNScaling) -> int:
-    """The context length a YaRN scaling stretches to (transformers warns unless the
-    config's ``max_position_embeddings`` says so)."""
-    return int(scaling.factor * scaling.original_max_position_embeddings)
 
 
 def _architecture(config) -> dict:
@@ -93,14 +68,6 @@ def _check_round_trip(config, back) -> None:
     diff = {k: (want[k], got[k]) for k in want if want[k] != got[k]}
     if diff:
         raise ValueError(f"config has no exact transformers equivalent: (ours, HF's) {diff}")
-
-
-def _shared_hf_fields(config: V4AttentionConfig | V32AttentionConfig) -> dict:
-    """The HF fields both versions take from the same config fields, for one layer (HF's
-    names equal ours but for ``num_attention_heads``)."""
-    same = ("hidden_size", "q_lora_rank", "index_n_heads", "index_head_dim", "index_topk")
-    fields = {name: getattr(config, name) for name in same}
-    return dict(_UNUSED_MOE, **fields, num_attention_heads=config.num_heads, num_hidden_layers=1)
 
 
 def hf_v4_config(config: V4AttentionConfig, **hf_fields) -> DeepseekV4Config:
@@ -115,26 +82,7 @@ def hf_v4_config(config: V4AttentionConfig, **hf_fields) -> DeepseekV4Config:
     **Returns:** a ``DeepseekV4Config`` whose layer 0 converts back to ``config``'s
     architecture through ``csa_eqx.hf.v4_config_from_hf`` (checked; ``ValueError`` otherwise).
     """
-    rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
-    if config.layer_type == "hca":
-        rates["heavily_compressed_attention"] = config.compress_rate
-    fields = dict(
-        _shared_hf_fields(config),
-        head_dim=config.head_dim,
-        partial_rotary_factor=config.rope_dim / config.head_dim,
-        o_groups=config.o_groups,
-        o_lora_rank=config.o_lora_rank,
-        sliding_window=config.sliding_window,
-        rope_theta=config.rope_theta,
-        compress_rope_theta=config.compress_rope_theta,
-        rms_norm_eps=config.rms_norm_eps,
-        layer_types=[_HF_LAYER_TYPE[config.layer_type]],
-        compress_rates=rates,
-        mlp_layer_types=["moe"],
-    )
-    if config.rope_scaling is not None:
-        fields["rope_parameters"] = _yarn_parameters(config.rope_scaling)
-        fields["max_position_embeddings"] = _yarn_length(config.rope_scaling)
+    fields = dict(_UNUSED_MOE, **v4_hf_fields([config]), mlp_layer_types=["moe"])
     fields.update(hf_fields)
     hf_config = DeepseekV4Config(**fields)
     hf_config._attn_implementation = "eager"
@@ -155,24 +103,10 @@ def hf_v32_config(config: V32AttentionConfig, **hf_fields) -> DeepseekV32Config:
     **Returns:** a ``DeepseekV32Config`` that converts back to ``config``'s architecture
     through ``csa_eqx.hf.v32_config_from_hf`` (checked; ``ValueError`` otherwise).
     """
-    fields = dict(
-        _shared_hf_fields(config),
-        num_key_value_heads=config.num_heads,
-        kv_lora_rank=config.kv_lora_rank,
-        qk_nope_head_dim=config.qk_nope_head_dim,
-        qk_rope_head_dim=config.qk_rope_head_dim,
-        v_head_dim=config.v_head_dim,
-        n_group=1,
-        topk_group=1,
-        intermediate_size=32,
-        max_position_embeddings=1024,
-        rope_parameters=dict(rope_type="default", rope_theta=config.rope_theta),
+    fields = dict(_UNUSED_MOE, max_position_embeddings=1024) | v32_hf_fields(config)
+    fields.update(
+        num_key_value_heads=config.num_heads, n_group=1, topk_group=1, intermediate_size=32
     )
-    if config.rope_scaling is not None:
-        fields["rope_parameters"] = dict(
-            _yarn_parameters(config.rope_scaling), rope_theta=config.rope_theta
-        )
-        fields["max_position_embeddings"] = _yarn_length(config.rope_scaling)
     fields.update(hf_fields)
     hf_config = DeepseekV32Config(**fields)
     hf_config._attn_implementation = "eager"

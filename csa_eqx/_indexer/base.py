@@ -20,7 +20,7 @@ from jaxtyping import Array, Float, Int
 from .._backend import backend_tiles
 from .._layout import Visibility, entry_visibility
 from .._loss.base import AttentionTarget
-from .._numerics.base import AbstractNumerics, DeepSeekFormats
+from .._numerics.base import EXACT, AbstractNumerics, DeepSeekFormats
 from .._rows import Rows
 from .._selection.base import SelectionProblem
 from ..remat import tag_selection
@@ -60,26 +60,38 @@ class NoCandidates(AbstractCandidateRule):
 
 class AbstractIndexer(eqx.Module):
     """A layer's lightning indexer. An implementation holds its weights and says how they make
-    the per-head queries (``queries``) and head weights (``head_weights``), how many entries a
-    query picks (``topk``) and its candidate rule (``candidates``); where the keys it scores
-    come from is the layer's pipeline. Called with the layer's execution, it makes and solves
-    its selection problem (``__call__``) and, for the KL loss, its sums (``loss_sums``).
+    the per-head queries (``query_weight``, ``heads``, ``rope_queries``) and head weights
+    (``head_weights``), how many entries a query picks (``topk``) and its candidate rule
+    (``candidates``); where the keys it scores come from is the layer's pipeline. Called with
+    the layer's execution, it makes and solves its selection problem (``__call__``) and, for
+    the KL loss, its sums (``loss_sums``).
     """
 
     topk: AbstractVar[int]
+    heads: AbstractVar[int]
+    query_weight: AbstractVar[Array]
     candidates: AbstractVar[AbstractCandidateRule]
 
-    @abc.abstractmethod
     def queries(
         self,
         qr: Float[Array, "batch seq q_lora"],
         positions: Int[Array, "batch seq"],
-        numerics: AbstractNumerics,
+        numerics: AbstractNumerics = EXACT,
     ) -> Float[Array, "batch seq heads dim"]:
         """**Arguments:** the query latent ``qr [B, S, q_lora_rank]``, int32 ``positions``
         ``[B, S]`` and the layer's ``numerics``.
 
-        **Returns:** the roped per-head queries ``[B, S, H_I, d_I]``."""
+        **Returns:** the roped per-head queries ``[B, S, H_I, d_I]``: ``qr`` through the
+        numerics' ``linear`` with ``query_weight``, split into ``heads``, then ``rope_queries``.
+        """
+        b, s, _ = qr.shape
+        q = numerics.linear(qr, self.query_weight).reshape(b, s, self.heads, -1)
+        return self.rope_queries(q, positions[..., None])
+
+    @abc.abstractmethod
+    def rope_queries(self, q: Array, positions: Array) -> Array:
+        """**Returns:** the per-head queries ``q [B, S, H_I, d_I]`` rotated for ``positions``
+        ``[B, S, 1]`` (the implementation's RoPE table and channel layout)."""
 
     @abc.abstractmethod
     def head_weights(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from .._config import V4FamilyConfig
 from .._entries.compressor import AbstractCompressor
@@ -68,20 +68,14 @@ class IndexerHeads(AbstractIndexer):
         self.rope = Rope(c.rope_dim, c.compress_rope_theta, c.rope_scaling)
         self.candidates = candidates
 
-    def queries(
-        self,
-        qr: Float[Array, "batch seq q_lora"],
-        positions: Int[Array, "batch seq"],
-        numerics: AbstractNumerics = EXACT,
-    ) -> Float[Array, "batch seq heads dim"]:
-        """**Arguments:** the query latent ``qr [B, S, q_lora_rank]``, int32 ``positions``
-        ``[B, S]`` and the layer's ``numerics``.
+    @property
+    def query_weight(self) -> Float[Array, "heads_x_dim q_lora"] | Fp8Weight:
+        """**Returns:** the query heads' projection (``q_b_proj``)."""
+        return self.q_b_proj
 
-        **Returns:** roped (compress table) per-head queries ``[B, S, H_I, d_I]``.
-        """
-        b, s, _ = qr.shape
-        q = numerics.linear(qr, self.q_b_proj).reshape(b, s, self.heads, self.head_dim)
-        return self.rope.interleaved(q, positions[..., None])
+    def rope_queries(self, q: Array, positions: Array) -> Array:
+        """**Returns:** ``q`` roped by the compress table, in DeepSeek's interleaved pairs."""
+        return self.rope.interleaved(q, positions)
 
     def head_weights(
         self, x: Float[Array, "batch seq hidden"], numerics: AbstractNumerics = EXACT

@@ -75,17 +75,19 @@ class V32Indexer(AbstractIndexer):
         rot = apply_rope_half_split(x[..., :r], positions, inv_freq) * factor
         return jnp.concatenate([round_to(rot, x.dtype), x[..., r:]], axis=-1)
 
-    def queries(
-        self,
-        qr: Float[Array, "batch seq q_lora"],
-        positions: Int[Array, "batch seq"],
-        numerics: AbstractNumerics = EXACT,
-    ) -> Float[Array, "batch seq heads dim"]:
-        """As ``csa_eqx.IndexerHeads.queries``, with V3.2's half-split, YaRN-scaled RoPE."""
-        c = self.config
-        b, s, _ = qr.shape
-        q = numerics.linear(qr, self.wq_b).reshape(b, s, c.index_n_heads, c.index_head_dim)
-        return self._rope(q, positions[..., None])
+    @property
+    def heads(self) -> int:
+        """**Returns:** the query heads (``index_n_heads``)."""
+        return self.config.index_n_heads
+
+    @property
+    def query_weight(self) -> Float[Array, "heads_x_dim q_lora"] | Fp8Weight:
+        """**Returns:** the query heads' projection (``wq_b``)."""
+        return self.wq_b
+
+    def rope_queries(self, q: Array, positions: Array) -> Array:
+        """**Returns:** ``q`` with V3.2's half-split, YaRN-scaled RoPE (as the keys)."""
+        return self._rope(q, positions)
 
     def keys(
         self,

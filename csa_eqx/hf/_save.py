@@ -14,26 +14,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from .._config import V4AttentionConfig, V32AttentionConfig, YaRNScaling
+from .._config import V4AttentionConfig, V32AttentionConfig
 from .._layers.v4 import V4Attention
 from .._layers.v32 import V32Attention
 from ._names import v4_parameter_names, v32_parameter_names
 from ._safetensors_io import write_safetensors
+from ._to_hf import v4_hf_fields, v32_hf_fields
 
 __all__ = ["save_v4_checkpoint", "save_v32_checkpoint"]
-
-_HF_KINDS = {
-    "sliding": "sliding_attention",
-    "csa": "compressed_sparse_attention",
-    "hca": "heavily_compressed_attention",
-}
-
-
-def _yarn(scaling: YaRNScaling | None) -> dict | None:
-    if scaling is None:
-        return None
-    entry = {"rope_type": "yarn", **dataclasses.asdict(scaling)}
-    return {k: v for k, v in entry.items() if v is not None}
 
 
 def _numpy(array) -> np.ndarray:
@@ -97,38 +85,9 @@ def save_v4_checkpoint(folder: str | Path, layers: V4Attention | Sequence[V4Atte
     layers = _layers(layers, V4Attention, "csa_eqx.V4Attention")
     configs: list[V4AttentionConfig] = [layer.config for layer in layers]
     _shared(configs, ("compress_rate",), "V4")
-    hca = {c.compress_rate for c in configs if c.layer_type == "hca"}
-    if len(hca) > 1:
-        raise ValueError(
-            f"the HCA layers' compress_rate differ ({sorted(hca)}): an HF config has one"
-        )
-    c = configs[0]
     config = dict(
-        architectures=["DeepseekV4ForCausalLM"],
-        model_type="deepseek_v4",
-        hidden_size=c.hidden_size,
-        num_attention_heads=c.num_heads,
-        num_hidden_layers=len(layers),
-        head_dim=c.head_dim,
-        qk_rope_head_dim=c.rope_dim,
-        q_lora_rank=c.q_lora_rank,
-        o_groups=c.o_groups,
-        o_lora_rank=c.o_lora_rank,
-        sliding_window=c.sliding_window,
-        layer_types=[_HF_KINDS[cfg.layer_type] for cfg in configs],
-        compress_rates={
-            "compressed_sparse_attention": 4,
-            "heavily_compressed_attention": hca.pop() if hca else 128,
-        },
-        index_n_heads=c.index_n_heads,
-        index_head_dim=c.index_head_dim,
-        index_topk=c.index_topk,
-        rope_theta=c.rope_theta,
-        compress_rope_theta=c.compress_rope_theta,
-        rms_norm_eps=c.rms_norm_eps,
+        architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", **v4_hf_fields(configs)
     )
-    if c.rope_scaling is not None:
-        config["rope_scaling"] = _yarn(c.rope_scaling)
     names = [v4_parameter_names(cfg) for cfg in configs]
     return _write(folder, config, _tensors(layers, names))
 
@@ -146,31 +105,10 @@ def save_v32_checkpoint(folder: str | Path, layers: V32Attention | Sequence[V32A
     layers = _layers(layers, V32Attention, "csa_eqx.V32Attention")
     configs: list[V32AttentionConfig] = [layer.config for layer in layers]
     _shared(configs, (), "V3.2")
-    c = configs[0]
-    if c.rms_norm_eps != 1e-6:
-        raise ValueError(
-            f"rms_norm_eps must be 1e-6 to be written (HF's V3.2 layer normalises with 1e-6 "
-            f"whatever its config says; got {c.rms_norm_eps!r})"
-        )
-    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
-    if c.rope_scaling is not None:
-        rope = {**_yarn(c.rope_scaling), "rope_theta": c.rope_theta}
     config = dict(
         architectures=["DeepseekV32ForCausalLM"],
         model_type="deepseek_v32",
-        hidden_size=c.hidden_size,
-        num_attention_heads=c.num_heads,
-        num_hidden_layers=len(layers),
-        q_lora_rank=c.q_lora_rank,
-        kv_lora_rank=c.kv_lora_rank,
-        qk_nope_head_dim=c.qk_nope_head_dim,
-        qk_rope_head_dim=c.qk_rope_head_dim,
-        v_head_dim=c.v_head_dim,
-        index_n_heads=c.index_n_heads,
-        index_head_dim=c.index_head_dim,
-        index_topk=c.index_topk,
-        rope_parameters=rope,
-        attention_bias=False,
+        **v32_hf_fields(configs[0], len(layers)),
     )
     names = [v32_parameter_names()] * len(layers)
     return _write(folder, config, _tensors(layers, names))
