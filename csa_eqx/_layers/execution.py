@@ -191,24 +191,7 @@ class Execution(eqx.Module):
             "must be None or a HeadParallel",
             self.heads,
         )
-        _require(
-            self.context is None or self.context.axis != self.heads.axis,
-            "heads",
-            f"needs a HeadParallel.axis other than the ContextParallel.axis {self.heads.axis!r}",
-            self.heads.axis,
-        )
-        _require(  # the indexer's heads would be split over the axis the attention heads use
-            self.indexer_heads_axis is None,
-            "heads",
-            "is not composable with indexer_heads_axis yet: set one of them to None",
-            self.indexer_heads_axis,
-        )
-        _require(  # composing both ways at once would say two different things
-            self.context is None or isinstance(self.context.inner, SingleDevice),
-            "heads",
-            "must be None when context already wraps an inner placement",
-            self.context,
-        )
+        self.heads.check_composes(self.context, self.indexer_heads_axis)
 
     @classmethod
     def checked(cls, execution: Execution | None, config, formats: DeepSeekFormats) -> Execution:
