@@ -416,7 +416,7 @@ def test_auto_attention_takes_it_on_a_tpu(monkeypatch):
 
 
 def test_fields_and_numerics_are_checked():
-    with pytest.raises(ValueError, match="query_block must be a multiple of 8"):
+    with pytest.raises(ValueError, match="query_block must be 0 or a multiple of 8"):
         MosaicAttention(query_block=12)
     with pytest.raises(ValueError, match="tile_block must be a multiple of 128"):
         MosaicAttention(tile_block=64)

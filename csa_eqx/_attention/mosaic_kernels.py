@@ -78,6 +78,8 @@ __all__ = [
     "unpack_rows",
     "query_rows",
     "unquery_rows",
+    "narrow_rows",
+    "unnarrow_rows",
     "row_scalars",
     "unrow_scalars",
     "forward",
@@ -133,7 +135,10 @@ class Config(NamedTuple):
     ``chunk`` (rows per gathered chunk); ``tile`` (rows per tile, a multiple of 128);
     ``scale``; ``has_sinks``;
     ``dtype`` (the compute dtype's name: ``"bfloat16"`` or ``"float32"``); ``vmem_limit``
-    (bytes).
+    (bytes); ``narrow``: ``(heads, key width, value width)`` when the query-side arrays (the
+    queries, the output, its cotangent, ``dq``) travel unpadded as ``[B, seq, heads * width]``
+    (one head block takes every head; padded to the step's rows only in VMEM), else ``()``
+    (``query_rows`` layout).
     """
 
     tables: tuple[Table, ...]
@@ -152,6 +157,7 @@ class Config(NamedTuple):
     has_sinks: bool
     dtype: str
     vmem_limit: int
+    narrow: tuple[int, ...] = ()
 
     @property
     def n_q(self) -> int:
@@ -174,6 +180,19 @@ class Config(NamedTuple):
     def slab(self, src: Source) -> int:
         """Rows of a band source's slab."""
         return src.front + self.query_block
+
+    def query_lanes(self, values: bool) -> int:
+        """Lanes of a query-side block: the keys' (``values``: the values') features of every
+        head when ``narrow``, else ``key_blocks`` (``value_blocks``) x 128 of a softmax row."""
+        if self.narrow:
+            return self.narrow[0] * self.narrow[2 if values else 1]
+        return (self.value_blocks if values else self.key_blocks) * LANES
+
+    def query_shape(self, values: bool) -> tuple[int, ...]:
+        """The shape of a query-side array (see ``narrow``)."""
+        if self.narrow:
+            return (self.batch, self.seq, self.query_lanes(values))
+        return (self.batch, self.n_h, self.seq * self.head_block, self.query_lanes(values))
 
     def grad_words(self, table: Table) -> int:
         """Float32 word-rows per row of a table's gradient."""
@@ -215,14 +234,19 @@ def vmem_bytes(config: Config, backward: bool) -> int:
     c = config
     item = 2 if c.dtype == "bfloat16" else 4
     r, qb, dk, dv = c.rows, c.query_block, c.key_blocks * LANES, c.value_blocks * LANES
-    blocks = [_vmem((r, dk), item), _vmem((r, dv), item), _vmem((8, r))]  # q, out / do, lse
+    rows = qb if c.narrow else r
+    q, o = _vmem((rows, c.query_lanes(False)), item), _vmem((rows, c.query_lanes(True)), item)
+    blocks = [q, o, _vmem((8, r))]  # q, out / do, lse
     if backward:
-        blocks += [_vmem((8, r)), _vmem((r, dk), item)]  # the coefficient, dq
+        blocks += [_vmem((8, r)), q]  # the coefficient, dq
     elif c.has_sinks:
         blocks.append(_vmem((r, LANES)))
     if c.has_meta:
         blocks.append(_vmem((qb, LANES)))
     scratch = [_vmem((r, LANES)), _vmem((r, LANES)), _vmem((r, dk if backward else dv))]
+    if c.narrow:  # the float32 staging rows, q's rows (and do's) in the compute dtype
+        scratch += [_vmem((r, max(dk, dv))), _vmem((r, dk), item)]
+        scratch += [_vmem((r, dv), item)] if backward else []
     work = 0
     for src, (bufs, _) in zip(c.sources, _source_scratch(c, backward), strict=True):
         table = c.tables[src.table]
@@ -320,6 +344,17 @@ def unquery_rows(x: Array, config: Config) -> Array:
     return x.reshape(b, config.seq, config.heads, w)
 
 
+def narrow_rows(x: Array, config: Config) -> Array:
+    """``x [B, seq, heads, w]`` (its queries padded, not its heads nor ``w``) in the
+    ``narrow`` layout ``[B, seq, heads * w]``."""
+    return x.reshape(x.shape[0], config.seq, -1)
+
+
+def unnarrow_rows(x: Array, config: Config) -> Array:
+    """The inverse of ``narrow_rows``."""
+    return x.reshape(x.shape[0], config.seq, config.narrow[0], -1)
+
+
 def row_scalars(x: Float[Array, "batch seq heads"], config: Config) -> Array:
     """Per-row scalars ``[B, seq, heads]`` (padded) as ``[B, n_h, n_q, 8, R]`` (8 copies)."""
     b = x.shape[0]
@@ -368,9 +403,13 @@ def _pallas(kernel, config: Config, interpret, name: str, in_specs, out_specs, o
 # --- specs and scratch ----------------------------------------------------------------------
 
 
-def _row_spec(config: Config, width: int):
-    """``[R, width]`` blocks of a ``query_rows`` array."""
-    return pl.BlockSpec((None, None, config.rows, width), lambda b, i, j, *_: (b, j, i, 0))
+def _query_spec(config: Config, values: bool):
+    """The blocks of a query-side array: ``[R, width]`` of ``query_rows``, or ``[Qb, heads *
+    width]`` of a ``narrow`` one (every head: its head block index is always 0)."""
+    lanes = config.query_lanes(values)
+    if config.narrow:
+        return pl.BlockSpec((None, config.query_block, lanes), lambda b, i, j, *_: (b, i, 0))
+    return pl.BlockSpec((None, None, config.rows, lanes), lambda b, i, j, *_: (b, j, i, 0))
 
 
 def _scalar_spec(config: Config):
@@ -449,6 +488,19 @@ def _source_scratch(config: Config, backward: bool) -> list[tuple[dict, int]]:
                 sems += 4
         out.append((bufs, sems))
     return out
+
+
+def _narrow_scratch(config: Config, dtype, backward: bool) -> list:
+    """A ``narrow`` kernel's VMEM for its query-side rows: the float32 staging rows, then q's
+    rows (and in the backward do's) in the compute dtype (``_narrow_in``)."""
+    if not config.narrow:
+        return []
+    dk, dv = config.key_blocks * LANES, config.value_blocks * LANES
+    shapes = [pltpu.VMEM((config.rows, max(dk, dv)), jnp.float32)]
+    shapes.append(pltpu.VMEM((config.rows, dk), dtype))
+    if backward:
+        shapes.append(pltpu.VMEM((config.rows, dv), dtype))
+    return shapes
 
 
 def _scratch_shapes(per_source: list[tuple[dict, int]], extra_sems: int = 0) -> list:
@@ -563,6 +615,30 @@ def _per_row(w, config: Config):
 def _column(x, n: int):
     """Per-row scalars ``[8, n]`` (8 copies) as a lane-broadcast column ``[n, 128]``."""
     return jnp.broadcast_to(x[0:1, :], (LANES, n)).T
+
+
+def _narrow_in(config: Config, block, stage, rows, values: bool):
+    """Fill ``rows [R, blocks * 128]`` (the compute dtype) from a ``narrow`` block ``[Qb,
+    heads * width]`` (``values``: of the values' width): query ``q``'s head ``h`` to row
+    ``q * Hb + h``, zeros elsewhere; through the float32 ``stage`` (Mosaic stores strided rows
+    of 32-bit words only)."""
+    heads, width = config.narrow[0], config.narrow[2 if values else 1]
+    qb, hb, lanes = config.query_block, config.head_block, rows.shape[1]
+    stage[:, pl.ds(0, lanes)] = jnp.zeros((config.rows, lanes), jnp.float32)
+    for h in range(heads):
+        x = block[:, pl.ds(h * width, width)].astype(jnp.float32)
+        stage[pl.ds(h, qb, stride=hb), pl.ds(0, width)] = x
+    rows[...] = stage[:, pl.ds(0, lanes)].astype(rows.dtype)
+
+
+def _narrow_out(config: Config, rows, block, values: bool):
+    """Write each head's first features of float32 ``rows [R, >= width]`` into a ``narrow``
+    block (``_narrow_in``'s placement)."""
+    heads, width = config.narrow[0], config.narrow[2 if values else 1]
+    qb, hb = config.query_block, config.head_block
+    for h in range(heads):
+        x = rows[pl.ds(h, qb, stride=hb), pl.ds(0, width)]
+        block[:, pl.ds(h * width, width)] = x.astype(block.dtype)
 
 
 def _table_ref(ref, table: Table, b, offset, n: int):
@@ -819,6 +895,10 @@ def _forward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
     ints = [refs.take(1) for _ in config.sources]
     tables = refs.take(len(config.tables))
     out_ref, lse_ref, m_ref, l_ref, acc_ref = refs.take(5)
+    if config.narrow:
+        stage_ref, rows_ref = refs.take(2)
+        _narrow_in(config, q_ref, stage_ref, rows_ref, values=False)
+        q_ref = rows_ref
     *scratch, sems = refs.rest()
     sources, _ = _source_refs(config, ints, tables, scratch, sems, backward=False)
     step = _Step(config, interpret, pl.program_id(0), pl.program_id(1), ntiles_ref, qmeta_ref)
@@ -864,7 +944,11 @@ def _forward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
     else:
         shift = jnp.where(m == -jnp.inf, 0.0, m)
     norm = jnp.where(l_sum > 0, l_sum, 1.0)
-    out_ref[...] = (acc / norm[:, 0:1]).astype(out_ref.dtype)
+    if config.narrow:
+        acc_ref[...] = acc / norm[:, 0:1]
+        _narrow_out(config, acc_ref, out_ref, values=True)
+    else:
+        out_ref[...] = (acc / norm[:, 0:1]).astype(out_ref.dtype)
     lse_ref[...] = (shift + jnp.log(l_sum)).T[0:8, :]
 
 
@@ -890,7 +974,7 @@ def forward(
     """
     c = config
     dv = c.value_blocks * LANES
-    in_specs = [_row_spec(c, c.key_blocks * LANES)]
+    in_specs = [_query_spec(c, values=False)]
     args = [q]
     if c.has_sinks:
         in_specs.append(pl.BlockSpec((None, c.rows, LANES), lambda b, i, j, *_: (j, 0, 0)))
@@ -903,17 +987,18 @@ def forward(
         pltpu.VMEM((c.rows, LANES), jnp.float32),
         pltpu.VMEM((c.rows, LANES), jnp.float32),
         pltpu.VMEM((c.rows, dv), jnp.float32),
+        *_narrow_scratch(c, q.dtype, backward=False),
         *_scratch_shapes(_source_scratch(c, backward=False)),
     ]
     out_shape = (
-        jax.ShapeDtypeStruct((c.batch, c.n_h, c.seq * c.head_block, dv), q.dtype),
+        jax.ShapeDtypeStruct(c.query_shape(values=True), q.dtype),
         jax.ShapeDtypeStruct((c.batch, c.n_h, c.n_q, 8, c.rows), jnp.float32),
     )
 
     def build(interpret):
         return _pallas(
             _forward_kernel, c, interpret, "mosaic_sparse_attention",
-            in_specs + _source_specs(c), [_row_spec(c, dv), _scalar_spec(c)], out_shape,
+            in_specs + _source_specs(c), [_query_spec(c, True), _scalar_spec(c)], out_shape,
             scratch, ("parallel", "parallel", "arbitrary"),
         )  # fmt: skip
 
@@ -976,6 +1061,11 @@ def _backward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
     bands = [k for k, src in enumerate(config.sources) if src.kind == "band"]
     band_out = dict(zip(bands, refs.take(len(bands)), strict=True))
     dq_ref, lsec_ref, coeffc_ref = refs.take(3)
+    if config.narrow:
+        stage_ref, q_rows, do_rows = refs.take(3)
+        _narrow_in(config, q_ref, stage_ref, q_rows, values=False)
+        _narrow_in(config, do_ref, stage_ref, do_rows, values=True)
+        q_ref, do_ref = q_rows, do_rows
     grad_acc = dict(zip(in_vmem, refs.take(len(in_vmem)), strict=True))
     *scratch, sems = refs.rest()
     in_hbm = {t: grad_out[t] for t in gathered if t not in grad_acc}
@@ -1047,7 +1137,10 @@ def _backward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
         blocks = _grads(ctx, config, everything, keys, values, w, s.table)
         _put(out, 0, slab, config.grad_words(s.table), blocks, add=True)
 
-    dq_out[...] = dq_ref[...].astype(dq_out.dtype)
+    if config.narrow:
+        _narrow_out(config, dq_ref, dq_out, values=False)
+    else:
+        dq_out[...] = dq_ref[...].astype(dq_out.dtype)
 
     @pl.when((i == config.n_q - 1) & (j == config.n_h - 1))
     def _():
@@ -1083,8 +1176,8 @@ def backward(
     gradient words [B, n_q, slab * grad_words, 128]}`` for the band sources``)``.
     """
     c = config
-    dk, dv = c.key_blocks * LANES, c.value_blocks * LANES
-    in_specs = [_row_spec(c, dk), _row_spec(c, dv), _scalar_spec(c), _scalar_spec(c)]
+    dk = c.key_blocks * LANES
+    in_specs = [_query_spec(c, False), _query_spec(c, True), _scalar_spec(c), _scalar_spec(c)]
     args = [q, do, lse, coeff]
     if c.has_meta:
         in_specs.append(_meta_spec(c))
@@ -1092,8 +1185,8 @@ def backward(
     args += [a for group in ints for a in group] + list(tables)
     gathered, in_vmem = c.gathered_tables(), c.vmem_grad_tables()
     bands = [k for k, s in enumerate(c.sources) if s.kind == "band"]
-    out_shape = [jax.ShapeDtypeStruct((c.batch, c.n_h, c.seq * c.head_block, dk), q.dtype)]
-    out_specs = [_row_spec(c, dk)]
+    out_shape = [jax.ShapeDtypeStruct(c.query_shape(values=False), q.dtype)]
+    out_specs = [_query_spec(c, False)]
     grad_shapes, aliases = [], {}
     for t in gathered:
         span = (c.tables[t].rows + 1) * c.grad_words(c.tables[t])
@@ -1113,6 +1206,7 @@ def backward(
         pltpu.VMEM((c.rows, dk), jnp.float32),
         pltpu.VMEM((c.rows, LANES), jnp.float32),
         pltpu.VMEM((c.rows, LANES), jnp.float32),
+        *_narrow_scratch(c, q.dtype, backward=True),
         *grad_shapes,
         *_scratch_shapes(_source_scratch(c, backward=True), extra_sems=len(in_vmem)),
     ]
