@@ -269,13 +269,14 @@ def gather_seconds(gather: str, seq: int, sets, heads: int, width: int, tile: in
 
 
 def auto_query_block(heads: int) -> int:
-    """The automatic query block: ``STEP_ROWS`` softmax rows a step over the heads padded to
-    16 (``STEP_ROWS / 16 = 64`` queries for 16 heads or fewer, 16 for 64 heads or more), within
-    ``QUERY_BLOCKS``. Few-head layers take the larger block: a band's slab is ``window + Qb``
-    rows per ``Qb`` queries, so its reads and the backward's slab gradients shrink with it
-    (window 128: 9x the block's own rows at 16 queries, 3x at 64)."""
+    """The automatic query block: the power of two of queries whose heads (padded to 16) make
+    at most ``STEP_ROWS`` softmax rows a step, within ``QUERY_BLOCKS`` (64 queries for 16
+    heads or fewer, 16 for 64 heads or more). Few-head layers take the larger block: a band's
+    slab is ``window + Qb`` rows per ``Qb`` queries, so its reads and the backward's slab
+    gradients shrink with it (window 128: 9x the block's own rows at 16 queries, 3x at 64)."""
     low, high = QUERY_BLOCKS
-    return min(high, max(low, STEP_ROWS // _round_up(heads, 16)))
+    fit = STEP_ROWS // _round_up(heads, 16)
+    return min(high, max(low, 1 << (fit.bit_length() - 1) if fit else 0))
 
 
 def _tiles_ints(idx: Array, nq: int, qb: int, tile: int):
@@ -414,9 +415,10 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
         values = None if values is None else zero_rows(values, t["bad"]).astype(q.dtype)
         floats.append((keys, values))
 
-    # one head block takes every head and a softmax row is wider than a head's features, or
-    # there are padded heads: the query-side arrays stay [B, seq, h * width] in HBM
-    padded = heads != h or d % K.LANES or value_width % K.LANES
+    # one head block takes every head, and its padded rows (heads to whole sublane tiles,
+    # features to whole 128-lane blocks) are twice the heads' features or more (few heads,
+    # narrow heads): the query-side arrays stay [B, seq, h * width] in HBM
+    padded = heads * K.LANES * (key_blocks + value_blocks) >= 2 * h * (d + value_width)
     narrow = (h, d, value_width) if hb >= heads and padded else ()
 
     def config(resident: bool, hbm: bool) -> K.Config:
