@@ -421,14 +421,14 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
     padded = heads * K.LANES * (key_blocks + value_blocks) >= 2 * h * (d + value_width)
     narrow = (h, d, value_width) if hb >= heads and padded else ()
 
-    def config(resident: bool, hbm: bool) -> K.Config:
+    def config(resident: bool, hbm: bool, slabs: bool) -> K.Config:
         specs = []
         for t, (_, values) in zip(tables, floats, strict=True):
             rows = _round_up(t["rows"], tile) if t["kind"] == "tiles" else t["rows"]
             words = 0 if values is None else -(-value_blocks // per)
             in_vmem = resident and t["kind"] != "band"
-            tiled = hbm and t["kind"] == "tiles"
-            specs.append(K.Table(rows, -(-key_blocks // per), words, packed, in_vmem, tiled))
+            grads = {"tiles": hbm, "band": slabs}.get(t["kind"], False)
+            specs.append(K.Table(rows, -(-key_blocks // per), words, packed, in_vmem, grads))
         return K.Config(
             tables=tuple(specs), sources=tuple(sources), batch=b, queries=s, seq=sp,
             heads=_round_up(h, hb), head_block=hb, query_block=qb, key_blocks=key_blocks,
@@ -437,7 +437,8 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
             vmem_limit=kernel.vmem_limit_bytes, narrow=narrow,
         )  # fmt: skip
 
-    forward, backward = _configs(kernel, config, gather, bool(gathered or dense is not None))
+    tabled = bool(gathered or dense is not None)
+    forward, backward = _configs(kernel, config, gather, tabled, band is not None)
     _check_vmem(forward, False)
     static = _Static(
         forward,
@@ -470,26 +471,29 @@ def _as_tiles(config: K.Config) -> K.Config:
     return config._replace(tables=tuple(tables), sources=tuple(sources))
 
 
-def _configs(kernel: MosaicAttention, config, gather: str, tabled: bool):
+def _configs(kernel: MosaicAttention, config, gather: str, tabled: bool, banded: bool):
     """The forward's and the backward's kernel configurations: the first of the candidate
-    (``resident``, HBM gradients) pairs whose kernels fit ``AUTO_SHARE`` of the VMEM limit
-    (VMEM gradient tables first, the measured path, unless ``kernel.gradients`` says; within
-    each, resident tables first, for tiles and where ``kernel.resident`` allows), else the
-    leanest pair; the backward's rows sources read as tiles when their gradients go to HBM."""
+    (``resident``, HBM gradients, band slabs) whose kernels fit ``AUTO_SHARE`` of the VMEM
+    limit (VMEM gradient tables first, the measured path, unless ``kernel.gradients`` says;
+    within each, a band's gradient table in VMEM before slabs in HBM (only slabs for
+    ``"hbm"``), and resident tables before fetched ones, for tiles and where
+    ``kernel.resident`` allows), else the leanest; the backward's rows sources read as tiles
+    when their gradients go to HBM."""
     if kernel.resident is not None:
         residents = [kernel.resident]
     else:
         residents = [True, False] if tabled and gather == "tiles" else [False]
     grads = {"vmem": [False], "hbm": [True], "auto": [False, True]}[kernel.gradients]
+    slabs = [True] if kernel.gradients == "hbm" or not banded else [False, True]
     budget = AUTO_SHARE * kernel.vmem_limit_bytes
-    pairs = [(res, hbm) for hbm in grads for res in residents]
-    for res, hbm in pairs:
-        forward = config(res, hbm)
+    candidates = [(res, hbm, slab) for hbm in grads for slab in slabs for res in residents]
+    for res, hbm, slab in candidates:
+        forward = config(res, hbm, slab)
         backward = _as_tiles(forward) if hbm else forward
         if K.vmem_bytes(forward, False) <= budget and K.vmem_bytes(backward, True) <= budget:
             return forward, backward
-    forward = config(*pairs[-1])
-    return forward, _as_tiles(forward) if pairs[-1][1] else forward
+    forward = config(*candidates[-1])
+    return forward, _as_tiles(forward) if candidates[-1][1] else forward
 
 
 def _check_vmem(config: K.Config, backward: bool) -> None:

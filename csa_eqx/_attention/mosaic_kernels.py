@@ -43,7 +43,8 @@ gradient table: in VMEM (``"vmem"``: ``[(rows + 1) * grad_words, 128]``, the spa
 the clamped ``-1`` reads of rows sources; written out once per batch row) or, for tiles and
 dense sources, in HBM (``"hbm"``: each tile's gradient rows fetched, added to and written back,
 double-buffered, so that no VMEM grows with the table; steps run in order, and every write-back
-is waited for before its buffer is refilled and at the end of the pass). A band's gradients are
+is waited for before its buffer is refilled and at the end of the pass). A band's gradients go
+into a VMEM table too (each block's slab added at its first row, ``i * Qb``) or, in HBM, into
 one slab per query block (summed over the head blocks), overlap-added by the caller. The sinks'
 gradient needs only ``lse`` and the cotangents: the caller forms it.
 
@@ -96,8 +97,8 @@ class Table(NamedTuple):
     **Arguments:** its ``rows``; ``key_words`` and ``value_words`` per row (``value_words = 0``:
     the values are the keys' first value features); ``packed`` (two bfloat16 features per
     32-bit word, else one float32); ``resident`` (one VMEM block per batch row, else HBM; never
-    a band's); ``hbm_grads`` (the backward adds its gradients tile by tile into HBM, else into
-    a VMEM table; tiles and dense sources only).
+    a band's); ``hbm_grads`` (the backward adds its gradients tile by tile into HBM, a band's
+    into one slab per query block, overlap-added by the caller; else into a VMEM table).
     """
 
     rows: int
@@ -198,13 +199,23 @@ class Config(NamedTuple):
         """Float32 word-rows per row of a table's gradient."""
         return self.key_blocks + (self.value_blocks if table.value_words else 0)
 
-    def gathered_tables(self) -> tuple[int, ...]:
-        """The tables a non-band source reads (each has a gradient table)."""
-        return tuple(sorted({s.table for s in self.sources if s.kind != "band"}))
+    def grad_tables(self) -> tuple[int, ...]:
+        """The tables the backward returns a gradient table of: those a non-band source reads,
+        and the bands whose gradients it adds in VMEM."""
+        band = {s.table for s in self.sources if s.kind == "band"}
+        return tuple(t for t in range(len(self.tables)) if t not in band or self.in_vmem(t))
 
     def vmem_grad_tables(self) -> tuple[int, ...]:
-        """The gathered tables whose gradients the backward accumulates in VMEM."""
-        return tuple(t for t in self.gathered_tables() if not self.tables[t].hbm_grads)
+        """The tables whose gradients the backward accumulates in VMEM."""
+        return tuple(t for t in self.grad_tables() if self.in_vmem(t))
+
+    def in_vmem(self, table: int) -> bool:
+        return not self.tables[table].hbm_grads
+
+    def slab_bands(self) -> tuple[int, ...]:
+        """The band sources whose gradients are slabs (see ``Table.hbm_grads``)."""
+        kinds = enumerate(self.sources)
+        return tuple(k for k, s in kinds if s.kind == "band" and not self.in_vmem(s.table))
 
 
 def _vmem(shape: tuple[int, ...], itemsize: int = 4) -> int:
@@ -267,7 +278,7 @@ def vmem_bytes(config: Config, backward: bool) -> int:
             blocks.append(_vmem((table.rows // c.tile * 8, c.tile)))
         elif src.kind == "band":
             blocks.append(_vmem((1, c.slab(src))))
-            if backward:
+            if backward and table.hbm_grads:
                 blocks.append(_vmem((c.slab(src) * gg, LANES)))
         work = max(work, step)
     tables = [t.rows * t.words * LANES * 4 for t in c.tables if t.resident]
@@ -1054,11 +1065,11 @@ def _backward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
     qmeta_ref = refs.take() if config.has_meta else None
     ints = [refs.take(1) for _ in config.sources]
     tables = refs.take(len(config.tables))
-    gathered, in_vmem = config.gathered_tables(), config.vmem_grad_tables()
+    gathered, in_vmem = config.grad_tables(), config.vmem_grad_tables()
     refs.take(len(gathered) - len(in_vmem))  # the zeros aliased to the HBM gradient tables
     dq_out = refs.take()
     grad_out = dict(zip(gathered, refs.take(len(gathered)), strict=True))
-    bands = [k for k, src in enumerate(config.sources) if src.kind == "band"]
+    bands = config.slab_bands()
     band_out = dict(zip(bands, refs.take(len(bands)), strict=True))
     dq_ref, lsec_ref, coeffc_ref = refs.take(3)
     if config.narrow:
@@ -1125,17 +1136,20 @@ def _backward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
     for k, s in enumerate(sources):
         if s.src.kind != "band":
             continue
-        out = band_out[k]
+        slab, gg = config.slab(s.src), config.grad_words(s.table)
+        if k in band_out:  # the block's slab, summed over the head blocks
+            into, at = band_out[k], 0
 
-        @pl.when(j == 0)
-        def _(out=out):
-            out[...] = jnp.zeros(out.shape, jnp.float32)
+            @pl.when(j == 0)
+            def _(out=into):
+                out[...] = jnp.zeros(out.shape, jnp.float32)
 
-        slab = config.slab(s.src)
+        else:  # the VMEM table's rows from the slab's first, i * Qb
+            into, at = grad_acc[s.src.table], pl.multiple_of(i * config.query_block * gg, 8)
         keys, values = _keys_values(_band_words(s), 0, slab, s.table, config)
         w = _per_row(_band_weights(step, s), config)
         blocks = _grads(ctx, config, everything, keys, values, w, s.table)
-        _put(out, 0, slab, config.grad_words(s.table), blocks, add=True)
+        _put(into, at, slab, gg, blocks, add=True)
 
     if config.narrow:
         _narrow_out(config, dq_ref, dq_out, values=False)
@@ -1172,8 +1186,8 @@ def backward(
     and ``coeff = g_lse - sum(do * out)`` (both ``row_scalars`` layout, float32).
 
     **Returns:** ``(dq`` (``q``'s layout and dtype), ``{table: float32 gradient words [B,
-    >= rows * grad_words, 128]}`` for the tables a non-band source reads, ``{source: slab
-    gradient words [B, n_q, slab * grad_words, 128]}`` for the band sources``)``.
+    >= rows * grad_words, 128]}`` for the tables of ``grad_tables``, ``{source: slab gradient
+    words [B, n_q, slab * grad_words, 128]}`` for the band sources of ``slab_bands``)``.
     """
     c = config
     dk = c.key_blocks * LANES
@@ -1183,8 +1197,8 @@ def backward(
         in_specs.append(_meta_spec(c))
         args.append(qmeta)
     args += [a for group in ints for a in group] + list(tables)
-    gathered, in_vmem = c.gathered_tables(), c.vmem_grad_tables()
-    bands = [k for k, s in enumerate(c.sources) if s.kind == "band"]
+    gathered, in_vmem = c.grad_tables(), c.vmem_grad_tables()
+    bands = c.slab_bands()
     out_shape = [jax.ShapeDtypeStruct(c.query_shape(values=False), q.dtype)]
     out_specs = [_query_spec(c, False)]
     grad_shapes, aliases = [], {}
