@@ -4,17 +4,21 @@ gradient (queries, keys, values, sinks) within 1e-5 in float32 on every kind of 
 layers build (a band with and without ``extend``'s history, gathered rows by row DMAs from HBM
 and from a resident table and by masked tiles, dense entries with and without picks, MLA values
 of their own and as the keys' first features), both homes of the backward's gradient tables
-(VMEM, and HBM tile by tile, where a rows source's backward reads its rows as tiles), ragged
-query blocks, packed documents, rows that read nothing, the sink alone, head blocks that split
-the heads; one case also against a numpy formula; the automatic configuration; the kernel
-contract (non-finite rows poison exactly their readers); bfloat16; V4 CSA and V3.2 layers; the
-lowering for a TPU at released shapes (forward and backward), the tiles kernels' one pick
-operand (no transposed copy), the automatic choices there (gather, blocks, VMEM) up to 64k, a
-clear error where nothing fits, the refusal on a GPU and ``AutoAttention``'s choice on a TPU.
+(VMEM, and HBM tile by tile, where a rows source's backward reads its rows as tiles; a band's:
+a VMEM table, and per-block slabs overlap-added), both layouts of the query-side arrays
+(unpadded ``[B, S, h * d]`` for few heads, the kernels' padded rows where head blocks split
+the heads), ragged query blocks, packed documents, rows that read nothing, the sink alone,
+head blocks that split the heads; one case also against a numpy formula; the automatic
+configuration; the kernel contract (non-finite rows poison exactly their readers, the picks'
+check in blocks against numpy); bfloat16; V4 CSA and V3.2 layers; the lowering for a TPU at
+released shapes and the benchmark layer's (forward and backward), the tiles kernels' one pick
+operand (no transposed copy), the few-head kernels' unpadded operands, the automatic choices
+(gather, blocks, VMEM, the query block) up to 64k, a clear error where nothing fits, the
+refusal on a GPU and ``AutoAttention``'s choice on a TPU.
 
-Tiny sizes: 11 queries in blocks of 8 (16 for the automatic configuration), chunks of 8
-gathered rows (6 picks, or 10: two chunks per query), tiles of 128 over 150 entries (two tiles,
-the second skipped by the first block).
+Tiny sizes: 11 queries in blocks of 8 (64 for the automatic configuration: 3 heads), chunks of
+8 gathered rows (6 picks, or 10: two chunks per query), tiles of 128 over 150 entries (two
+tiles, the second skipped by the first block).
 """
 
 import equinox as eqx
@@ -364,14 +368,25 @@ AUTOMATIC = {
     ("few", 1, 8192): ("rows", 16, False, False, 64, True),
 }
 
+# the band's gradient: slabs in HBM (True) or a VMEM table (False; where it fits)
+BAND_SLABS = {
+    ("v4", 8192, 0): [False],
+    ("v4", 65536, 0): [True],  # its 128 MiB gradient table does not fit
+    ("v4", 1, 8192): [False],
+    ("few", 32768, 0): [False],
+    ("few", 65536, 0): [False],
+    ("few", 1, 8192): [False],
+}
+
 
 def test_automatic_choices_fit_vmem_at_released_sizes():
     """The automatic configuration at released sizes and the benchmark layer's up to 64k:
     tiles for prefill, row DMAs for decoding and for V3.2 at 64k (the cost model), 1024
     softmax rows a step for tiles (16 queries x 64 heads at released sizes, 64 queries x 16
     padded heads for 4 heads), resident tables and VMEM gradient tables where the estimate
-    fits, the query-side arrays unpadded (``narrow``) where one head block takes every head
-    and pads them, each kernel's estimated VMEM within 80 % of the limit."""
+    fits, a band's gradient table in VMEM where it fits (else per-block slabs in HBM), the
+    query-side arrays unpadded (``narrow``) where one head block takes every head and pads
+    them, each kernel's estimated VMEM within 80 % of the limit."""
     for (kind, s, entries), want in AUTOMATIC.items():
         forward, backward = configs(kind, MosaicAttention(), s, entries)
         gathered = forward.sources[0]
@@ -380,6 +395,8 @@ def test_automatic_choices_fit_vmem_at_released_sizes():
                bool(forward.narrow))  # fmt: skip
         assert got == want, (kind, s, entries)
         assert backward.narrow == forward.narrow == ((4, 64, 64) if want[5] else ())
+        bands = [backward.tables[src.table] for src in backward.sources if src.kind == "band"]
+        assert [t.hbm_grads for t in bands] == BAND_SLABS.get((kind, s, entries), []), kind
         assert backward.sources[0].kind == ("tiles" if want[3] else want[0])
         for config, is_backward in ((forward, False), (backward, True)):
             assert K.vmem_bytes(config, is_backward) <= 0.8 * config.vmem_limit

@@ -48,9 +48,10 @@ into a VMEM table too (each block's slab added at its first row, ``i * Qb``) or,
 one slab per query block (summed over the head blocks), overlap-added by the caller. The sinks'
 gradient needs only ``lse`` and the cotangents: the caller forms it.
 
-Per-row scalars (``lse``, the backward's coefficient) travel as ``[8, R]`` blocks (``R`` on
-lanes, 8 copies), turned into ``[R, 128]`` lane-broadcast columns by one transpose; the online
-softmax state is ``[R, 128]`` lane-broadcast (``m``, ``l``) and ``[R, dv]``.
+Per-row scalars (``lse``, the backward's coefficient) travel as ``[ceil(R / 128), 128]`` blocks
+(row ``r`` at ``[r // 128, r % 128]``: whole (8, 128) tiles in HBM for ``R = 1024``), turned
+into ``[R, 128]`` lane-broadcast columns by one transpose; the online softmax state is ``[R,
+128]`` lane-broadcast (``m``, ``l``) and ``[R, dv]``.
 
 ``csa_eqx._dispatch.run_mosaic`` runs a kernel: Pallas' TPU interpreter when lowered for the
 CPU, Mosaic on a TPU, a ``NotImplementedError`` naming the kernel for any other platform.
@@ -174,6 +175,11 @@ class Config(NamedTuple):
         return self.query_block * self.head_block
 
     @property
+    def scalar_rows(self) -> int:
+        """Rows of 128 lanes of a step's per-row scalars: ``ceil(R / 128)``."""
+        return -(-self.rows // LANES)
+
+    @property
     def has_meta(self) -> bool:
         """Whether a source needs the per-query metadata (band segments, dense visibility)."""
         return any(s.kind in ("band", "dense") for s in self.sources)
@@ -247,9 +253,10 @@ def vmem_bytes(config: Config, backward: bool) -> int:
     r, qb, dk, dv = c.rows, c.query_block, c.key_blocks * LANES, c.value_blocks * LANES
     rows = qb if c.narrow else r
     q, o = _vmem((rows, c.query_lanes(False)), item), _vmem((rows, c.query_lanes(True)), item)
-    blocks = [q, o, _vmem((8, r))]  # q, out / do, lse
+    scalars = _vmem((c.scalar_rows, LANES))
+    blocks = [q, o, scalars]  # q, out / do, lse
     if backward:
-        blocks += [_vmem((8, r)), q]  # the coefficient, dq
+        blocks += [scalars, q]  # the coefficient, dq
     elif c.has_sinks:
         blocks.append(_vmem((r, LANES)))
     if c.has_meta:
@@ -367,17 +374,19 @@ def unnarrow_rows(x: Array, config: Config) -> Array:
 
 
 def row_scalars(x: Float[Array, "batch seq heads"], config: Config) -> Array:
-    """Per-row scalars ``[B, seq, heads]`` (padded) as ``[B, n_h, n_q, 8, R]`` (8 copies)."""
-    b = x.shape[0]
-    x = query_rows(x[..., None], config).reshape(b, config.n_h, config.n_q, 1, config.rows)
-    return jnp.broadcast_to(x, (b, config.n_h, config.n_q, 8, config.rows))
+    """Per-row scalars ``[B, seq, heads]`` (padded) as ``[B, n_h, n_q, scalar_rows, 128]`` (a
+    step's ``R`` rows in order, zero-padded to whole rows of 128)."""
+    c, b = config, x.shape[0]
+    x = query_rows(x[..., None], c).reshape(b, c.n_h, c.n_q, c.rows)
+    x = jnp.pad(x, [(0, 0)] * 3 + [(0, c.scalar_rows * LANES - c.rows)])
+    return x.reshape(b, c.n_h, c.n_q, c.scalar_rows, LANES)
 
 
 def unrow_scalars(x: Array, config: Config) -> Array:
     """The inverse of ``row_scalars``."""
-    b = x.shape[0]
-    x = x[:, :, :, 0].reshape(b, config.n_h, config.seq * config.head_block, 1)
-    return unquery_rows(x, config)[..., 0]
+    c, b = config, x.shape[0]
+    x = x.reshape(b, c.n_h, c.n_q, c.scalar_rows * LANES)[..., : c.rows]
+    return unquery_rows(x.reshape(b, c.n_h, c.seq * c.head_block, 1), c)[..., 0]
 
 
 # --- running a kernel -----------------------------------------------------------------------
@@ -424,8 +433,9 @@ def _query_spec(config: Config, values: bool):
 
 
 def _scalar_spec(config: Config):
-    """``[8, R]`` blocks of a ``row_scalars`` array."""
-    return pl.BlockSpec((None, None, None, 8, config.rows), lambda b, i, j, *_: (b, j, i, 0, 0))
+    """``[scalar_rows, 128]`` blocks of a ``row_scalars`` array."""
+    shape = (None, None, None, config.scalar_rows, LANES)
+    return pl.BlockSpec(shape, lambda b, i, j, *_: (b, j, i, 0, 0))
 
 
 def _meta_spec(config: Config):
@@ -623,9 +633,21 @@ def _per_row(w, config: Config):
     return jnp.broadcast_to(w[:, None, :], (qb, hb, w.shape[1])).reshape(qb * hb, w.shape[1])
 
 
-def _column(x, n: int):
-    """Per-row scalars ``[8, n]`` (8 copies) as a lane-broadcast column ``[n, 128]``."""
-    return jnp.broadcast_to(x[0:1, :], (LANES, n)).T
+def _column(ref, n: int):
+    """A step's ``n`` per-row scalars (a ``[scalar_rows, 128]`` ref) as a lane-broadcast column
+    ``[n, 128]``."""
+    rows = [ref[pl.ds(k, 1), :] for k in range(ref.shape[0])]
+    row = (rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1))[:, :n]
+    return jnp.broadcast_to(row, (LANES, n)).T
+
+
+def _put_scalars(ref, column):
+    """Write a lane-broadcast column ``[n, 128]`` into a ``[scalar_rows, 128]`` ref (the
+    inverse of ``_column``; the padding's lanes are left as they are)."""
+    row = column.T[0:1, :]
+    for k in range(ref.shape[0]):
+        lanes = min(LANES, row.shape[1] - k * LANES)
+        ref[pl.ds(k, 1), pl.ds(0, lanes)] = row[:, k * LANES : k * LANES + lanes]
 
 
 def _narrow_in(config: Config, block, stage, rows, values: bool):
@@ -960,7 +982,7 @@ def _forward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
         _narrow_out(config, acc_ref, out_ref, values=True)
     else:
         out_ref[...] = (acc / norm[:, 0:1]).astype(out_ref.dtype)
-    lse_ref[...] = (shift + jnp.log(l_sum)).T[0:8, :]
+    _put_scalars(lse_ref, shift + jnp.log(l_sum))
 
 
 def forward(
@@ -1003,7 +1025,7 @@ def forward(
     ]
     out_shape = (
         jax.ShapeDtypeStruct(c.query_shape(values=True), q.dtype),
-        jax.ShapeDtypeStruct((c.batch, c.n_h, c.n_q, 8, c.rows), jnp.float32),
+        jax.ShapeDtypeStruct((c.batch, c.n_h, c.n_q, c.scalar_rows, LANES), jnp.float32),
     )
 
     def build(interpret):
@@ -1092,8 +1114,8 @@ def _backward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
             acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
     dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
-    lsec_ref[...] = _column(lse_ref[...], config.rows)
-    coeffc_ref[...] = _column(coeff_ref[...], config.rows)
+    lsec_ref[...] = _column(lse_ref, config.rows)
+    coeffc_ref[...] = _column(coeff_ref, config.rows)
     ctx = _Cotangents(q_ref, do_ref, lsec_ref, coeffc_ref, dq_ref)
     _start(step, sources)
     for s in sources:
