@@ -303,12 +303,13 @@ def _words(x: Array, blocks: int, packed: bool) -> Array:
     128-feature blocks; packed: two bfloat16 blocks per word-row, an odd last one alone in the
     low halves)."""
     b, n, d = x.shape
-    blocks += packed and blocks % 2
     x = jnp.pad(x, [(0, 0), (0, 0), (0, blocks * LANES - d)]).reshape(b, n, blocks, LANES)
     if not packed:
         return x.astype(jnp.float32)
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
-    word = jnp.left_shift(bits[:, :, 1::2], 16) | bits[:, :, 0::2]
+    low, high = bits[:, :, 0::2], jnp.left_shift(bits[:, :, 1::2], 16)
+    pairs = high.shape[2]  # an odd last block alone: its low halves (no zero block is formed)
+    word = jnp.concatenate([low[:, :, :pairs] | high, low[:, :, pairs:]], axis=2)
     return jax.lax.bitcast_convert_type(word, jnp.int32)
 
 
