@@ -405,8 +405,8 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
         poison = poison | _if_bad(bad, window_bad, (b, s))
     qmeta = None
     if meta:
-        cols = [meta.get(k, jnp.zeros((b, sp), i32)) for k in range(3)]
-        qmeta = _pad_to(jnp.stack(cols, axis=-1), 2, K.LANES)
+        rows = [meta.get(k, jnp.zeros((b, sp), i32)) for k in range(3)]
+        qmeta = K.query_meta(jnp.stack(rows, axis=1), qb)
     ntiles = jnp.stack(counts).reshape(-1).astype(i32) if counts else jnp.zeros((1,), i32)
     floats = []
     for t in tables:

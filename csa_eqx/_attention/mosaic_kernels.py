@@ -82,6 +82,7 @@ __all__ = [
     "unquery_rows",
     "narrow_rows",
     "unnarrow_rows",
+    "query_meta",
     "row_scalars",
     "unrow_scalars",
     "forward",
@@ -260,7 +261,7 @@ def vmem_bytes(config: Config, backward: bool) -> int:
     elif c.has_sinks:
         blocks.append(_vmem((r, LANES)))
     if c.has_meta:
-        blocks.append(_vmem((qb, LANES)))
+        blocks.append(_vmem((8, qb)))
     scratch = [_vmem((r, LANES)), _vmem((r, LANES)), _vmem((r, dk if backward else dv))]
     if c.narrow:  # the float32 staging rows, q's rows (and do's) in the compute dtype
         scratch += [_vmem((r, max(dk, dv))), _vmem((r, dk), item)]
@@ -374,6 +375,16 @@ def unnarrow_rows(x: Array, config: Config) -> Array:
     return x.reshape(x.shape[0], config.seq, config.narrow[0], -1)
 
 
+def query_meta(rows: Int[Array, "batch k seq"], query_block: int) -> Array:
+    """The per-query metadata ``[B, n_q, 8, Qb]`` from its rows ``[B, k <= 8, seq]`` (queries
+    padded to the ``query_block``; row 0: the band segment, 1: the dense query index, 2: the
+    dense query segment): in HBM a block is 8 rows of ``Qb`` lanes (padded to 128: 2x at 64
+    queries), where ``[B, seq, 8]`` would pad its 8 lanes to 128 (16x)."""
+    b, k, _ = rows.shape
+    rows = jnp.pad(rows, [(0, 0), (0, 8 - k), (0, 0)])
+    return rows.reshape(b, 8, -1, query_block).transpose(0, 2, 1, 3)
+
+
 def row_scalars(x: Float[Array, "batch seq heads"], config: Config) -> Array:
     """Per-row scalars ``[B, seq, heads]`` (padded) as ``[B, n_h, n_q, scalar_rows, 128]`` (a
     step's ``R`` rows in order, zero-padded to whole rows of 128)."""
@@ -440,8 +451,9 @@ def _scalar_spec(config: Config):
 
 
 def _meta_spec(config: Config):
-    """``[Qb, 128]`` blocks of the per-query metadata."""
-    return pl.BlockSpec((None, config.query_block, LANES), lambda b, i, j, *_: (b, i, 0))
+    """``[8, Qb]`` blocks of the per-query metadata (``query_meta``)."""
+    shape = (None, None, 8, config.query_block)
+    return pl.BlockSpec(shape, lambda b, i, j, *_: (b, i, 0, 0))
 
 
 def _source_specs(config: Config) -> list:
@@ -694,10 +706,19 @@ class _Step(NamedTuple):
     b: Array
     i: Array
     ntiles: object  # the prefetched tile counts (SMEM ref)
-    qmeta: object  # the block's per-query metadata [Qb, 128] (ref), or None
+    qmeta: object  # the block's per-query metadata [8, Qb] (ref), or None
 
     def unroll(self, n: int) -> int:
         return 1 if self.interpret else min(n, 8)
+
+    def meta(self, k: int):
+        """``[Qb, 1]``: row ``k`` of the block's per-query metadata as a column (its lanes
+        padded to 128 for the transpose)."""
+        rows = self.qmeta[...]
+        pad = -rows.shape[1] % LANES
+        if pad:
+            rows = jnp.concatenate([rows, jnp.zeros((8, pad), rows.dtype)], axis=1)
+        return rows.T[: self.config.query_block, k : k + 1]
 
     def count(self, src: Source):
         """The number of tiles the block reads from a tiles / dense source."""
@@ -836,7 +857,7 @@ def _band_weights(step: _Step, s: _SourceRefs):
     q = jax.lax.broadcasted_iota(jnp.int32, (c.query_block, slab), 0)
     row = jax.lax.broadcasted_iota(jnp.int32, (c.query_block, slab), 1)
     lag = q - row + s.src.front
-    same = step.qmeta[:, 0:1] == s.ints[0][0:1, :]
+    same = step.meta(0) == s.ints[0][0:1, :]
     return jnp.where((lag >= 0) & (lag < s.src.width) & same, 1.0, 0.0)
 
 
@@ -891,7 +912,7 @@ def _tile_visibility(step: _Step, s: _SourceRefs, t):
     before the query, in the query's segment)."""
     meta = s.ints[0].at[t]
     end, segment = meta[0:1, :], meta[1:2, :]
-    index, query_segment = step.qmeta[:, 1:2], step.qmeta[:, 2:3]
+    index, query_segment = step.meta(1), step.meta(2)
     return jnp.where((end >= 0) & (end <= index) & (segment == query_segment), 1.0, 0.0)
 
 
@@ -998,12 +1019,12 @@ def forward(
     """The forward kernel.
 
     **Arguments:** the ``config``; the tile counts ``[n_tiled * B * n_q]`` (at least one
-    element); ``q`` (``query_rows`` layout, ``key_blocks * 128`` wide); the sink logit of each
-    row of a step ``[n_h, R, 128]`` (or ``None``); the per-query metadata ``[B, seq, 128]``
-    (lanes: band segment, dense query index, dense query segment; or ``None``); each source's
-    int arrays (a tuple each, ``_source_specs``); each table's words (``pack_rows``).
+    element); ``q`` (``query_rows`` or ``narrow_rows`` layout, ``query_lanes`` wide); the sink
+    logit of each row of a step ``[n_h, R, 128]`` (or ``None``); the per-query metadata
+    (``query_meta``, or ``None``); each source's int arrays (a tuple each, ``_source_specs``);
+    each table's words (``pack_rows``).
 
-    **Returns:** ``(out`` (``query_rows`` layout, ``value_blocks * 128`` wide, ``q``'s
+    **Returns:** ``(out`` (``q``'s layout, the values' ``query_lanes`` wide, ``q``'s
     dtype), ``lse`` (``row_scalars`` layout, float32, ``-inf`` where a row reads nothing)``)``.
     """
     c = config
