@@ -8,17 +8,20 @@ words; ``GatheredRows`` into ``"rows"`` (per-row DMAs) or ``"tiles"`` sources (a
 the table's tiles), as ``gather`` says or a cost model measured on a TPU v5e chooses;
 ``DenseKeys`` into a ``"dense"`` source (with ``picks``: the visible picks, gathered like
 ``GatheredRows``); ``BandRows`` into a ``"band"`` source (its token rows padded so that every
-query block's slab starts at an aligned row). It sizes the blocks and decides what lives in VMEM
-(``resident`` tables, the backward's gradient tables) from an estimate of each kernel's VMEM
+query block's slab starts at an aligned row). It sizes the blocks (the query block from the
+heads: ``auto_query_block``), keeps the query-side arrays unpadded where padding them would
+double them (``Config.narrow``) and decides what lives in VMEM (``resident`` tables, the
+backward's gradient tables, a band's included) from an estimate of each kernel's VMEM
 (``mosaic_kernels.vmem_bytes``), and refuses with a ``ValueError`` what cannot fit. Which
 queries a non-finite row poisons (and a non-finite query) is decided here too, by the
-reference's rule (``XlaAttention``), only when there is a non-finite row (``lax.cond``): those
-queries return NaN.
+reference's rule (``XlaAttention``), only when there is a non-finite row (``lax.cond``; the
+picks' check in blocks of ``POISON_ELEMENTS``): those queries return NaN.
 
 The kernels' ``custom_vjp`` takes the natural arrays (queries, tables, sinks); its backward
 repacks them, runs the backward kernel (with a configuration of its own: gradient tables in
 VMEM or HBM; rows sources whose gradient table does not fit VMEM read as tiles), overlap-adds
-each band's slab gradients and forms the sinks' gradient from ``lse``.
+the slab gradients of a band whose gradient table is not in VMEM and forms the sinks' gradient
+from ``lse``.
 """
 
 from __future__ import annotations
@@ -85,8 +88,9 @@ class MosaicAttention(AbstractAttentionKernel):
         within VMEM, tiles read in place) instead of fetching from HBM (``None``: where it fits,
         for tiles).
     - ``gradients``: where the backward accumulates the tables' float32 gradients: ``"vmem"``,
-        ``"hbm"`` (tile by tile; a rows source's backward then reads its rows as tiles) or
-        ``"auto"`` (VMEM where it fits).
+        ``"hbm"`` (tile by tile; a rows source's backward then reads its rows as tiles; a
+        band's as one slab per query block) or ``"auto"`` (VMEM where it fits; a band's
+        gradient table in VMEM where it fits but for ``"hbm"``).
     - ``vmem_limit_bytes``: Mosaic's scoped VMEM limit (the v5e has 128 MiB).
     """
 
