@@ -74,9 +74,9 @@ class Problem:
 V4 = Problem("v4_flash_csa", 64, 512, 0, 2048, 1024, 512, 128)
 V4_DECODE = Problem("v4_flash_csa_decode", 64, 512, 0, 1, 8192, 512, 128)
 V32 = Problem("v32_dsa", 128, 576, 512, 1024, 4096, 1024, 0)
-# the benchmark layer's reads (4 heads x 64): 64 queries a step, unpadded query-side arrays
-FEW = Problem("few_heads", 4, 64, 0, 2048, 512, 512, 128)
-FEW_DECODE = Problem("few_heads_decode", 4, 64, 0, 1, 2048, 512, 128)
+# V4's reads with the benchmark layer's 4 heads x 64: 64 queries a step, unpadded query-side arrays
+FEW = Problem("few_heads", 4, 64, 0, 2048, 1024, 512, 128)
+FEW_DECODE = Problem("few_heads_decode", 4, 64, 0, 1, 8192, 512, 128)
 
 
 def loss_and_grads(kernel, problem: Problem, arrays: dict):
