@@ -4,17 +4,21 @@ gradient (queries, keys, values, sinks) within 1e-5 in float32 on every kind of 
 layers build (a band with and without ``extend``'s history, gathered rows by row DMAs from HBM
 and from a resident table and by masked tiles, dense entries with and without picks, MLA values
 of their own and as the keys' first features), both homes of the backward's gradient tables
-(VMEM, and HBM tile by tile, where a rows source's backward reads its rows as tiles), ragged
-query blocks, packed documents, rows that read nothing, the sink alone, head blocks that split
-the heads; one case also against a numpy formula; the automatic configuration; the kernel
-contract (non-finite rows poison exactly their readers); bfloat16; V4 CSA and V3.2 layers; the
-lowering for a TPU at released shapes (forward and backward), the tiles kernels' one pick
-operand (no transposed copy), the automatic choices there (gather, blocks, VMEM) up to 64k, a
-clear error where nothing fits, the refusal on a GPU and ``AutoAttention``'s choice on a TPU.
+(VMEM, and HBM tile by tile, where a rows source's backward reads its rows as tiles; a band's:
+a VMEM table, and per-block slabs overlap-added), both layouts of the query-side arrays
+(unpadded ``[B, S, h * d]`` for few heads, the kernels' padded rows where head blocks split
+the heads), ragged query blocks, packed documents, rows that read nothing, the sink alone,
+head blocks that split the heads; one case also against a numpy formula; the automatic
+configuration; the kernel contract (non-finite rows poison exactly their readers, the picks'
+check in blocks against numpy); bfloat16; V4 CSA and V3.2 layers; the lowering for a TPU at
+released shapes and the benchmark layer's (forward and backward), the tiles kernels' one pick
+operand (no transposed copy), the few-head kernels' unpadded operands, the automatic choices
+(gather, blocks, VMEM, the query block) up to 64k, a clear error where nothing fits, the
+refusal on a GPU and ``AutoAttention``'s choice on a TPU.
 
-Tiny sizes: 11 queries in blocks of 8 (16 for the automatic configuration), chunks of 8
-gathered rows (6 picks, or 10: two chunks per query), tiles of 128 over 150 entries (two tiles,
-the second skipped by the first block).
+Tiny sizes: 11 queries in blocks of 8 (64 for the automatic configuration: 3 heads), chunks of
+8 gathered rows (6 picks, or 10: two chunks per query), tiles of 128 over 150 entries (two
+tiles, the second skipped by the first block).
 """
 
 import equinox as eqx
@@ -252,16 +256,19 @@ def released(kind: str, kernel: MosaicAttention, s: int = 256, entries: int = 0)
     """A loss over the kernel's attention with released-size reads (bf16), and its abstract
     arguments: V4-Flash CSA (64 heads x 512, 512 picks of ``s / 4`` entries, window 128, sinks)
     or V3.2 DSA (128 heads, 576-wide latents whose first 512 features are the values, 2048
-    picks of the ``s`` tokens); ``entries`` other than the prefill's: decoding."""
+    picks of the ``s`` tokens); ``entries`` other than the prefill's: decoding. ``"few"``: the
+    benchmark layer's reads (V4 CSA's with 4 heads x 64)."""
     sd = jax.ShapeDtypeStruct
     seg = jnp.zeros((1, s), jnp.int32)
     if kind == "v4":
         heads, width, rows, k = 64, 512, entries or s // 4, 512
+    elif kind == "few":
+        heads, width, rows, k = 4, 64, entries or s // 4, 512
     else:
         heads, width, rows, k = 128, 576, entries or s, 2048
 
     def loss(q, kv, entries, sinks, picks):
-        if kind == "v4":
+        if kind != "v32":
             reads = ce.Reads((ce.GatheredRows(entries, picks),), band=ce.BandRows(kv, seg, 128))
         else:
             reads = ce.Reads((ce.GatheredRows(entries, picks, value_width=512),))
@@ -276,13 +283,14 @@ def released(kind: str, kernel: MosaicAttention, s: int = 256, entries: int = 0)
     return loss, args
 
 
-@pytest.mark.parametrize("kind", ["v4", "v32"])
+@pytest.mark.parametrize("kind", ["v4", "v32", "few"])
 def test_forward_and_backward_lower_for_a_tpu(kind):
-    """At the released shapes (bf16) the forward and the backward lower through Pallas' Mosaic
-    backend for a TPU (one kernel each): the automatic configuration (prefill: tiles; decoding:
-    row DMAs), rows from HBM and from a resident table (the design whose squeezed batch
-    dimension Mosaic's verifier rejected on the chip: the same verifier runs here), tiles with
-    the gradients in HBM, head blocks that split the heads, a rows backward read as tiles."""
+    """At the released shapes (bf16) and the benchmark layer's (4 heads x 64: unpadded
+    query-side arrays) the forward and the backward lower through Pallas' Mosaic backend for a
+    TPU (one kernel each): the automatic configuration (prefill: tiles; decoding: row DMAs),
+    rows from HBM and from a resident table (the design whose squeezed batch dimension
+    Mosaic's verifier rejected on the chip: the same verifier runs here), tiles with the
+    gradients in HBM, head blocks that split the heads, a rows backward read as tiles."""
     kernels = (
         (MosaicAttention(), 256, 0),
         (MosaicAttention(), 1, 8192),
@@ -345,32 +353,97 @@ def configs(kind: str, kernel: MosaicAttention, s: int, entries: int = 0):
     return seen[0].static.config, seen[0].static.backward
 
 
-# (kind, queries, entries) -> gather, head block, resident table, HBM gradients (backward)
+# (kind, queries, entries) -> gather, head block, resident table, HBM gradients (backward),
+# query block, narrow query-side arrays
 AUTOMATIC = {
-    ("v4", 8192, 0): ("tiles", 64, True, False),
-    ("v4", 65536, 0): ("tiles", 64, True, False),
-    ("v4", 1, 8192): ("rows", 64, False, False),  # decoding one token at 32k
-    ("v32", 8192, 0): ("tiles", 64, True, False),
-    ("v32", 16384, 0): ("tiles", 64, False, False),  # its 40 MiB gradient table, not both
-    ("v32", 32768, 0): ("tiles", 64, False, True),  # its 80 MiB gradient table: HBM
-    ("v32", 65536, 0): ("rows", 128, False, True),  # rows beat tiles; the backward: tiles
+    ("v4", 8192, 0): ("tiles", 64, True, False, 16, False),
+    ("v4", 65536, 0): ("tiles", 64, True, False, 16, False),
+    ("v4", 1, 8192): ("rows", 64, False, False, 16, False),  # decoding one token at 32k
+    ("v32", 8192, 0): ("tiles", 64, True, False, 16, False),
+    ("v32", 16384, 0): ("tiles", 64, False, False, 16, False),  # 40 MiB gradients, not both
+    ("v32", 32768, 0): ("tiles", 64, False, True, 16, False),  # its 80 MiB gradients: HBM
+    ("v32", 65536, 0): ("rows", 128, False, True, 16, False),  # rows beat tiles; bwd: tiles
+    ("few", 32768, 0): ("tiles", 16, True, False, 64, True),
+    ("few", 65536, 0): ("tiles", 16, True, False, 64, True),
+    ("few", 1, 8192): ("rows", 16, False, False, 64, True),
+}
+
+# the band's gradient: slabs in HBM (True) or a VMEM table (False; where it fits)
+BAND_SLABS = {
+    ("v4", 8192, 0): [False],
+    ("v4", 65536, 0): [True],  # its 128 MiB gradient table does not fit
+    ("v4", 1, 8192): [False],
+    ("few", 32768, 0): [False],
+    ("few", 65536, 0): [False],
+    ("few", 1, 8192): [False],
 }
 
 
 def test_automatic_choices_fit_vmem_at_released_sizes():
-    """The automatic configuration at released sizes up to 64k: tiles for prefill, row DMAs
-    for decoding and for V3.2 at 64k (the cost model), 1024 softmax rows a step for tiles,
-    resident tables and VMEM gradient tables where the estimate fits, each kernel's estimated
-    VMEM within 80 % of the limit."""
+    """The automatic configuration at released sizes and the benchmark layer's up to 64k:
+    tiles for prefill, row DMAs for decoding and for V3.2 at 64k (the cost model), 1024
+    softmax rows a step for tiles (16 queries x 64 heads at released sizes, 64 queries x 16
+    padded heads for 4 heads), resident tables and VMEM gradient tables where the estimate
+    fits, a band's gradient table in VMEM where it fits (else per-block slabs in HBM), the
+    query-side arrays unpadded (``narrow``) where one head block takes every head and pads
+    them, each kernel's estimated VMEM within 80 % of the limit."""
     for (kind, s, entries), want in AUTOMATIC.items():
         forward, backward = configs(kind, MosaicAttention(), s, entries)
         gathered = forward.sources[0]
         got = (gathered.kind, forward.head_block, forward.tables[gathered.table].resident,
-               backward.tables[backward.sources[0].table].hbm_grads)  # fmt: skip
+               backward.tables[backward.sources[0].table].hbm_grads, forward.query_block,
+               bool(forward.narrow))  # fmt: skip
         assert got == want, (kind, s, entries)
+        assert backward.narrow == forward.narrow == ((4, 64, 64) if want[5] else ())
+        bands = [backward.tables[src.table] for src in backward.sources if src.kind == "band"]
+        assert [t.hbm_grads for t in bands] == BAND_SLABS.get((kind, s, entries), []), kind
         assert backward.sources[0].kind == ("tiles" if want[3] else want[0])
         for config, is_backward in ((forward, False), (backward, True)):
             assert K.vmem_bytes(config, is_backward) <= 0.8 * config.vmem_limit
+
+
+def test_the_automatic_query_block():
+    """``STEP_ROWS`` = 1024 softmax rows over the heads padded to 16, within 16..64 queries."""
+    got = [mosaic.auto_query_block(h) for h in (1, 4, 16, 17, 32, 48, 64, 128)]
+    assert got == [64, 64, 64, 32, 32, 16, 16, 16]
+    assert MosaicAttention().query_block_for(1, 4, None, None) == 64
+    assert MosaicAttention(query_block=8).query_block_for(1, 4, None, None) == 8
+
+
+def test_few_heads_keep_the_query_side_arrays_unpadded():
+    """The benchmark layer's reads (4 heads x 64, bf16): the kernels take the queries and the
+    output's cotangent and return the output and ``dq`` as ``[B, S, 4 * 64]`` (the queries
+    padded to the 64-query block only), not padded to 16 heads x 128 features (8x): no kernel
+    operand or result is as large as that padding (each kernel's ``q`` / ``do`` is padded to
+    the step's 1024 softmax rows in VMEM; its numerics: the cases above)."""
+    s = 200
+    loss, args = released("few", MosaicAttention(), s)
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*args).jaxpr
+    calls = [eqn for eqn in walk_eqns(jaxpr) if eqn.primitive.name == "pallas_call"]
+    unpadded = []
+    for eqn in calls:
+        floats = [v.aval for v in (*eqn.invars, *eqn.outvars) if v.aval.dtype == jnp.bfloat16]
+        unpadded.append([a.shape for a in floats].count((1, 256, 256)))
+        assert max(a.size for a in floats) < 256 * 16 * 128, floats
+    assert set(unpadded) == {2, 3}  # forward: q, out; backward: q, do, dq
+
+
+def test_the_picks_check_in_blocks(monkeypatch):
+    """The non-finite check of gathered rows (which queries picked a flagged row), in blocks
+    of 5 queries (the last one overlapping the one before) and in one block: a numpy loop's
+    answer, on picks with ``-1`` (which reads nothing, not row 0)."""
+    r = np.random.default_rng(3)
+    idx = r.integers(-1, 30, (2, 13, 4)).astype(np.int32)
+    bad = r.random((2, 30)) < 0.1
+    bad[:, 0] = True  # row 0: what a -1 would read were it not masked
+    want = np.array(
+        [[any(bad[b, i] for i in idx[b, t] if i >= 0) for t in range(13)] for b in range(2)]
+    )
+    assert want.any() and not want.all()
+    for elements in (2 * 4 * 5, 2**20):
+        monkeypatch.setattr(mosaic, "POISON_ELEMENTS", elements)
+        got = mosaic._picks_poison(jnp.asarray(bad), jnp.asarray(idx))
+        np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_what_cannot_fit_vmem_is_refused_clearly():
@@ -416,7 +489,7 @@ def test_auto_attention_takes_it_on_a_tpu(monkeypatch):
 
 
 def test_fields_and_numerics_are_checked():
-    with pytest.raises(ValueError, match="query_block must be a multiple of 8"):
+    with pytest.raises(ValueError, match="query_block must be 0 or a multiple of 8"):
         MosaicAttention(query_block=12)
     with pytest.raises(ValueError, match="tile_block must be a multiple of 128"):
         MosaicAttention(tile_block=64)

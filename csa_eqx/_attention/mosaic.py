@@ -8,17 +8,20 @@ words; ``GatheredRows`` into ``"rows"`` (per-row DMAs) or ``"tiles"`` sources (a
 the table's tiles), as ``gather`` says or a cost model measured on a TPU v5e chooses;
 ``DenseKeys`` into a ``"dense"`` source (with ``picks``: the visible picks, gathered like
 ``GatheredRows``); ``BandRows`` into a ``"band"`` source (its token rows padded so that every
-query block's slab starts at an aligned row). It sizes the blocks and decides what lives in VMEM
-(``resident`` tables, the backward's gradient tables) from an estimate of each kernel's VMEM
+query block's slab starts at an aligned row). It sizes the blocks (the query block from the
+heads: ``auto_query_block``), keeps the query-side arrays unpadded where padding them would
+double them (``Config.narrow``) and decides what lives in VMEM (``resident`` tables, the
+backward's gradient tables, a band's included) from an estimate of each kernel's VMEM
 (``mosaic_kernels.vmem_bytes``), and refuses with a ``ValueError`` what cannot fit. Which
 queries a non-finite row poisons (and a non-finite query) is decided here too, by the
-reference's rule (``XlaAttention``), only when there is a non-finite row (``lax.cond``): those
-queries return NaN.
+reference's rule (``XlaAttention``), only when there is a non-finite row (``lax.cond``; the
+picks' check in blocks of ``POISON_ELEMENTS``): those queries return NaN.
 
 The kernels' ``custom_vjp`` takes the natural arrays (queries, tables, sinks); its backward
 repacks them, runs the backward kernel (with a configuration of its own: gradient tables in
 VMEM or HBM; rows sources whose gradient table does not fit VMEM read as tiles), overlap-adds
-each band's slab gradients and forms the sinks' gradient from ``lse``.
+the slab gradients of a band whose gradient table is not in VMEM and forms the sinks' gradient
+from ``lse``.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ KEY_PAD = -(2**31) + 1  # the segment of padded band rows: no query holds it
 ROW_SECONDS = 20.5e-9
 TILE_FLOPS = 136e12
 STEP_ROWS = 1024  # softmax rows per grid step of the automatic tiles blocks (chip-compiled)
+QUERY_BLOCKS = (16, 64)  # the automatic query block's range (see ``auto_query_block``)
+POISON_ELEMENTS = 2**20  # picks per block of the non-finite check (``_picks_poison``)
 AUTO_SHARE = 0.8  # of the VMEM limit, for the automatic choices (the estimate is not exact)
 
 
@@ -69,7 +74,8 @@ class MosaicAttention(AbstractAttentionKernel):
 
     **Arguments:**
 
-    - ``query_block``: queries per grid step (a multiple of 8).
+    - ``query_block``: queries per grid step (a multiple of 8; 0: automatic,
+        ``auto_query_block``: 16 for 64 heads or more, up to 64 for 16 heads or fewer).
     - ``head_block``: heads per grid step (0: automatic, ``1024 / query_block`` heads for tiles,
         all for rows; else a multiple of 8 for float32 and of 16 for bfloat16 queries).
     - ``key_block``: gathered rows per chunk (``gather="rows"``; a multiple of 8; 128 or more
@@ -82,12 +88,13 @@ class MosaicAttention(AbstractAttentionKernel):
         within VMEM, tiles read in place) instead of fetching from HBM (``None``: where it fits,
         for tiles).
     - ``gradients``: where the backward accumulates the tables' float32 gradients: ``"vmem"``,
-        ``"hbm"`` (tile by tile; a rows source's backward then reads its rows as tiles) or
-        ``"auto"`` (VMEM where it fits).
+        ``"hbm"`` (tile by tile; a rows source's backward then reads its rows as tiles; a
+        band's as one slab per query block) or ``"auto"`` (VMEM where it fits; a band's
+        gradient table in VMEM where it fits but for ``"hbm"``).
     - ``vmem_limit_bytes``: Mosaic's scoped VMEM limit (the v5e has 128 MiB).
     """
 
-    query_block: int = eqx.field(static=True, default=16)
+    query_block: int = eqx.field(static=True, default=0)
     head_block: int = eqx.field(static=True, default=0)
     key_block: int = eqx.field(static=True, default=128)
     tile_block: int = eqx.field(static=True, default=512)
@@ -97,16 +104,21 @@ class MosaicAttention(AbstractAttentionKernel):
     vmem_limit_bytes: int = eqx.field(static=True, default=100 * 2**20)
 
     def __check_init__(self):
-        for name in ("query_block", "key_block", "tile_block", "vmem_limit_bytes"):
+        for name in ("key_block", "tile_block", "vmem_limit_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"MosaicAttention.{name} must be an int >= 1 (got {v!r})")
-        for name, multiple in (("query_block", 8), ("key_block", 8), ("tile_block", K.LANES)):
+        for name, multiple in (("key_block", 8), ("tile_block", K.LANES)):
             if getattr(self, name) % multiple:
                 raise ValueError(
                     f"MosaicAttention.{name} must be a multiple of {multiple} "
                     f"(got {getattr(self, name)})"
                 )
+        qb = self.query_block
+        if not isinstance(qb, int) or isinstance(qb, bool) or qb < 0 or qb % 8:
+            raise ValueError(
+                f"MosaicAttention.query_block must be 0 or a multiple of 8 (got {qb!r})"
+            )
         h = self.head_block
         if not isinstance(h, int) or isinstance(h, bool) or h < 0 or h % 8:
             raise ValueError(f"MosaicAttention.head_block must be 0 or a multiple of 8 (got {h!r})")
@@ -121,13 +133,14 @@ class MosaicAttention(AbstractAttentionKernel):
             )
 
     def query_block_for(self, batch, heads, reads, tiles) -> int:
-        """**Returns:** ``query_block``: the kernel's grid steps take that many queries."""
-        return self.query_block
+        """**Returns:** the queries the kernel's grid steps take (``query_block``, or
+        ``auto_query_block(heads)``)."""
+        return self.query_block or auto_query_block(heads)
 
     def attend(
         self, q, reads: Reads, sinks, scale, *, return_lse=False, query_block, numerics=None
     ):
-        del query_block  # the grid steps take self.query_block queries
+        del query_block  # the grid steps take query_block_for's queries
         require_exact_softmax(self, numerics)
         require_keys(reads)
         if q.dtype not in (jnp.float32, jnp.bfloat16):
@@ -203,6 +216,22 @@ def _if_bad(bad: Array, flags, shape) -> Array:
     return jax.lax.cond(jnp.any(bad), flags, lambda: jnp.zeros(shape, bool))
 
 
+def _picks_poison(bad, idx) -> Array:
+    """bool ``[B, S]``: query ``t`` picked (``idx [B, S, k]``, ``-1``: nothing) a flagged row,
+    ``POISON_ELEMENTS`` picks at a time (the gather's index arrays are a block's, not the
+    whole ``[B, S, k]``'s); the last block ends at ``S`` (overlapping the one before)."""
+    b, s, k = idx.shape
+    n = min(s, max(1, POISON_ELEMENTS // max(b * k, 1)))
+
+    def block(i, acc):
+        start = jnp.minimum(i * n, s - n)
+        rows = jax.lax.dynamic_slice_in_dim(idx, start, n, 1)
+        hit = jnp.any((rows >= 0) & gather_keys(bad[..., None], rows)[..., 0], axis=-1)
+        return jax.lax.dynamic_update_slice_in_dim(acc, hit, start, 1)
+
+    return jax.lax.fori_loop(0, -(-s // n), block, jnp.zeros((b, s), bool))
+
+
 def _band_poison(bad, key_segment, segment, window: int, before: int) -> Array:
     """bool ``[B, S]``: query ``t`` reads a flagged key row of its window (rows
     ``before + t - w``, ``0 <= w < window``, that exist and hold its segment)."""
@@ -243,6 +272,17 @@ def gather_seconds(gather: str, seq: int, sets, heads: int, width: int, tile: in
     return total
 
 
+def auto_query_block(heads: int) -> int:
+    """The automatic query block: the power of two of queries whose heads (padded to 16) make
+    at most ``STEP_ROWS`` softmax rows a step, within ``QUERY_BLOCKS`` (64 queries for 16
+    heads or fewer, 16 for 64 heads or more). Few-head layers take the larger block: a band's
+    slab is ``window + Qb`` rows per ``Qb`` queries, so its reads and the backward's slab
+    gradients shrink with it (window 128: 9x the block's own rows at 16 queries, 3x at 64)."""
+    low, high = QUERY_BLOCKS
+    fit = STEP_ROWS // _round_up(heads, 16)
+    return min(high, max(low, 1 << (fit.bit_length() - 1) if fit else 0))
+
+
 def _tiles_ints(idx: Array, nq: int, qb: int, tile: int):
     """A tiles source's int arrays (its indices ``[B, seq, width]``; the kernel transposes
     each block itself) and its tile counts ``[B, n_q]`` (up to the block's largest index)."""
@@ -257,7 +297,7 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
     b, s, h, d = q.shape
     packed = q.dtype == jnp.bfloat16
     per, sublanes = (2, 16) if packed else (1, 8)
-    qb, tile = kernel.query_block, kernel.tile_block
+    qb, tile = kernel.query_block_for(b, h, reads, None), kernel.tile_block
     sp = _round_up(s, qb)
     nq = sp // qb
     value_width = _value_width(reads, d)
@@ -306,9 +346,7 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
         t = table(g.keys, g.values, g.value_width)
         idx = g.indices.astype(i32)
 
-        def reads_bad(bad=tables[t]["bad"], idx=idx):
-            return jnp.any((idx >= 0) & gather_keys(bad[..., None], idx)[..., 0], axis=-1)
-
+        reads_bad = functools.partial(_picks_poison, tables[t]["bad"], idx)
         poison = poison | _if_bad(tables[t]["bad"], reads_bad, (b, s))
         width = _round_up(max(idx.shape[-1], 1), kernel.key_block if gather == "rows" else 8)
         idx = _pad_to(_pad_to(idx, 2, width, -1), 1, sp, -1)
@@ -371,8 +409,8 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
         poison = poison | _if_bad(bad, window_bad, (b, s))
     qmeta = None
     if meta:
-        cols = [meta.get(k, jnp.zeros((b, sp), i32)) for k in range(3)]
-        qmeta = _pad_to(jnp.stack(cols, axis=-1), 2, K.LANES)
+        rows = [meta.get(k, jnp.zeros((b, sp), i32)) for k in range(3)]
+        qmeta = K.query_meta(jnp.stack(rows, axis=1), qb)
     ntiles = jnp.stack(counts).reshape(-1).astype(i32) if counts else jnp.zeros((1,), i32)
     floats = []
     for t in tables:
@@ -381,23 +419,30 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
         values = None if values is None else zero_rows(values, t["bad"]).astype(q.dtype)
         floats.append((keys, values))
 
-    def config(resident: bool, hbm: bool) -> K.Config:
+    # one head block takes every head, and its padded rows (heads to whole sublane tiles,
+    # features to whole 128-lane blocks) are twice the heads' features or more (few heads,
+    # narrow heads): the query-side arrays stay [B, seq, h * width] in HBM
+    padded = heads * K.LANES * (key_blocks + value_blocks) >= 2 * h * (d + value_width)
+    narrow = (h, d, value_width) if hb >= heads and padded else ()
+
+    def config(resident: bool, hbm: bool, slabs: bool) -> K.Config:
         specs = []
         for t, (_, values) in zip(tables, floats, strict=True):
             rows = _round_up(t["rows"], tile) if t["kind"] == "tiles" else t["rows"]
             words = 0 if values is None else -(-value_blocks // per)
             in_vmem = resident and t["kind"] != "band"
-            tiled = hbm and t["kind"] == "tiles"
-            specs.append(K.Table(rows, -(-key_blocks // per), words, packed, in_vmem, tiled))
+            grads = {"tiles": hbm, "band": slabs}.get(t["kind"], False)
+            specs.append(K.Table(rows, -(-key_blocks // per), words, packed, in_vmem, grads))
         return K.Config(
             tables=tuple(specs), sources=tuple(sources), batch=b, queries=s, seq=sp,
             heads=_round_up(h, hb), head_block=hb, query_block=qb, key_blocks=key_blocks,
             value_blocks=value_blocks, chunk=kernel.key_block, tile=tile, scale=scale,
             has_sinks=has_sinks, dtype=jnp.dtype(q.dtype).name,
-            vmem_limit=kernel.vmem_limit_bytes,
+            vmem_limit=kernel.vmem_limit_bytes, narrow=narrow,
         )  # fmt: skip
 
-    forward, backward = _configs(kernel, config, gather, bool(gathered or dense is not None))
+    tabled = bool(gathered or dense is not None)
+    forward, backward = _configs(kernel, config, gather, tabled, band is not None)
     _check_vmem(forward, False)
     static = _Static(
         forward,
@@ -430,26 +475,29 @@ def _as_tiles(config: K.Config) -> K.Config:
     return config._replace(tables=tuple(tables), sources=tuple(sources))
 
 
-def _configs(kernel: MosaicAttention, config, gather: str, tabled: bool):
+def _configs(kernel: MosaicAttention, config, gather: str, tabled: bool, banded: bool):
     """The forward's and the backward's kernel configurations: the first of the candidate
-    (``resident``, HBM gradients) pairs whose kernels fit ``AUTO_SHARE`` of the VMEM limit
-    (VMEM gradient tables first, the measured path, unless ``kernel.gradients`` says; within
-    each, resident tables first, for tiles and where ``kernel.resident`` allows), else the
-    leanest pair; the backward's rows sources read as tiles when their gradients go to HBM."""
+    (``resident``, HBM gradients, band slabs) whose kernels fit ``AUTO_SHARE`` of the VMEM
+    limit (VMEM gradient tables first, the measured path, unless ``kernel.gradients`` says;
+    within each, a band's gradient table in VMEM before slabs in HBM (only slabs for
+    ``"hbm"``), and resident tables before fetched ones, for tiles and where
+    ``kernel.resident`` allows), else the leanest; the backward's rows sources read as tiles
+    when their gradients go to HBM."""
     if kernel.resident is not None:
         residents = [kernel.resident]
     else:
         residents = [True, False] if tabled and gather == "tiles" else [False]
     grads = {"vmem": [False], "hbm": [True], "auto": [False, True]}[kernel.gradients]
+    slabs = [True] if kernel.gradients == "hbm" or not banded else [False, True]
     budget = AUTO_SHARE * kernel.vmem_limit_bytes
-    pairs = [(res, hbm) for hbm in grads for res in residents]
-    for res, hbm in pairs:
-        forward = config(res, hbm)
+    candidates = [(res, hbm, slab) for hbm in grads for slab in slabs for res in residents]
+    for res, hbm, slab in candidates:
+        forward = config(res, hbm, slab)
         backward = _as_tiles(forward) if hbm else forward
         if K.vmem_bytes(forward, False) <= budget and K.vmem_bytes(backward, True) <= budget:
             return forward, backward
-    forward = config(*pairs[-1])
-    return forward, _as_tiles(forward) if pairs[-1][1] else forward
+    forward = config(*candidates[-1])
+    return forward, _as_tiles(forward) if candidates[-1][1] else forward
 
 
 def _check_vmem(config: K.Config, backward: bool) -> None:
@@ -473,11 +521,20 @@ def _check_vmem(config: K.Config, backward: bool) -> None:
 
 
 def _query_words(x: Array, static: _Static, blocks: int) -> Array:
-    """``x [B, S, H, w]`` padded (queries, heads, ``blocks`` features) in ``query_rows``
-    layout."""
+    """``x [B, S, H, w]`` as the kernels take it: its queries padded, in ``narrow_rows``
+    layout, or padded (heads, ``blocks`` features too) in ``query_rows`` layout."""
     c = static.config
-    x = _pad_to(_pad_to(_pad_to(x, 1, c.seq), 2, c.heads), 3, blocks * K.LANES)
-    return K.query_rows(x, c)
+    x = _pad_to(x, 1, c.seq)
+    if c.narrow:
+        return K.narrow_rows(x, c)
+    return K.query_rows(_pad_to(_pad_to(x, 2, c.heads), 3, blocks * K.LANES), c)
+
+
+def _unquery_words(x: Array, static: _Static, width: int) -> Array:
+    """The inverse of ``_query_words``: ``[B, S, H, width]``."""
+    c = static.config
+    x = K.unnarrow_rows(x, c) if c.narrow else K.unquery_rows(x, c)
+    return x[:, : static.seq, : static.heads, :width]
 
 
 def _scalars(x: Array, static: _Static) -> Array:
@@ -511,7 +568,7 @@ def _forward(static: _Static, q, sink, floats, ints: _Ints):
     qk = _query_words(q, static, c.key_blocks)
     out, lse = K.forward(c, ints.ntiles, qk, sinks, ints.qmeta, ints.sources, words)
     s, h = static.seq, static.heads
-    out = K.unquery_rows(out, c)[:, :s, :h, : static.value_width]
+    out = _unquery_words(out, static, static.value_width)
     return out, K.unrow_scalars(lse, c)[:, :s, :h]
 
 
@@ -571,8 +628,7 @@ def _attention_bwd(static: _Static, residuals, cotangents):
         back.sources,
         _table_words(c, static, floats),
     )
-    s, h = static.seq, static.heads
-    dq = K.unquery_rows(dq, c)[:, :s, :h, : static.key_width].astype(q.dtype)
+    dq = _unquery_words(dq, static, static.key_width).astype(q.dtype)
     band_of = {src.table: k for k, src in enumerate(c.sources) if src.kind == "band"}
     d_floats = []
     for t, (table, (keys, values)) in enumerate(zip(c.tables, floats, strict=True)):

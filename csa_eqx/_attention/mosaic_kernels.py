@@ -43,13 +43,15 @@ gradient table: in VMEM (``"vmem"``: ``[(rows + 1) * grad_words, 128]``, the spa
 the clamped ``-1`` reads of rows sources; written out once per batch row) or, for tiles and
 dense sources, in HBM (``"hbm"``: each tile's gradient rows fetched, added to and written back,
 double-buffered, so that no VMEM grows with the table; steps run in order, and every write-back
-is waited for before its buffer is refilled and at the end of the pass). A band's gradients are
+is waited for before its buffer is refilled and at the end of the pass). A band's gradients go
+into a VMEM table too (each block's slab added at its first row, ``i * Qb``) or, in HBM, into
 one slab per query block (summed over the head blocks), overlap-added by the caller. The sinks'
 gradient needs only ``lse`` and the cotangents: the caller forms it.
 
-Per-row scalars (``lse``, the backward's coefficient) travel as ``[8, R]`` blocks (``R`` on
-lanes, 8 copies), turned into ``[R, 128]`` lane-broadcast columns by one transpose; the online
-softmax state is ``[R, 128]`` lane-broadcast (``m``, ``l``) and ``[R, dv]``.
+Per-row scalars (``lse``, the backward's coefficient) travel as ``[ceil(R / 128), 128]`` blocks
+(row ``r`` at ``[r // 128, r % 128]``: whole (8, 128) tiles in HBM for ``R = 1024``), turned
+into ``[R, 128]`` lane-broadcast columns by one transpose; the online softmax state is ``[R,
+128]`` lane-broadcast (``m``, ``l``) and ``[R, dv]``.
 
 ``csa_eqx._dispatch.run_mosaic`` runs a kernel: Pallas' TPU interpreter when lowered for the
 CPU, Mosaic on a TPU, a ``NotImplementedError`` naming the kernel for any other platform.
@@ -78,6 +80,9 @@ __all__ = [
     "unpack_rows",
     "query_rows",
     "unquery_rows",
+    "narrow_rows",
+    "unnarrow_rows",
+    "query_meta",
     "row_scalars",
     "unrow_scalars",
     "forward",
@@ -94,8 +99,8 @@ class Table(NamedTuple):
     **Arguments:** its ``rows``; ``key_words`` and ``value_words`` per row (``value_words = 0``:
     the values are the keys' first value features); ``packed`` (two bfloat16 features per
     32-bit word, else one float32); ``resident`` (one VMEM block per batch row, else HBM; never
-    a band's); ``hbm_grads`` (the backward adds its gradients tile by tile into HBM, else into
-    a VMEM table; tiles and dense sources only).
+    a band's); ``hbm_grads`` (the backward adds its gradients tile by tile into HBM, a band's
+    into one slab per query block, overlap-added by the caller; else into a VMEM table).
     """
 
     rows: int
@@ -133,7 +138,10 @@ class Config(NamedTuple):
     ``chunk`` (rows per gathered chunk); ``tile`` (rows per tile, a multiple of 128);
     ``scale``; ``has_sinks``;
     ``dtype`` (the compute dtype's name: ``"bfloat16"`` or ``"float32"``); ``vmem_limit``
-    (bytes).
+    (bytes); ``narrow``: ``(heads, key width, value width)`` when the query-side arrays (the
+    queries, the output, its cotangent, ``dq``) travel unpadded as ``[B, seq, heads * width]``
+    (one head block takes every head; padded to the step's rows only in VMEM), else ``()``
+    (``query_rows`` layout).
     """
 
     tables: tuple[Table, ...]
@@ -152,6 +160,7 @@ class Config(NamedTuple):
     has_sinks: bool
     dtype: str
     vmem_limit: int
+    narrow: tuple[int, ...] = ()
 
     @property
     def n_q(self) -> int:
@@ -167,6 +176,11 @@ class Config(NamedTuple):
         return self.query_block * self.head_block
 
     @property
+    def scalar_rows(self) -> int:
+        """Rows of 128 lanes of a step's per-row scalars: ``ceil(R / 128)``."""
+        return -(-self.rows // LANES)
+
+    @property
     def has_meta(self) -> bool:
         """Whether a source needs the per-query metadata (band segments, dense visibility)."""
         return any(s.kind in ("band", "dense") for s in self.sources)
@@ -175,17 +189,40 @@ class Config(NamedTuple):
         """Rows of a band source's slab."""
         return src.front + self.query_block
 
+    def query_lanes(self, values: bool) -> int:
+        """Lanes of a query-side block: the keys' (``values``: the values') features of every
+        head when ``narrow``, else ``key_blocks`` (``value_blocks``) x 128 of a softmax row."""
+        if self.narrow:
+            return self.narrow[0] * self.narrow[2 if values else 1]
+        return (self.value_blocks if values else self.key_blocks) * LANES
+
+    def query_shape(self, values: bool) -> tuple[int, ...]:
+        """The shape of a query-side array (see ``narrow``)."""
+        if self.narrow:
+            return (self.batch, self.seq, self.query_lanes(values))
+        return (self.batch, self.n_h, self.seq * self.head_block, self.query_lanes(values))
+
     def grad_words(self, table: Table) -> int:
         """Float32 word-rows per row of a table's gradient."""
         return self.key_blocks + (self.value_blocks if table.value_words else 0)
 
-    def gathered_tables(self) -> tuple[int, ...]:
-        """The tables a non-band source reads (each has a gradient table)."""
-        return tuple(sorted({s.table for s in self.sources if s.kind != "band"}))
+    def grad_tables(self) -> tuple[int, ...]:
+        """The tables the backward returns a gradient table of: those a non-band source reads,
+        and the bands whose gradients it adds in VMEM."""
+        band = {s.table for s in self.sources if s.kind == "band"}
+        return tuple(t for t in range(len(self.tables)) if t not in band or self.in_vmem(t))
 
     def vmem_grad_tables(self) -> tuple[int, ...]:
-        """The gathered tables whose gradients the backward accumulates in VMEM."""
-        return tuple(t for t in self.gathered_tables() if not self.tables[t].hbm_grads)
+        """The tables whose gradients the backward accumulates in VMEM."""
+        return tuple(t for t in self.grad_tables() if self.in_vmem(t))
+
+    def in_vmem(self, table: int) -> bool:
+        return not self.tables[table].hbm_grads
+
+    def slab_bands(self) -> tuple[int, ...]:
+        """The band sources whose gradients are slabs (see ``Table.hbm_grads``)."""
+        kinds = enumerate(self.sources)
+        return tuple(k for k, s in kinds if s.kind == "band" and not self.in_vmem(s.table))
 
 
 def _vmem(shape: tuple[int, ...], itemsize: int = 4) -> int:
@@ -215,14 +252,20 @@ def vmem_bytes(config: Config, backward: bool) -> int:
     c = config
     item = 2 if c.dtype == "bfloat16" else 4
     r, qb, dk, dv = c.rows, c.query_block, c.key_blocks * LANES, c.value_blocks * LANES
-    blocks = [_vmem((r, dk), item), _vmem((r, dv), item), _vmem((8, r))]  # q, out / do, lse
+    rows = qb if c.narrow else r
+    q, o = _vmem((rows, c.query_lanes(False)), item), _vmem((rows, c.query_lanes(True)), item)
+    scalars = _vmem((c.scalar_rows, LANES))
+    blocks = [q, o, scalars]  # q, out / do, lse
     if backward:
-        blocks += [_vmem((8, r)), _vmem((r, dk), item)]  # the coefficient, dq
+        blocks += [scalars, q]  # the coefficient, dq
     elif c.has_sinks:
         blocks.append(_vmem((r, LANES)))
     if c.has_meta:
-        blocks.append(_vmem((qb, LANES)))
+        blocks.append(_vmem((8, qb)))
     scratch = [_vmem((r, LANES)), _vmem((r, LANES)), _vmem((r, dk if backward else dv))]
+    if c.narrow:  # the float32 staging rows, q's rows (and do's) in the compute dtype
+        scratch += [_vmem((r, max(dk, dv))), _vmem((r, dk), item)]
+        scratch += [_vmem((r, dv), item)] if backward else []
     work = 0
     for src, (bufs, _) in zip(c.sources, _source_scratch(c, backward), strict=True):
         table = c.tables[src.table]
@@ -243,7 +286,7 @@ def vmem_bytes(config: Config, backward: bool) -> int:
             blocks.append(_vmem((table.rows // c.tile * 8, c.tile)))
         elif src.kind == "band":
             blocks.append(_vmem((1, c.slab(src))))
-            if backward:
+            if backward and table.hbm_grads:
                 blocks.append(_vmem((c.slab(src) * gg, LANES)))
         work = max(work, step)
     tables = [t.rows * t.words * LANES * 4 for t in c.tables if t.resident]
@@ -261,12 +304,13 @@ def _words(x: Array, blocks: int, packed: bool) -> Array:
     128-feature blocks; packed: two bfloat16 blocks per word-row, an odd last one alone in the
     low halves)."""
     b, n, d = x.shape
-    blocks += packed and blocks % 2
     x = jnp.pad(x, [(0, 0), (0, 0), (0, blocks * LANES - d)]).reshape(b, n, blocks, LANES)
     if not packed:
         return x.astype(jnp.float32)
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
-    word = jnp.left_shift(bits[:, :, 1::2], 16) | bits[:, :, 0::2]
+    low, high = bits[:, :, 0::2], jnp.left_shift(bits[:, :, 1::2], 16)
+    pairs = high.shape[2]  # an odd last block alone: its low halves (no zero block is formed)
+    word = jnp.concatenate([low[:, :, :pairs] | high, low[:, :, pairs:]], axis=2)
     return jax.lax.bitcast_convert_type(word, jnp.int32)
 
 
@@ -320,18 +364,41 @@ def unquery_rows(x: Array, config: Config) -> Array:
     return x.reshape(b, config.seq, config.heads, w)
 
 
+def narrow_rows(x: Array, config: Config) -> Array:
+    """``x [B, seq, heads, w]`` (its queries padded, not its heads nor ``w``) in the
+    ``narrow`` layout ``[B, seq, heads * w]``."""
+    return x.reshape(x.shape[0], config.seq, -1)
+
+
+def unnarrow_rows(x: Array, config: Config) -> Array:
+    """The inverse of ``narrow_rows``."""
+    return x.reshape(x.shape[0], config.seq, config.narrow[0], -1)
+
+
+def query_meta(rows: Int[Array, "batch k seq"], query_block: int) -> Array:
+    """The per-query metadata ``[B, n_q, 8, Qb]`` from its rows ``[B, k <= 8, seq]`` (queries
+    padded to the ``query_block``; row 0: the band segment, 1: the dense query index, 2: the
+    dense query segment): in HBM a block is 8 rows of ``Qb`` lanes (padded to 128: 2x at 64
+    queries), where ``[B, seq, 8]`` would pad its 8 lanes to 128 (16x)."""
+    b, k, _ = rows.shape
+    rows = jnp.pad(rows, [(0, 0), (0, 8 - k), (0, 0)])
+    return rows.reshape(b, 8, -1, query_block).transpose(0, 2, 1, 3)
+
+
 def row_scalars(x: Float[Array, "batch seq heads"], config: Config) -> Array:
-    """Per-row scalars ``[B, seq, heads]`` (padded) as ``[B, n_h, n_q, 8, R]`` (8 copies)."""
-    b = x.shape[0]
-    x = query_rows(x[..., None], config).reshape(b, config.n_h, config.n_q, 1, config.rows)
-    return jnp.broadcast_to(x, (b, config.n_h, config.n_q, 8, config.rows))
+    """Per-row scalars ``[B, seq, heads]`` (padded) as ``[B, n_h, n_q, scalar_rows, 128]`` (a
+    step's ``R`` rows in order, zero-padded to whole rows of 128)."""
+    c, b = config, x.shape[0]
+    x = query_rows(x[..., None], c).reshape(b, c.n_h, c.n_q, c.rows)
+    x = jnp.pad(x, [(0, 0)] * 3 + [(0, c.scalar_rows * LANES - c.rows)])
+    return x.reshape(b, c.n_h, c.n_q, c.scalar_rows, LANES)
 
 
 def unrow_scalars(x: Array, config: Config) -> Array:
     """The inverse of ``row_scalars``."""
-    b = x.shape[0]
-    x = x[:, :, :, 0].reshape(b, config.n_h, config.seq * config.head_block, 1)
-    return unquery_rows(x, config)[..., 0]
+    c, b = config, x.shape[0]
+    x = x.reshape(b, c.n_h, c.n_q, c.scalar_rows * LANES)[..., : c.rows]
+    return unquery_rows(x.reshape(b, c.n_h, c.seq * c.head_block, 1), c)[..., 0]
 
 
 # --- running a kernel -----------------------------------------------------------------------
@@ -368,19 +435,25 @@ def _pallas(kernel, config: Config, interpret, name: str, in_specs, out_specs, o
 # --- specs and scratch ----------------------------------------------------------------------
 
 
-def _row_spec(config: Config, width: int):
-    """``[R, width]`` blocks of a ``query_rows`` array."""
-    return pl.BlockSpec((None, None, config.rows, width), lambda b, i, j, *_: (b, j, i, 0))
+def _query_spec(config: Config, values: bool):
+    """The blocks of a query-side array: ``[R, width]`` of ``query_rows``, or ``[Qb, heads *
+    width]`` of a ``narrow`` one (every head: its head block index is always 0)."""
+    lanes = config.query_lanes(values)
+    if config.narrow:
+        return pl.BlockSpec((None, config.query_block, lanes), lambda b, i, j, *_: (b, i, 0))
+    return pl.BlockSpec((None, None, config.rows, lanes), lambda b, i, j, *_: (b, j, i, 0))
 
 
 def _scalar_spec(config: Config):
-    """``[8, R]`` blocks of a ``row_scalars`` array."""
-    return pl.BlockSpec((None, None, None, 8, config.rows), lambda b, i, j, *_: (b, j, i, 0, 0))
+    """``[scalar_rows, 128]`` blocks of a ``row_scalars`` array."""
+    shape = (None, None, None, config.scalar_rows, LANES)
+    return pl.BlockSpec(shape, lambda b, i, j, *_: (b, j, i, 0, 0))
 
 
 def _meta_spec(config: Config):
-    """``[Qb, 128]`` blocks of the per-query metadata."""
-    return pl.BlockSpec((None, config.query_block, LANES), lambda b, i, j, *_: (b, i, 0))
+    """``[8, Qb]`` blocks of the per-query metadata (``query_meta``)."""
+    shape = (None, None, 8, config.query_block)
+    return pl.BlockSpec(shape, lambda b, i, j, *_: (b, i, 0, 0))
 
 
 def _source_specs(config: Config) -> list:
@@ -449,6 +522,19 @@ def _source_scratch(config: Config, backward: bool) -> list[tuple[dict, int]]:
                 sems += 4
         out.append((bufs, sems))
     return out
+
+
+def _narrow_scratch(config: Config, dtype, backward: bool) -> list:
+    """A ``narrow`` kernel's VMEM for its query-side rows: the float32 staging rows, then q's
+    rows (and in the backward do's) in the compute dtype (``_narrow_in``)."""
+    if not config.narrow:
+        return []
+    dk, dv = config.key_blocks * LANES, config.value_blocks * LANES
+    shapes = [pltpu.VMEM((config.rows, max(dk, dv)), jnp.float32)]
+    shapes.append(pltpu.VMEM((config.rows, dk), dtype))
+    if backward:
+        shapes.append(pltpu.VMEM((config.rows, dv), dtype))
+    return shapes
 
 
 def _scratch_shapes(per_source: list[tuple[dict, int]], extra_sems: int = 0) -> list:
@@ -560,9 +646,45 @@ def _per_row(w, config: Config):
     return jnp.broadcast_to(w[:, None, :], (qb, hb, w.shape[1])).reshape(qb * hb, w.shape[1])
 
 
-def _column(x, n: int):
-    """Per-row scalars ``[8, n]`` (8 copies) as a lane-broadcast column ``[n, 128]``."""
-    return jnp.broadcast_to(x[0:1, :], (LANES, n)).T
+def _column(ref, n: int):
+    """A step's ``n`` per-row scalars (a ``[scalar_rows, 128]`` ref) as a lane-broadcast column
+    ``[n, 128]``."""
+    rows = [ref[pl.ds(k, 1), :] for k in range(ref.shape[0])]
+    row = (rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1))[:, :n]
+    return jnp.broadcast_to(row, (LANES, n)).T
+
+
+def _put_scalars(ref, column):
+    """Write a lane-broadcast column ``[n, 128]`` into a ``[scalar_rows, 128]`` ref (the
+    inverse of ``_column``; the padding's lanes are left as they are)."""
+    row = column.T[0:1, :]
+    for k in range(ref.shape[0]):
+        lanes = min(LANES, row.shape[1] - k * LANES)
+        ref[pl.ds(k, 1), pl.ds(0, lanes)] = row[:, k * LANES : k * LANES + lanes]
+
+
+def _narrow_in(config: Config, block, stage, rows, values: bool):
+    """Fill ``rows [R, blocks * 128]`` (the compute dtype) from a ``narrow`` block ``[Qb,
+    heads * width]`` (``values``: of the values' width): query ``q``'s head ``h`` to row
+    ``q * Hb + h``, zeros elsewhere; through the float32 ``stage`` (Mosaic stores strided rows
+    of 32-bit words only)."""
+    heads, width = config.narrow[0], config.narrow[2 if values else 1]
+    qb, hb, lanes = config.query_block, config.head_block, rows.shape[1]
+    stage[:, pl.ds(0, lanes)] = jnp.zeros((config.rows, lanes), jnp.float32)
+    for h in range(heads):
+        x = block[:, pl.ds(h * width, width)].astype(jnp.float32)
+        stage[pl.ds(h, qb, stride=hb), pl.ds(0, width)] = x
+    rows[...] = stage[:, pl.ds(0, lanes)].astype(rows.dtype)
+
+
+def _narrow_out(config: Config, rows, block, values: bool):
+    """Write each head's first features of float32 ``rows [R, >= width]`` into a ``narrow``
+    block (``_narrow_in``'s placement)."""
+    heads, width = config.narrow[0], config.narrow[2 if values else 1]
+    qb, hb = config.query_block, config.head_block
+    for h in range(heads):
+        x = rows[pl.ds(h, qb, stride=hb), pl.ds(0, width)]
+        block[:, pl.ds(h * width, width)] = x.astype(block.dtype)
 
 
 def _table_ref(ref, table: Table, b, offset, n: int):
@@ -584,10 +706,19 @@ class _Step(NamedTuple):
     b: Array
     i: Array
     ntiles: object  # the prefetched tile counts (SMEM ref)
-    qmeta: object  # the block's per-query metadata [Qb, 128] (ref), or None
+    qmeta: object  # the block's per-query metadata [8, Qb] (ref), or None
 
     def unroll(self, n: int) -> int:
         return 1 if self.interpret else min(n, 8)
+
+    def meta(self, k: int):
+        """``[Qb, 1]``: row ``k`` of the block's per-query metadata as a column (its lanes
+        padded to 128 for the transpose)."""
+        rows = self.qmeta[...]
+        pad = -rows.shape[1] % LANES
+        if pad:
+            rows = jnp.concatenate([rows, jnp.zeros((8, pad), rows.dtype)], axis=1)
+        return rows.T[: self.config.query_block, k : k + 1]
 
     def count(self, src: Source):
         """The number of tiles the block reads from a tiles / dense source."""
@@ -726,7 +857,7 @@ def _band_weights(step: _Step, s: _SourceRefs):
     q = jax.lax.broadcasted_iota(jnp.int32, (c.query_block, slab), 0)
     row = jax.lax.broadcasted_iota(jnp.int32, (c.query_block, slab), 1)
     lag = q - row + s.src.front
-    same = step.qmeta[:, 0:1] == s.ints[0][0:1, :]
+    same = step.meta(0) == s.ints[0][0:1, :]
     return jnp.where((lag >= 0) & (lag < s.src.width) & same, 1.0, 0.0)
 
 
@@ -781,7 +912,7 @@ def _tile_visibility(step: _Step, s: _SourceRefs, t):
     before the query, in the query's segment)."""
     meta = s.ints[0].at[t]
     end, segment = meta[0:1, :], meta[1:2, :]
-    index, query_segment = step.qmeta[:, 1:2], step.qmeta[:, 2:3]
+    index, query_segment = step.meta(1), step.meta(2)
     return jnp.where((end >= 0) & (end <= index) & (segment == query_segment), 1.0, 0.0)
 
 
@@ -819,6 +950,10 @@ def _forward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
     ints = [refs.take(1) for _ in config.sources]
     tables = refs.take(len(config.tables))
     out_ref, lse_ref, m_ref, l_ref, acc_ref = refs.take(5)
+    if config.narrow:
+        stage_ref, rows_ref = refs.take(2)
+        _narrow_in(config, q_ref, stage_ref, rows_ref, values=False)
+        q_ref = rows_ref
     *scratch, sems = refs.rest()
     sources, _ = _source_refs(config, ints, tables, scratch, sems, backward=False)
     step = _Step(config, interpret, pl.program_id(0), pl.program_id(1), ntiles_ref, qmeta_ref)
@@ -864,8 +999,12 @@ def _forward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
     else:
         shift = jnp.where(m == -jnp.inf, 0.0, m)
     norm = jnp.where(l_sum > 0, l_sum, 1.0)
-    out_ref[...] = (acc / norm[:, 0:1]).astype(out_ref.dtype)
-    lse_ref[...] = (shift + jnp.log(l_sum)).T[0:8, :]
+    if config.narrow:
+        acc_ref[...] = acc / norm[:, 0:1]
+        _narrow_out(config, acc_ref, out_ref, values=True)
+    else:
+        out_ref[...] = (acc / norm[:, 0:1]).astype(out_ref.dtype)
+    _put_scalars(lse_ref, shift + jnp.log(l_sum))
 
 
 def forward(
@@ -880,17 +1019,17 @@ def forward(
     """The forward kernel.
 
     **Arguments:** the ``config``; the tile counts ``[n_tiled * B * n_q]`` (at least one
-    element); ``q`` (``query_rows`` layout, ``key_blocks * 128`` wide); the sink logit of each
-    row of a step ``[n_h, R, 128]`` (or ``None``); the per-query metadata ``[B, seq, 128]``
-    (lanes: band segment, dense query index, dense query segment; or ``None``); each source's
-    int arrays (a tuple each, ``_source_specs``); each table's words (``pack_rows``).
+    element); ``q`` (``query_rows`` or ``narrow_rows`` layout, ``query_lanes`` wide); the sink
+    logit of each row of a step ``[n_h, R, 128]`` (or ``None``); the per-query metadata
+    (``query_meta``, or ``None``); each source's int arrays (a tuple each, ``_source_specs``);
+    each table's words (``pack_rows``).
 
-    **Returns:** ``(out`` (``query_rows`` layout, ``value_blocks * 128`` wide, ``q``'s
+    **Returns:** ``(out`` (``q``'s layout, the values' ``query_lanes`` wide, ``q``'s
     dtype), ``lse`` (``row_scalars`` layout, float32, ``-inf`` where a row reads nothing)``)``.
     """
     c = config
     dv = c.value_blocks * LANES
-    in_specs = [_row_spec(c, c.key_blocks * LANES)]
+    in_specs = [_query_spec(c, values=False)]
     args = [q]
     if c.has_sinks:
         in_specs.append(pl.BlockSpec((None, c.rows, LANES), lambda b, i, j, *_: (j, 0, 0)))
@@ -903,17 +1042,18 @@ def forward(
         pltpu.VMEM((c.rows, LANES), jnp.float32),
         pltpu.VMEM((c.rows, LANES), jnp.float32),
         pltpu.VMEM((c.rows, dv), jnp.float32),
+        *_narrow_scratch(c, q.dtype, backward=False),
         *_scratch_shapes(_source_scratch(c, backward=False)),
     ]
     out_shape = (
-        jax.ShapeDtypeStruct((c.batch, c.n_h, c.seq * c.head_block, dv), q.dtype),
-        jax.ShapeDtypeStruct((c.batch, c.n_h, c.n_q, 8, c.rows), jnp.float32),
+        jax.ShapeDtypeStruct(c.query_shape(values=True), q.dtype),
+        jax.ShapeDtypeStruct((c.batch, c.n_h, c.n_q, c.scalar_rows, LANES), jnp.float32),
     )
 
     def build(interpret):
         return _pallas(
             _forward_kernel, c, interpret, "mosaic_sparse_attention",
-            in_specs + _source_specs(c), [_row_spec(c, dv), _scalar_spec(c)], out_shape,
+            in_specs + _source_specs(c), [_query_spec(c, True), _scalar_spec(c)], out_shape,
             scratch, ("parallel", "parallel", "arbitrary"),
         )  # fmt: skip
 
@@ -969,13 +1109,18 @@ def _backward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
     qmeta_ref = refs.take() if config.has_meta else None
     ints = [refs.take(1) for _ in config.sources]
     tables = refs.take(len(config.tables))
-    gathered, in_vmem = config.gathered_tables(), config.vmem_grad_tables()
+    gathered, in_vmem = config.grad_tables(), config.vmem_grad_tables()
     refs.take(len(gathered) - len(in_vmem))  # the zeros aliased to the HBM gradient tables
     dq_out = refs.take()
     grad_out = dict(zip(gathered, refs.take(len(gathered)), strict=True))
-    bands = [k for k, src in enumerate(config.sources) if src.kind == "band"]
+    bands = config.slab_bands()
     band_out = dict(zip(bands, refs.take(len(bands)), strict=True))
     dq_ref, lsec_ref, coeffc_ref = refs.take(3)
+    if config.narrow:
+        stage_ref, q_rows, do_rows = refs.take(3)
+        _narrow_in(config, q_ref, stage_ref, q_rows, values=False)
+        _narrow_in(config, do_ref, stage_ref, do_rows, values=True)
+        q_ref, do_ref = q_rows, do_rows
     grad_acc = dict(zip(in_vmem, refs.take(len(in_vmem)), strict=True))
     *scratch, sems = refs.rest()
     in_hbm = {t: grad_out[t] for t in gathered if t not in grad_acc}
@@ -991,8 +1136,8 @@ def _backward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
             acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
     dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
-    lsec_ref[...] = _column(lse_ref[...], config.rows)
-    coeffc_ref[...] = _column(coeff_ref[...], config.rows)
+    lsec_ref[...] = _column(lse_ref, config.rows)
+    coeffc_ref[...] = _column(coeff_ref, config.rows)
     ctx = _Cotangents(q_ref, do_ref, lsec_ref, coeffc_ref, dq_ref)
     _start(step, sources)
     for s in sources:
@@ -1035,19 +1180,25 @@ def _backward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
     for k, s in enumerate(sources):
         if s.src.kind != "band":
             continue
-        out = band_out[k]
+        slab, gg = config.slab(s.src), config.grad_words(s.table)
+        if k in band_out:  # the block's slab, summed over the head blocks
+            into, at = band_out[k], 0
 
-        @pl.when(j == 0)
-        def _(out=out):
-            out[...] = jnp.zeros(out.shape, jnp.float32)
+            @pl.when(j == 0)
+            def _(out=into):
+                out[...] = jnp.zeros(out.shape, jnp.float32)
 
-        slab = config.slab(s.src)
+        else:  # the VMEM table's rows from the slab's first, i * Qb
+            into, at = grad_acc[s.src.table], pl.multiple_of(i * config.query_block * gg, 8)
         keys, values = _keys_values(_band_words(s), 0, slab, s.table, config)
         w = _per_row(_band_weights(step, s), config)
         blocks = _grads(ctx, config, everything, keys, values, w, s.table)
-        _put(out, 0, slab, config.grad_words(s.table), blocks, add=True)
+        _put(into, at, slab, gg, blocks, add=True)
 
-    dq_out[...] = dq_ref[...].astype(dq_out.dtype)
+    if config.narrow:
+        _narrow_out(config, dq_ref, dq_out, values=False)
+    else:
+        dq_out[...] = dq_ref[...].astype(dq_out.dtype)
 
     @pl.when((i == config.n_q - 1) & (j == config.n_h - 1))
     def _():
@@ -1079,21 +1230,21 @@ def backward(
     and ``coeff = g_lse - sum(do * out)`` (both ``row_scalars`` layout, float32).
 
     **Returns:** ``(dq`` (``q``'s layout and dtype), ``{table: float32 gradient words [B,
-    >= rows * grad_words, 128]}`` for the tables a non-band source reads, ``{source: slab
-    gradient words [B, n_q, slab * grad_words, 128]}`` for the band sources``)``.
+    >= rows * grad_words, 128]}`` for the tables of ``grad_tables``, ``{source: slab gradient
+    words [B, n_q, slab * grad_words, 128]}`` for the band sources of ``slab_bands``)``.
     """
     c = config
-    dk, dv = c.key_blocks * LANES, c.value_blocks * LANES
-    in_specs = [_row_spec(c, dk), _row_spec(c, dv), _scalar_spec(c), _scalar_spec(c)]
+    dk = c.key_blocks * LANES
+    in_specs = [_query_spec(c, False), _query_spec(c, True), _scalar_spec(c), _scalar_spec(c)]
     args = [q, do, lse, coeff]
     if c.has_meta:
         in_specs.append(_meta_spec(c))
         args.append(qmeta)
     args += [a for group in ints for a in group] + list(tables)
-    gathered, in_vmem = c.gathered_tables(), c.vmem_grad_tables()
-    bands = [k for k, s in enumerate(c.sources) if s.kind == "band"]
-    out_shape = [jax.ShapeDtypeStruct((c.batch, c.n_h, c.seq * c.head_block, dk), q.dtype)]
-    out_specs = [_row_spec(c, dk)]
+    gathered, in_vmem = c.grad_tables(), c.vmem_grad_tables()
+    bands = c.slab_bands()
+    out_shape = [jax.ShapeDtypeStruct(c.query_shape(values=False), q.dtype)]
+    out_specs = [_query_spec(c, False)]
     grad_shapes, aliases = [], {}
     for t in gathered:
         span = (c.tables[t].rows + 1) * c.grad_words(c.tables[t])
@@ -1113,6 +1264,7 @@ def backward(
         pltpu.VMEM((c.rows, dk), jnp.float32),
         pltpu.VMEM((c.rows, LANES), jnp.float32),
         pltpu.VMEM((c.rows, LANES), jnp.float32),
+        *_narrow_scratch(c, q.dtype, backward=True),
         *grad_shapes,
         *_scratch_shapes(_source_scratch(c, backward=True), extra_sems=len(in_vmem)),
     ]
