@@ -133,22 +133,23 @@ def _tile_scores(q_ref, w_ref, keys, sizes) -> Float[Array, "qb kt"]:
     each chunk's sum added to the running one; with a rounding each head's logit, its weighted
     term and the total rounded to ``score_dtype``).
 
-    **Arguments:** refs ``q [H/G, G*Qb, d]`` (head-major) and ``w [H/G, Qb, G]`` (float32,
+    **Arguments:** refs ``q [H, Qb, d]`` (head-major) and ``w [H/G, Qb, G]`` (float32,
     ``d^-1/2`` included, already rounded), the tile's ``keys [Kt, d]`` and ``sizes``
     ``(heads, head chunk, G, rounding bits)``.
 
     **Returns:** float32 ``[Qb, Kt]``.
     """
     heads, chunk, group, bits = sizes
-    qb, kt = w_ref.shape[1], keys.shape[0]
+    qb, kt, dim = w_ref.shape[1], keys.shape[0], q_ref.shape[-1]
     precision = _precision(keys.dtype)
     zeros = jnp.zeros((qb, kt), jnp.float32)
     per_chunk = chunk // group
     dims = (((1,), (1,)), ((), ()))
 
     def heads_of(g, acc):
+        q = q_ref[pl.ds(g * group, group)].reshape(group * qb, dim)  # G heads stacked
         logits = jax.lax.dot_general(
-            q_ref[g], keys, dims, precision=precision, preferred_element_type=jnp.float32
+            q, keys, dims, precision=precision, preferred_element_type=jnp.float32
         )
         w = w_ref[g]
         for h in range(group):
@@ -387,8 +388,9 @@ def _block_inputs(q, weights, keys, query_index, query_segment, layout, blocks, 
 
     **Returns:** ``(lo, hi, rows, q, w, ends, keys)``: per query block its key-tile range
     ``[lo, hi)`` (int32 ``[R / Qb]``), the query rows' index and segment ``[B, R, 2]`` (``R``:
-    the sequence padded to whole blocks with rows that see nothing), head-major query blocks
-    ``[B, R / Qb, H / G, G * Qb, d]``, their weights ``[B, R / Qb, H / G, Qb, G]`` (float32,
+    the sequence padded to whole blocks with rows that see nothing), the queries head-major
+    ``[B, H, R, d]`` (the layout XLA gives their projection on a TPU: no relayout before the
+    kernel, whose block of one step is ``[H, Qb, d]``), their weights ``[B, R / Qb, H / G, Qb, G]`` (float32,
     ``d^-1/2`` included, rounded), the entries' end and segment per tile ``[B, tiles, 2, Kt]``
     and the keys ``[B, T, d]``.
     """
@@ -401,8 +403,7 @@ def _block_inputs(q, weights, keys, query_index, query_segment, layout, blocks, 
     query_segment = pad_axis(query_segment.astype(jnp.int32), 1, r, -1)
     lo, hi = key_block_ranges(query_index, query_segment, layout, qb, kt)
     n_blocks, n_tiles = r // qb, keys.shape[1] // kt
-    q = q.reshape(b, n_blocks, qb, heads // group, group, dim).transpose(0, 1, 3, 4, 2, 5)
-    q = q.reshape(b, n_blocks, heads // group, group * qb, dim)
+    q = q.transpose(0, 2, 1, 3)
     w = w.reshape(b, n_blocks, qb, heads // group, group).transpose(0, 1, 3, 2, 4)
     rows = jnp.stack([query_index, query_segment], axis=-1)
     ends = jnp.stack([layout.end, layout.segment], axis=1).astype(jnp.int32)
@@ -478,13 +479,13 @@ def mosaic_topk(
     visibility = (query_index, query_segment, layout)
     args = _block_inputs(q, weights, keys, *visibility, (qb, kt), group, bits)
     n_blocks, n_tiles = args[0].shape[0], args[5].shape[1]
-    qh, wh = args[3], args[4]
+    wh = args[4]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(b, n_blocks),
         in_specs=[
             pl.BlockSpec((None, qb, 2), lambda bi, i, *_: (bi, i, 0)),
-            pl.BlockSpec((None, None, *qh.shape[2:]), lambda bi, i, *_: (bi, i, 0, 0, 0)),
+            pl.BlockSpec((None, heads, qb, dim), lambda bi, i, *_: (bi, 0, i, 0)),
             pl.BlockSpec((None, None, *wh.shape[2:]), lambda bi, i, *_: (bi, i, 0, 0, 0)),
             pl.BlockSpec((None, n_tiles, 2, kt), lambda bi, i, *_: (bi, 0, 0, 0)),
             pl.BlockSpec((None, t_pad, dim), lambda bi, i, *_: (bi, 0, 0)),
