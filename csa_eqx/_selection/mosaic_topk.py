@@ -389,10 +389,10 @@ def _block_inputs(q, weights, keys, query_index, query_segment, layout, blocks, 
     **Returns:** ``(lo, hi, rows, q, w, ends, keys)``: per query block its key-tile range
     ``[lo, hi)`` (int32 ``[R / Qb]``), the query rows' index and segment ``[B, R, 2]`` (``R``:
     the sequence padded to whole blocks with rows that see nothing), the queries head-major
-    ``[B, H, R, d]`` (the layout XLA gives their projection on a TPU: no relayout before the
-    kernel, whose block of one step is ``[H, Qb, d]``), their weights ``[B, R / Qb, H / G, Qb, G]`` (float32,
-    ``d^-1/2`` included, rounded), the entries' end and segment per tile ``[B, tiles, 2, Kt]``
-    and the keys ``[B, T, d]``.
+    ``[B, H, R, d]`` (a step's block ``[H, Qb, d]``; on a TPU XLA lays the projection out so,
+    and nothing is copied before the kernel), their weights ``[B, R / Qb, H / G, Qb, G]``
+    (float32, ``d^-1/2`` included, rounded), the entries' end and segment per tile
+    ``[B, tiles, 2, Kt]`` and the keys ``[B, T, d]``.
     """
     b, s, heads, dim = q.shape
     qb, kt = blocks
