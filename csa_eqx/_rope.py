@@ -3,7 +3,9 @@
 Two channel layouts are used by the DeepSeek family: *interleaved* pairs ``(x0,x1),(x2,x3)…``
 (V4 everywhere, V3.2 MLA) and *half-split* pairs ``(x_i, x_{i+r/2})`` (V3.2 indexer). Tables
 are computed in numpy at trace time and the rotation runs in (at least) float32, its result
-rounded to the input's dtype (``round_to``).
+rounded to the input's dtype (``round_to``). The interleaved pairs' swap is a reversed size-2
+axis, on a TPU a matmul with the 0/1 pair permutation (``swap_pairs_mxu``), chosen when the
+program is lowered.
 """
 
 from __future__ import annotations
@@ -121,6 +123,8 @@ def apply_rope_interleaved(
     Computed over all channels at once (cos 1 / sin 0 on the unrotated ones): one fused
     elementwise pass, where slicing out the rotated channels and concatenating them back
     would cost two more copies of ``x`` (the indexer queries are the largest tensor here).
+    Each pair's partner comes from ``swap_pairs_mxu`` where the program is lowered for a TPU,
+    from a reversed size-2 axis elsewhere (``jax.lax.platform_dependent``): the same values.
     """
     r, d = 2 * inv_freq.shape[0], x.shape[-1]
     if (d - r) % 2:
@@ -170,7 +174,8 @@ def swap_pairs_mxu(xf: Float[Array, "*batch dim"], exact_in) -> Float[Array, "*b
     **Arguments:** float32 (or float64) ``xf [..., d]`` and ``exact_in``: a dtype that holds
     every value of ``xf`` (the dtype it was upcast from). Where that is bfloat16 the forward is
     one bf16 MXU pass (exact: a bf16 value times 1, accumulated in float32); otherwise, and for
-    the float32 cotangent, the matmul runs at ``HIGHEST`` precision (exact for float32).
+    the float32 cotangent, the matmul runs at ``HIGHEST`` precision (exact for float32's
+    normal values).
 
     **Returns:** the swapped ``xf`` (its dtype and shape).
     """
