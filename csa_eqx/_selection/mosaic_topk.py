@@ -7,7 +7,8 @@ tiles its queries may see (``key_block_ranges``: causal and document skipping, t
 tile range scalar-prefetched into SMEM) and works in VMEM:
 
 1. **Scores.** Per key tile of ``Kt`` entries, the block's queries of ``G`` heads at once
-   (head-major, stacked into the MXU's rows: ``[G*Qb, d] x [Kt, d]^T``, bf16 in, float32 out;
+   (the queries head-major, ``[B, H, R, d]``; a group's heads stacked into the MXU's rows by a
+   reshape in VMEM: ``[G*Qb, d] x [Kt, d]^T``, bf16 in, float32 out;
    float32 inputs at ``HIGHEST`` precision), then per head ``ReLU(logit) * w`` summed on the
    VPU, in head chunks and with ``score_dtype`` rounding exactly as
    ``csa_eqx.indexer_scores`` forms them. Each score becomes an order-preserving ``int32`` key
