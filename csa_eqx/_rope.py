@@ -3,14 +3,18 @@
 Two channel layouts are used by the DeepSeek family: *interleaved* pairs ``(x0,x1),(x2,x3)…``
 (V4 everywhere, V3.2 MLA) and *half-split* pairs ``(x_i, x_{i+r/2})`` (V3.2 indexer). Tables
 are computed in numpy at trace time and the rotation runs in (at least) float32, its result
-rounded to the input's dtype (``round_to``).
+rounded to the input's dtype (``round_to``). The interleaved pairs' swap is a reversed size-2
+axis, on a TPU a matmul with the 0/1 pair permutation (``swap_pairs_mxu``), chosen when the
+program is lowered.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
@@ -119,6 +123,8 @@ def apply_rope_interleaved(
     Computed over all channels at once (cos 1 / sin 0 on the unrotated ones): one fused
     elementwise pass, where slicing out the rotated channels and concatenating them back
     would cost two more copies of ``x`` (the indexer queries are the largest tensor here).
+    Each pair's partner comes from ``swap_pairs_mxu`` where the program is lowered for a TPU,
+    from a reversed size-2 axis elsewhere (``jax.lax.platform_dependent``): the same values.
     """
     r, d = 2 * inv_freq.shape[0], x.shape[-1]
     if (d - r) % 2:
@@ -129,8 +135,65 @@ def apply_rope_interleaved(
     sign = np.concatenate([np.zeros(d - r), np.tile([-1.0, 1.0], r // 2)])
     cos, sin = _cos_sin(positions, freq, xf.dtype)
     sin = sin * jnp.asarray(sign, xf.dtype)
-    swapped = xf.reshape(*x.shape[:-1], d // 2, 2)[..., ::-1].reshape(x.shape)  # pairs (b, a)
+    swapped = jax.lax.platform_dependent(  # pairs (b, a)
+        xf, tpu=functools.partial(swap_pairs_mxu, exact_in=x.dtype), default=_swap_pairs
+    )
     return round_to(xf * cos + swapped * sin, x.dtype)
+
+
+def _swap_pairs(x: Array) -> Array:
+    """``x`` with each interleaved pair of its last axis swapped, as a reversed size-2 axis."""
+    return x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)[..., ::-1].reshape(x.shape)
+
+
+def _pair_permutation(d: int, dtype) -> Array:
+    """The ``[d, d]`` 0/1 matrix ``P[j ^ 1, j] = 1``: ``x @ P`` swaps each pair of ``x``."""
+    j = np.arange(d)
+    return jnp.asarray((j[:, None] ^ 1) == j[None, :], dtype)
+
+
+def _swap_exactly(x: Array) -> Array:
+    """``x @ P`` at ``HIGHEST`` precision: every float32 (or float64) value passes exactly."""
+    return jnp.matmul(x, _pair_permutation(x.shape[-1], x.dtype), precision="highest")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def swap_pairs_mxu(xf: Float[Array, "*batch dim"], exact_in) -> Float[Array, "*batch dim"]:
+    """``xf`` with each interleaved pair of its last axis swapped, by a matmul with the 0/1 pair
+    permutation (``P[j ^ 1, j] = 1``): the TPU's form of ``_swap_pairs``.
+
+    A TPU tiles an array's last two axes; reversing a size-2 last axis made XLA transpose the
+    whole float32 tensor to and from a layout that has one (measured: several 248 MiB copies per
+    7936 indexer query rows, docs/kernels.md), where a matmul on the MXU reads and writes the
+    array once in its own layout. Every value passes exactly (one product by 1, the others by
+    0), so the result is bitwise the reversed axis's, but for two things: a ``-0.0`` may come
+    out ``+0.0``, and a non-finite channel makes its whole vector along the last axis NaN
+    (``inf · 0``), not only its pair: the vector of one token and head, which a non-finite
+    input already spoils (non-finite values stay inside their token's document, DESIGN.md).
+
+    **Arguments:** float32 (or float64) ``xf [..., d]`` and ``exact_in``: a dtype that holds
+    every value of ``xf`` (the dtype it was upcast from). Where that is bfloat16 the forward is
+    one bf16 MXU pass (exact: a bf16 value times 1, accumulated in float32); otherwise, and for
+    the float32 cotangent, the matmul runs at ``HIGHEST`` precision (exact for float32's
+    normal values).
+
+    **Returns:** the swapped ``xf`` (its dtype and shape).
+    """
+    if jnp.dtype(exact_in) != jnp.bfloat16:
+        return _swap_exactly(xf)
+    pairs = _pair_permutation(xf.shape[-1], jnp.bfloat16)
+    return jnp.matmul(xf.astype(jnp.bfloat16), pairs, preferred_element_type=xf.dtype)
+
+
+def _swap_pairs_fwd(xf, exact_in):
+    return swap_pairs_mxu(xf, exact_in), None
+
+
+def _swap_pairs_bwd(exact_in, _, cotangent):
+    return (_swap_exactly(cotangent),)  # the permutation is its own transpose
+
+
+swap_pairs_mxu.defvjp(_swap_pairs_fwd, _swap_pairs_bwd)
 
 
 def apply_rope_half_split(

@@ -7,7 +7,8 @@ tiles its queries may see (``key_block_ranges``: causal and document skipping, t
 tile range scalar-prefetched into SMEM) and works in VMEM:
 
 1. **Scores.** Per key tile of ``Kt`` entries, the block's queries of ``G`` heads at once
-   (head-major, stacked into the MXU's rows: ``[G*Qb, d] x [Kt, d]^T``, bf16 in, float32 out;
+   (the queries head-major, ``[B, H, R, d]``; a group's heads stacked into the MXU's rows by a
+   reshape in VMEM: ``[G*Qb, d] x [Kt, d]^T``, bf16 in, float32 out;
    float32 inputs at ``HIGHEST`` precision), then per head ``ReLU(logit) * w`` summed on the
    VPU, in head chunks and with ``score_dtype`` rounding exactly as
    ``csa_eqx.indexer_scores`` forms them. Each score becomes an order-preserving ``int32`` key
@@ -133,22 +134,23 @@ def _tile_scores(q_ref, w_ref, keys, sizes) -> Float[Array, "qb kt"]:
     each chunk's sum added to the running one; with a rounding each head's logit, its weighted
     term and the total rounded to ``score_dtype``).
 
-    **Arguments:** refs ``q [H/G, G*Qb, d]`` (head-major) and ``w [H/G, Qb, G]`` (float32,
+    **Arguments:** refs ``q [H, Qb, d]`` (head-major) and ``w [H/G, Qb, G]`` (float32,
     ``d^-1/2`` included, already rounded), the tile's ``keys [Kt, d]`` and ``sizes``
     ``(heads, head chunk, G, rounding bits)``.
 
     **Returns:** float32 ``[Qb, Kt]``.
     """
     heads, chunk, group, bits = sizes
-    qb, kt = w_ref.shape[1], keys.shape[0]
+    qb, kt, dim = w_ref.shape[1], keys.shape[0], q_ref.shape[-1]
     precision = _precision(keys.dtype)
     zeros = jnp.zeros((qb, kt), jnp.float32)
     per_chunk = chunk // group
     dims = (((1,), (1,)), ((), ()))
 
     def heads_of(g, acc):
+        q = q_ref[pl.ds(g * group, group)].reshape(group * qb, dim)  # G heads stacked
         logits = jax.lax.dot_general(
-            q_ref[g], keys, dims, precision=precision, preferred_element_type=jnp.float32
+            q, keys, dims, precision=precision, preferred_element_type=jnp.float32
         )
         w = w_ref[g]
         for h in range(group):
@@ -387,10 +389,11 @@ def _block_inputs(q, weights, keys, query_index, query_segment, layout, blocks, 
 
     **Returns:** ``(lo, hi, rows, q, w, ends, keys)``: per query block its key-tile range
     ``[lo, hi)`` (int32 ``[R / Qb]``), the query rows' index and segment ``[B, R, 2]`` (``R``:
-    the sequence padded to whole blocks with rows that see nothing), head-major query blocks
-    ``[B, R / Qb, H / G, G * Qb, d]``, their weights ``[B, R / Qb, H / G, Qb, G]`` (float32,
-    ``d^-1/2`` included, rounded), the entries' end and segment per tile ``[B, tiles, 2, Kt]``
-    and the keys ``[B, T, d]``.
+    the sequence padded to whole blocks with rows that see nothing), the queries head-major
+    ``[B, H, R, d]`` (a step's block ``[H, Qb, d]``; on a TPU XLA lays the projection out so,
+    and nothing is copied before the kernel), their weights ``[B, R / Qb, H / G, Qb, G]``
+    (float32, ``d^-1/2`` included, rounded), the entries' end and segment per tile
+    ``[B, tiles, 2, Kt]`` and the keys ``[B, T, d]``.
     """
     b, s, heads, dim = q.shape
     qb, kt = blocks
@@ -401,8 +404,7 @@ def _block_inputs(q, weights, keys, query_index, query_segment, layout, blocks, 
     query_segment = pad_axis(query_segment.astype(jnp.int32), 1, r, -1)
     lo, hi = key_block_ranges(query_index, query_segment, layout, qb, kt)
     n_blocks, n_tiles = r // qb, keys.shape[1] // kt
-    q = q.reshape(b, n_blocks, qb, heads // group, group, dim).transpose(0, 1, 3, 4, 2, 5)
-    q = q.reshape(b, n_blocks, heads // group, group * qb, dim)
+    q = q.transpose(0, 2, 1, 3)
     w = w.reshape(b, n_blocks, qb, heads // group, group).transpose(0, 1, 3, 2, 4)
     rows = jnp.stack([query_index, query_segment], axis=-1)
     ends = jnp.stack([layout.end, layout.segment], axis=1).astype(jnp.int32)
@@ -478,13 +480,13 @@ def mosaic_topk(
     visibility = (query_index, query_segment, layout)
     args = _block_inputs(q, weights, keys, *visibility, (qb, kt), group, bits)
     n_blocks, n_tiles = args[0].shape[0], args[5].shape[1]
-    qh, wh = args[3], args[4]
+    wh = args[4]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(b, n_blocks),
         in_specs=[
             pl.BlockSpec((None, qb, 2), lambda bi, i, *_: (bi, i, 0)),
-            pl.BlockSpec((None, None, *qh.shape[2:]), lambda bi, i, *_: (bi, i, 0, 0, 0)),
+            pl.BlockSpec((None, heads, qb, dim), lambda bi, i, *_: (bi, 0, i, 0)),
             pl.BlockSpec((None, None, *wh.shape[2:]), lambda bi, i, *_: (bi, i, 0, 0, 0)),
             pl.BlockSpec((None, n_tiles, 2, kt), lambda bi, i, *_: (bi, 0, 0, 0)),
             pl.BlockSpec((None, t_pad, dim), lambda bi, i, *_: (bi, 0, 0)),
