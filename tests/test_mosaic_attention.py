@@ -428,6 +428,25 @@ def test_few_heads_keep_the_query_side_arrays_unpadded():
     assert set(unpadded) == {2, 3}  # forward: q, out; backward: q, do, dq
 
 
+def test_an_unseen_nonfinite_pick_poisons_nothing():
+    """Masked picks (a ``DenseKeys``' picks, read as a tiles source the kernel masks by
+    visibility): a NaN entry a query picked but cannot see leaves that query finite, as in the
+    reference; the NaN pattern and the finite outputs are the reference's."""
+    case = "band+masked-picks/tiles/hbm-gradients"
+    arrays, segment, picks = inputs(0, 1, 3, k=K_PICKS)
+    end = np.asarray(entry_layout(segment).end)[0]
+    unseen = [(t, j) for t in range(S) for j in np.asarray(picks)[0, t] if j >= 0 and end[j] > t]
+    t, j = unseen[0]
+    arrays["entries"] = arrays["entries"].at[0, j].set(jnp.nan)
+    (_, (out, _)), (_, (ref_out, _)), _ = run_case(case, arrays)
+    bad = np.isnan(np.asarray(ref_out)).any(axis=(2, 3))
+    assert not bad[0, t]
+    np.testing.assert_array_equal(np.isnan(np.asarray(out)).any(axis=(2, 3)), bad)
+    assert_close(
+        jnp.where(bad[..., None, None], 0, out), jnp.where(bad[..., None, None], 0, ref_out)
+    )
+
+
 def test_the_picks_check_in_blocks(monkeypatch):
     """The non-finite check of gathered rows (which queries picked a flagged row), in blocks
     of 5 queries (the last one overlapping the one before) and in one block: a numpy loop's
@@ -443,6 +462,37 @@ def test_the_picks_check_in_blocks(monkeypatch):
     for elements in (2 * 4 * 5, 2**20):
         monkeypatch.setattr(mosaic, "POISON_ELEMENTS", elements)
         got = mosaic._picks_poison(jnp.asarray(bad), jnp.asarray(idx))
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_the_visible_picks_check_in_blocks(monkeypatch):
+    """With a ``DenseKeys``' picks (read as a tiles source the kernel masks by visibility), the
+    non-finite check counts only the picks each query sees: a numpy loop's answer over the
+    visibility rule, in blocks of 5 queries and in one block."""
+    r = np.random.default_rng(5)
+    b, s, t, k = 2, 13, 30, 4
+    idx = r.integers(-1, t, (b, s, k)).astype(np.int32)
+    end = np.sort(r.integers(-1, s, (b, t)), axis=1).astype(np.int32)
+    seg, qseg = r.integers(0, 2, (b, t)).astype(np.int32), r.integers(0, 2, (b, s)).astype(np.int32)
+    qidx = np.tile(np.arange(s, dtype=np.int32), (b, 1))
+    bad = r.random((b, t)) < 0.3
+
+    def seen(row, query, i):
+        return 0 <= end[row, i] <= qidx[row, query] and seg[row, i] == qseg[row, query]
+
+    def flagged(visible_only):
+        return np.array([[any(bad[row, i] and (seen(row, q, i) or not visible_only)
+                              for i in idx[row, q] if i >= 0) for q in range(s)]
+                         for row in range(b)])  # fmt: skip
+
+    want = flagged(True)
+    assert want.any() and (flagged(False) & ~want).any()  # some flagged picks are not seen
+    layout = ce.EntryLayout(jnp.asarray(end), jnp.asarray(seg), None)
+    dense = ce.DenseKeys(jnp.zeros((b, t, 8)), layout, jnp.asarray(qidx), jnp.asarray(qseg),
+                         None, jnp.asarray(idx))  # fmt: skip
+    for elements in (b * k * 5, 2**20):
+        monkeypatch.setattr(mosaic, "POISON_ELEMENTS", elements)
+        got = mosaic._picks_poison(jnp.asarray(bad), jnp.asarray(idx), dense)
         np.testing.assert_array_equal(np.asarray(got), want)
 
 

@@ -6,16 +6,17 @@ This module turns the reads into the kernels' sources (plain XLA, once per call)
 key / value table (zeroed where a row is non-finite, cast to the queries' dtype) into granule
 words; ``GatheredRows`` into ``"rows"`` (per-row DMAs) or ``"tiles"`` sources (a masked pass over
 the table's tiles), as ``gather`` says or a cost model measured on a TPU v5e chooses;
-``DenseKeys`` into a ``"dense"`` source (with ``picks``: the visible picks, gathered like
-``GatheredRows``); ``BandRows`` into a ``"band"`` source (its token rows padded so that every
-query block's slab starts at an aligned row). It sizes the blocks (the query block from the
-heads: ``auto_query_block``), keeps the query-side arrays unpadded where padding them would
-double them (``Config.narrow``) and decides what lives in VMEM (``resident`` tables, the
-backward's gradient tables, a band's included) from an estimate of each kernel's VMEM
-(``mosaic_kernels.vmem_bytes``), and refuses with a ``ValueError`` what cannot fit. Which
-queries a non-finite row poisons (and a non-finite query) is decided here too, by the
-reference's rule (``XlaAttention``), only when there is a non-finite row (``lax.cond``; the
-picks' check in blocks of ``POISON_ELEMENTS``): those queries return NaN.
+``DenseKeys`` into a ``"dense"`` source (with ``picks``, each query's visible picks: a
+``"tiles"`` source whose counts the kernel masks by the dense source's visibility rule, or, read
+as rows, the picks that rule keeps, gathered like ``GatheredRows``); ``BandRows`` into a
+``"band"`` source (its token rows padded so that every query block's slab starts at an aligned
+row). It sizes the blocks (the query block from the heads: ``auto_query_block``), keeps the
+query-side arrays unpadded where padding them would double them (``Config.narrow``) and decides
+what lives in VMEM (``resident`` tables, the backward's gradient tables, a band's included) from
+an estimate of each kernel's VMEM (``mosaic_kernels.vmem_bytes``), and refuses with a
+``ValueError`` what cannot fit. Which queries a non-finite row poisons (and a non-finite query)
+is decided here too, by the reference's rule (``XlaAttention``), only when there is a non-finite
+row (``lax.cond``; the picks' check in blocks of ``POISON_ELEMENTS``): those queries return NaN.
 
 The kernels' ``custom_vjp`` takes the natural arrays (queries, tables, sinks); its backward
 repacks them, runs the backward kernel (with a configuration of its own: gradient tables in
@@ -37,7 +38,7 @@ from jaxtyping import Array
 from .._layout import entry_visibility
 from . import mosaic_kernels as K
 from .base import AbstractAttentionKernel, require_exact_softmax, require_keys
-from .reads import Reads, gather_keys, nonfinite_rows, zero_rows
+from .reads import DenseKeys, Reads, gather_keys, nonfinite_rows, zero_rows
 
 __all__ = ["MosaicAttention"]
 
@@ -216,16 +217,22 @@ def _if_bad(bad: Array, flags, shape) -> Array:
     return jax.lax.cond(jnp.any(bad), flags, lambda: jnp.zeros(shape, bool))
 
 
-def _picks_poison(bad, idx) -> Array:
+def _picks_poison(bad, idx, dense: DenseKeys | None = None) -> Array:
     """bool ``[B, S]``: query ``t`` picked (``idx [B, S, k]``, ``-1``: nothing) a flagged row,
     ``POISON_ELEMENTS`` picks at a time (the gather's index arrays are a block's, not the
-    whole ``[B, S, k]``'s); the last block ends at ``S`` (overlapping the one before)."""
+    whole ``[B, S, k]``'s); the last block ends at ``S`` (overlapping the one before). With a
+    ``DenseKeys``, only the picks its queries see (``DenseKeys.picked_rows``' rule)."""
     b, s, k = idx.shape
     n = min(s, max(1, POISON_ELEMENTS // max(b * k, 1)))
 
     def block(i, acc):
         start = jnp.minimum(i * n, s - n)
         rows = jax.lax.dynamic_slice_in_dim(idx, start, n, 1)
+        if dense is not None:
+            query = (dense.query_index, dense.query_segment)
+            part = (jax.lax.dynamic_slice_in_dim(a, start, n, 1) for a in query)
+            rows = dense._replace(query_index=next(part), query_segment=next(part), picks=rows)
+            rows = rows.picked_rows().indices
         hit = jnp.any((rows >= 0) & gather_keys(bad[..., None], rows)[..., 0], axis=-1)
         return jax.lax.dynamic_update_slice_in_dim(acc, hit, start, 1)
 
@@ -291,6 +298,26 @@ def _tiles_ints(idx: Array, nq: int, qb: int, tile: int):
     return (idx,), counts
 
 
+def _entry_meta(dense: DenseKeys, tile: int) -> Array:
+    """int32 ``[B, rows / tile, 8, tile]``: the entries' end (row 0) and segment (row 1) per
+    tile (padded entries: end ``-1``, seen by no query), the kernel's visibility rule's."""
+    b, t = dense.layout.end.shape
+    rows = _round_up(t, tile)
+    end = _pad_to(dense.layout.end.astype(jnp.int32), 1, rows, -1)
+    segment = _pad_to(dense.layout.segment.astype(jnp.int32), 1, rows)
+    emeta = jnp.zeros((b, 8, rows), jnp.int32).at[:, 0].set(end).at[:, 1].set(segment)
+    return emeta.reshape(b, 8, rows // tile, tile).transpose(0, 2, 1, 3)
+
+
+def _query_meta(dense: DenseKeys, sp: int) -> dict[int, Array]:
+    """The per-query metadata columns the visibility rule reads: 1, each query's index; 2, its
+    segment (padded queries: index ``-1``, see nothing)."""
+    return {
+        1: _pad_to(dense.query_index.astype(jnp.int32), 1, sp, -1),
+        2: _pad_to(dense.query_segment.astype(jnp.int32), 1, sp, QUERY_PAD),
+    }
+
+
 def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: float) -> _Plan:
     """The kernels' sources, tables, int arrays and configurations for ``reads`` (see the
     module docstring)."""
@@ -303,16 +330,20 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
     value_width = _value_width(reads, d)
     key_blocks, value_blocks = -(-d // K.LANES), -(-value_width // K.LANES)
     heads = _round_up(h, sublanes)
-    gathered, dense = list(reads.gathered), reads.dense
-    if dense is not None and dense.picks is not None:  # the visible picks, as gathered rows
-        gathered.append(dense.picked_rows())
-        dense = None
+    gathered, dense, picked = list(reads.gathered), reads.dense, None
+    if dense is not None and dense.picks is not None:  # each query's visible picks
+        dense, picked = None, dense
     gather = kernel.gather
     if gather == "auto":
         sets = [(g.keys.shape[1], g.indices.shape[-1]) for g in gathered]
+        if picked is not None:
+            sets.append((picked.keys.shape[1], picked.picks.shape[-1]))
         width = K.LANES * (key_blocks + value_blocks)
         rows, tiles = (gather_seconds(way, s, sets, heads, width, tile, qb) for way in GATHERS[1:])
-        gather = "rows" if gathered and rows < tiles else "tiles"
+        gather = "rows" if sets and rows < tiles else "tiles"
+    if picked is not None and gather == "rows":  # the visible picks as gathered rows
+        gathered.append(picked.picked_rows())
+        picked = None
     hb = kernel.head_block
     if not hb:  # rows: every head reads a fetched row; tiles: STEP_ROWS softmax rows a step
         hb = (
@@ -359,22 +390,32 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
             counts.append(src_counts)
             ints.append(src_ints)
             sources.append(K.Source("tiles", t, width, slot=len(counts) - 1))
+    if picked is not None:  # tiles: the picks counted, each masked by the entries' visibility
+        t = table(picked.keys, picked.values, picked.value_width)
+        tables[t]["kind"] = "tiles"
+        idx = picked.picks.astype(i32)
+        idx = _pad_to(_pad_to(idx, 2, _round_up(max(idx.shape[-1], 1), 8), -1), 1, sp, -1)
+        src_ints, src_counts = _tiles_ints(idx, nq, qb, tile)
+        counts.append(src_counts)
+        ints.append((*src_ints, _entry_meta(picked, tile)))
+        sources.append(K.Source("tiles", t, idx.shape[-1], slot=len(counts) - 1, visible=True))
+        meta.update(_query_meta(picked, sp))
+
+        picks_bad = functools.partial(_picks_poison, tables[t]["bad"], picked.picks, picked)
+        poison = poison | _if_bad(tables[t]["bad"], picks_bad, (b, s))
     if dense is not None:
         t = table(dense.keys, dense.values, dense.value_width)
         tables[t]["kind"] = "tiles"
         rows = _round_up(dense.keys.shape[1], tile)
         end = _pad_to(dense.layout.end.astype(i32), 1, rows, -1)
-        segment = _pad_to(dense.layout.segment.astype(i32), 1, rows)
         index = _pad_to(dense.query_index.astype(i32), 1, sp, -1)
         top = jnp.max(index.reshape(b, nq, qb), axis=-1)
         closed = (end[:, None, :] >= 0) & (end[:, None, :] <= top[:, :, None])
         last = jnp.max(jnp.where(closed, jnp.arange(rows, dtype=i32), -1), axis=-1)
         counts.append((last + tile) // tile)
-        emeta = jnp.zeros((b, 8, rows), i32).at[:, 0].set(end).at[:, 1].set(segment)
-        ints.append((emeta.reshape(b, 8, rows // tile, tile).transpose(0, 2, 1, 3),))
+        ints.append((_entry_meta(dense, tile),))
         sources.append(K.Source("dense", t, slot=len(counts) - 1))
-        meta[1] = index
-        meta[2] = _pad_to(dense.query_segment.astype(i32), 1, sp, QUERY_PAD)
+        meta.update(_query_meta(dense, sp))
 
         def sees_bad(bad=tables[t]["bad"], dense=dense):
             seen = entry_visibility(dense.query_index, dense.query_segment, dense.layout)

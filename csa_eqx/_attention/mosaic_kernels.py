@@ -120,13 +120,16 @@ class Source(NamedTuple):
     """One read set: its ``kind`` (``"rows"``, ``"tiles"``, ``"dense"`` or ``"band"``), its
     ``table`` (index into ``Config.tables``), ``width`` (rows / tiles: index columns per query;
     band: the window), ``front`` (band: slab rows before the block's own, a multiple of the
-    query block) and ``slot`` (tiles / dense: its row of the tile counts)."""
+    query block), ``slot`` (tiles / dense: its row of the tile counts) and ``visible`` (tiles:
+    each pick read only where the query sees its entry, by the dense source's rule; its second
+    int array the entries' end and segment per tile, as a dense source's)."""
 
     kind: str
     table: int
     width: int = 0
     front: int = 0
     slot: int = 0
+    visible: bool = False
 
 
 class Config(NamedTuple):
@@ -183,7 +186,7 @@ class Config(NamedTuple):
     @property
     def has_meta(self) -> bool:
         """Whether a source needs the per-query metadata (band segments, dense visibility)."""
-        return any(s.kind in ("band", "dense") for s in self.sources)
+        return any(s.kind in ("band", "dense") or s.visible for s in self.sources)
 
     def slab(self, src: Source) -> int:
         """Rows of a band source's slab."""
@@ -279,6 +282,8 @@ def vmem_bytes(config: Config, backward: bool) -> int:
             step += _vmem((lanes, gg * LANES)) + _vmem((rows, dk))
         if src.kind == "tiles":
             blocks.append(_vmem((qb, src.width)))
+            if src.visible:
+                blocks.append(_vmem((table.rows // c.tile * 8, c.tile)))
             high, padded = table.rows // LANES, qb + -qb % LANES
             picks = _vmem((padded, src.width)) + _vmem((src.width, padded))  # and transposed
             step = max(step, _vmem((high, src.width), 6) + _vmem((src.width, LANES), 6) + picks)
@@ -459,10 +464,10 @@ def _meta_spec(config: Config):
 def _source_specs(config: Config) -> list:
     """The BlockSpecs of each source's int arrays (rows: its indices ``[B, seq, width]`` in
     SMEM; tiles: the same in VMEM; dense: the entries' end and segment per tile ``[B, rows /
-    tile, 8, tile]``; band: the slab rows' segments ``[B, n_q, 1, slab]``), then of each table
-    (HBM, or a single-buffered VMEM block per batch row, its batch dimension kept: a DMA from a
-    block whose batch dimension is squeezed is lowered with too few indices, which Mosaic's
-    verifier rejects)."""
+    tile, 8, tile]``, as a visible tiles source's second; band: the slab rows' segments ``[B,
+    n_q, 1, slab]``), then of each table (HBM, or a single-buffered VMEM block per batch row,
+    its batch dimension kept: a DMA from a block whose batch dimension is squeezed is lowered
+    with too few indices, which Mosaic's verifier rejects)."""
     qb = config.query_block
     specs = []
     for src in config.sources:
@@ -471,10 +476,10 @@ def _source_specs(config: Config) -> list:
             index = pl.BlockSpec((None, qb, src.width), lambda b, i, j, *_: (b, i, 0),
                                  memory_space=space)  # fmt: skip
             specs.append(index)
-        elif src.kind == "dense":
+        if src.kind == "dense" or src.visible:
             shape = (None, config.tables[src.table].rows // config.tile, 8, config.tile)
             specs.append(pl.BlockSpec(shape, lambda b, i, j, *_: (b, 0, 0, 0)))
-        else:
+        elif src.kind == "band":
             slab = config.slab(src)
             specs.append(pl.BlockSpec((None, None, 1, slab), lambda b, i, j, *_: (b, i, 0, 0)))
     for table in config.tables:
@@ -865,7 +870,7 @@ def _count_picks(step: _Step, s: _SourceRefs):
     """Fill the counts scratch ``[rows / 128 * Qb, 128]``: row ``h * Qb + q``, lane ``l`` is
     how often query ``q`` of the block picked table row ``128 h + l``."""
     c = step.config
-    (idx,) = s.ints
+    idx = s.ints[0]
     counts = s.bufs["counts"]
     high = s.table.rows // LANES
     width = s.src.width
@@ -910,7 +915,7 @@ def _tile_counts(step: _Step, s: _SourceRefs, t):
 def _tile_visibility(step: _Step, s: _SourceRefs, t):
     """``[Qb, tile]``: which entries of tile ``t`` each query sees (its window closed at or
     before the query, in the query's segment)."""
-    meta = s.ints[0].at[t]
+    meta = s.ints[-1].at[t]
     end, segment = meta[0:1, :], meta[1:2, :]
     index, query_segment = step.meta(1), step.meta(2)
     return jnp.where((end >= 0) & (end <= index) & (segment == query_segment), 1.0, 0.0)
@@ -918,9 +923,12 @@ def _tile_visibility(step: _Step, s: _SourceRefs, t):
 
 def _tile_weights(step: _Step, s: _SourceRefs, t):
     """``[R, tile]`` weights of tile ``t`` of a tiles / dense source."""
-    if s.src.kind == "tiles":
-        return _per_row(_tile_counts(step, s, t), step.config)
-    return _per_row(_tile_visibility(step, s, t), step.config)
+    if s.src.kind == "dense":
+        return _per_row(_tile_visibility(step, s, t), step.config)
+    counts = _tile_counts(step, s, t)
+    if s.src.visible:
+        counts = counts * _tile_visibility(step, s, t)
+    return _per_row(counts, step.config)
 
 
 # --- forward --------------------------------------------------------------------------------
@@ -947,7 +955,7 @@ def _forward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
     q_ref = refs.take()
     sink_ref = refs.take() if config.has_sinks else None
     qmeta_ref = refs.take() if config.has_meta else None
-    ints = [refs.take(1) for _ in config.sources]
+    ints = [refs.take(2 if src.visible else 1) for src in config.sources]
     tables = refs.take(len(config.tables))
     out_ref, lse_ref, m_ref, l_ref, acc_ref = refs.take(5)
     if config.narrow:
@@ -1107,7 +1115,7 @@ def _backward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
     refs = _Refs(refs)
     q_ref, do_ref, lse_ref, coeff_ref = refs.take(4)
     qmeta_ref = refs.take() if config.has_meta else None
-    ints = [refs.take(1) for _ in config.sources]
+    ints = [refs.take(2 if src.visible else 1) for src in config.sources]
     tables = refs.take(len(config.tables))
     gathered, in_vmem = config.grad_tables(), config.vmem_grad_tables()
     refs.take(len(gathered) - len(in_vmem))  # the zeros aliased to the HBM gradient tables
