@@ -59,6 +59,8 @@ ENVIRONMENT = {
     "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
 }
 PROGRAMS = ("stage", "fwd", "fwdbwd")
+# the benchmark layer, then the accelerator table's layers at released sizes
+LAYERS = ("speed", "v4_flash_csa", "v32_dsa")
 GIB = 2**30
 
 
@@ -67,12 +69,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seqs", type=int, nargs="+", default=[4096], help="sequence lengths S")
     p.add_argument("--programs", nargs="+", choices=PROGRAMS, default=["stage"])
     p.add_argument(
+        "--layer",
+        choices=LAYERS,
+        default="speed",
+        help="speed: the benchmark pages' layer; v4_flash_csa / v32_dsa: the accelerator "
+        "table's layers at released sizes (its part 2)",
+    )
+    p.add_argument(
         "--execution",
         help='an expression in csa_eqx as "ce", e.g. '
         '"ce.Execution(attention=ce.MosaicAttention(query_block=64))" (default: automatic)',
     )
     p.add_argument("--json", type=Path, help="also write the rows here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if "stage" in args.programs and args.layer == "v32_dsa":
+        p.error("the stage program is a V4 layer's (--layer speed or v4_flash_csa)")
+    return args
 
 
 def compile_rows(args: argparse.Namespace) -> list[dict]:
@@ -87,7 +99,7 @@ def compile_rows(args: argparse.Namespace) -> list[dict]:
 
     import csa_eqx as ce
     from benchmarks import harness, layer_speed
-    from benchmarks.accelerator_table import Program, cast
+    from benchmarks.accelerator_table import Program, cast, released_layer
 
     topology = topologies.get_topology_desc(
         topology_name="v5e:1x1",
@@ -97,10 +109,14 @@ def compile_rows(args: argparse.Namespace) -> list[dict]:
         num_slices=1,
     )
     chip = NamedSharding(Mesh(np.array(topology.devices), ("chip",)), PartitionSpec())
-    config = harness.speed_layer()
-    layer = eqx.filter_eval_shape(
-        lambda key: cast(ce.V4Attention(config, key=key), jnp.bfloat16), jax.random.key(0)
-    )
+    if args.layer == "speed":
+        config = harness.speed_layer()
+        layer = eqx.filter_eval_shape(
+            lambda key: cast(ce.V4Attention(config, key=key), jnp.bfloat16), jax.random.key(0)
+        )
+    else:
+        config, build = released_layer(args.layer, "full")
+        layer = eqx.filter_eval_shape(build, jax.random.key(0))
     if args.execution:
         layer = layer.with_execution(eval(args.execution, {"ce": ce}))
 
