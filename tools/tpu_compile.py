@@ -99,7 +99,7 @@ def compile_rows(args: argparse.Namespace) -> list[dict]:
 
     import csa_eqx as ce
     from benchmarks import harness, layer_speed
-    from benchmarks.accelerator_table import Program, cast, released_layer
+    from benchmarks.accelerator_table import Program, cast, needed_bytes, released_layer
 
     topology = topologies.get_topology_desc(
         topology_name="v5e:1x1",
@@ -136,24 +136,34 @@ def compile_rows(args: argparse.Namespace) -> list[dict]:
             start = time.perf_counter()
             with mock.patch.object(jax, "default_backend", return_value="tpu"):
                 program = Program(functions[name], (layer, x))
-            program.compile()
-            seconds = time.perf_counter() - start
-            rows.append(
-                dict(program=name, seq=seq, kernel_calls=program.kernel_calls, seconds=seconds)
-                | program.memory
-            )
+            row = dict(program=name, seq=seq, kernel_calls=program.kernel_calls)
+            try:
+                program.compile()
+            except jax.errors.JaxRuntimeError as err:  # past the chip's HBM: a row that says so
+                if "RESOURCE_EXHAUSTED" not in str(err):
+                    raise
+                row["error"] = str(err).splitlines()[0]
+            else:
+                row |= program.memory
+                row["needed"] = needed_bytes(program.memory, resident=False)
+            rows.append(row | dict(seconds=time.perf_counter() - start))
             print(table_row(rows[-1]), flush=True)
     return rows
 
 
-HEADER = f"{'program':8} {'S':>6} {'kernels':>7} {'temp GiB':>9} {'arg GiB':>8} {'out GiB':>8}"
+HEADER = (
+    f"{'program':8} {'S':>6} {'kernels':>7} {'temp GiB':>9} {'arg GiB':>8} {'out GiB':>8} "
+    f"{'needs GiB':>9}"
+)
 
 
 def table_row(row: dict) -> str:
-    return (
-        f"{row['program']:8} {row['seq']:6} {row['kernel_calls']:7} {row['temp'] / GIB:9.3f} "
-        f"{row['argument'] / GIB:8.3f} {row['output'] / GIB:8.3f}  (compiled in "
-        f"{row['seconds']:.1f} s)"
+    head = f"{row['program']:8} {row['seq']:6} {row['kernel_calls']:7} "
+    if "error" in row:
+        return head + f"{row['error']}  (compiled in {row['seconds']:.1f} s)"
+    return head + (
+        f"{row['temp'] / GIB:9.3f} {row['argument'] / GIB:8.3f} {row['output'] / GIB:8.3f} "
+        f"{row['needed'] / GIB:9.3f}  (compiled in {row['seconds']:.1f} s)"
     )
 
 

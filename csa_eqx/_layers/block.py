@@ -128,11 +128,16 @@ class V4Block(eqx.Module):
         b, s, _ = x.shape
         nx = numerics
         qr = rms_norm(nx.linear(x, self.q_a_proj), self.q_a_norm, self.eps)
-        # heads from the weights, not the config: under head parallelism a device holds some
-        q = nx.linear(qr, self.q_b_proj).reshape(b, s, -1, self.head_dim)
-        if self.query_norm:
-            q = nx.head_norm(q, self.eps)
-        q = self._rope_tail(q, positions[..., None])
+
+        def queries(qr):
+            # heads from the weights, not the config: under head parallelism a device holds some
+            q = nx.linear(qr, self.q_b_proj).reshape(b, s, -1, self.head_dim)
+            if self.query_norm:
+                q = nx.head_norm(q, self.eps)
+            return self._rope_tail(q, positions[..., None])
+
+        # recomputed from qr in the backward: the pre-norm [B, S, H, head_dim] is not saved
+        q = jax.checkpoint(queries)(qr)
         kv = rms_norm(nx.linear(x, self.kv_proj), self.kv_norm, self.eps)
         return qr, q, self._rope_tail(kv, positions)
 
