@@ -1,8 +1,9 @@
-"""Compile the benchmark layer's programs for a TPU v5e on a machine without one, and print the
+"""Compile a benchmarked layer's programs for a TPU v5e on a machine without one, and print the
 chip's compiled memory: XLA's ``memory_analysis`` of each program as the TPU compiler builds it.
 
     PYTHONPATH=/tmp/libtpu python tools/tpu_compile.py --seqs 4096 16384 \\
-        --programs stage fwd fwdbwd [--execution "ce.Execution(...)"] [--json out.json]
+        --programs stage fwd fwdbwd [--layer v4_flash_csa] [--execution "ce.Execution(...)"] \\
+        [--json out.json]
 
 It needs ``libtpu`` (the TPU compiler; no chip), installed OUTSIDE the project's environments,
 where JAX would otherwise try to start a TPU backend::
@@ -26,6 +27,14 @@ here; while a program is traced the tool makes it answer ``"tpu"`` (``unittest.m
 undone after each trace). JAX's own code asks its backend elsewhere
 (``xla_bridge.default_backend``), so the patch reaches only callers of ``jax.default_backend``:
 the library's choosers.
+
+Layers (``--layer``): ``speed`` (default), the benchmark pages' layer below;
+``v4_flash_csa`` / ``v32_dsa``, the accelerator table's layers at released sizes (its part 2,
+``benchmarks.accelerator_table.released_layer``: random bfloat16 weights, ``x`` ``[1, S,
+hidden]`` bfloat16; ``stage`` is a V4 layer's only). A program past the chip's HBM is a row
+with the compiler's ``RESOURCE_EXHAUSTED`` message (the temporaries it would need); ``needs
+GiB`` is what a program needs to run where nothing is resident (temporaries, arguments,
+outputs: ``needed_bytes``, the accelerator table's test against the device's free memory).
 
 Programs (the benchmark pages' layer, ``benchmarks.harness.speed_layer``, in bfloat16 as
 ``benchmarks.accelerator_table.cast`` makes it, ``x`` ``[1, S, hidden]`` bfloat16): ``stage``,
