@@ -245,6 +245,19 @@ def cast(layer, dtype):
     return jax.tree.map(lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, layer)
 
 
+def released_layer(kind: str, mode: str) -> tuple[Any, Callable]:
+    """The config of the layer at released sizes ``kind`` (a key of ``RELEASED``) in ``mode``
+    (``"full"``: the released sizes) and its builder: ``build(key)``, the layer with random
+    bfloat16 weights (under ``eqx.filter_eval_shape``, its shapes only)."""
+    cls, configs = RELEASED[kind]
+    config = configs[mode]()
+
+    def build(key):
+        return cls(config, key=key, dtype=jnp.bfloat16)
+
+    return config, build
+
+
 def needed_bytes(mem: dict, resident: bool) -> int:
     """Device bytes a compiled program still needs to run: its temporaries and outputs, and its
     arguments unless they are ``resident`` already."""
@@ -784,12 +797,7 @@ class Bench:
     def released(self, kind: str, seq: int) -> None:
         """One layer at released sizes (part 2): compiled for shapes first, then run where
         its compiled memory fits: fwd, fwd+bwd, then the attention call alone."""
-        cls, configs = RELEASED[kind]
-        config = configs[self.res["mode"]]()
-
-        def build(key):
-            return cls(config, key=key, dtype=jnp.bfloat16)
-
+        config, build = released_layer(kind, self.res["mode"])
         layer = eqx.filter_eval_shape(build, jax.random.key(0))
         x = jax.ShapeDtypeStruct((1, seq, config.hidden_size), jnp.bfloat16)
         choice = resolve(layer, x)

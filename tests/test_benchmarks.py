@@ -464,12 +464,41 @@ def test_kernel_calls_are_found_in_a_lowering():
 def test_tpu_compile_without_libtpu_says_how_to_install_it(capsys, monkeypatch):
     # the tool refuses before importing JAX and leaves the environment alone
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
-    path = Path(__file__).resolve().parents[1] / "tools" / "tpu_compile.py"
-    spec = importlib.util.spec_from_file_location("tpu_compile", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = _tpu_compile_tool()
     assert tool.main(["--seqs", "4096", "--programs", "stage"]) == 2
     err = capsys.readouterr().err
     assert "libtpu is not importable" in err
     assert "pip install --no-deps --target /tmp/libtpu libtpu==0.0.42.1" in err
     assert "JAX_PLATFORMS" not in os.environ
+
+
+def _tpu_compile_tool():
+    path = Path(__file__).resolve().parents[1] / "tools" / "tpu_compile.py"
+    spec = importlib.util.spec_from_file_location("tpu_compile", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def test_tpu_compile_layers_are_the_accelerator_tables(capsys):
+    """``--layer`` names the benchmark layer and the accelerator table's released layers (the
+    tool builds them with the table's own ``released_layer``); the selection stage is a V4
+    layer's only, refused before anything is compiled."""
+    import jax
+    import jax.numpy as jnp
+
+    import csa_eqx as ce
+    from benchmarks.accelerator_table import RELEASED, released_layer
+
+    tool = _tpu_compile_tool()
+    assert set(tool.LAYERS) == {"speed", *RELEASED}
+    assert tool.parse(["--layer", "v32_dsa", "--programs", "fwdbwd"]).layer == "v32_dsa"
+    with pytest.raises(SystemExit):
+        tool.parse(["--layer", "v32_dsa", "--programs", "stage"])
+    assert "the stage program is a V4 layer's" in capsys.readouterr().err
+    config, build = released_layer("v32_dsa", "full")
+    assert (config.num_heads, config.kv_lora_rank, config.index_topk) == (128, 512, 2048)
+    config, build = released_layer("v4_flash_csa", "quick")
+    layer = build(jax.random.key(0))
+    assert isinstance(layer, ce.V4Attention) and layer.config == config
+    assert layer.block.q_b_proj.dtype == jnp.bfloat16

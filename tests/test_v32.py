@@ -191,6 +191,37 @@ def test_singleton_segments_attend_to_themselves_only():
     np.testing.assert_allclose(np.asarray(y)[:, :1], alone, rtol=1e-5, atol=1e-6)
 
 
+def test_attention_in_head_groups_matches_hf(monkeypatch):
+    """A long sequence's MLA in head groups (``head_groups``; forced here by small budgets on a
+    32-head layer, two groups of 16): the output matches HF's; it equals the one call's, and
+    the gradients (the keys' summed over the groups in float32) are within float32 rounding
+    of the one call's."""
+    from csa_eqx._layers import v32
+
+    assert [v32.head_groups((1, s, 128, 128), 576) for s in (16384, 32768, 65536)] == [1, 4, 8]
+    arch = tiny_v32(index_topk=6, v_head_dim=12, num_heads=32)
+    cfg = hf_v32_config(arch)
+    hf_layer = random_hf_v32_layer(cfg, seed=3)
+    x = np.random.default_rng(3).normal(size=(2, 20, cfg.hidden_size)).astype(np.float32)
+    want, _, scores = run_hf_v32(hf_layer, cfg, x)
+    layer = load_v32_attention(state_dict_numpy(hf_layer), cfg, 0)
+
+    def run():
+        loss = lambda m, x: jnp.sum(m(x) ** 2)  # noqa: E731
+        return jax.jit(lambda m, x: (m(x), jax.grad(loss, argnums=(0, 1))(m, x)))(layer, x)
+
+    one_y, one_grads = run()
+    monkeypatch.setattr(v32, "ONE_CALL", 0)
+    monkeypatch.setattr(v32, "GROUP", 16 * 20 * 40)  # 16 heads of 20 queries x 40 wide
+    assert v32.head_groups((2, 20, 32, 16), 40) == 2
+    y, grads = run()
+    assert_close(np.asarray(y), want, untied_rows(scores, 6, 1, rel_gap=1e-5))
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(one_y))
+    for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(one_grads), strict=True):
+        scale = np.abs(np.asarray(ref)).max()
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6 * scale)
+
+
 def test_selection_is_tagged_for_remat():
     layer = _random_layer(indexer_save_selection=True)
     x = jnp.zeros((1, 5, 64))

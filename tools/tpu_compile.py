@@ -1,8 +1,9 @@
-"""Compile the benchmark layer's programs for a TPU v5e on a machine without one, and print the
+"""Compile a benchmarked layer's programs for a TPU v5e on a machine without one, and print the
 chip's compiled memory: XLA's ``memory_analysis`` of each program as the TPU compiler builds it.
 
     PYTHONPATH=/tmp/libtpu python tools/tpu_compile.py --seqs 4096 16384 \\
-        --programs stage fwd fwdbwd [--execution "ce.Execution(...)"] [--json out.json]
+        --programs stage fwd fwdbwd [--layer v4_flash_csa] [--execution "ce.Execution(...)"] \\
+        [--json out.json]
 
 It needs ``libtpu`` (the TPU compiler; no chip), installed OUTSIDE the project's environments,
 where JAX would otherwise try to start a TPU backend::
@@ -26,6 +27,14 @@ here; while a program is traced the tool makes it answer ``"tpu"`` (``unittest.m
 undone after each trace). JAX's own code asks its backend elsewhere
 (``xla_bridge.default_backend``), so the patch reaches only callers of ``jax.default_backend``:
 the library's choosers.
+
+Layers (``--layer``): ``speed`` (default), the benchmark pages' layer below;
+``v4_flash_csa`` / ``v32_dsa``, the accelerator table's layers at released sizes (its part 2,
+``benchmarks.accelerator_table.released_layer``: random bfloat16 weights, ``x`` ``[1, S,
+hidden]`` bfloat16; ``stage`` is a V4 layer's only). A program past the chip's HBM is a row
+with the compiler's ``RESOURCE_EXHAUSTED`` message (the temporaries it would need); ``needs
+GiB`` is what a program needs to run where nothing is resident (temporaries, arguments,
+outputs: ``needed_bytes``, the accelerator table's test against the device's free memory).
 
 Programs (the benchmark pages' layer, ``benchmarks.harness.speed_layer``, in bfloat16 as
 ``benchmarks.accelerator_table.cast`` makes it, ``x`` ``[1, S, hidden]`` bfloat16): ``stage``,
@@ -59,6 +68,8 @@ ENVIRONMENT = {
     "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
 }
 PROGRAMS = ("stage", "fwd", "fwdbwd")
+# the benchmark layer, then the accelerator table's layers at released sizes
+LAYERS = ("speed", "v4_flash_csa", "v32_dsa")
 GIB = 2**30
 
 
@@ -67,12 +78,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seqs", type=int, nargs="+", default=[4096], help="sequence lengths S")
     p.add_argument("--programs", nargs="+", choices=PROGRAMS, default=["stage"])
     p.add_argument(
+        "--layer",
+        choices=LAYERS,
+        default="speed",
+        help="speed: the benchmark pages' layer; v4_flash_csa / v32_dsa: the accelerator "
+        "table's layers at released sizes (its part 2)",
+    )
+    p.add_argument(
         "--execution",
         help='an expression in csa_eqx as "ce", e.g. '
         '"ce.Execution(attention=ce.MosaicAttention(query_block=64))" (default: automatic)',
     )
     p.add_argument("--json", type=Path, help="also write the rows here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if "stage" in args.programs and args.layer == "v32_dsa":
+        p.error("the stage program is a V4 layer's (--layer speed or v4_flash_csa)")
+    return args
 
 
 def compile_rows(args: argparse.Namespace) -> list[dict]:
@@ -87,7 +108,7 @@ def compile_rows(args: argparse.Namespace) -> list[dict]:
 
     import csa_eqx as ce
     from benchmarks import harness, layer_speed
-    from benchmarks.accelerator_table import Program, cast
+    from benchmarks.accelerator_table import Program, cast, needed_bytes, released_layer
 
     topology = topologies.get_topology_desc(
         topology_name="v5e:1x1",
@@ -97,10 +118,14 @@ def compile_rows(args: argparse.Namespace) -> list[dict]:
         num_slices=1,
     )
     chip = NamedSharding(Mesh(np.array(topology.devices), ("chip",)), PartitionSpec())
-    config = harness.speed_layer()
-    layer = eqx.filter_eval_shape(
-        lambda key: cast(ce.V4Attention(config, key=key), jnp.bfloat16), jax.random.key(0)
-    )
+    if args.layer == "speed":
+        config = harness.speed_layer()
+        layer = eqx.filter_eval_shape(
+            lambda key: cast(ce.V4Attention(config, key=key), jnp.bfloat16), jax.random.key(0)
+        )
+    else:
+        config, build = released_layer(args.layer, "full")
+        layer = eqx.filter_eval_shape(build, jax.random.key(0))
     if args.execution:
         layer = layer.with_execution(eval(args.execution, {"ce": ce}))
 
@@ -120,24 +145,34 @@ def compile_rows(args: argparse.Namespace) -> list[dict]:
             start = time.perf_counter()
             with mock.patch.object(jax, "default_backend", return_value="tpu"):
                 program = Program(functions[name], (layer, x))
-            program.compile()
-            seconds = time.perf_counter() - start
-            rows.append(
-                dict(program=name, seq=seq, kernel_calls=program.kernel_calls, seconds=seconds)
-                | program.memory
-            )
+            row = dict(program=name, seq=seq, kernel_calls=program.kernel_calls)
+            try:
+                program.compile()
+            except jax.errors.JaxRuntimeError as err:  # past the chip's HBM: a row that says so
+                if "RESOURCE_EXHAUSTED" not in str(err):
+                    raise
+                row["error"] = str(err).splitlines()[0]
+            else:
+                row |= program.memory
+                row["needed"] = needed_bytes(program.memory, resident=False)
+            rows.append(row | dict(seconds=time.perf_counter() - start))
             print(table_row(rows[-1]), flush=True)
     return rows
 
 
-HEADER = f"{'program':8} {'S':>6} {'kernels':>7} {'temp GiB':>9} {'arg GiB':>8} {'out GiB':>8}"
+HEADER = (
+    f"{'program':8} {'S':>6} {'kernels':>7} {'temp GiB':>9} {'arg GiB':>8} {'out GiB':>8} "
+    f"{'needs GiB':>9}"
+)
 
 
 def table_row(row: dict) -> str:
-    return (
-        f"{row['program']:8} {row['seq']:6} {row['kernel_calls']:7} {row['temp'] / GIB:9.3f} "
-        f"{row['argument'] / GIB:8.3f} {row['output'] / GIB:8.3f}  (compiled in "
-        f"{row['seconds']:.1f} s)"
+    head = f"{row['program']:8} {row['seq']:6} {row['kernel_calls']:7} "
+    if "error" in row:
+        return head + f"{row['error']}  (compiled in {row['seconds']:.1f} s)"
+    return head + (
+        f"{row['temp'] / GIB:9.3f} {row['argument'] / GIB:8.3f} {row['output'] / GIB:8.3f} "
+        f"{row['needed'] / GIB:9.3f}  (compiled in {row['seconds']:.1f} s)"
     )
 
 

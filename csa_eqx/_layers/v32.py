@@ -39,6 +39,77 @@ from .forward import Forward
 __all__ = ["V32Attention"]
 
 
+# the absorbed queries ``[B, S, heads, kv_lora + rope]`` (elements) one attention call takes;
+# above ONE_CALL the heads run in groups of at most GROUP, one after the other, each recomputed
+# in the backward (compiled for a v5e, V3.2 at released sizes, 128 heads x 576, bf16 fwd+bwd:
+# 16k, 1.2e9, one call, 12.3 GiB of temporaries; 32k in one call 24.8 GiB, in 2 groups 16.4,
+# in 4 groups 12.2; docs/memory.md, "Released sizes on one TPU v5e")
+ONE_CALL = 1 << 31
+GROUP = 5 << 27
+
+
+def head_groups(shape: tuple[int, ...], width: int) -> int:
+    """**Arguments:** the per-head queries' ``shape`` ``[B, S, H, d]`` and the latent keys'
+    ``width``.
+
+    **Returns:** 1 where the absorbed queries fit ``ONE_CALL``, else the fewest head groups (a
+    power of two dividing ``H``, at least 16 heads each: a bfloat16 kernel's head block) of at
+    most ``GROUP`` elements each."""
+    b, s, heads, _ = shape
+    if b * s * heads * width <= ONE_CALL:
+        return 1
+    groups = 1
+    while b * s * (heads // groups) * width > GROUP and heads % (groups * 2) == 0:
+        if heads // (groups * 2) < 16:
+            break
+        groups *= 2
+    return groups
+
+
+def in_head_groups(attend, groups: int, q_nope: Array, q_rope: Array, weight: Array, keys):
+    """``attend(q_nope, q_rope, weight, keys) -> (out, lse or None)`` over ``groups`` groups of
+    consecutive heads in turn (``lax.map``; ``weight`` is ``kv_b_proj``, head-major rows), and
+    its backward group by group, each group's forward recomputed there (a ``custom_vjp``: a
+    kernel's effects rule out ``jax.checkpoint``): one group's absorbed queries and kernel
+    buffers are live at a time and none is saved. The keys' gradient is the groups' summed
+    in float32."""
+
+    def split(a):
+        return jnp.moveaxis(a.reshape(*a.shape[:2], groups, -1, *a.shape[3:]), 2, 0)
+
+    def join(a):
+        a = jnp.moveaxis(a, 0, 2)
+        return a.reshape(*a.shape[:2], -1, *a.shape[4:])
+
+    def parts(q_nope, q_rope, weight):
+        return split(q_nope), split(q_rope), weight.reshape(groups, -1, weight.shape[-1])
+
+    @jax.custom_vjp
+    def run(q_nope, q_rope, weight, keys):
+        out = jax.lax.map(lambda a: attend(*a, keys), parts(q_nope, q_rope, weight))
+        return jax.tree.map(join, out)
+
+    def forward(q_nope, q_rope, weight, keys):
+        return run(q_nope, q_rope, weight, keys), (q_nope, q_rope, weight, keys)
+
+    def backward(residuals, grads):
+        q_nope, q_rope, weight, keys = residuals
+
+        def group(d_keys, a):
+            *args, g = a
+            _, vjp = jax.vjp(attend, *args, keys)
+            *d_args, d_group_keys = vjp(g)
+            return d_keys + d_group_keys.astype(jnp.float32), tuple(d_args)
+
+        g = jax.tree.map(split, grads)
+        zero = jnp.zeros(keys.shape, jnp.float32)
+        d_keys, d = jax.lax.scan(group, zero, (*parts(q_nope, q_rope, weight), g))
+        return join(d[0]), join(d[1]), d[2].reshape(weight.shape), d_keys.astype(keys.dtype)
+
+    run.defvjp(forward, backward)
+    return run(q_nope, q_rope, weight, keys)
+
+
 class V32Attention(AbstractIndexedAttention):
     """One DeepSeek-V3.2 attention layer (MLA + DSA).
 
@@ -169,14 +240,24 @@ class V32Attention(AbstractIndexedAttention):
         given = (x, qr, positions, index_keys, visibility, ex, self.formats)
         selection, problem, _ = self.indexer(*given)
         picks = None if stage == "dense" else selection
-        reads = entry_reads(ex.picks, keys, visibility, picks, value_width=c.kv_lora_rank)
         expanded = nx.expanded_attention(self.formats)
         up = LatentUp(self.kv_b_proj, c.qk_nope_head_dim, c.v_head_dim, expanded)
         kernel = dict(numerics=nx, query_block=ex.query_block, tiles=ex.tiles)
-        o = ex.attention.latent(
-            q_nope, q_rope, reads, up, self.softmax_scale, return_lse=want_loss, **kernel
-        )
-        o, lse = o if want_loss else (o, None)
+
+        def attend(q_nope, q_rope, weight, keys):
+            reads = entry_reads(ex.picks, keys, visibility, picks, value_width=c.kv_lora_rank)
+            up = LatentUp(weight, c.qk_nope_head_dim, c.v_head_dim, expanded)
+            out = ex.attention.latent(
+                q_nope, q_rope, reads, up, self.softmax_scale, return_lse=want_loss, **kernel
+            )
+            return out if want_loss else (out, None)
+
+        width = keys.shape[-1]
+        groups = 1 if isinstance(self.kv_b_proj, Fp8Weight) else head_groups(q_nope.shape, width)
+        if groups == 1:
+            o, lse = attend(q_nope, q_rope, self.kv_b_proj, keys)
+        else:
+            o, lse = in_head_groups(attend, groups, q_nope, q_rope, self.kv_b_proj, keys)
         y = nx.linear(o.reshape(*o.shape[:2], -1), self.o_proj)
         target = None
         if want_loss:  # KL distillation against the absorbed MLA queries and keys attended
