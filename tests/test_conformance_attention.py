@@ -40,18 +40,23 @@ MEMBERS = {
     "auto": ce.AutoAttention(),
     # Pallas' TPU interpreter: blocks of 8 queries (the second partial), its automatic choices
     "mosaic": ce.MosaicAttention(query_block=8),
+    # every read set as a masked pass over tiles (a DenseKeys' picks masked by visibility)
+    "mosaic-tiles": ce.MosaicAttention(query_block=8, gather="tiles"),
     "expanded": ce.ExpandedAttention(),  # V3.2's prefill arithmetic (float32 here: exact)
 }
 # (member, check) -> (error, message) the member refuses the check's call with (asserted)
 REFUSES = {
     ("pallas", "deepseek"): (ValueError, "PallasAttention computes the exact softmax"),
     ("mosaic", "deepseek"): (ValueError, "MosaicAttention computes the exact softmax"),
+    ("mosaic-tiles", "deepseek"): (ValueError, "MosaicAttention computes the exact softmax"),
 }
 
 B, S, H, D, W, T, K = 2, 11, 3, 8, 4, 6, 3
 SCALE, VDIM = 0.3, 5
 KINDS = ["csa-gathered", "csa-masked", "hca", "v32", "v32-masked", "extend", "gathered-window"]
 MLA = ("v32", "v32-masked")  # values of their own (narrower), no sink
+# the kinds the non-finite check reads (csa-masked: a flagged entry some queries pick unseen)
+NONFINITE_KINDS = ("hca", "extend", "csa-masked")
 _ONE_TABLE = (
     "ExpandedAttention reads one table without sinks (dense entries or one set of gathered "
     "rows: V3.2's reads); it refuses a band, several key sets and sinks"
@@ -61,7 +66,7 @@ _ONE_TABLE = (
 EXCEPTIONS = {
     **{("expanded", kind): _ONE_TABLE for kind in KINDS if kind not in MLA},
     ("expanded", "bf16"): _ONE_TABLE + " (the check reads csa-gathered)",
-    ("expanded", "nonfinite"): _ONE_TABLE + " (the check reads hca and extend)",
+    ("expanded", "nonfinite"): _ONE_TABLE + " (the check reads hca, extend and csa-masked)",
     ("expanded", "deepseek"): (
         "ExpandedAttention is V3.2's prefill arithmetic (normalised before P.V, in the "
         "activations' dtype), not the rounded sparse softmax this check models over "
@@ -241,7 +246,7 @@ def outputs(name: str, arrays, bf16_arrays, bad_arrays, deepseek: bool):
     if runs("bf16"):
         out["bf16"] = _attend(kernel, "csa-gathered", bf16_arrays)
     if runs("nonfinite"):
-        for kind in ("hca", "extend"):
+        for kind in NONFINITE_KINDS:
             out[f"bad-{kind}"] = _attend(kernel, kind, bad_arrays)
     if deepseek:
         out["deepseek"] = _attend(kernel, "csa-gathered", arrays, ce.DeepSeekInference())
@@ -278,15 +283,19 @@ def results():
 
 def test_the_inputs_tell_right_from_wrong():
     """Every kind reads rows from more than one set and some queries read few; query 0 of
-    V3.2's reads nothing; the non-finite rows reach some queries, not all."""
+    V3.2's reads nothing; the non-finite rows reach some queries, not all, and one of them is
+    also picked by a query that cannot see it."""
     for kind in KINDS:
         counts = [len(r) for r in rows_read(kind)]
         assert max(counts) > 2 and min(counts) < max(counts), kind
     assert rows_read("v32")[0] == [] and rows_read("v32")[S] == []
-    for kind in ("hca", "extend"):
+    for kind in NONFINITE_KINDS:
         out, _ = reference(kind, nonfinite_arrays())
         bad = np.isnan(out).any((2, 3))
         assert bad.any() and not bad.all(), kind
+    # csa-masked: the flagged entry (row 1, entry 2) is also picked by a query that cannot see it
+    end, seg = (int(np.asarray(a)[1, 2]) for a in LAYOUT[:2])
+    assert [t for t in range(S) if 2 in PICKS[1, t] and not (0 <= end <= t and seg == SEG[1, t])]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -324,7 +333,7 @@ def test_bf16_inputs(results, name):
 
 @pytest.mark.parametrize("name", MEMBERS)
 def test_nonfinite_rows_reach_only_their_readers(results, name):
-    for kind in ("hca", "extend"):
+    for kind in NONFINITE_KINDS:
         out, lse = results(name, "nonfinite")[f"bad-{kind}"]
         want_out, want_lse = reference(kind, nonfinite_arrays())
         assert_close(out, want_out, what=kind)

@@ -41,6 +41,7 @@ INDEPENDENT = {
     "tests/test_v4_parity.py": "HF transformers",
     "tests/test_v32.py::test_matches_hf": "HF transformers",
     "tests/test_v32.py::test_every_path_matches_hf": "HF transformers",
+    "tests/test_v32.py::test_attention_in_head_groups_matches_hf": "HF transformers",
     "tests/test_decode_hf.py": "HF transformers (DynamicCache)",
     "tests/test_decode.py::test_matches_hf_cached_path": "HF transformers (DynamicCache)",
     "tests/test_topk_reference.py": "numpy brute force",
@@ -99,6 +100,33 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
+        "visible_tiles_unmasked",
+        "Mosaic attention: a DenseKeys' picks read as tiles without the visibility mask",
+        "csa_eqx/_attention/mosaic_kernels.py",
+        "    if s.src.visible:\n        counts = counts * _tile_visibility(step, s, t)\n",
+        "",
+        ("tests/test_conformance_attention.py::test_outputs_and_lse",),
+    ),
+    Mutation(
+        "unseen_pick_poisons",
+        "Mosaic attention: a non-finite entry poisons the queries that picked it unseen",
+        "csa_eqx/_attention/mosaic.py",
+        'functools.partial(_picks_poison, tables[t]["bad"], picked.picks, picked)',
+        'functools.partial(_picks_poison, tables[t]["bad"], picked.picks)',
+        (
+            "tests/test_conformance_attention.py::test_nonfinite_rows_reach_only_their_readers",
+            "tests/test_mosaic_attention.py::test_an_unseen_nonfinite_pick_poisons_nothing",
+        ),
+    ),
+    Mutation(
+        "head_groups_drop_key_grad",
+        "V3.2 attention in head groups: the groups' gradients of the latent keys dropped",
+        "csa_eqx/_layers/v32.py",
+        "return d_keys + d_group_keys.astype(jnp.float32), tuple(d_args)",
+        "return d_keys + 0 * d_group_keys.astype(jnp.float32), tuple(d_args)",
+        ("tests/test_v32.py::test_attention_in_head_groups_matches_hf",),
+    ),
+    Mutation(
         "sink_dropped",
         "attention sink left out of the softmax denominator",
         "csa_eqx/_attention/xla.py",
@@ -134,8 +162,8 @@ MUTATIONS = [
         "rope_derotation_sign",
         "V4 output de-rotated at +t instead of -t",
         "csa_eqx/_layers/block.py",
-        "o = self.rope.interleaved(o, -positions[..., None])",
-        "o = self.rope.interleaved(o, positions[..., None])",
+        "o = self._rope_tail(o, -positions[..., None])",
+        "o = self._rope_tail(o, positions[..., None])",
         ("tests/test_v4_parity.py::test_matches_hf", "tests/test_decode_hf.py"),
     ),
     Mutation(
