@@ -197,6 +197,35 @@ def test_accelerator_table_on_a_tpu_runs_the_released_sizes(tmp_path, monkeypatc
         assert r["runs"]["attention inputs"]["memory"]["output"] > 0
 
 
+def test_accelerator_table_says_why_grouped_attention_is_not_run_alone(tmp_path, monkeypatch):
+    """V3.2 with its heads in groups (forced here; the released layer's from 32k) calls its
+    attention inside a ``lax.map``, where the call's inputs cannot be captured: part 2 still
+    times the layer and records why its attention is not run alone (on the chip it failed
+    with a ``TypeError`` instead)."""
+    from benchmarks import accelerator_table
+    from csa_eqx._layers import v32
+
+    monkeypatch.setattr(v32, "head_groups", lambda shape, width: 2)
+    monkeypatch.setattr(
+        accelerator_table, "RELEASED", {"v32_dsa": accelerator_table.RELEASED["v32_dsa"]}
+    )
+    machine = accelerator_table.machine
+    fake = dict(backend="tpu", device="TPU v5 lite")
+    monkeypatch.setattr(accelerator_table, "machine", lambda: dict(machine(), **fake))
+    page, result, raw = run_table(
+        monkeypatch, "--part", "2", "--reps", "1", "--settle", "0", "--no-hf", "--out", tmp_path
+    )
+    (rec,) = raw["released"]
+    for name in ("attention fwd", "attention fwd+bwd"):
+        assert "heads run in 2 groups" in rec["runs"][name]["skipped"], rec["runs"][name]
+    assert rec["runs"]["fwd+bwd"]["median"] > 0 and not result["skipped"]
+    figures = {f["name"]: f for f in result["figures"]}
+    for suffix in ("fwd", "fwd_bwd"):
+        assert figures[f"v32_dsa_{suffix}"]["ms"] > 0
+        alone = figures[f"v32_dsa_attention_{suffix}"]
+        assert alone["ms"] is None and "2 groups" in alone["skipped"], alone
+
+
 def test_accelerator_table_time_budget_keeps_what_finished(tmp_path, monkeypatch):
     """With no time left every step is skipped and listed, and the files are still written."""
     page, result, raw = run_table(monkeypatch, "--budget", "0", "--no-hf", "--out", tmp_path)
