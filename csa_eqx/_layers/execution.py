@@ -145,12 +145,7 @@ class Execution(eqx.Module):
             _require(
                 isinstance(value, base), name, f"must be a csa_eqx {base.__name__} ({what})", value
             )
-        _require(
-            self.tiles is None or isinstance(self.tiles, TileSizes),
-            "tiles",
-            "must be None or a csa_eqx.TileSizes",
-            self.tiles,
-        )
+        self._optional("tiles", TileSizes, "csa_eqx.TileSizes")
         fused = isinstance(self.attention, (PallasAttention, MosaicAttention))
         _require(
             self.numerics.exact_softmax or not fused,
@@ -166,12 +161,7 @@ class Execution(eqx.Module):
             "must be None or a non-empty mesh axis name",
             axis,
         )
-        _require(
-            self.context is None or isinstance(self.context, ContextParallel),
-            "context",
-            "must be None or a csa_eqx.ContextParallel",
-            self.context,
-        )
+        self._optional("context", ContextParallel, "csa_eqx.ContextParallel")
         _require(  # the head-sharded stage cannot close over the context shards' arrays yet
             self.context is None or axis is None,
             "indexer_heads_axis",
@@ -180,18 +170,24 @@ class Execution(eqx.Module):
         )
         self._check_heads()
 
+    def _optional(self, field: str, cls: type, name: str) -> None:
+        """``ValueError`` unless ``field`` is ``None`` or a ``cls`` (``name`` in the message)."""
+        value = getattr(self, field)
+        _require(value is None or isinstance(value, cls), field, f"must be None or a {name}", value)
+
     def _check_heads(self) -> None:
         """``ValueError`` unless ``heads`` is ``None`` or a ``HeadParallel`` that the other
         fields compose with."""
+        self._optional("heads", HeadParallel, "HeadParallel")
         if self.heads is None:
             return
-        _require(
-            isinstance(self.heads, HeadParallel),
-            "heads",
-            "must be None or a HeadParallel",
-            self.heads,
-        )
         self.heads.check_composes(self.context, self.indexer_heads_axis)
+        _require(  # composing both ways at once would say two different things
+            self.context is None or isinstance(self.context.inner, SingleDevice),
+            "heads",
+            "must be None when context already wraps an inner placement",
+            self.context,
+        )
 
     @classmethod
     def checked(cls, execution: Execution | None, config, formats: DeepSeekFormats) -> Execution:

@@ -29,7 +29,7 @@ from jaxtyping import Array, Float
 from .._mesh import MeshLike, batch_axis, check_axes, each, mesh_with_axis, run_sharded
 from .._numerics.fp8_weight import Fp8Weight
 from .._rows import Rows
-from .base import AbstractPlacement, Body, Carried, SingleDevice
+from .base import AbstractPlacement, Body, Carried
 
 __all__ = ["HeadParallel", "split_specs", "sum_partials"]
 
@@ -55,8 +55,8 @@ class HeadParallel(AbstractPlacement):
         check_axes("HeadParallel.axis", self.axis, self.data_axis)
 
     def check_composes(self, context: AbstractPlacement | None, indexer_heads_axis) -> None:
-        """``ValueError`` unless an execution's ``context`` (a ``ContextParallel`` or ``None``)
-        and ``indexer_heads_axis`` compose with these heads."""
+        """``ValueError`` unless an execution's ``context`` axis (a ``ContextParallel`` or
+        ``None``) and ``indexer_heads_axis`` compose with these heads."""
         if context is not None and context.axis == self.axis:
             raise ValueError(
                 "heads needs a HeadParallel.axis other than the ContextParallel.axis "
@@ -66,11 +66,6 @@ class HeadParallel(AbstractPlacement):
             raise ValueError(
                 "heads is not composable with indexer_heads_axis yet: set one of them to None "
                 f"(got {indexer_heads_axis!r})"
-            )
-        if context is not None and not isinstance(context.inner, SingleDevice):
-            raise ValueError(  # composing both ways at once would say two different things
-                "heads must be None when context already wraps an inner placement "
-                f"(got {context!r})"
             )
 
     def check(self, mesh: MeshLike, heads: dict[str, int]) -> None:
