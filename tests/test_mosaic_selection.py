@@ -300,11 +300,14 @@ def test_row_chunks_are_balanced_and_cover_every_row_once(s, query_chunk, chunk)
     ``PallasSelection``): a stub kernel that answers each row with its own query index shows
     every row answered by a call covering it, in as few calls as ``query_chunk`` allows, each
     as short as whole blocks of 4 allow (40 rows at most 24 a call: two calls of 20, where a
-    chunk of 24 made the second call redo 8 rows; 37 at 16: three of 16)."""
-    seen = []
+    chunk of 24 made the second call redo 8 rows; 37 at 16: three of 16), and each row given
+    to the kernel to select exactly once (the last call, pulled back to end at ``S``, passes
+    the rows an earlier call selected as seeing nothing: query index ``-1``)."""
+    seen, selected = [], []
 
     def stub(q, w, keys, layout, query_index, query_segment):
         seen.append(q.shape[1])
+        jax.debug.callback(lambda qi: selected.append(np.asarray(qi)), query_index)
         return jnp.broadcast_to(query_index[..., None], (*query_index.shape, 3))
 
     seg = jnp.zeros((1, s), jnp.int32)
@@ -319,3 +322,5 @@ def test_row_chunks_are_balanced_and_cover_every_row_once(s, query_chunk, chunk)
     np.testing.assert_array_equal(
         np.asarray(out), np.broadcast_to(np.arange(s)[None, :, None], (1, s, 3))
     )
+    passed = np.concatenate([qi.ravel() for qi in selected])
+    np.testing.assert_array_equal(np.sort(passed[passed >= 0]), np.arange(s))
