@@ -55,7 +55,7 @@ class MosaicSelection(AbstractSelection):
 
     query_block: int = 256
     key_block: int = 512
-    head_group: int = 8
+    head_group: int = 16
     search: str = "early"
     query_chunk: int = 0
 
@@ -78,7 +78,9 @@ class MosaicSelection(AbstractSelection):
         TPU such a problem is refused, naming ``StreamingSelection``)."""
         q = jax.eval_shape(problem.project, *problem.rows)[0]
         dtype = jnp.promote_types(q.dtype, problem.keys.dtype)
-        return fits_vmem(problem.keys.shape[1], *q.shape[2:], dtype.itemsize, self.key_block)
+        return fits_vmem(
+            problem.keys.shape[1], *q.shape[2:], dtype.itemsize, self.key_block, self.head_group
+        )
 
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
         fields = dict(

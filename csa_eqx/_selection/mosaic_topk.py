@@ -363,15 +363,17 @@ def vmem_bytes(
     return buffers + 2 * blocks + scratch
 
 
-def fits_vmem(entries: int, heads: int, dim: int, itemsize: int, key_block: int) -> bool:
+def fits_vmem(
+    entries: int, heads: int, dim: int, itemsize: int, key_block: int, head_group: int
+) -> bool:
     """**Arguments:** a problem's ``entries``, indexer ``heads`` and ``dim``, the scoring
-    dtype's ``itemsize`` and the ``key_block``.
+    dtype's ``itemsize``, the ``key_block`` and the ``head_group``.
 
     **Returns:** whether the kernel's smallest TPU query block, its picks aside (a few hundred
     KiB, within the room ``_VMEM_LIMIT`` leaves), fits the VMEM budget: the keys of a batch
     row stay resident, so past a few hundred thousand entries it does not."""
     t_pad = _round_up(entries, key_block)
-    group = math.gcd(heads, 8)
+    group = math.gcd(heads, head_group)
     need = vmem_bytes(MIN_QUERY_BLOCK, key_block, t_pad, heads, dim, group, 0, itemsize)
     return need <= _VMEM_CAP
 
@@ -423,7 +425,7 @@ def mosaic_topk(
     *,
     query_block: int = 256,
     key_block: int = 512,
-    head_group: int = 8,
+    head_group: int = 16,
     head_chunk: int = 0,
     score_dtype=None,
     search: str = "early",
@@ -515,7 +517,7 @@ def mosaic_topk(
     refusal = None
     if qb < MIN_QUERY_BLOCK or kt < LANES:
         refusal = TPU_BLOCKS
-    elif not fits_vmem(t_pad, heads, dim, itemsize, kt):
+    elif not fits_vmem(t_pad, heads, dim, itemsize, kt, group):
         refusal = TPU_VMEM
     out = run_mosaic(NAME, build, out_shape, *args, tpu_refusal=refusal)
     return out[:, :s, :k]

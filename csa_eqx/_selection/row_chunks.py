@@ -33,12 +33,12 @@ def kernel_row_chunks(
     """The selection of ``problem`` by a fused kernel, called on a chunk of query rows at a
     time: as few calls as the rows per call allow, their chunks balanced (each ``ceil(S /
     calls)`` rows rounded up to whole blocks), the last pulled back to end at the sequence's
-    end. The rows of the last call that an earlier call selected are passed to the kernel as
-    seeing nothing (query index ``-1``: their blocks' key ranges are empty, so it skips them)
-    and keep the earlier call's picks, so each row is selected once (chunks of the most rows
-    per call left the last call to redo up to a chunk of the costliest causal rows: 1.67x the
-    kernel's work at 16k on a TPU v5e; balanced chunks still redid up to ``calls`` blocks,
-    ~4 % of the work at 16k).
+    end. That last call runs first, the rows it shares with the chunk before it passed to the
+    kernel as seeing nothing (query index ``-1``: their blocks' key ranges are empty, so they
+    are skipped); the calls after it write those rows, so each row is selected once. (Chunks
+    of the most rows a call allows left the last call to redo up to a chunk of the costliest
+    causal rows: 1.67x the kernel's work at 16k on a TPU v5e; balanced chunks still redid up
+    to ``calls`` blocks: 3.3 % of the selection stage's time at 16k, docs/kernels.md.)
 
     **Arguments:**
 
@@ -91,11 +91,13 @@ def kernel_row_chunks(
     if starts.shape[0] == 1:
         return picks(0, True)
 
-    def call(c, out):
-        r0 = starts[c]
-        new = r0 + jnp.arange(chunk, dtype=jnp.int32) >= c * chunk  # not an earlier call's
-        old = jax.lax.dynamic_slice_in_dim(out, r0, chunk, axis=1)
-        got = jnp.where(new[None, :, None], picks(r0, new[None, :]), old)
-        return jax.lax.dynamic_update_slice_in_dim(out, got, r0, axis=1)
+    n = starts.shape[0]
 
-    return jax.lax.fori_loop(0, starts.shape[0], call, jnp.full((b, s, k), -1, jnp.int32))
+    def call(i, out):
+        # the pulled-back last chunk first: the calls after it write the rows it skips
+        c = jax.lax.rem(i + n - 1, n)
+        r0 = starts[c]
+        new = r0 + jnp.arange(chunk, dtype=jnp.int32) >= c * chunk  # not another call's rows
+        return jax.lax.dynamic_update_slice_in_dim(out, picks(r0, new[None, :]), r0, axis=1)
+
+    return jax.lax.fori_loop(0, n, call, jnp.full((b, s, k), -1, jnp.int32))
