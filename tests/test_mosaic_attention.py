@@ -90,6 +90,8 @@ def reads_of(kind: str, arrays, segment, picks) -> ce.Reads:
 # (reads, kernel, batch, heads, picks per query, sinks)
 CASES = {
     "band+picks/rows": ("band+picks", MosaicAttention(8, 0, 8, 128, "rows"), 2, 3, 6, True),
+    # rows copied by vector loads from a resident table, forward and backward (VMEM gradients)
+    "latent/rows-resident": ("latent", MosaicAttention(8, 0, 8, 128, "rows", True), 1, 3, 6, False),
     "everything/automatic": ("everything", MosaicAttention(), 2, 3, 6, True),
     "band+masked-picks/tiles/hbm-gradients": (
         "band+masked-picks",

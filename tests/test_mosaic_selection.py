@@ -188,7 +188,7 @@ def lowering_case(dtype, heads: int, k: int, m: int, s: int, strategy, **problem
     ],
 )
 def test_lowers_for_a_tpu(dtype, heads, k, m, search, fields):
-    """At realistic blocks (the defaults: 256 queries, key tiles of 512, 8 heads per matmul)
+    """At realistic blocks (the defaults: 256 queries, key tiles of 512, 16 heads per matmul)
     the kernel lowers through Pallas' Mosaic lowering for a TPU (compiling it needs the chip):
     one Mosaic call."""
     strategy = ce.MosaicSelection(search=search)
