@@ -4,9 +4,9 @@ tables and the sinks, on V4-Flash CSA reads (64 heads x 512: picks among compres
 and a 128-token window over two packed documents, sinks), the same reads with the benchmark
 layer's 4 heads x 64, and V3.2 DSA reads (128 heads over a 576-wide latent whose first 512
 features are the values), for the automatic configuration (the
-one ``AutoAttention`` takes on a TPU: tiles, prefill and decoding) and the forced designs the
-chip has not yet run (row DMAs from a resident table, gradients added in HBM, a rows backward
-read as tiles). Tolerances, relative to the reference's largest magnitude: bfloat16 inputs
+one ``AutoAttention`` takes on a TPU: tiles, prefill and decoding) and the forced designs it
+does not take (rows copied by vector loads from a resident table, gradients added in HBM, a
+rows backward read as tiles). Tolerances, relative to the reference's largest magnitude: bfloat16 inputs
 3e-2, float32 under ``jax.default_matmul_precision("highest")`` 2e-4.
 
 Collected everywhere; skipped unless a TPU is present. Run on a TPU machine (both backends,
@@ -150,8 +150,8 @@ FORCED = {
 
 @pytest.mark.parametrize("design", list(FORCED))
 def test_forced_designs_on_the_chip(design):
-    """Row DMAs within VMEM from a resident table (its first chip run failed Mosaic's
-    verifier), gradients added tile by tile in HBM, a rows source's backward read as tiles:
-    bfloat16."""
+    """Rows copied by vector loads from a resident table (as row DMAs within VMEM its first
+    chip run failed Mosaic's verifier), gradients added tile by tile in HBM, a rows source's
+    backward read as tiles: bfloat16."""
     kernel, problem = FORCED[design]
     compare(kernel, problem, "bfloat16")

@@ -86,7 +86,7 @@ class MosaicAttention(AbstractAttentionKernel):
         chunks of ``key_block``), ``"tiles"`` (the table's tiles up to the query block's
         largest index, masked to each query's picks) or ``"auto"``.
     - ``resident``: hold each gathered / dense table in VMEM for a whole batch row (rows copied
-        within VMEM, tiles read in place) instead of fetching from HBM (``None``: where it fits,
+        by vector loads, tiles read in place) instead of fetching from HBM (``None``: where it fits,
         for tiles).
     - ``gradients``: where the backward accumulates the tables' float32 gradients: ``"vmem"``,
         ``"hbm"`` (tile by tile; a rows source's backward then reads its rows as tiles; a

@@ -20,8 +20,8 @@ reads, in this order:
 
 - ``"rows"`` sources (gathered rows): per query, its indices in chunks of ``chunk``; a chunk is
   ``chunk`` row DMAs (indices from SMEM: an index block per grid step; ``-1`` fetches row 0 and
-  is masked), double-buffered (chunk ``n + 1`` is in flight while ``n`` is computed); logits
-  ``[Hb, chunk]`` per query.
+  is masked), double-buffered (chunk ``n + 1`` is in flight while ``n`` is computed), or from a
+  resident table ``chunk`` vector copies; logits ``[Hb, chunk]`` per query.
 - ``"tiles"`` sources (gathered rows as a masked dense pass): the table's tiles of ``tile`` rows
   up to the block's largest index, each row weighted per query by how often the query picked it
   (duplicates repeat the logit, as the reference's gather does). The counts of the whole table
@@ -35,7 +35,7 @@ reads, in this order:
 
 A rows / tiles / dense table lives in HBM (``pl.ANY``: rows and tiles fetched by DMA) or is
 ``resident`` (the whole table one single-buffered VMEM block per batch row: rows copied by
-local DMA, tiles read in place).
+vector loads, tiles read in place).
 
 **The backward** recomputes each chunk's probabilities from the saved ``lse`` (no online state)
 and accumulates ``dq`` per step. Each read row's key / value gradients add into a float32
