@@ -77,6 +77,9 @@ INDEPENDENT = {
     "tests/test_scorer.py::test_layer_selection_through_execution": (
         "a negating scorer (the picks must change)"
     ),
+    "tests/test_mosaic_selection.py::test_row_chunks_are_balanced_and_cover_every_row_once": (
+        "each row's own index (exhaustive, every row)"
+    ),
 }
 
 
@@ -444,6 +447,22 @@ MUTATIONS = [
         "    keys, layout = padded_keys(keys, visibility.layout, key_block)",
         "    keys, layout = padded_keys(keys, visibility.layout, key_block)",
         ("tests/test_conformance_selection.py::test_picks_carry_no_gradient",),
+    ),
+    Mutation(
+        "shared_rows_reselected",
+        "the pulled-back last row chunk selects again the rows the chunk before it selected",
+        "csa_eqx/_selection/row_chunks.py",
+        "index = jnp.where(new, seen.query_index, -1)",
+        "index = seen.query_index",
+        ("tests/test_mosaic_selection.py::test_row_chunks_are_balanced_and_cover_every_row_once",),
+    ),
+    Mutation(
+        "shared_rows_lost",
+        "the pulled-back last row chunk runs last, so its skipped rows overwrite the picks",
+        "csa_eqx/_selection/row_chunks.py",
+        "c = jax.lax.rem(i + n - 1, n)",
+        "c = i",
+        ("tests/test_mosaic_selection.py::test_row_chunks_are_balanced_and_cover_every_row_once",),
     ),
     Mutation(
         "xla_logits_unrounded",
