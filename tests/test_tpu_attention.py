@@ -6,8 +6,8 @@ layer's 4 heads x 64, and V3.2 DSA reads (128 heads over a 576-wide latent whose
 features are the values), for the automatic configuration (the
 one ``AutoAttention`` takes on a TPU: tiles, prefill and decoding) and the forced designs it
 does not take (rows copied by vector loads from a resident table, gradients added in HBM, a
-rows backward read as tiles). Tolerances, relative to the reference's largest magnitude: bfloat16 inputs
-3e-2, float32 under ``jax.default_matmul_precision("highest")`` 2e-4.
+rows backward read as tiles). Tolerances, relative to the reference's largest magnitude:
+bfloat16 inputs 3e-2, float32 under ``jax.default_matmul_precision("highest")`` 2e-4.
 
 Collected everywhere; skipped unless a TPU is present. Run on a TPU machine (both backends,
 the CPU's for the reference)::
