@@ -406,16 +406,15 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
     if dense is not None:
         t = table(dense.keys, dense.values, dense.value_width)
         tables[t]["kind"] = "tiles"
-        rows = _round_up(dense.keys.shape[1], tile)
-        end = _pad_to(dense.layout.end.astype(i32), 1, rows, -1)
-        index = _pad_to(dense.query_index.astype(i32), 1, sp, -1)
-        top = jnp.max(index.reshape(b, nq, qb), axis=-1)
+        entry_meta, query_meta = _entry_meta(dense, tile), _query_meta(dense, sp)
+        end = entry_meta[:, :, 0].reshape(b, -1)  # the padded entries' ends, tile by tile
+        top = jnp.max(query_meta[1].reshape(b, nq, qb), axis=-1)  # each block's last index
         closed = (end[:, None, :] >= 0) & (end[:, None, :] <= top[:, :, None])
-        last = jnp.max(jnp.where(closed, jnp.arange(rows, dtype=i32), -1), axis=-1)
+        last = jnp.max(jnp.where(closed, jnp.arange(end.shape[1], dtype=i32), -1), axis=-1)
         counts.append((last + tile) // tile)
-        ints.append((_entry_meta(dense, tile),))
+        ints.append((entry_meta,))
         sources.append(K.Source("dense", t, slot=len(counts) - 1))
-        meta.update(_query_meta(dense, sp))
+        meta.update(query_meta)
 
         def sees_bad(bad=tables[t]["bad"], dense=dense):
             seen = entry_visibility(dense.query_index, dense.query_segment, dense.layout)
