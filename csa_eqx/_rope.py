@@ -120,21 +120,22 @@ def apply_rope_interleaved(
     ``positions`` broadcasts against ``x.shape[:-1]`` (pass ``positions[..., None]`` for a
     head axis). Negative positions rotate backwards (V4's output de-rotation).
 
-    Computed over all channels at once (cos 1 / sin 0 on the unrotated ones): one fused
-    elementwise pass, where slicing out the rotated channels and concatenating them back
-    would cost two more copies of ``x`` (the indexer queries are the largest tensor here).
-    Each pair's partner comes from ``swap_pairs_mxu`` where the program is lowered for a TPU,
-    from a reversed size-2 axis elsewhere (``jax.lax.platform_dependent``): the same values.
+    Only the rotated channels are computed (in float32, rounded back to ``x``'s dtype, as
+    DeepSeek's code does); the others pass through unchanged, so no float32 copy of the whole
+    ``x`` is made, forward or backward (on a TPU that copy of V4's ``[B, S, H, 512]`` queries,
+    of which 64 channels rotate, was the larger cost). Each pair's partner comes from
+    ``swap_pairs_mxu`` where the program is lowered for a TPU, from a reversed size-2 axis
+    elsewhere (``jax.lax.platform_dependent``): the same values.
     """
     r, d = 2 * inv_freq.shape[0], x.shape[-1]
     if (d - r) % 2:
         raise ValueError(f"interleaved RoPE of {r} of {d} channels: {d - r} unrotated is odd")
+    if r < d:
+        tail = apply_rope_interleaved(x[..., d - r :], positions, inv_freq)
+        return jnp.concatenate([x[..., : d - r], tail], axis=-1)
     xf = upcast(x)
-    # per channel: frequency 0 (cos 1, sin 0) on the unrotated ones; -sin / +sin in each pair
-    freq = np.concatenate([np.zeros(d - r), np.repeat(inv_freq, 2)])
-    sign = np.concatenate([np.zeros(d - r), np.tile([-1.0, 1.0], r // 2)])
-    cos, sin = _cos_sin(positions, freq, xf.dtype)
-    sin = sin * jnp.asarray(sign, xf.dtype)
+    cos, sin = _cos_sin(positions, np.repeat(inv_freq, 2), xf.dtype)
+    sin = sin * jnp.asarray(np.tile([-1.0, 1.0], r // 2), xf.dtype)  # -sin / +sin in each pair
     swapped = jax.lax.platform_dependent(  # pairs (b, a)
         xf, tpu=functools.partial(swap_pairs_mxu, exact_in=x.dtype), default=_swap_pairs
     )

@@ -162,8 +162,8 @@ MUTATIONS = [
         "rope_derotation_sign",
         "V4 output de-rotated at +t instead of -t",
         "csa_eqx/_layers/block.py",
-        "o = self._rope_tail(o, -positions[..., None])",
-        "o = self._rope_tail(o, positions[..., None])",
+        "o = self.rope.interleaved(o, -positions[..., None])",
+        "o = self.rope.interleaved(o, positions[..., None])",
         ("tests/test_v4_parity.py::test_matches_hf", "tests/test_decode_hf.py"),
     ),
     Mutation(

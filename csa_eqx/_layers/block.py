@@ -96,18 +96,6 @@ class V4Block(eqx.Module):
         """**Returns:** the softmax scale ``head_dim^-1/2``."""
         return self.head_dim**-0.5
 
-    def _rope_tail(self, x: Array, positions: Array) -> Array:
-        """``x [..., head_dim]`` with RoPE at ``positions`` on its last ``rope.dim`` channels:
-        those alone are rotated (as DeepSeek's code does) and the others passed through, so no
-        float32 copy of the whole ``[B, S, H, head_dim]`` is made (forward or backward), only
-        of its ``rope.dim`` channels (the unrotated ones leave ``Rope.interleaved``
-        unchanged: the result is the same)."""
-        r = self.rope.dim
-        if r == x.shape[-1]:
-            return self.rope.interleaved(x, positions)
-        tail = self.rope.interleaved(x[..., -r:], positions)
-        return jnp.concatenate([x[..., :-r], tail], axis=-1)
-
     def project_qkv(
         self,
         x: Float[Array, "batch seq hidden"],
@@ -134,12 +122,12 @@ class V4Block(eqx.Module):
             q = nx.linear(qr, self.q_b_proj).reshape(b, s, -1, self.head_dim)
             if self.query_norm:
                 q = nx.head_norm(q, self.eps)
-            return self._rope_tail(q, positions[..., None])
+            return self.rope.interleaved(q, positions[..., None])
 
         # recomputed from qr in the backward: the pre-norm [B, S, H, head_dim] is not saved
         q = jax.checkpoint(queries)(qr)
         kv = rms_norm(nx.linear(x, self.kv_proj), self.kv_norm, self.eps)
-        return qr, q, self._rope_tail(kv, positions)
+        return qr, q, self.rope.interleaved(kv, positions)
 
     def project_out(
         self,
@@ -156,7 +144,7 @@ class V4Block(eqx.Module):
         **Returns:** ``[B, S, hidden]``.
         """
         b, s = o.shape[:2]
-        o = self._rope_tail(o, -positions[..., None])
+        o = self.rope.interleaved(o, -positions[..., None])
         groups = self.o_a_proj.shape[0] // self.o_lora_rank  # this device's, under head parallelism
         o = o.reshape(b, s, groups, -1, self.head_dim).reshape(b, s, groups, -1)
         w_a = self.o_a_proj.reshape(groups, self.o_lora_rank, -1).astype(o.dtype)
