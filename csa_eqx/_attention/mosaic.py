@@ -382,7 +382,7 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
         width = _round_up(max(idx.shape[-1], 1), kernel.key_block if gather == "rows" else 8)
         idx = _pad_to(_pad_to(idx, 2, width, -1), 1, sp, -1)
         if gather == "rows":
-            ints.append((idx,))
+            ints.append((idx, idx.reshape(b, -1, kernel.key_block)))
             sources.append(K.Source("rows", t, width))
         else:
             tables[t]["kind"] = "tiles"
