@@ -412,6 +412,21 @@ def test_the_automatic_query_block():
     assert MosaicAttention(query_block=8).query_block_for(1, 4, None, None) == 8
 
 
+def test_the_automatic_rows_chunk():
+    """The fewest chunks of at most 512 rows, each a whole number of 128 (V4-Flash's 512
+    picks: one chunk; V3.2's 2048: four); a call's kernels take it, or the field's."""
+    got = [mosaic.auto_key_block(w) for w in (1, 6, 128, 129, 512, 513, 640, 2048)]
+    assert got == [128, 128, 128, 256, 512, 384, 384, 512]
+    q = jnp.zeros((1, 8, 16, 128), jnp.bfloat16)
+    reads = ce.Reads(
+        (ce.GatheredRows(jnp.zeros((1, 700, 128)), jnp.zeros((1, 8, 640), jnp.int32)),)
+    )
+    for kernel, chunk in ((MosaicAttention(gather="rows"), 384),
+                          (MosaicAttention(gather="rows", key_block=256), 256)):  # fmt: skip
+        config = mosaic._plan(kernel, q, reads, False, 1.0).static.config
+        assert (config.chunk, config.sources[0].width) == (chunk, 768)
+
+
 def test_few_heads_keep_the_query_side_arrays_unpadded():
     """The benchmark layer's reads (4 heads x 64, bf16): the kernels take the queries and the
     output's cotangent and return the output and ``dq`` as ``[B, S, 4 * 64]`` (the queries
@@ -541,6 +556,10 @@ def test_auto_attention_takes_it_on_a_tpu(monkeypatch):
 
 
 def test_fields_and_numerics_are_checked():
+    with pytest.raises(ValueError, match="key_block must be an int >= 0"):
+        MosaicAttention(key_block=-8)
+    with pytest.raises(ValueError, match="key_block must be a multiple of 8"):
+        MosaicAttention(key_block=12)
     with pytest.raises(ValueError, match="query_block must be 0 or a multiple of 8"):
         MosaicAttention(query_block=12)
     with pytest.raises(ValueError, match="tile_block must be a multiple of 128"):

@@ -54,6 +54,7 @@ ROW_SECONDS = 20.5e-9
 TILE_FLOPS = 136e12
 STEP_ROWS = 1024  # softmax rows per grid step of the automatic tiles blocks (chip-compiled)
 QUERY_BLOCKS = (16, 64)  # the automatic query block's range (see ``auto_query_block``)
+MAX_CHUNK = 512  # the automatic rows chunk's largest (see ``auto_key_block``)
 POISON_ELEMENTS = 2**20  # picks per block of the non-finite check (``_picks_poison``)
 AUTO_SHARE = 0.8  # of the VMEM limit, for the automatic choices (the estimate is not exact)
 
@@ -79,8 +80,8 @@ class MosaicAttention(AbstractAttentionKernel):
         ``auto_query_block``: 16 for 64 heads or more, up to 64 for 16 heads or fewer).
     - ``head_block``: heads per grid step (0: automatic, ``1024 / query_block`` heads for tiles,
         all for rows; else a multiple of 8 for float32 and of 16 for bfloat16 queries).
-    - ``key_block``: gathered rows per chunk (``gather="rows"``; a multiple of 8; 128 or more
-        on a TPU).
+    - ``key_block``: gathered rows per chunk (``gather="rows"``; 0: automatic,
+        ``auto_key_block``; else a multiple of 8, 128 or more on a TPU).
     - ``tile_block``: table rows per tile (tiles and dense entries; a multiple of 128).
     - ``gather``: how ``GatheredRows`` are read: ``"rows"`` (each query's rows by DMA, in
         chunks of ``key_block``), ``"tiles"`` (the table's tiles up to the query block's
@@ -97,7 +98,7 @@ class MosaicAttention(AbstractAttentionKernel):
 
     query_block: int = eqx.field(static=True, default=0)
     head_block: int = eqx.field(static=True, default=0)
-    key_block: int = eqx.field(static=True, default=128)
+    key_block: int = eqx.field(static=True, default=0)
     tile_block: int = eqx.field(static=True, default=512)
     gather: str = eqx.field(static=True, default="auto")
     resident: bool | None = eqx.field(static=True, default=None)
@@ -105,10 +106,13 @@ class MosaicAttention(AbstractAttentionKernel):
     vmem_limit_bytes: int = eqx.field(static=True, default=100 * 2**20)
 
     def __check_init__(self):
-        for name in ("key_block", "tile_block", "vmem_limit_bytes"):
+        for name in ("tile_block", "vmem_limit_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"MosaicAttention.{name} must be an int >= 1 (got {v!r})")
+        v = self.key_block
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"MosaicAttention.key_block must be an int >= 0 (got {v!r})")
         for name, multiple in (("key_block", 8), ("tile_block", K.LANES)):
             if getattr(self, name) % multiple:
                 raise ValueError(
@@ -290,6 +294,16 @@ def auto_query_block(heads: int) -> int:
     return min(high, max(low, 1 << (fit.bit_length() - 1) if fit else 0))
 
 
+def auto_key_block(width: int) -> int:
+    """The automatic rows chunk for a query's ``width`` index columns: the fewest chunks of at
+    most ``MAX_CHUNK`` rows, each a whole number of 128 (V4-Flash's 512 picks: one chunk of
+    512; V3.2's 2048: four). Fewer, larger chunks pay fewer online-softmax updates and fixed
+    costs per row: V4-Flash CSA's rows forward at 32k on the chip took 186 / 162 / 141 ms at
+    chunks of 128 / 256 / 512 (docs/kernels.md)."""
+    n = -(-width // MAX_CHUNK)
+    return _round_up(-(-width // n), K.LANES)
+
+
 def _tiles_ints(idx: Array, nq: int, qb: int, tile: int):
     """A tiles source's int arrays (its indices ``[B, seq, width]``; the kernel transposes
     each block itself) and its tile counts ``[B, n_q]`` (up to the block's largest index)."""
@@ -372,6 +386,8 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
             pairs[key] = len(tables) - 1
         return pairs[key]
 
+    widest = max((max(g.indices.shape[-1], 1) for g in gathered), default=1)
+    chunk = kernel.key_block or auto_key_block(widest)
     sources, ints, counts, meta = [], [], [], {}
     for g in gathered:
         t = table(g.keys, g.values, g.value_width)
@@ -379,10 +395,10 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
 
         reads_bad = functools.partial(_picks_poison, tables[t]["bad"], idx)
         poison = poison | _if_bad(tables[t]["bad"], reads_bad, (b, s))
-        width = _round_up(max(idx.shape[-1], 1), kernel.key_block if gather == "rows" else 8)
+        width = _round_up(max(idx.shape[-1], 1), chunk if gather == "rows" else 8)
         idx = _pad_to(_pad_to(idx, 2, width, -1), 1, sp, -1)
         if gather == "rows":
-            ints.append((idx, idx.reshape(b, -1, kernel.key_block)))
+            ints.append((idx, idx.reshape(b, -1, chunk)))
             sources.append(K.Source("rows", t, width))
         else:
             tables[t]["kind"] = "tiles"
@@ -476,7 +492,7 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
         return K.Config(
             tables=tuple(specs), sources=tuple(sources), batch=b, queries=s, seq=sp,
             heads=_round_up(h, hb), head_block=hb, query_block=qb, key_blocks=key_blocks,
-            value_blocks=value_blocks, chunk=kernel.key_block, tile=tile, scale=scale,
+            value_blocks=value_blocks, chunk=chunk, tile=tile, scale=scale,
             has_sinks=has_sinks, dtype=jnp.dtype(q.dtype).name,
             vmem_limit=kernel.vmem_limit_bytes, narrow=narrow,
         )  # fmt: skip
