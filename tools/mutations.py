@@ -80,6 +80,13 @@ INDEPENDENT = {
     "tests/test_mosaic_selection.py::test_row_chunks_are_balanced_and_cover_every_row_once": (
         "each row's own index (exhaustive, every row)"
     ),
+    "tests/test_mosaic_attention.py::test_outputs_and_gradients_equal_the_reference": (
+        "numpy softmax attention (float64; its band+picks cases)"
+    ),
+    "tests/test_mosaic_attention.py::test_the_automatic_rows_chunk": (
+        "the rule's values written out"
+    ),
+    "tests/test_rope.py": "numpy complex rotation (float64)",
 }
 
 
@@ -538,6 +545,30 @@ MUTATIONS = [
         "mantissa_bits=info.nmant)\n",
         "",
         ("tests/test_formats.py::test_round_to_rounds_under_jit",),
+    ),
+    Mutation(
+        "rows_mask_ignored",
+        "Mosaic attention, rows: a chunk's -1 indices read (row 0) instead of masked",
+        "csa_eqx/_attention/mosaic_kernels.py",
+        "mask = jnp.where(chunks[pl.ds(n, 1), :] >= 0, 1.0, 0.0)",
+        "mask = jnp.where(chunks[pl.ds(n, 1), :] >= -1, 1.0, 0.0)",
+        ("tests/test_mosaic_attention.py::test_outputs_and_gradients_equal_the_reference",),
+    ),
+    Mutation(
+        "rows_chunk_not_whole_128s",
+        "the automatic rows chunk split evenly but not rounded up to whole 128s",
+        "csa_eqx/_attention/mosaic.py",
+        "return _round_up(-(-width // n), K.LANES)",
+        "return -(-width // n)",
+        ("tests/test_mosaic_attention.py::test_the_automatic_rows_chunk",),
+    ),
+    Mutation(
+        "rope_tail_added",
+        "partial RoPE: the rotated channels added to the input's instead of replacing them",
+        "csa_eqx/_rope.py",
+        "return x.at[..., d - r :].set(tail)",
+        "return x.at[..., d - r :].add(tail)",
+        ("tests/test_rope.py", "tests/test_v4_parity.py::test_matches_hf"),
     ),
 ]
 
