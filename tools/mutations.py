@@ -570,6 +570,30 @@ MUTATIONS = [
         "return x.at[..., d - r :].add(tail)",
         ("tests/test_rope.py", "tests/test_v4_parity.py::test_matches_hf"),
     ),
+    Mutation(
+        "poisoned_output_kept",
+        "Mosaic attention: a poisoned query's output written as computed, not NaN",
+        "csa_eqx/_attention/mosaic_kernels.py",
+        "out = jnp.where(live, acc / norm[:, 0:1], jnp.nan)",
+        "out = acc / norm[:, 0:1]",
+        ("tests/test_conformance_attention.py::test_nonfinite_rows_reach_only_their_readers",),
+    ),
+    Mutation(
+        "poisoned_query_read",
+        "Mosaic attention: a poisoned (maybe non-finite) query passed to the kernels as it is",
+        "csa_eqx/_attention/mosaic.py",
+        "return _query_words(jnp.where(live, q, 0), static, static.config.key_blocks)",
+        "return _query_words(q, static, static.config.key_blocks)",
+        ("tests/test_conformance_attention.py::test_nonfinite_rows_reach_only_their_readers",),
+    ),
+    Mutation(
+        "poisoned_cotangent_read",
+        "Mosaic attention: a poisoned query's output cotangent reaches the backward kernel",
+        "csa_eqx/_attention/mosaic.py",
+        "    g_out = jnp.where(ints.live[:, :, None, None], g_out, 0)\n",
+        "",
+        ("tests/test_conformance_attention.py::test_nonfinite_rows_reach_only_their_readers",),
+    ),
 ]
 
 

@@ -39,6 +39,11 @@ A rows / tiles / dense table lives in HBM (``pl.ANY``: rows and tiles fetched by
 ``resident`` (the whole table one single-buffered VMEM block per batch row: rows copied by
 vector loads, tiles read in place).
 
+**Poisoned queries.** The per-query metadata says which queries live; the forward writes NaN
+for the others (whose queries the caller passes as zeros, and in the backward their output
+cotangents and coefficients too: their ``dq`` is then zero and nothing of theirs reaches a
+key), so no pass over the output masks it.
+
 **The backward** recomputes each chunk's probabilities from the saved ``lse`` (no online state)
 and accumulates ``dq`` per step. Each read row's key / value gradients add into a float32
 gradient table: in VMEM (``"vmem"``: ``[(rows + 1) * grad_words, 128]``, the spare row taking
@@ -185,11 +190,6 @@ class Config(NamedTuple):
         """Rows of 128 lanes of a step's per-row scalars: ``ceil(R / 128)``."""
         return -(-self.rows // LANES)
 
-    @property
-    def has_meta(self) -> bool:
-        """Whether a source needs the per-query metadata (band segments, dense visibility)."""
-        return any(s.kind in ("band", "dense") or s.visible for s in self.sources)
-
     def slab(self, src: Source) -> int:
         """Rows of a band source's slab."""
         return src.front + self.query_block
@@ -265,8 +265,7 @@ def vmem_bytes(config: Config, backward: bool) -> int:
         blocks += [scalars, q]  # the coefficient, dq
     elif c.has_sinks:
         blocks.append(_vmem((r, LANES)))
-    if c.has_meta:
-        blocks.append(_vmem((8, qb)))
+    blocks.append(_vmem((8, qb)))  # the per-query metadata
     scratch = [_vmem((r, LANES)), _vmem((r, LANES)), _vmem((r, dk if backward else dv))]
     if c.narrow:  # the float32 staging rows, q's rows (and do's) in the compute dtype
         scratch += [_vmem((r, max(dk, dv))), _vmem((r, dk), item)]
@@ -387,8 +386,10 @@ def unnarrow_rows(x: Array, config: Config) -> Array:
 def query_meta(rows: Int[Array, "batch k seq"], query_block: int) -> Array:
     """The per-query metadata ``[B, n_q, 8, Qb]`` from its rows ``[B, k <= 8, seq]`` (queries
     padded to the ``query_block``; row 0: the band segment, 1: the dense query index, 2: the
-    dense query segment): in HBM a block is 8 rows of ``Qb`` lanes (padded to 128: 2x at 64
-    queries), where ``[B, seq, 8]`` would pad its 8 lanes to 128 (16x)."""
+    dense query segment, 3: 1 where the query lives, 0 where a non-finite row poisons it: its
+    output NaN): in HBM a block is 8 rows of ``Qb``
+    lanes (padded to 128: 2x at 64 queries), where ``[B, seq, 8]`` would pad its 8 lanes to
+    128 (16x)."""
     b, k, _ = rows.shape
     rows = jnp.pad(rows, [(0, 0), (0, 8 - k), (0, 0)])
     return rows.reshape(b, 8, -1, query_block).transpose(0, 2, 1, 3)
@@ -723,7 +724,7 @@ class _Step(NamedTuple):
     b: Array
     i: Array
     ntiles: object  # the prefetched tile counts (SMEM ref)
-    qmeta: object  # the block's per-query metadata [8, Qb] (ref), or None
+    qmeta: object  # the block's per-query metadata [8, Qb] (ref)
 
     def unroll(self, n: int) -> int:
         return 1 if self.interpret else min(n, 8)
@@ -971,7 +972,7 @@ def _forward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
     refs = _Refs(refs)
     q_ref = refs.take()
     sink_ref = refs.take() if config.has_sinks else None
-    qmeta_ref = refs.take() if config.has_meta else None
+    qmeta_ref = refs.take()
     ints = [refs.take(_n_ints(src)) for src in config.sources]
     tables = refs.take(len(config.tables))
     out_ref, lse_ref, m_ref, l_ref, acc_ref = refs.take(5)
@@ -1024,11 +1025,13 @@ def _forward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
     else:
         shift = jnp.where(m == -jnp.inf, 0.0, m)
     norm = jnp.where(l_sum > 0, l_sum, 1.0)
+    live = _per_row(step.meta(3), config) > 0  # [R, 1]: else poisoned, NaN
+    out = jnp.where(live, acc / norm[:, 0:1], jnp.nan)
     if config.narrow:
-        acc_ref[...] = acc / norm[:, 0:1]
+        acc_ref[...] = out
         _narrow_out(config, acc_ref, out_ref, values=True)
     else:
-        out_ref[...] = (acc / norm[:, 0:1]).astype(out_ref.dtype)
+        out_ref[...] = out.astype(out_ref.dtype)
     _put_scalars(lse_ref, shift + jnp.log(l_sum))
 
 
@@ -1037,7 +1040,7 @@ def forward(
     ntiles: Int[Array, " n"],
     q: Array,
     sink: Array | None,
-    qmeta: Array | None,
+    qmeta: Array,
     ints: tuple,
     tables: tuple,
 ) -> tuple[Array, Array]:
@@ -1046,11 +1049,12 @@ def forward(
     **Arguments:** the ``config``; the tile counts ``[n_tiled * B * n_q]`` (at least one
     element); ``q`` (``query_rows`` or ``narrow_rows`` layout, ``query_lanes`` wide); the sink
     logit of each row of a step ``[n_h, R, 128]`` (or ``None``); the per-query metadata
-    (``query_meta``, or ``None``); each source's int arrays (a tuple each, ``_source_specs``);
-    each table's words (``pack_rows``).
+    (``query_meta``: row 3 says which queries live); each source's int arrays (a tuple each,
+    ``_source_specs``); each table's words (``pack_rows``).
 
     **Returns:** ``(out`` (``q``'s layout, the values' ``query_lanes`` wide, ``q``'s
-    dtype), ``lse`` (``row_scalars`` layout, float32, ``-inf`` where a row reads nothing)``)``.
+    dtype; NaN for the queries that do not live), ``lse`` (``row_scalars`` layout, float32,
+    ``-inf`` where a row reads nothing)``)``.
     """
     c = config
     dv = c.value_blocks * LANES
@@ -1059,9 +1063,8 @@ def forward(
     if c.has_sinks:
         in_specs.append(pl.BlockSpec((None, c.rows, LANES), lambda b, i, j, *_: (j, 0, 0)))
         args.append(sink)
-    if c.has_meta:
-        in_specs.append(_meta_spec(c))
-        args.append(qmeta)
+    in_specs.append(_meta_spec(c))
+    args.append(qmeta)
     args += [a for group in ints for a in group] + list(tables)
     scratch = [
         pltpu.VMEM((c.rows, LANES), jnp.float32),
@@ -1131,7 +1134,7 @@ def _grads(ctx: _Cotangents, config: Config, rows, keys, values, w, table: Table
 def _backward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
     refs = _Refs(refs)
     q_ref, do_ref, lse_ref, coeff_ref = refs.take(4)
-    qmeta_ref = refs.take() if config.has_meta else None
+    qmeta_ref = refs.take()
     ints = [refs.take(_n_ints(src)) for src in config.sources]
     tables = refs.take(len(config.tables))
     gathered, in_vmem = config.grad_tables(), config.vmem_grad_tables()
@@ -1244,7 +1247,7 @@ def backward(
     do: Array,
     lse: Array,
     coeff: Array,
-    qmeta: Array | None,
+    qmeta: Array,
     ints: tuple,
     tables: tuple,
 ) -> tuple[Array, dict, dict]:
@@ -1262,9 +1265,8 @@ def backward(
     dk = c.key_blocks * LANES
     in_specs = [_query_spec(c, False), _query_spec(c, True), _scalar_spec(c), _scalar_spec(c)]
     args = [q, do, lse, coeff]
-    if c.has_meta:
-        in_specs.append(_meta_spec(c))
-        args.append(qmeta)
+    in_specs.append(_meta_spec(c))
+    args.append(qmeta)
     args += [a for group in ints for a in group] + list(tables)
     gathered, in_vmem = c.grad_tables(), c.vmem_grad_tables()
     bands = c.slab_bands()
