@@ -201,7 +201,9 @@ def test_nonfinite_rows_reach_only_their_readers():
     """A NaN window row, an Inf entry row (read densely by some queries, picked by others), a
     picked NaN entry and a NaN query, through the automatic configuration: exactly the queries
     that read them (or own them) return NaN, where the reference's do; the others' outputs and
-    every gradient agree with it."""
+    every gradient agree with it. Whatever the reference: every gradient is finite, and the
+    poisoned queries' output cotangents reach none of them (NaN ones give the same gradients
+    bitwise)."""
     arrays, segment, picks = inputs(0, 2, 3, k=6)
     arrays["kv"] = arrays["kv"].at[0, 6].set(jnp.nan)  # token 3 of row 0
     arrays["entries"] = arrays["entries"].at[1, 40, 1].set(jnp.inf)  # visible from query 2
@@ -217,6 +219,13 @@ def test_nonfinite_rows_reach_only_their_readers():
     assert_close(lse, ref_lse)
     for name in grads:
         assert_close(grads[name], ref_grads[name], what=f"d{name}")
+        assert np.isfinite(np.asarray(grads[name])).all(), name
+    kind, kernel, _, _, _, sinks = CASES["everything/automatic"]
+    cotangent = jax.random.normal(jax.random.key(1), (2, S, 3, D))  # run_case's
+    cotangent = jnp.where(jnp.asarray(bad)[:, :, None, None], jnp.nan, cotangent)
+    again, _ = outputs_and_grads(kernel, kind, sinks, arrays, segment, picks, cotangent)
+    for name in grads:
+        np.testing.assert_array_equal(np.asarray(again[name]), np.asarray(grads[name]), name)
 
 
 def test_bf16_and_the_sink_alone():
