@@ -123,20 +123,20 @@ def apply_rope_interleaved(
     Only the rotated channels are computed (in float32, rounded back to ``x``'s dtype, as
     DeepSeek's code does); the others pass through unchanged, so no float32 copy of the whole
     ``x`` is made, forward or backward (on a TPU that copy of V4's ``[B, S, H, 512]`` queries,
-    of which 64 channels rotate, was the larger cost). The rotated channels are written over
-    ``x``'s (``x.at[..., -r:].set``: XLA updates in place where ``x`` is not used again, and
-    the cotangent's tail likewise; a concatenation made it copy the pass-through slice:
-    V4-Flash CSA's fwd+bwd at 32k, compiled for a TPU, accessed 108.1 GiB with it, 97.3
-    without). Each pair's partner comes from ``swap_pairs_mxu`` where the program is lowered
-    for a TPU, from a reversed size-2 axis elsewhere (``jax.lax.platform_dependent``): the
-    same values.
+    of which 64 channels rotate, was the larger cost). The rotated channels are concatenated
+    after the others: written over ``x``'s in place instead (``x.at[..., -r:].set``), XLA
+    copied less (V4-Flash CSA's fwd+bwd at 32k, compiled for a TPU: 97.3 GiB accessed, not
+    108.1) but the CPU's compiled decode steps of the layer then parted from its full forward
+    (docs/memory.md). Each pair's partner comes from ``swap_pairs_mxu`` where the program is
+    lowered for a TPU, from a reversed size-2 axis elsewhere (``jax.lax.platform_dependent``):
+    the same values.
     """
     r, d = 2 * inv_freq.shape[0], x.shape[-1]
     if (d - r) % 2:
         raise ValueError(f"interleaved RoPE of {r} of {d} channels: {d - r} unrotated is odd")
     if r < d:
         tail = apply_rope_interleaved(x[..., d - r :], positions, inv_freq)
-        return x.at[..., d - r :].set(tail)
+        return jnp.concatenate([x[..., : d - r], tail], axis=-1)
     xf = upcast(x)
     cos, sin = _cos_sin(positions, np.repeat(inv_freq, 2), xf.dtype)
     sin = sin * jnp.asarray(np.tile([-1.0, 1.0], r // 2), xf.dtype)  # -sin / +sin in each pair

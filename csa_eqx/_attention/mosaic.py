@@ -17,12 +17,12 @@ an estimate of each kernel's VMEM (``mosaic_kernels.vmem_bytes``), and refuses w
 ``ValueError`` what cannot fit. Which queries a non-finite row poisons (and a non-finite query)
 is decided here too, by the reference's rule (``XlaAttention``), only when there is a non-finite
 row (``lax.cond``; the picks' check in blocks of ``POISON_ELEMENTS``). The forward kernel is
-told which queries live (the metadata's row 3) and writes NaN for the others; their queries
-(and in the backward their cotangents) are zeroed inside the ``custom_vjp``, where XLA fuses
-the masks into the copies to the kernels' layout. No pass of its own masks the queries, the
-output or ``dq`` (each was one of 2 GiB over V4-Flash's ``[32k, 64, 512]`` rows: its fwd+bwd
-at 32k, compiled for a TPU, accessed 97.3 GiB with them, 89.1 without; the same
-temporaries).
+told which queries live (the metadata's row 3) and writes NaN for the others; the
+non-finite queries (and in the backward the poisoned queries' cotangents) are zeroed inside
+the ``custom_vjp``, where XLA fuses the masks into the copies to the kernels' layout. No pass
+of its own masks the queries, the output or ``dq`` (each was one of 2 GiB over V4-Flash's
+``[32k, 64, 512]`` rows: its fwd+bwd at 32k, compiled for a TPU, accessed 108.1 GiB with
+them, 100.3 without; the same temporaries).
 
 The kernels' ``custom_vjp`` takes the natural arrays (queries, tables, sinks); its backward
 repacks them, runs the backward kernel (with a configuration of its own: gradient tables in
@@ -184,13 +184,15 @@ class _Static(NamedTuple):
 
 class _Ints(NamedTuple):
     """The int arrays of a call: tile counts, per-query metadata (its row 3 ``live``), each
-    source's array, and ``live [B, S]``: the queries no non-finite row poisons (the others'
-    outputs are NaN, their queries and cotangents read as zeros)."""
+    source's array, ``live [B, S]``: the queries no non-finite row poisons (the others'
+    outputs are NaN, their cotangents read as zeros) and ``finite_q [B, S]``: the queries
+    whose own values are finite (the others read as zeros)."""
 
     ntiles: Array
     qmeta: Array
     sources: tuple
     live: Array
+    finite_q: Array
 
 
 class _Plan(NamedTuple):
@@ -515,7 +517,7 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
         natural_rows=tuple(k.shape[1] for k, _ in floats),
         front=tuple(t["front"] for t in tables),
     )
-    return _Plan(static, tuple(floats), _Ints(ntiles, qmeta, tuple(ints), ~poison))
+    return _Plan(static, tuple(floats), _Ints(ntiles, qmeta, tuple(ints), ~poison, ~q_bad))
 
 
 def _as_tiles(config: K.Config) -> K.Config:
@@ -644,7 +646,7 @@ def _backward_ints(static: _Static, ints: _Ints) -> _Ints:
         sources.append(group)
     if len(counts) > 1 and not any(s.kind in ("tiles", "dense") for s in c.sources):
         counts = counts[1:]  # the forward's placeholder count
-    return _Ints(jnp.concatenate(counts), ints.qmeta, tuple(sources), ints.live)
+    return ints._replace(ntiles=jnp.concatenate(counts), sources=tuple(sources))
 
 
 def _overlap_add(slabs: Array, static: _Static, src: K.Source) -> Array:
@@ -660,20 +662,20 @@ def _overlap_add(slabs: Array, static: _Static, src: K.Source) -> Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(static: _Static, q, sink, floats, ints: _Ints):
-    return _forward(static, _live_queries(q, static, ints), sink, floats, ints)
+    return _forward(static, _finite_queries(q, static, ints), sink, floats, ints)
 
 
-def _live_queries(q, static: _Static, ints: _Ints):
-    """The queries in the kernels' layout, a poisoned query's as zeros (they may be
-    non-finite; its output is NaN whatever they are): zeroed here, inside the ``custom_vjp``,
-    no mask is differentiated into a pass over ``dq``, and XLA fuses this one into the
-    layout's copy."""
-    live = ints.live[:, :, None, None]
-    return _query_words(jnp.where(live, q, 0), static, static.config.key_blocks)
+def _finite_queries(q, static: _Static, ints: _Ints):
+    """The queries in the kernels' layout, a non-finite query's as zeros (its output is NaN
+    whatever they are; read as they are, the backward would spread them into the keys'
+    gradients): zeroed here, inside the ``custom_vjp``, no mask is differentiated into a pass
+    over ``dq``, and XLA fuses this one into the layout's copy."""
+    finite = ints.finite_q[:, :, None, None]
+    return _query_words(jnp.where(finite, q, 0), static, static.config.key_blocks)
 
 
 def _attention_fwd(static, q, sink, floats, ints):
-    qk = _live_queries(q, static, ints)
+    qk = _finite_queries(q, static, ints)
     out, lse = _forward(static, qk, sink, floats, ints)
     return (out, lse), (qk, sink, floats, ints, out, lse)
 
