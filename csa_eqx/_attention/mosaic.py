@@ -112,13 +112,10 @@ class MosaicAttention(AbstractAttentionKernel):
     vmem_limit_bytes: int = eqx.field(static=True, default=100 * 2**20)
 
     def __check_init__(self):
-        for name in ("tile_block", "vmem_limit_bytes"):
+        for name, least in (("key_block", 0), ("tile_block", 1), ("vmem_limit_bytes", 1)):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"MosaicAttention.{name} must be an int >= 1 (got {v!r})")
-        v = self.key_block
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"MosaicAttention.key_block must be an int >= 0 (got {v!r})")
+            if not isinstance(v, int) or isinstance(v, bool) or v < least:
+                raise ValueError(f"MosaicAttention.{name} must be an int >= {least} (got {v!r})")
         for name, multiple in (("key_block", 8), ("tile_block", K.LANES)):
             if getattr(self, name) % multiple:
                 raise ValueError(
