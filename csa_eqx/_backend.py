@@ -1,14 +1,16 @@
 """Every question about the backend a computation is traced for, in one place: which tile sizes
 the selection, the indexer loss and the attention use there (``backend_tiles``: one
-``TileSizes`` per backend, ``CPU_TILES``, ``GPU_TILES``, ``TPU_TILES``), and whose Pallas
-kernels the choosers may run (``kernel_platform``). No other module asks
-``jax.default_backend()`` (``tests/test_seams.py``).
+``TileSizes`` per backend, ``CPU_TILES``, ``GPU_TILES``, ``TPU_TILES``), whose Pallas
+kernels the choosers may run (``kernel_platform``) and whether a kernel runs compiled or
+interpreted (``kernel_interpret``). Each asks ``target_platform``: the platform a program traced
+now is built for. No other module asks ``jax.default_backend()`` (``tests/test_seams.py``).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
-from jax.sharding import AxisType
 
 from ._tiles import TileSizes
 
@@ -20,6 +22,9 @@ __all__ = [
     "tile_elements",
     "shared_tiles",
     "kernel_platform",
+    "target_platform",
+    "kernel_interpret",
+    "Interpret",
 ]
 
 # CPU: tiles that stay in cache (64 MiB float32 at most), the radix select a loop (unrolling
@@ -52,7 +57,7 @@ def backend_tiles(tiles: TileSizes | None = None) -> TileSizes:
     for (``CPU_TILES``, ``GPU_TILES``, ``TPU_TILES``; another backend gets the GPU's)."""
     if tiles is not None:
         return tiles
-    return _TILES.get(jax.default_backend(), GPU_TILES)
+    return _TILES.get(target_platform(), GPU_TILES)
 
 
 def tile_elements() -> int:
@@ -83,15 +88,52 @@ def shared_tiles(tiles: TileSizes, devices: int) -> TileSizes:
     )
 
 
+def target_platform() -> str:
+    """**Returns:** the platform a program traced now is built for (``"cpu"``, ``"gpu"`` or
+    ``"tpu"``, as ``jax.default_backend()`` names them): the devices' platform of the mesh in
+    context where it names one (``jax.set_mesh``, ``jax.sharding.use_abstract_mesh`` with an
+    ``AbstractDevice``: how a program is built for a platform this process does not run), else
+    ``jax.default_backend()``."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    platform = jax.default_backend() if device is None else device.platform
+    return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+
+
 def kernel_platform() -> str | None:
-    """**Returns:** the platform whose Pallas kernels the automatic choices may run, for the
-    backend the computation is traced for: ``"gpu"`` (Triton: ``PallasSelection``,
-    ``PallasAttention``) or ``"tpu"`` (Mosaic TPU: ``MosaicSelection``), where no
-    mesh axis in context is sharded by the compiler (none, or all ``Manual``: inside the
-    placements' ``shard_map``; a kernel is one device's program); ``None`` on the CPU, where
-    kernels run only in interpret mode (proven there, far slower than XLA), and under a
-    compiler-sharded mesh (docs/kernels.md)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    local = all(t == AxisType.Manual for t in getattr(mesh, "axis_types", ()))
-    backend = jax.default_backend()
-    return backend if local and backend in ("gpu", "tpu") else None
+    """**Returns:** the platform whose Pallas kernels the automatic choices run, for the
+    platform the computation is traced for (``target_platform``): ``"tpu"`` (the Mosaic
+    kernels: ``MosaicSelection``, ``MosaicAttention``), also under a mesh the compiler shards
+    (the kernels then run per device: ``csa_eqx._mesh.per_device``); ``None`` elsewhere: on the
+    CPU kernels run only in interpret mode (proven there, far slower than XLA), and on a GPU
+    the Triton kernels (``PallasSelection``, ``PallasAttention``) have not been measured on
+    one, so the XLA path is the automatic choice there (they stay available by name)."""
+    return "tpu" if target_platform() == "tpu" else None
+
+
+# What a kernel strategy's ``interpret`` field holds: ``None`` (decided by the platform the
+# program is built for), ``True`` / ``False``, or Pallas' TPU interpreter's parameters
+# (``pltpu.InterpretParams``: simulated memories; it carries IO effects, for kernel-alone tests).
+Interpret = Any
+
+
+def kernel_interpret(interpret: Interpret, platform: str, refused: str) -> Interpret:
+    """The interpret choice of a kernel for ``platform`` (``"tpu"``: Mosaic, ``"gpu"``: Triton),
+    decided once, when the program is traced: no program carries a branch per platform, and
+    none an effect (plain ``interpret=True`` declares none).
+
+    **Arguments:** the strategy's ``interpret`` field (``None``: compiled where the program is
+    built for ``platform``, interpreted where it is built for the CPU; ``True``: interpreted
+    anywhere; ``False``: compiled; ``pltpu.InterpretParams``: Pallas' TPU interpreter), the
+    kernel's ``platform`` and the message ``refused`` to raise where it cannot run.
+
+    **Returns:** ``True``, ``False`` or the ``InterpretParams`` given; a ``NotImplementedError``
+    (``refused``) where the kernel would be compiled for another platform than its own.
+    """
+    target = target_platform()
+    if interpret is None:
+        if target == "cpu":
+            return True
+        interpret = False
+    if interpret is False and target != platform:
+        raise NotImplementedError(refused)
+    return interpret

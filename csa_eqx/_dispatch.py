@@ -1,24 +1,27 @@
-"""Where a Pallas kernel runs, decided per platform when the program is lowered (docs/kernels.md):
-the one mechanism the Triton kernels (``csa_eqx._pallas.run_kernel``) and the Mosaic TPU kernels
-(``run_mosaic``) share.
+"""How a Pallas kernel is run, decided once when the program is traced (docs/kernels.md,
+"Where a kernel runs"; docs/composing.md): the one mechanism the Triton kernels
+(``csa_eqx._pallas.run_kernel``) and the Mosaic TPU kernels (``run_mosaic``) share.
 
-``jax.lax.platform_dependent`` traces one branch per platform and lowers only the branch of the
-platform a program is lowered for, so no module needs to ask JAX for the backend: the CPU runs
-a kernel in an interpreter (where the test suite proves it), its own platform compiles it, and
-any other platform meets ``refusal``, a primitive whose lowering raises a
-``NotImplementedError`` naming the kernel (Pallas' own lowering would fail there on a bare
-assertion, or later in the compiler).
+A kernel strategy's ``interpret`` field (``csa_eqx._backend.kernel_interpret``) says whether its
+kernels are compiled (for the platform the program is built for) or interpreted; nothing is
+chosen per platform at lowering, so a program holds one version of each kernel and no effect:
+it composes with ``jax.checkpoint``, ``custom_vjp``, ``vmap`` and ``scan`` as any XLA program
+does. A kernel that cannot run where the program is built for raises a
+``NotImplementedError`` naming it while the program is traced.
+
+Inside a ``shard_map`` with ``check_vma`` (JAX's default), a kernel's outputs vary over the
+manual axes its inputs vary over (``typed``): ``pallas_call`` takes its output types as given;
+there Pallas' plain interpret mode runs through ``csa_eqx._compat.interpreted``.
 """
 
 from __future__ import annotations
 
 import jax
-from jax.experimental import io_callback
-from jax.experimental.pallas import tpu as pltpu
-from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
 
-__all__ = ["refusal", "run_mosaic", "MOSAIC_REFUSED"]
+from ._backend import Interpret, kernel_interpret
+from ._compat import interpreted
+
+__all__ = ["run_mosaic", "launch", "typed", "MOSAIC_REFUSED"]
 
 MOSAIC_REFUSED = (
     "csa_eqx's Pallas kernel {name!r} is a Mosaic (TPU) kernel and runs only on a TPU (and "
@@ -26,81 +29,54 @@ MOSAIC_REFUSED = (
     "strategy here (docs/kernels.md)."
 )
 
-_refused_p = Primitive("csa_eqx_kernel_refused")
-_refused_p.multiple_results = True
-_refused_p.def_abstract_eval(lambda *args, avals, message: avals)
+
+def typed(out_shape, args):
+    """``out_shape`` (a ``jax.ShapeDtypeStruct`` pytree) varying over every manual mesh axis
+    any of ``args`` varies over: what a kernel's outputs are inside a ``shard_map`` with
+    ``check_vma`` (unchanged outside one)."""
+    mats = [jax.typeof(a).manual_axis_type for a in jax.tree.leaves(args)]
+    varying = frozenset().union(*(m.varying for m in mats))
+    if not varying:
+        return out_shape
+    mat = type(mats[0])(varying=varying)
+    # the manual axis type of an abstract value needs a sharding over the (manual) mesh
+    sharding = jax.NamedSharding(jax.sharding.get_abstract_mesh(), jax.P())
+    return jax.tree.map(
+        lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sharding, manual_axis_type=mat),
+        out_shape,
+    )
 
 
-def _refused_lowering(ctx, *args, avals, message):
-    raise NotImplementedError(message)
+def launch(build, mode: Interpret, out_shape, args):
+    """``build(mode, out_shape)(*args)``: a ``pallas_call`` built for ``mode`` (as
+    ``kernel_interpret`` decides it) and the kernel's ``out_shape``, its outputs typed for the
+    manual axes its ``args`` vary over (``typed``)."""
+    varying = typed(out_shape, args)
+    if mode is True and varying is not out_shape:  # interpret mode under check_vma
+        return interpreted(lambda *a: jax.tree.leaves(build(True, out_shape)(*a)), varying, *args)
+    return build(mode, varying)(*args)
 
 
-def _refused_batched(args, dims, *, avals, message):
-    size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
-    batched = tuple(a.update(shape=(size, *a.shape)) for a in avals)
-    return _refused_p.bind(*args, avals=batched, message=message), [0] * len(avals)
-
-
-mlir.register_lowering(_refused_p, _refused_lowering)
-batching.primitive_batchers[_refused_p] = _refused_batched
-
-
-def refusal(out_shape, message: str):
-    """**Arguments:** a kernel's ``out_shape`` (a ``jax.ShapeDtypeStruct`` pytree) and the
-    ``message`` to raise.
-
-    **Returns:** a ``platform_dependent`` branch taking the kernel's arguments and returning
-    outputs of its shapes, whose lowering raises ``NotImplementedError(message)``."""
-
-    def branch(*args):
-        flat, tree = jax.tree.flatten(out_shape)
-        avals = tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in flat)
-        return jax.tree.unflatten(tree, _refused_p.bind(*args, avals=avals, message=message))
-
-    return branch
-
-
-# Pallas' TPU interpreter brackets every kernel with *ordered* IO callbacks, so the
-# ``platform_dependent`` around a kernel carries that ordered effect; lowered for a TPU (whose
-# branch alone is kept) it would find no token for it ("incorrect set of output tokens"). The
-# TPU branch therefore passes its arguments through ``_ordered_p``, which declares the same
-# effect and threads the token through unchanged: nothing at run time.
-_ORDERED = tuple(jax.make_jaxpr(lambda: io_callback(lambda: None, None, ordered=True))().effects)
-_ordered_p = Primitive("csa_eqx_mosaic_ordered")
-_ordered_p.multiple_results = True
-_ordered_p.def_effectful_abstract_eval(lambda *avals: (avals, set(_ORDERED)))
-
-
-def _ordered_lowering(ctx, *args):
-    ctx.set_tokens_out(ctx.tokens_in)
-    return args
-
-
-mlir.register_lowering(_ordered_p, _ordered_lowering)
-batching.primitive_batchers[_ordered_p] = lambda args, dims: (_ordered_p.bind(*args), dims)
-
-
-def run_mosaic(name: str, build, out_shape, *args, tpu_refusal: str | None = None):
-    """Run a Mosaic TPU kernel: ``build(interpret)(*args)`` (a ``pallas_call``), interpreted by
-    Pallas' TPU interpreter (``build(pltpu.InterpretParams())``: simulated memories, DMAs and
-    semaphores, out-of-bounds reads raising) when the program is lowered for the CPU, compiled
-    by Mosaic (``build(False)``) on a TPU, refused (``MOSAIC_REFUSED``) on any other platform.
+def run_mosaic(
+    name: str,
+    build,
+    out_shape,
+    *args,
+    interpret: Interpret,
+    tpu_refusal: str | None = None,
+):
+    """Run a Mosaic TPU kernel: ``build(mode, out_shape)(*args)`` (a ``pallas_call``), with
+    ``mode`` what ``kernel_interpret`` decides for the TPU: ``False`` (compiled by Mosaic),
+    ``True`` (Pallas' interpret mode) or a ``pltpu.InterpretParams``.
 
     **Arguments:** the kernel's ``name``, ``build``, its ``out_shape`` (``ShapeDtypeStruct``
-    pytree), its ``args`` and ``tpu_refusal``: a message to refuse the TPU with instead of
-    compiling (a configuration the chip cannot run, e.g. blocks below Mosaic's tiles, which the
-    interpreter still runs).
+    pytree), its ``args``, the strategy's ``interpret`` field and ``tpu_refusal``: a message to
+    refuse compiling with (a configuration the chip cannot run, e.g. blocks below Mosaic's
+    tiles, which the interpreters still run).
 
-    **Returns:** the kernel's outputs."""
-
-    def interpreted(*args):
-        return build(pltpu.InterpretParams())(*args)
-
-    def effectful(branch):  # the interpreter's ordered effect, in every other branch too
-        return lambda *args: branch(*_ordered_p.bind(*args))
-
-    refused = refusal(out_shape, MOSAIC_REFUSED.format(name=name))
-    tpu = build(False) if tpu_refusal is None else refusal(out_shape, tpu_refusal)
-    return jax.lax.platform_dependent(
-        *args, cpu=interpreted, tpu=effectful(tpu), default=effectful(refused)
-    )
+    **Returns:** the kernel's outputs; a ``NotImplementedError`` where the kernel cannot run.
+    """
+    mode = kernel_interpret(interpret, "tpu", MOSAIC_REFUSED.format(name=name))
+    if mode is False and tpu_refusal is not None:
+        raise NotImplementedError(tpu_refusal)
+    return launch(build, mode, out_shape, args)

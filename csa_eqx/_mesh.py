@@ -112,10 +112,11 @@ def run_sharded(fn: Callable, mesh: MeshLike, in_specs, out_specs, axes: set, *a
     """``fn(*args)`` in a ``jax.shard_map`` manual over ``axes``, the arguments placed on
     ``in_specs`` first (``place``).
 
-    ``check_vma=False``: the selection's loops start their carries from constants, which the
-    varying-manual-axes check rejects. Every strategy's outputs leave mapped over the manual
-    axes they vary over (partial sums stacked and summed outside), so the transpose's sum of
-    the replicated inputs' cotangents is the exact gradient.
+    With JAX's default ``check_vma``: every loop builds its carries from its inputs, and every
+    kernel types its outputs for the manual axes (``csa_eqx._dispatch.typed``). Every
+    strategy's outputs leave mapped over the manual axes they vary over (partial sums stacked
+    and summed outside), so the transpose's sum of the replicated inputs' cotangents is the
+    exact gradient.
 
     **Arguments:** the function, the mesh, ``PartitionSpec`` trees for the arguments and the
     outputs (prefixes allowed), the manual axis names and the arguments.
@@ -129,5 +130,4 @@ def run_sharded(fn: Callable, mesh: MeshLike, in_specs, out_specs, axes: set, *a
         in_specs=in_specs,
         out_specs=out_specs,
         axis_names=frozenset(axes - {None}),
-        check_vma=False,
     )(*args)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-__all__ = ["linear", "rms_norm", "init_linear", "upcast", "round_to"]
+__all__ = ["linear", "rms_norm", "init_linear", "upcast", "round_to", "varying_like", "summed_like"]
 
 
 def linear(x: Float[Array, "*batch d_in"], weight: Float[Array, "d_out d_in"]) -> Array:
@@ -60,3 +60,41 @@ def rms_norm(x: Array, weight: Array | None, eps: float) -> Array:
 def init_linear(key: Array, d_out: int, d_in: int, dtype=jnp.float32, std: float = 0.02) -> Array:
     """A ``[d_out, d_in]`` weight drawn from N(0, std²)."""
     return (std * jax.random.normal(key, (d_out, d_in))).astype(dtype)
+
+
+def varying_like(x: Array, *likes) -> Array:
+    """``x`` cast to vary over every manual mesh axis any of ``likes`` (arrays or pytrees)
+    varies over: a loop carry built from constants, inside a ``shard_map`` with ``check_vma``
+    (JAX's default), must vary as the body makes it (unchanged outside one).
+
+    **Arguments:** the array ``x`` and the arrays whose manual axes it takes.
+
+    **Returns:** ``x``, typed as varying over those axes (no data moves).
+    """
+    axes = frozenset().union(
+        *(jax.typeof(a).manual_axis_type.varying for a in jax.tree.leaves(likes))
+    )
+    missing = tuple(sorted(axes - jax.typeof(x).manual_axis_type.varying))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def summed_like(cotangents, primals):
+    """Each cotangent summed over the manual mesh axes it varies over and its primal does not:
+    a ``custom_vjp``'s backward under a ``shard_map`` with ``check_vma`` owes an input used on
+    every device (e.g. replicated sinks) the sum of the devices' cotangents, as JAX's own
+    transpose of the implicit broadcast gives it (unchanged outside one).
+
+    **Arguments:** the ``cotangents`` and the ``primals`` (pytrees of one structure; ``None``
+    cotangents kept).
+
+    **Returns:** the cotangents, each typed as its primal varies.
+    """
+
+    def one(ct, primal):
+        if ct is None:
+            return None
+        extra = jax.typeof(ct).manual_axis_type.varying
+        extra = tuple(sorted(extra - jax.typeof(primal).manual_axis_type.varying))
+        return jax.lax.psum(ct, extra) if extra else ct
+
+    return jax.tree.map(one, cotangents, primals, is_leaf=lambda x: x is None)

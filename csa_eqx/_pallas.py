@@ -27,14 +27,13 @@ forced smaller run in interpret mode only).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._dispatch import refusal
+from ._backend import kernel_interpret, target_platform
+from ._dispatch import launch
 
 __all__ = [
     "run_kernel",
@@ -56,22 +55,27 @@ TPU_REFUSED = (
     "the automatic choices run the Mosaic kernels (MosaicSelection, MosaicAttention) or the XLA "
     "paths; do not force PallasSelection, PallasAttention or PallasScorer there."
 )
+GPU_ONLY = (
+    "csa_eqx's Pallas kernel {name!r} is a Triton (GPU) kernel: it is compiled for a GPU only "
+    "(interpret=True runs it interpreted anywhere; docs/kernels.md)."
+)
 
 
-def run_kernel(make_kernel, out_shape, grid, name: str, *args, aliases=None):
-    """Run a kernel over ``grid`` with whole-array refs: interpret mode when the program is
-    lowered for the CPU, a ``NotImplementedError`` naming the kernel when it is lowered for a
-    TPU (``TPU_REFUSED``), Triton (its ``CompilerParams``) for any other platform, chosen per
-    platform at lowering (``jax.lax.platform_dependent``; every version is traced).
+def run_kernel(make_kernel, out_shape, grid, name: str, *args, interpret, aliases=None):
+    """Run a kernel over ``grid`` with whole-array refs: compiled by Triton (its
+    ``CompilerParams``) or in interpret mode, as ``kernel_interpret`` decides for a GPU
+    kernel once, when the program is traced (interpret mode on the CPU; a ``NotImplementedError``
+    naming the kernel, ``TPU_REFUSED``, where it would be compiled for a TPU).
 
     **Arguments:** ``make_kernel(interpret)`` returning the kernel body, the ``out_shape``
-    (``jax.ShapeDtypeStruct`` pytree), the ``grid``, the kernel's ``name``, its ``args`` and
-    ``aliases`` (``input_output_aliases``).
+    (``jax.ShapeDtypeStruct`` pytree), the ``grid``, the kernel's ``name``, its ``args``, the
+    strategy's ``interpret`` field and ``aliases`` (``input_output_aliases``).
 
     **Returns:** the kernel's outputs.
     """
+    refused = (TPU_REFUSED if target_platform() == "tpu" else GPU_ONLY).format(name=name)
 
-    def call(*args, interpret: bool):
+    def build(interpret, out_shape):
         return pl.pallas_call(
             make_kernel(interpret),
             out_shape=out_shape,
@@ -80,14 +84,9 @@ def run_kernel(make_kernel, out_shape, grid, name: str, *args, aliases=None):
             name=name,
             input_output_aliases=aliases or {},
             compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-        )(*args)
+        )
 
-    return jax.lax.platform_dependent(
-        *args,
-        cpu=functools.partial(call, interpret=True),
-        tpu=refusal(out_shape, TPU_REFUSED.format(name=name)),
-        default=functools.partial(call, interpret=False),
-    )
+    return launch(build, bool(kernel_interpret(interpret, "gpu", refused)), out_shape, args)
 
 
 def barrier(interpret: bool) -> None:

@@ -48,8 +48,13 @@ def gpu_lowering(fn, *args) -> str:
 
 
 def tpu_lowering(fn, *args):
-    """``jax.jit(fn)`` lowered for a TPU (no TPU needed; nothing is compiled)."""
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
+    """``jax.jit(fn)`` traced under an abstract TPU v5e mesh (the platform the kernels' choices
+    read: ``csa_eqx._backend.target_platform``) and lowered for a TPU (no TPU needed; nothing
+    is compiled): Pallas kernels go through their Mosaic lowering (``tpu_custom_call``)."""
+    device = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=None, platform="tpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("tpu",), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
 
 
 def kernel_dots(fn, *args) -> set[tuple[str, str]]:

@@ -41,7 +41,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from .._backend import Interpret
 from .._layout import entry_visibility
+from .._ops import summed_like, varying_like
 from . import mosaic_kernels as K
 from .base import AbstractAttentionKernel, require_exact_softmax, require_keys
 from .reads import DenseKeys, Reads, gather_keys, nonfinite_rows, zero_rows
@@ -100,6 +102,10 @@ class MosaicAttention(AbstractAttentionKernel):
         band's as one slab per query block) or ``"auto"`` (VMEM where it fits; a band's
         gradient table in VMEM where it fits but for ``"hbm"``).
     - ``vmem_limit_bytes``: Mosaic's scoped VMEM limit (the v5e has 128 MiB).
+    - ``interpret``: ``None`` (compiled on a TPU, interpreted on the CPU: decided when the
+        program is traced), ``True``, ``False`` or a ``pltpu.InterpretParams`` (Pallas' TPU
+        interpreter: simulated memories, out-of-bounds reads raising; it carries IO effects,
+        so only for the kernel alone: no ``jax.checkpoint`` or ``vmap`` around it).
     """
 
     query_block: int = eqx.field(static=True, default=0)
@@ -110,6 +116,7 @@ class MosaicAttention(AbstractAttentionKernel):
     resident: bool | None = eqx.field(static=True, default=None)
     gradients: str = eqx.field(static=True, default="auto")
     vmem_limit_bytes: int = eqx.field(static=True, default=100 * 2**20)
+    interpret: Interpret = eqx.field(static=True, default=None)
 
     def __check_init__(self):
         for name, least in (("key_block", 0), ("tile_block", 1), ("vmem_limit_bytes", 1)):
@@ -223,7 +230,7 @@ def _value_width(reads: Reads, width: int) -> int:
 
 def _if_bad(bad: Array, flags, shape) -> Array:
     """``flags()`` where some row in ``bad`` is non-finite, else ``False`` (formed only then)."""
-    return jax.lax.cond(jnp.any(bad), flags, lambda: jnp.zeros(shape, bool))
+    return jax.lax.cond(jnp.any(bad), flags, lambda: varying_like(jnp.zeros(shape, bool), bad))
 
 
 def _picks_poison(bad, idx, dense: DenseKeys | None = None) -> Array:
@@ -245,7 +252,8 @@ def _picks_poison(bad, idx, dense: DenseKeys | None = None) -> Array:
         hit = jnp.any((rows >= 0) & gather_keys(bad[..., None], rows)[..., 0], axis=-1)
         return jax.lax.dynamic_update_slice_in_dim(acc, hit, start, 1)
 
-    return jax.lax.fori_loop(0, -(-s // n), block, jnp.zeros((b, s), bool))
+    acc = varying_like(jnp.zeros((b, s), bool), idx, bad, dense)
+    return jax.lax.fori_loop(0, -(-s // n), block, acc)
 
 
 def _band_poison(bad, key_segment, segment, window: int, before: int) -> Array:
@@ -261,7 +269,8 @@ def _band_poison(bad, key_segment, segment, window: int, before: int) -> Array:
         rows_segment = jax.lax.dynamic_slice_in_dim(key_segment, start, s, 1)
         return acc | (rows_bad & (rows_segment == segment))
 
-    return jax.lax.fori_loop(0, window, lag, jnp.zeros((b, s), bool))
+    acc = varying_like(jnp.zeros((b, s), bool), bad, key_segment, segment)
+    return jax.lax.fori_loop(0, window, lag, acc)
 
 
 def gather_seconds(gather: str, seq: int, sets, heads: int, width: int, tile: int, qb: int):
@@ -498,7 +507,7 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
             heads=_round_up(h, hb), head_block=hb, query_block=qb, key_blocks=key_blocks,
             value_blocks=value_blocks, chunk=chunk, tile=tile, scale=scale,
             has_sinks=has_sinks, dtype=jnp.dtype(q.dtype).name,
-            vmem_limit=kernel.vmem_limit_bytes, narrow=narrow,
+            vmem_limit=kernel.vmem_limit_bytes, narrow=narrow, interpret=kernel.interpret,
         )  # fmt: skip
 
     tabled = bool(gathered or dense is not None)
@@ -718,7 +727,8 @@ def _attention_bwd(static: _Static, residuals, cotangents):
     dsink = jnp.zeros_like(sink)
     if c.has_sinks:  # d lse / d sink = exp(sink - lse); d out / d sink = -out exp(sink - lse)
         dsink = jnp.sum(jnp.exp(sink - lse) * coeff, axis=(0, 1))
-    return dq, dsink, tuple(d_floats), jax.tree.map(lambda _: None, ints)
+    dsink, d_floats = summed_like((dsink, tuple(d_floats)), (sink, floats))
+    return dq, dsink, d_floats, jax.tree.map(lambda _: None, ints)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -151,7 +151,8 @@ class Config(NamedTuple):
     (bytes); ``narrow``: ``(heads, key width, value width)`` when the query-side arrays (the
     queries, the output, its cotangent, ``dq``) travel unpadded as ``[B, seq, heads * width]``
     (one head block takes every head; padded to the step's rows only in VMEM), else ``()``
-    (``query_rows`` layout).
+    (``query_rows`` layout); ``interpret``: the strategy's field
+    (``csa_eqx._backend.kernel_interpret``).
     """
 
     tables: tuple[Table, ...]
@@ -171,6 +172,7 @@ class Config(NamedTuple):
     dtype: str
     vmem_limit: int
     narrow: tuple[int, ...] = ()
+    interpret: object = None
 
     @property
     def n_q(self) -> int:
@@ -416,8 +418,8 @@ def unrow_scalars(x: Array, config: Config) -> Array:
 
 def _pallas(kernel, config: Config, interpret, name: str, in_specs, out_specs, out_shape,
             scratch, semantics, aliases=None):  # fmt: skip
-    """The ``pallas_call`` of a kernel over the grid ``(batch, n_q, n_h)`` (``interpret``: Pallas'
-    ``InterpretParams``, or ``False`` to compile; ``aliases``: input -> output, the scalar
+    """The ``pallas_call`` of a kernel over the grid ``(batch, n_q, n_h)`` (``interpret``: as
+    ``run_mosaic`` decides it, ``False`` to compile; ``aliases``: input -> output, the scalar
     prefetch counted)."""
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
@@ -1078,14 +1080,16 @@ def forward(
         jax.ShapeDtypeStruct((c.batch, c.n_h, c.n_q, c.scalar_rows, LANES), jnp.float32),
     )
 
-    def build(interpret):
+    def build(interpret, out_shape):
         return _pallas(
             _forward_kernel, c, interpret, "mosaic_sparse_attention",
             in_specs + _source_specs(c), [_query_spec(c, True), _scalar_spec(c)], out_shape,
             scratch, ("parallel", "parallel", "arbitrary"),
         )  # fmt: skip
 
-    return run_mosaic("mosaic_sparse_attention", build, out_shape, ntiles, *args)
+    return run_mosaic(
+        "mosaic_sparse_attention", build, out_shape, ntiles, *args, interpret=c.interpret
+    )
 
 
 # --- backward -------------------------------------------------------------------------------
@@ -1299,13 +1303,14 @@ def backward(
     n_sources = len(in_specs) - (len(gathered) - len(in_vmem))  # the specs before the zeros
     specs = in_specs[:n_sources] + _source_specs(c) + in_specs[n_sources:]
 
-    def build(interpret):
+    def build(interpret, out_shape):
         return _pallas(
             _backward_kernel, c, interpret, "mosaic_sparse_attention_bwd", specs, out_specs,
             out_shape, scratch, ("arbitrary", "arbitrary", "arbitrary"), aliases,
         )  # fmt: skip
 
-    dq, *rest = run_mosaic("mosaic_sparse_attention_bwd", build, out_shape, ntiles, *args)
+    name = "mosaic_sparse_attention_bwd"
+    dq, *rest = run_mosaic(name, build, out_shape, ntiles, *args, interpret=c.interpret)
     grads = dict(zip(gathered, rest[: len(gathered)], strict=True))
     slabs = dict(zip(bands, rest[len(gathered) :], strict=True))
     return dq, grads, slabs

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .._ops import summed_like
 from .._pallas import (
     MIN_DOT,
     count,
@@ -65,10 +66,13 @@ class PallasAttention(AbstractAttentionKernel):
     - ``key_block``: rows per tile of gathered indices, window rows and dense entries (a power
         of two; at least 16 on a GPU; fewer rows take the least power of two, at least 16,
         that holds them).
+    - ``interpret``: ``None`` (compiled on a GPU, interpreted on the CPU), ``True`` or
+        ``False`` (``csa_eqx._backend.kernel_interpret``).
     """
 
     query_block: int = 16
     key_block: int = 64
+    interpret: bool | None = None
 
     def __check_init__(self):
         for name in ("query_block", "key_block"):
@@ -101,6 +105,7 @@ class PallasAttention(AbstractAttentionKernel):
             dk=d,
             dv=_value_width(floats, sources, d),
             has_sinks=sinks is not None,
+            interpret=self.interpret,
         )
         qp = pad_axis(q, 2, heads)
         sink = jnp.zeros((heads,), jnp.float32)
@@ -125,7 +130,7 @@ class _Source(NamedTuple):
 
 class _Config(NamedTuple):
     """The static side of a call: the read sets, the query rows, the softmax scale, rows per
-    program, key and value widths, whether there are sinks."""
+    program, key and value widths, whether there are sinks, the ``interpret`` field."""
 
     sources: tuple[_Source, ...]
     seq: int
@@ -134,6 +139,7 @@ class _Config(NamedTuple):
     dk: int
     dv: int
     has_sinks: bool
+    interpret: bool | None
 
 
 def _value_width(floats, sources, d: int) -> int:
@@ -378,7 +384,9 @@ def _forward(config: _Config, q, sink, floats, ints):
         jax.ShapeDtypeStruct((b, s, h), jnp.float32),
     )
     grid = (b, -(-s // config.rows))
-    out, lse = run_kernel(lambda _: kernel, out_shape, grid, "sparse_attention", *inputs)
+    out, lse = run_kernel(
+        lambda _: kernel, out_shape, grid, "sparse_attention", *inputs, interpret=config.interpret
+    )
     return out[..., : config.dv], lse
 
 
@@ -464,8 +472,9 @@ def _backward(config: _Config, q, sink, floats, ints, out, lse, g_out, g_lse):
     aliases = {n_in - len(flat_tables) + i: 1 + i for i in range(len(flat_tables))}
     grid = (b, -(-s // config.rows))
     dq, dsink, *flat = run_kernel(
-        lambda _: kernel, tuple(out_shape), grid, "sparse_attention_bwd", *inputs, aliases=aliases
-    )
+        lambda _: kernel, tuple(out_shape), grid, "sparse_attention_bwd", *inputs,
+        interpret=config.interpret, aliases=aliases,
+    )  # fmt: skip
     d_floats = []
     for (front, _), (k_in, v_in) in zip(tables, floats, strict=True):
         n = k_in.shape[1]
@@ -502,6 +511,7 @@ def _attention_bwd(config, residuals, cotangents):
     dq, dsink, d_floats = _backward(config, q, sink, floats, ints, out, lse, g_out, g_lse)
     if not config.has_sinks:
         dsink = jnp.zeros_like(sink)
+    dsink, d_floats = summed_like((dsink, tuple(d_floats)), (sink, tuple(floats)))
     d_ints = jax.tree.map(lambda _: None, ints)
     return dq, dsink, d_floats, d_ints
 

@@ -35,10 +35,13 @@ class PallasScorer(AbstractScorer):
 
     - ``query_block``, ``key_block``: the tile (powers of two; at least 16 on a GPU; a shorter
         sequence or fewer keys take the least power of two, at least 16, that holds them).
+    - ``interpret``: ``None`` (compiled on a GPU, interpreted on the CPU), ``True`` or
+        ``False`` (``csa_eqx._backend.kernel_interpret``).
     """
 
     query_block: int = eqx.field(default=64, static=True)
     key_block: int = eqx.field(default=64, static=True)
+    interpret: bool | None = eqx.field(default=None, static=True)
 
     def __check_init__(self):
         for name in ("query_block", "key_block"):
@@ -49,7 +52,7 @@ class PallasScorer(AbstractScorer):
     def scores(self, q, weights, keys, *, head_chunk=0, score_dtype=None):
         if head_chunk and q.shape[2] % head_chunk:
             raise ValueError(f"head_chunk={head_chunk} must divide the {q.shape[2]} indexer heads")
-        blocks = (self.query_block, self.key_block)
+        blocks = (self.query_block, self.key_block, self.interpret)
         return _kernel_scores(blocks, head_chunk, score_dtype, q, weights, keys)
 
     def gathered_scores(self, q, weights, keys, *, head_chunk=0, score_dtype=None):
@@ -77,7 +80,7 @@ _kernel_scores.defvjp(_fwd, _bwd)
 
 def _forward(blocks, head_chunk, score_dtype, q, weights, keys):
     """``[B, S, T]`` float32 scores by the tile kernel (rows and entries padded to whole
-    tiles, the padding sliced off)."""
+    tiles, the padding sliced off; ``blocks``: the tile and the ``interpret`` field)."""
     b, s, h, d = q.shape
     t = keys.shape[1]
     if s == 0 or t == 0:
@@ -104,5 +107,5 @@ def _forward(blocks, head_chunk, score_dtype, q, weights, keys):
 
     out = jax.ShapeDtypeStruct((b, sp, tp), jnp.float32)
     grid = (b, sp // qb, tp // kb)
-    scores = run_kernel(make_kernel, out, grid, "indexer_scores", q, w, keys)
+    scores = run_kernel(make_kernel, out, grid, "indexer_scores", q, w, keys, interpret=blocks[2])
     return scores[:, :s, :t]

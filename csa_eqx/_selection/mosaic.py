@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
+from .._backend import Interpret
 from .base import AbstractSelection, SelectionProblem
 from .mosaic_topk import SEARCHES, fits_vmem, mosaic_topk
 from .row_chunks import kernel_row_chunks
@@ -28,8 +29,8 @@ def _power_of_two(v) -> bool:
 
 class MosaicSelection(AbstractSelection):
     """The fused indexer for a TPU (score + exact top-k in one Mosaic kernel, see
-    ``csa_eqx._selection.mosaic_topk``): Mosaic on a TPU, Pallas' TPU interpreter on the CPU
-    (where it is proven, not fast); lowering it for any other platform raises a
+    ``csa_eqx._selection.mosaic_topk``): Mosaic on a TPU, Pallas' interpret mode on the CPU
+    (where it is proven, not fast); tracing it for any other platform raises a
     ``NotImplementedError`` naming the kernel. The selection is the other strategies' bitwise
     wherever the scores are. The defaults are the fastest block and search measured on a TPU v5e
     (docs/kernels.md, "The designs tried on the chip").
@@ -51,6 +52,10 @@ class MosaicSelection(AbstractSelection):
     - ``query_chunk``: at most this many queries projected and selected per kernel call, the
         calls' chunks balanced (0 = automatic: as many as keep their ``[B, rows, H, d]``
         queries and picks within ``problem.tiles.elements``).
+    - ``interpret``: ``None`` (compiled on a TPU, interpreted on the CPU: decided when the
+        program is traced), ``True``, ``False`` or a ``pltpu.InterpretParams`` (Pallas' TPU
+        interpreter: simulated memories, out-of-bounds reads raising; it carries IO effects,
+        so only for the kernel alone: no ``jax.checkpoint`` or ``vmap`` around it).
     """
 
     query_block: int = 256
@@ -58,6 +63,7 @@ class MosaicSelection(AbstractSelection):
     head_group: int = 16
     search: str = "early"
     query_chunk: int = 0
+    interpret: Interpret = None
 
     def __check_init__(self):
         for name in ("query_block", "key_block", "head_group"):
@@ -90,6 +96,7 @@ class MosaicSelection(AbstractSelection):
             head_chunk=problem.head_chunk,
             score_dtype=problem.score_dtype,
             search=self.search,
+            interpret=self.interpret,
         )
 
         def kernel(q, w, keys, layout, query_index, query_segment):

@@ -429,6 +429,7 @@ def mosaic_topk(
     head_chunk: int = 0,
     score_dtype=None,
     search: str = "early",
+    interpret=None,
 ) -> Int[Array, "batch seq {k}"]:
     """The exact indexer top-k of every query by the Mosaic kernel (see the module docstring).
 
@@ -448,6 +449,8 @@ def mosaic_topk(
     - ``head_group``: heads stacked into one matmul (a divisor of the head chunk is used).
     - ``head_chunk`` (0 = all heads) and ``score_dtype``: as ``csa_eqx.indexer_scores``.
     - ``search``: the threshold search, one of ``SEARCHES``.
+    - ``interpret``: the strategy's field (``csa_eqx._backend.kernel_interpret``: ``None``
+        compiles on a TPU and interprets on the CPU).
 
     **Returns:** int32 ``[B, S, k]``: picks in increasing index order, ``-1`` past the visible
     count.
@@ -503,8 +506,8 @@ def mosaic_topk(
     out_shape = jax.ShapeDtypeStruct((b, n_blocks * qb, n_out * lanes), jnp.int32)
     vmem = vmem_bytes(qb, kt, *sizes)
 
-    def build(interpret):
-        if interpret:
+    def build(interpret, out_shape):
+        if interpret is not False:
             params = dict(interpret=interpret)
         else:
             limit = min(int(vmem * 1.5) + (16 << 20), _VMEM_LIMIT)
@@ -519,5 +522,5 @@ def mosaic_topk(
         refusal = TPU_BLOCKS
     elif not fits_vmem(t_pad, heads, dim, itemsize, kt, group):
         refusal = TPU_VMEM
-    out = run_mosaic(NAME, build, out_shape, *args, tpu_refusal=refusal)
+    out = run_mosaic(NAME, build, out_shape, *args, interpret=interpret, tpu_refusal=refusal)
     return out[:, :s, :k]

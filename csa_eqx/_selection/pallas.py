@@ -75,11 +75,14 @@ class PallasSelection(AbstractSelection):
     - ``query_chunk``: at most this many queries projected and selected per kernel call, the
         calls' chunks balanced (0 = automatic: as many as keep their ``[B, rows, H, d]``
         queries and candidate buffers within ``problem.tiles.elements``).
+    - ``interpret``: ``None`` (compiled on a GPU, interpreted on the CPU), ``True`` or
+        ``False`` (``csa_eqx._backend.kernel_interpret``).
     """
 
     query_block: int = 64
     key_block: int = 64
     query_chunk: int = 0
+    interpret: bool | None = None
 
     def __check_init__(self):
         for name in ("query_block", "key_block"):
@@ -93,7 +96,7 @@ class PallasSelection(AbstractSelection):
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
         qb, kb = min(self.query_block, next_pow2(problem.sizes()[1], MIN_DOT)), self.key_block
         buffer = (-(-k // kb) + 1) * kb
-        sizes = (k, qb, kb, buffer, problem.head_chunk, problem.score_dtype)
+        sizes = (k, qb, kb, buffer, problem.head_chunk, problem.score_dtype, self.interpret)
 
         def kernel(q, w, keys, layout, query_index, query_segment):
             return _select_rows(q, w, keys, query_index, query_segment, layout, sizes)
@@ -108,7 +111,7 @@ def _select_rows(q, w, keys, qi, qs, layout, sizes):
     """One kernel call: the ``[B, R, k]`` selection of ``R`` projected queries ``q`` / ``w``
     over the (tile-padded) ``keys`` and ``layout``; the rows are padded to whole blocks with
     queries that see nothing."""
-    k, qb, kb, buffer, chunk, score_dtype = sizes
+    k, qb, kb, buffer, chunk, score_dtype, interpret = sizes
     b, rows, h, d = q.shape
     chunk = chunk or h
     if h % chunk:
@@ -225,5 +228,6 @@ def _select_rows(q, w, keys, qi, qs, layout, sizes):
         jax.ShapeDtypeStruct((b, n_blocks, qb, wide), jnp.int32),
     )
     args = (lo, hi, qi, qs, layout.end, layout.segment, q, w, keys)
-    out = run_kernel(make_kernel, out_shape, (b, n_blocks), "indexer_topk", *args)[0]
+    grid = (b, n_blocks)
+    out = run_kernel(make_kernel, out_shape, grid, "indexer_topk", *args, interpret=interpret)[0]
     return out[:, :rows, :k]
