@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
@@ -24,6 +25,7 @@ __all__ = [
     "batch_axis",
     "each",
     "run_sharded",
+    "per_device",
 ]
 
 MeshLike = Mesh | AbstractMesh
@@ -131,3 +133,87 @@ def run_sharded(fn: Callable, mesh: MeshLike, in_specs, out_specs, axes: set, *a
         out_specs=out_specs,
         axis_names=frozenset(axes - {None}),
     )(*args)
+
+
+def per_device(fn: Callable, batched, replicated=()):
+    """``fn(batched, replicated)`` once per device of the mesh in context, where the compiler
+    shards it: a Pallas kernel is one device's program, so under a mesh whose axes are not all
+    ``Manual`` (``jit`` sharding the batch, no placement) it runs in a ``shard_map`` manual
+    over those axes, ``batched`` split over the axes that shard the batch and ``replicated``
+    whole. Elsewhere (no mesh, axes of size 1, inside a ``shard_map`` over every axis)
+    ``fn`` is called as it is. Under ``jax.vmap`` the mapped axis folds into the batch
+    (``_folded``): the kernel's grid takes it, not a loop of kernel calls.
+
+    The batch axes are the ``Explicit`` ones ``batched``'s first array is sharded over, else
+    the ``Auto`` axes (in mesh order) whose sizes divide the batch; every other axis leaves
+    the kernel replicated on its devices (the same work, and the same result, on each).
+
+    **Arguments:** ``fn``, ``batched`` (a pytree of ``[B, ...]`` arrays) and ``replicated`` (a
+    pytree of arrays every device takes whole, e.g. sinks).
+
+    **Returns:** ``fn``'s outputs (a pytree of ``[B, ...]`` arrays).
+    """
+    fn = _folded(fn)
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = [
+        a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if t != AxisType.Manual and mesh.shape[a] > 1
+    ]  # fmt: skip
+    if not axes:
+        return fn(batched, replicated)
+    first = jax.tree.leaves(batched)[0]
+    typed = (tuple(jax.typeof(first).sharding.spec) or (None,))[0]
+    chosen = [typed] if isinstance(typed, str) else list(typed or ())
+    if not chosen:
+        size = 1
+        for a in axes:
+            if not is_explicit(mesh, a) and first.shape[0] % (size * mesh.shape[a]) == 0:
+                chosen.append(a)
+                size *= mesh.shape[a]
+    spec = P(tuple(chosen) or None)
+    in_specs = (each(batched, spec), each(replicated, P()))
+    return run_sharded(fn, mesh, in_specs, spec, set(axes), batched, replicated)
+
+
+def _folded(fn: Callable) -> Callable:
+    """``fn(batched, replicated)`` whose ``jax.vmap`` folds the mapped axis into the batch axis
+    of ``batched`` (``[V, B, ...] -> [V * B, ...]``, one call, outputs unfolded), where
+    ``replicated`` is not mapped; otherwise (e.g. a ``vmap`` over stacked weights whose sinks
+    differ) ``fn`` is mapped as JAX maps it.
+
+    The fold is a ``custom_vmap``, which JAX cannot differentiate in reverse mode: the
+    derivative is ``fn``'s own (a ``custom_vjp`` whose forward is ``jax.vjp(fn)``), so under
+    ``grad`` of a ``vmap`` the kernels are mapped as JAX maps them."""
+
+    @jax.custom_batching.custom_vmap
+    def call(batched, replicated):
+        return fn(batched, replicated)
+
+    @call.def_vmap
+    def _(size, in_batched, batched, replicated):
+        mapped, replicated_mapped = in_batched
+        if any(jax.tree.leaves(replicated_mapped)):
+            axes = jax.tree.map(lambda m: 0 if m else None, in_batched)
+            out = jax.vmap(fn, in_axes=axes)(batched, replicated)
+            return out, jax.tree.map(lambda _: True, out)
+
+        def fold(x, m):
+            x = x if m else jnp.broadcast_to(x, (size, *x.shape))
+            return x.reshape(size * x.shape[1], *x.shape[2:])
+
+        out = call(jax.tree.map(fold, batched, mapped), replicated)
+        out = jax.tree.map(lambda o: o.reshape(size, -1, *o.shape[1:]), out)
+        return out, jax.tree.map(lambda _: True, out)
+
+    @jax.custom_vjp
+    def differentiable(batched, replicated):
+        return call(batched, replicated)
+
+    def forward(batched, replicated):
+        return jax.vjp(fn, batched, replicated)  # the vjp is a pytree of its residuals
+
+    def backward(vjp, cotangent):
+        return vjp(cotangent)
+
+    differentiable.defvjp(forward, backward)
+    return differentiable

@@ -9,13 +9,14 @@ selected with ``Execution(attention=...)`` or by ``AutoAttention``.
 from __future__ import annotations
 
 import abc
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._backend import backend_tiles
+from .._mesh import per_device
 from .._numerics.fp8_weight import Fp8Weight
 from .._tiles import TileSizes, power_of_two_block
 from .reads import Reads
@@ -167,9 +168,17 @@ class AbstractAttentionKernel(eqx.Module):
         """
         b, _, h, _ = q.shape
         block = query_block or self.query_block_for(b, h, reads, backend_tiles(tiles))
-        return self.attend(
-            q, reads, sinks, scale, return_lse=return_lse, query_block=block, numerics=numerics
-        )
+        kw = dict(return_lse=return_lse, query_block=block, numerics=numerics)
+        if not self.is_kernel:
+            return self.attend(q, reads, sinks, scale, **kw)
+
+        def local(batched, sinks):  # one device's program (``per_device``)
+            return self.attend(*batched, sinks, scale, **kw)
+
+        return per_device(local, (q, reads), sinks)
+
+    # a Pallas kernel (one device's program: run per device under a mesh the compiler shards)
+    is_kernel: ClassVar[bool] = False
 
     def query_block_for(self, batch: int, heads: int, reads: Reads, tiles: TileSizes) -> int:
         """**Arguments:** the queries' ``batch`` and ``heads``, their ``reads`` and the ``tiles``.

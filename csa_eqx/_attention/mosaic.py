@@ -118,6 +118,8 @@ class MosaicAttention(AbstractAttentionKernel):
     vmem_limit_bytes: int = eqx.field(static=True, default=100 * 2**20)
     interpret: Interpret = eqx.field(static=True, default=None)
 
+    is_kernel = True
+
     def __check_init__(self):
         for name, least in (("key_block", 0), ("tile_block", 1), ("vmem_limit_bytes", 1)):
             v = getattr(self, name)

@@ -74,6 +74,8 @@ class PallasAttention(AbstractAttentionKernel):
     key_block: int = 64
     interpret: bool | None = None
 
+    is_kernel = True
+
     def __check_init__(self):
         for name in ("query_block", "key_block"):
             v = getattr(self, name)

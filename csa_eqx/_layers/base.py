@@ -79,7 +79,10 @@ class AbstractIndexedAttention(eqx.Module):
 
         **Arguments:**
 
-        - ``x``: hidden states ``[B, S, hidden]``, floating point.
+        - ``x``: hidden states ``[B, S, hidden]``, floating point; or one sequence ``[S,
+            hidden]`` (as ``eqx.nn`` layers take it, so ``jax.vmap(layer)`` maps sequences; its
+            ``positions`` / ``segment_ids`` then ``[S]``, its outputs without the batch axis;
+            not with ``shared``).
         - ``positions``: integer RoPE positions ``[B, S]``; default: the index inside each
             segment.
         - ``segment_ids``: integer packed-document ids ``[B, S]`` (contiguous runs, ``>= 0``);
@@ -113,6 +116,14 @@ class AbstractIndexedAttention(eqx.Module):
         whose first line names the argument, what it must be and what came (``TypeError`` /
         ``ValueError``; the type checker's account follows).
         """
+        if jnp.ndim(x) == 2 and shared is None:  # one sequence: a batch of one
+            one = [None if a is None else jnp.asarray(a)[None] for a in (positions, segment_ids)]
+            out = self(jnp.asarray(x)[None], *one, return_aux, indexer_loss=indexer_loss)
+            if not return_aux:
+                return out[0]
+            y, aux = out
+            selection = aux["selection"]
+            return y[0], {**aux, "selection": None if selection is None else selection[0]}
         inputs = (x, positions, segment_ids)
         try:
             return self._call(*inputs, return_aux, indexer_loss, shared)

@@ -15,6 +15,7 @@ from jaxtyping import Array, Int
 from .._blocks import block_starts, padded_keys, take
 from .._dispatch import typed
 from .._layout import Visibility
+from .._mesh import per_device
 from .base import SelectionProblem
 
 __all__ = ["kernel_row_chunks"]
@@ -87,7 +88,8 @@ def kernel_row_chunks(
         q, w = project(*(take(r, r0, chunk) for r in rows), *consts)
         seen = visibility.rows(r0, chunk)
         index = jnp.where(new, seen.query_index, -1)
-        return kernel(q, w, keys, layout, index, seen.query_segment)
+        args = (q, w, keys, layout, index, seen.query_segment)
+        return per_device(lambda args, _: kernel(*args), args)  # one device's program
 
     starts = block_starts(s, chunk)
     if starts.shape[0] == 1:
