@@ -84,14 +84,14 @@ def shared_tiles(tiles: TileSizes, devices: int) -> TileSizes:
 
 
 def kernel_platform() -> str | None:
-    """**Returns:** the platform whose Pallas kernels the automatic choices may run, for the
-    backend the computation is traced for: ``"gpu"`` (Triton: ``PallasSelection``,
-    ``PallasAttention``) or ``"tpu"`` (Mosaic TPU: ``MosaicSelection``), where no
-    mesh axis in context is sharded by the compiler (none, or all ``Manual``: inside the
-    placements' ``shard_map``; a kernel is one device's program); ``None`` on the CPU, where
-    kernels run only in interpret mode (proven there, far slower than XLA), and under a
-    compiler-sharded mesh (docs/kernels.md)."""
+    """**Returns:** the platform whose Pallas kernels the automatic choices run, for the backend
+    the computation is traced for: ``"tpu"`` (Mosaic TPU: ``MosaicSelection``,
+    ``MosaicAttention``, measured on a TPU v5e) where no mesh axis in context is sharded by the
+    compiler (none, or all ``Manual``: inside the placements' ``shard_map``; a kernel is one
+    device's program); ``None`` elsewhere: on the CPU, where kernels run only in interpret mode
+    (proven there, far slower than XLA), on a GPU, where the Triton kernels (``PallasSelection``,
+    ``PallasAttention``, ``PallasScorer``) have not been measured yet and run only when forced
+    by name, and under a compiler-sharded mesh (docs/kernels.md)."""
     mesh = jax.sharding.get_abstract_mesh()
     local = all(t == AxisType.Manual for t in getattr(mesh, "axis_types", ()))
-    backend = jax.default_backend()
-    return backend if local and backend in ("gpu", "tpu") else None
+    return "tpu" if local and jax.default_backend() == "tpu" else None

@@ -71,9 +71,9 @@ class Execution(eqx.Module):
     - ``window``: how V4 reads the sliding window (``BandWindow()``: a banded matmul,
         ``GatheredWindow()``: gathered token rows), in the forward and in ``extend``.
     - ``attention``: the attention kernel over what each query reads (``AutoAttention()``:
-        ``PallasAttention()`` on a GPU, ``MosaicAttention()`` on a TPU, else
-        ``XlaAttention()``, the reference; for V3.2 under ``DeepSeekInference``, DeepSeek's
-        expanded MLA; any ``AbstractAttentionKernel``).
+        ``MosaicAttention()`` on a TPU, else ``XlaAttention()``, the reference, a GPU
+        included (``PallasAttention()`` there only when forced); for V3.2 under
+        ``DeepSeekInference``, DeepSeek's expanded MLA; any ``AbstractAttentionKernel``).
     - ``qk_head_chunk_size``: indexer heads (and, for the KL target, attention heads) scored
         at once (0 = all); must divide ``index_n_heads`` (and ``num_heads`` when the
         indexer loss is on).
