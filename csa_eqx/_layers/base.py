@@ -133,6 +133,7 @@ class AbstractIndexedAttention(eqx.Module):
         c, ex = self.config, self.execution
         stage = self.stage(indexer_loss)
         x, positions, segment_ids = checks.layer_inputs(c.hidden_size, x, positions, segment_ids)
+        checks.warn_dtype_mismatch(self, x)
         trains = self.indexer is not None and stage != "off"
         if x.size == 0:
             topk = c.index_topk if self.selects else None
@@ -293,6 +294,7 @@ class AbstractIndexedAttention(eqx.Module):
         stage = self.stage(indexer_loss)
         self.execution.check_one_device("extend")
         x, lengths, segment_ids = checks.chunk_inputs(self, x, cache, lengths, segment_ids)
+        checks.warn_dtype_mismatch(self, x)
         if x.shape[1] == 0:  # an empty chunk: nothing to attend to, nothing to write
             topk = self.config.index_topk if self.selects else None
             y, aux = checks.empty_outputs(x, topk, None, True)
