@@ -83,15 +83,19 @@ def shared_tiles(tiles: TileSizes, devices: int) -> TileSizes:
     )
 
 
-def kernel_platform() -> str | None:
-    """**Returns:** the platform whose Pallas kernels the automatic choices run, for the backend
-    the computation is traced for: ``"tpu"`` (Mosaic TPU: ``MosaicSelection``,
-    ``MosaicAttention``, measured on a TPU v5e) where no mesh axis in context is sharded by the
-    compiler (none, or all ``Manual``: inside the placements' ``shard_map``; a kernel is one
-    device's program); ``None`` elsewhere: on the CPU, where kernels run only in interpret mode
-    (proven there, far slower than XLA), on a GPU, where the Triton kernels (``PallasSelection``,
-    ``PallasAttention``, ``PallasScorer``) have not been measured yet and run only when forced
-    by name, and under a compiler-sharded mesh (docs/kernels.md)."""
+def kernel_platform(backend: str | None = None) -> str | None:
+    """**Arguments:** the ``backend`` to answer for (``"cpu"``, ``"gpu"``, ``"tpu"``; ``None``:
+    the one the computation is traced for, ``jax.default_backend()``).
+
+    **Returns:** the platform whose Pallas kernels the automatic choices run there: ``"tpu"``
+    (Mosaic TPU: ``MosaicSelection``, ``MosaicAttention``, measured on a TPU v5e) where no mesh
+    axis in context is sharded by the compiler (none, or all ``Manual``: inside the
+    placements' ``shard_map``; a kernel is one device's program); ``None`` elsewhere: on the
+    CPU, where kernels run only in interpret mode (proven there, far slower than XLA), on a
+    GPU, where the Triton kernels (``PallasSelection``, ``PallasAttention``, ``PallasScorer``)
+    have not been measured yet and run only when forced by name, and under a
+    compiler-sharded mesh (docs/kernels.md)."""
     mesh = jax.sharding.get_abstract_mesh()
     local = all(t == AxisType.Manual for t in getattr(mesh, "axis_types", ()))
-    return "tpu" if local and jax.default_backend() == "tpu" else None
+    backend = jax.default_backend() if backend is None else backend
+    return "tpu" if local and backend == "tpu" else None

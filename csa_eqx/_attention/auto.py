@@ -51,9 +51,11 @@ class AutoAttention(AbstractAttentionKernel):
     (``LatentUp.expanded``), ``ExpandedAttention()``. The same outputs up to rounding (up to
     the numerics' own for the expanded one). **Arguments:** none."""
 
-    def choose(self, numerics=None, up: LatentUp | None = None) -> AbstractAttentionKernel:
-        """**Arguments:** the layer's numerics (``None``: exact) and, for MLA, its
-        up-projection.
+    def choose(
+        self, numerics=None, up: LatentUp | None = None, backend: str | None = None
+    ) -> AbstractAttentionKernel:
+        """**Arguments:** the layer's numerics (``None``: exact), for MLA its up-projection, and
+        the ``backend`` to choose for (``None``: the one it is traced for).
 
         **Returns:** ``ExpandedAttention()`` for an expanded MLA, else under exact-softmax
         numerics ``MosaicAttention()`` on a TPU, else ``XlaAttention()``."""
@@ -61,7 +63,7 @@ class AutoAttention(AbstractAttentionKernel):
             return ExpandedAttention()
         if numerics is not None and not numerics.exact_softmax:
             return XlaAttention()
-        return MosaicAttention() if kernel_platform() == "tpu" else XlaAttention()
+        return MosaicAttention() if kernel_platform(backend) == "tpu" else XlaAttention()
 
     def __call__(self, q, reads, sinks, scale, *, return_lse=False, numerics=None, **blocks):
         kernel = self.choose(numerics)

@@ -7,11 +7,13 @@ does the indexer's work."""
 
 import abc
 import copy
+import dataclasses
 import typing
 from functools import partial
 from typing import Any, ClassVar
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from beartype import beartype
 from equinox import AbstractVar
@@ -171,6 +173,32 @@ class AbstractIndexedAttention(eqx.Module):
         seg, query_index = token_rows(like, segment_ids)
         positions = segment_positions(seg) if positions is None else positions
         return whole_rows(positions, seg, query_index, self.entry_rate)
+
+    def __repr__(self) -> str:
+        """A few lines: the layer's class and kind, its key sizes (``summary``), its weights'
+        dtype and its execution's fields that differ from the defaults, each on one line
+        (``eqx.tree_pprint(layer)`` prints every array)."""
+        kind, sizes = self.summary()
+        leaves = jax.tree.leaves(self)  # arrays, or their shapes (``eqx.filter_eval_shape``)
+        matrices = [w for w in leaves if getattr(w, "ndim", 0) >= 2]
+        dtypes = sorted({str(w.dtype) for w in matrices if jnp.issubdtype(w.dtype, jnp.inexact)})
+        listed = [f"{name}={value}" for name, value in sizes.items()]
+        listed.append(f"weights={'/'.join(dtypes)}")
+        rows = [", ".join(listed[i : i + 4]) for i in range(0, len(listed), 4)]
+        lines = [f"{type(self).__name__}({kind},", *[f"  {row}," for row in rows]]
+        ex = self.execution
+        changed = ", ".join(
+            f"{f.name}={eqx.tree_pformat(getattr(ex, f.name), width=1 << 16)}"
+            for f in dataclasses.fields(ex)
+            if getattr(ex, f.name) != f.default
+        )
+        return "\n".join([*lines, f"  execution={type(ex).__name__}({changed}))"])
+
+    @abc.abstractmethod
+    def summary(self) -> tuple[str, dict[str, int]]:
+        """**Returns:** the layer's kind in words (``"CSA (compressed sparse attention)"``) and
+        its key sizes by config field name (compression rate, top-k, window, heads, ...), as
+        the layer's ``repr`` shows them."""
 
     @abc.abstractmethod
     def head_specs(self, axis: str) -> tuple:

@@ -139,8 +139,9 @@ class AutoSelection(DenseOrStreaming, AbstractSelection):
     streaming = StreamingSelection
     gathered = GatheredSelection
 
-    def strategy(self, problem: SelectionProblem) -> AbstractSelection:
-        """**Arguments:** the ``problem``.
+    def strategy(self, problem: SelectionProblem, backend: str | None = None) -> AbstractSelection:
+        """**Arguments:** the ``problem`` and the ``backend`` to choose for (``None``: the one
+        it is traced for; ``Execution.describe`` names another).
 
         **Returns:** unless a V4.1 pre-filter bites, ``MosaicSelection()`` on a TPU (where
         ``MosaicSelection.fits``); else ``choose`` of its
@@ -149,7 +150,7 @@ class AutoSelection(DenseOrStreaming, AbstractSelection):
         """
         problem = unfiltered(problem)
         filtered = filter_bites(problem.visibility, problem.keys.shape[1])
-        if not filtered and kernel_platform() == "tpu" and MosaicSelection().fits(problem):
+        if not filtered and kernel_platform(backend) == "tpu" and MosaicSelection().fits(problem):
             return MosaicSelection()
         return self.choose(*problem.sizes(), problem.tiles, filtered)
 

@@ -1,0 +1,89 @@
+"""What an adopter reads: the layers' short reprs, ``Execution.describe`` against the automatic
+choosers, the README's "what runs where" table against the same choosers, and the stable public
+API (``csa_eqx.__all__``) against its documented list."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+
+import csa_eqx as ce
+from csa_eqx import _backend
+from csa_eqx.presets import tiny_v4, tiny_v32, v32
+
+
+def abstract(cls, config, **kw):
+    """A layer's shapes only (no initialisation computed): reprs and ``describe`` read no
+    values."""
+    return eqx.filter_eval_shape(cls, config, key=jax.random.key(0), **kw)
+
+
+def test_layer_reprs_name_the_kind_and_key_sizes():
+    """A layer prints in a few lines: its kind, compression rate, top-k, window, heads,
+    weight dtype and execution; every array is still one ``eqx.tree_pformat`` away."""
+    csa = abstract(ce.V4Attention, tiny_v4("csa"))
+    assert repr(csa) == (
+        "V4Attention(CSA (compressed sparse attention),\n"
+        "  compress_rate=4, index_topk=8, index_n_heads=4, sliding_window=16,\n"
+        "  num_heads=4, head_dim=32, hidden_size=64, weights=float32,\n"
+        "  execution=Execution())"
+    )
+    hca = abstract(ce.V4Attention, tiny_v4("hca"), dtype=jnp.bfloat16)
+    assert repr(hca).splitlines()[:2] == [
+        "V4Attention(HCA (heavily compressed attention),",
+        "  compress_rate=8, sliding_window=16, num_heads=4, head_dim=32,",
+    ]
+    assert "weights=bfloat16" in repr(hca)
+    dsa = abstract(ce.V32Attention, tiny_v32())
+    assert repr(dsa).startswith("V32Attention(DSA (MLA + lightning indexer over tokens),\n")
+    assert "index_topk=8" in repr(dsa) and len(repr(dsa).splitlines()) <= 5
+    sharded = ce.Execution(selection=ce.ShardedSelection(ce.StreamingSelection(query_block=8)))
+    assert repr(dsa.with_execution(sharded)).endswith(  # the fields that differ, on one line
+        "\n  execution=Execution(selection=ShardedSelection("
+        "inner=StreamingSelection(query_block=8))))"
+    )
+    assert "q_a_proj=ShapeDtypeStruct(shape=(32, 64)" in eqx.tree_pformat(csa)
+    # a config inside a module always shows compress_rate, the default 4 too
+    assert "compress_rate=4" in eqx.tree_pformat(csa.config)
+    assert "rope_theta" not in eqx.tree_pformat(csa.config)  # other defaults stay hidden
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu", "tpu"])
+def test_describe_resolves_the_automatic_choices(monkeypatch, backend):
+    """``Execution().describe`` names the strategies the choosers pick on each backend: the
+    Mosaic kernels on a TPU only, the XLA paths on a CPU and a GPU; dense while a score
+    tensor fits a tile, streaming beyond; masked picks up to 4 entries per pick, gathered
+    beyond; nothing for a layer without an indexer. Asked for the traced backend (here
+    faked) it answers as when the backend is named."""
+    csa = abstract(ce.V4Attention, tiny_v4("csa"))
+    small = ce.Execution().describe(csa, (1, 64, 64), backend=backend)
+    kernels = backend == "tpu"
+    assert small["selection"] == (ce.MosaicSelection() if kernels else ce.DenseSelection())
+    assert small["attention"] == (ce.MosaicAttention() if kernels else ce.XlaAttention())
+    assert small["picks"] == ce.MaskedPicks()  # 16 entries, 8 picks
+    assert small["indexer_kl"] == ce.DenseIndexerLoss()
+    assert small["scorer"] == ce.XlaScorer() and small["placement"] == ce.SingleDevice()
+    long = ce.Execution().describe(csa, (1, 1 << 16, 64), backend=backend)
+    streaming = ce.StreamingSelection()
+    assert long["selection"] == (ce.MosaicSelection() if kernels else streaming)
+    assert long["picks"] == ce.GatheredPicks()
+    assert long["indexer_kl"] == ce.StreamingIndexerLoss()
+    hca = abstract(ce.V4Attention, tiny_v4("hca"))
+    none = ce.Execution().describe(hca, (1, 64, 64), backend=backend)
+    assert none["selection"] is none["picks"] is none["indexer_kl"] is None
+    forced = ce.Execution(selection=ce.StreamingSelection(), attention=ce.XlaAttention())
+    assert forced.describe(csa, (1, 64, 64), backend=backend)["selection"] == streaming
+    monkeypatch.setattr(_backend.jax, "default_backend", lambda: backend)
+    assert ce.Execution().describe(csa, (1, 64, 64)) == small
+    assert ce.AutoAttention().choose() == small["attention"]
+
+
+def test_describe_v32_under_deepseek_numerics():
+    """MLA under DeepSeek's numerics runs DeepSeek's expanded attention on every backend; V3.2
+    has no sliding window."""
+    deepseek = ce.Execution(numerics=ce.DeepSeekInference())
+    layer = abstract(ce.V32Attention, v32(), execution=deepseek)  # sizes its numerics take
+    for backend in ("cpu", "gpu", "tpu"):
+        described = deepseek.describe(layer, (1, 32, 7168), backend=backend)
+        assert described["attention"] == ce.ExpandedAttention()
+        assert described["window"] is None
