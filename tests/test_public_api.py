@@ -5,6 +5,7 @@ API (``csa_eqx.__all__``) against its documented list."""
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import csa_eqx as ce
@@ -87,3 +88,69 @@ def test_describe_v32_under_deepseek_numerics():
         described = deepseek.describe(layer, (1, 32, 7168), backend=backend)
         assert described["attention"] == ce.ExpandedAttention()
         assert described["window"] is None
+
+
+# --- the indexer scores behind a selection, and their picture ----------------------------------
+
+QUERIES = [0, 9, 29, 30, 45, 63]  # the first rows, a document's last row, the next's first
+
+
+@pytest.mark.parametrize("kind", ["csa", "v32"])
+def test_indexer_scores_are_the_formula_over_the_visible_entries(kind):
+    """``layer.indexer_scores`` for chosen queries of a packed row: the scores formula
+    (``scores_np``) over the layer's own indexer queries, weights and keys (read from its
+    pipeline), ``-inf`` exactly where the visibility rule (``visible_np``) hides an entry;
+    its picks are the forward's selection rows (``aux["selection"]``'s, which
+    ``test_docs`` checks on the selection explorer too) and the brute-force top-k."""
+    from conformance import brute_topk, scores_np, visible_np
+
+    config = tiny_v4("csa") if kind == "csa" else tiny_v32()
+    layer_cls = ce.V4Attention if kind == "csa" else ce.V32Attention
+    layer = layer_cls(config, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (2, 64, config.hidden_size))
+    seg = jnp.asarray([[0] * 30 + [1] * 34, [0] * 64], jnp.int32)
+
+    @eqx.filter_jit
+    def run(layer, x, seg):
+        scores, picks = layer.indexer_scores(x, QUERIES, segment_ids=seg)
+        rows = layer._whole_rows(ce.SingleDevice(), x, None, seg)  # the private route
+        f = layer.forward_rows(x, rows, "off", False)  # what __call__ runs on one device
+        v = f.problem.visibility
+        where = (v.query_index, v.query_segment, v.layout.end, v.layout.segment)
+        return scores, picks, f.selection, f.problem.queries(), f.problem.keys, where
+
+    scores, picks, selection, (q, w), keys, where = run(layer, x, seg)
+    visible = visible_np(*where)[:, QUERIES]
+    want = scores_np(q, w, keys)[:, QUERIES]
+    scores = np.asarray(scores)
+    assert scores.shape == want.shape == (2, len(QUERIES), keys.shape[1])
+    np.testing.assert_array_equal(np.isfinite(scores), visible)
+    np.testing.assert_allclose(scores[visible], want[visible], rtol=1e-5, atol=1e-6)
+    assert not (visible[0, 3] & (where[2][0] < 30)).any()  # row 30 opens document 1
+    np.testing.assert_array_equal(picks, np.asarray(selection)[:, QUERIES])
+    np.testing.assert_array_equal(picks, brute_topk(scores, visible, config.index_topk))
+    with pytest.raises(ValueError, match=r"queries must be .* ints in \[0, 64\) \(got \[64\]\)"):
+        layer.indexer_scores(x, [64])
+    hca = abstract(ce.V4Attention, tiny_v4("hca"))
+    with pytest.raises(ValueError, match="indexer_scores needs a layer with an indexer"):
+        hca.indexer_scores(x[..., : hca.config.hidden_size])
+
+
+def test_plot_picks_outlines_the_picks(monkeypatch):
+    """``plot_picks`` draws the scores (the invisible entries masked) and outlines each pick at
+    (entry, query row); without matplotlib it raises an ``ImportError`` naming the install."""
+    import sys
+
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    scores = np.array([[[0.5, -np.inf, -np.inf], [0.1, 0.9, -np.inf]]], np.float32)
+    picks = np.array([[[0, -1], [0, 1]]], np.int32)
+    ax = ce.plot_picks(scores, picks, queries=[3, 7])
+    image = ax.get_images()[0].get_array()
+    np.testing.assert_array_equal(image.mask, ~np.isfinite(scores[0]))
+    np.testing.assert_array_equal(ax.collections[0].get_offsets(), [[0, 0], [0, 1], [1, 1]])
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["3", "7"]
+    matplotlib.pyplot.close("all")
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    with pytest.raises(ImportError, match=r"pip install matplotlib"):
+        ce.plot_picks(scores, picks)

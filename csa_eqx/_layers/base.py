@@ -9,12 +9,14 @@ import abc
 import copy
 import dataclasses
 import typing
+from collections.abc import Sequence
 from functools import partial
 from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from beartype import beartype
 from equinox import AbstractVar
 from jaxtyping import Array, ArrayLike, Float, Int, TypeCheckError, jaxtyped
@@ -22,7 +24,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, TypeCheckError, jaxtyped
 from .._indexer.base import AbstractIndexer
 from .._layout import segment_positions, token_rows
 from .._numerics.base import DeepSeekFormats
-from .._placement.base import Carried
+from .._placement.base import Carried, SingleDevice
 from .._rows import Rows, whole_rows
 from . import checks
 from .cache import AbstractCache
@@ -156,6 +158,57 @@ class AbstractIndexedAttention(eqx.Module):
             aux = {"selection": selection, "indexer_loss": loss}
         after = shared if state is None or shared is None else published(state, out)
         return _outputs((y,), after, aux)
+
+    def indexer_scores(
+        self,
+        x: Float[ArrayLike, "batch seq hidden"],
+        queries: Sequence[int] | None = None,
+        positions: Int[ArrayLike, "batch seq"] | None = None,
+        segment_ids: Int[ArrayLike, "batch seq"] | None = None,
+        *,
+        shared: Any = None,
+    ) -> tuple[Float[Array, "batch nq entries"], Int[Array, "batch nq k"]]:
+        """The indexer scores behind the layer's selection, for the chosen queries: what the
+        forward's top-k ranks (docs/concepts.md, "The lightning indexer"), as its numerics
+        and scorer compute them. For exploring (notebooks, ``csa_eqx.plot_picks``): it runs
+        the forward on one device and forms ``[B, nq, T]`` scores.
+
+        **Arguments:**
+
+        - ``x``, ``positions``, ``segment_ids``, ``shared``: as for ``__call__``.
+        - ``queries``: the query rows to score (Python ints in ``[0, S)``); ``None``: all.
+
+        **Returns:** ``(scores, picks)``: float32 ``[B, nq, T]`` scores of each chosen query
+        against every entry (V4 / V4.1: compressed-entry slots, V3.2: tokens), ``-inf`` where
+        the entry is not visible to it (not closed yet, another document's, or outside V4.1's
+        candidates), and its picks, int32 ``[B, nq, index_topk]`` (``aux["selection"]``'s
+        rows: the top-k of the finite scores, ties to the lower index, ``-1`` = none). A
+        ``ValueError`` for a layer with no indexer of its own or a query out of range.
+        """
+        if self.indexer is None:
+            raise ValueError(
+                f"indexer_scores needs a layer with an indexer of its own (CSA, V3.2, or a "
+                f"V4.1 index source); this one has none ({type(self).__name__})"
+            )
+        c = self.config
+        x, positions, segment_ids = checks.layer_inputs(c.hidden_size, x, positions, segment_ids)
+        s = x.shape[1]
+        chosen = np.arange(s) if queries is None else np.asarray(queries)
+        ints = chosen.ndim == 1 and chosen.size > 0 and np.issubdtype(chosen.dtype, np.integer)
+        if not (ints and ((chosen >= 0) & (chosen < s)).all()):
+            raise ValueError(
+                f"queries must be a non-empty sequence of query rows, ints in [0, {s}) "
+                f"(got {queries!r})"
+            )
+        rows = self._whole_rows(SingleDevice(), x, positions, segment_ids)
+        state = self._state(shared)
+        x = self.execution.numerics.layer_input(x)
+        f = self.forward_rows(x, rows, "off", False, *(() if state is None else (state,)))
+        p = f.problem
+        q, w = p.project(*(r[:, chosen] for r in p.rows))
+        scores = p.scorer.scores(q, w, p.keys, head_chunk=p.head_chunk, score_dtype=p.score_dtype)
+        visible = p.visibility.mask()[:, chosen]
+        return jnp.where(visible, scores, -jnp.inf), f.selection[:, chosen]
 
     def _state(self, shared: Any):
         """The stack state this layer kind reads (``None`` for a kind without one): ``shared``
