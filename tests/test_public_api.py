@@ -2,6 +2,9 @@
 choosers, the README's "what runs where" table against the same choosers, and the stable public
 API (``csa_eqx.__all__``) against its documented list."""
 
+import re
+from pathlib import Path
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -10,7 +13,7 @@ import pytest
 
 import csa_eqx as ce
 from csa_eqx import _backend
-from csa_eqx.presets import tiny_v4, tiny_v32, v32
+from csa_eqx.presets import tiny_v4, tiny_v32, v4_flash, v32
 
 
 def abstract(cls, config, **kw):
@@ -100,8 +103,8 @@ def test_indexer_scores_are_the_formula_over_the_visible_entries(kind):
     """``layer.indexer_scores`` for chosen queries of a packed row: the scores formula
     (``scores_np``) over the layer's own indexer queries, weights and keys (read from its
     pipeline), ``-inf`` exactly where the visibility rule (``visible_np``) hides an entry;
-    its picks are the forward's selection rows (``aux["selection"]``'s, which
-    ``test_docs`` checks on the selection explorer too) and the brute-force top-k."""
+    its picks are the forward's selection rows (``aux["selection"]``'s; the selection explorer
+    notebook compares them with ``aux["selection"]`` itself) and the brute-force top-k."""
     from conformance import brute_topk, scores_np, visible_np
 
     config = tiny_v4("csa") if kind == "csa" else tiny_v32()
@@ -154,3 +157,55 @@ def test_plot_picks_outlines_the_picks(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
     with pytest.raises(ImportError, match=r"pip install matplotlib"):
         ce.plot_picks(scores, picks)
+
+
+# --- the README's table and the stable API page, against the code -----------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_table() -> dict[str, dict[str, str]]:
+    """The README's "What runs where" table: platform -> {column: cell}."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## What runs where") :]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    return {row[0]: dict(zip(header, row, strict=True)) for row in rows}
+
+
+@pytest.mark.parametrize("platform", ["CPU", "GPU", "TPU"])
+def test_readme_table_matches_the_choosers(monkeypatch, platform):
+    """Each platform's row names exactly the strategies the choosers pick there (the backend
+    faked where the choosers ask it) for a V4-Flash CSA layer from 64 tokens to 4M: the
+    selection (as the size grows), the attention kernel and the scorer."""
+    row = readme_table()[platform]
+    monkeypatch.setattr(_backend.jax, "default_backend", lambda: platform.lower())
+    layer = abstract(ce.V4Attention, v4_flash("csa"))
+    chosen = {"Selection": set(), "Attention": set(), "Scorer": set()}
+    for seq in (64, 1 << 16, 1 << 22):
+        described = ce.Execution().describe(layer, (1, seq, layer.config.hidden_size))
+        for column, key in (("Selection", "selection"), ("Attention", "attention")):
+            chosen[column].add(type(described[key]).__name__)
+        chosen["Scorer"].add(type(described["scorer"]).__name__)
+    for column, names in chosen.items():
+        assert set(re.findall(r"`(\w+)`", row[column])) == names, (platform, column)
+
+
+def test_stable_api_is_the_documented_list():
+    """``csa_eqx.__all__`` is exactly the names docs/api/stable.md lists (its list lines:
+    backticked names, comma-separated), once each, and every one of them exists."""
+    text = (ROOT / "docs" / "api" / "stable.md").read_text()
+    lists = [line for line in text.splitlines() if re.fullmatch(r"`\w+`(, `\w+`)*\.", line)]
+    listed = [name for line in lists for name in re.findall(r"`(\w+)`", line)]
+    assert sorted(listed) == sorted(ce.__all__)
+    assert len(set(ce.__all__)) == len(ce.__all__)
+    assert all(hasattr(ce, name) for name in ce.__all__)
+    for internal in ("candidate_blocks", "BandRows", "Reads", "V4Block", "IndexerHeads"):
+        assert internal not in ce.__all__ and hasattr(ce, internal)  # importable, not stable
+
+
+def test_readme_is_short():
+    """The README is for the adoption decision: at most ~900 words outside code blocks."""
+    text = re.sub(r"```.*?```|<!--.*?-->", "", (ROOT / "README.md").read_text(), flags=re.S)
+    assert len(text.split()) <= 900
