@@ -24,8 +24,6 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike, Bool, Int, TypeCheckError
 
-from .._numerics.base import ExactNumerics
-
 __all__ = [
     "layer_inputs",
     "warn_dtype_mismatch",
@@ -147,15 +145,17 @@ _WARNED_DTYPES: set[tuple[str, str, str]] = set()
 
 def warn_dtype_mismatch(layer, x: Array) -> None:
     """A ``UserWarning``, once per layer class, when the ``layer``'s weight matrices are
-    bfloat16 and its exact numerics get a float32 ``x``: JAX promotes the weights, so the layer
-    computes in float32 (at float32's speed and memory) and returns float32. Run at trace
-    time, by ``__call__`` and ``extend`` (DeepSeek's numerics round the input themselves).
+    bfloat16 and its exact numerics (``exact_softmax``) get a float32 ``x``: JAX promotes the
+    weights, so the layer computes in float32 (at float32's speed and memory) and returns
+    float32. Run at trace time, by ``__call__`` and ``extend`` (DeepSeek's numerics round the
+    input themselves).
 
     **Arguments:** the ``layer`` and its checked input ``x``.
 
     **Returns:** ``None``.
     """
-    if x.dtype != jnp.float32 or not isinstance(layer.execution.numerics, ExactNumerics):
+    # DeepSeek's numerics (the ones without the exact softmax) round to bf16 on purpose
+    if x.dtype != jnp.float32 or not layer.execution.numerics.exact_softmax:
         return
     weights = eqx.filter(layer, eqx.is_inexact_array)
     if not any(w.ndim >= 2 and w.dtype == jnp.bfloat16 for w in jax.tree.leaves(weights)):
