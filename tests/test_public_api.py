@@ -46,6 +46,15 @@ def test_layer_reprs_name_the_kind_and_key_sizes():
         "\n  execution=Execution(selection=ShardedSelection("
         "inner=StreamingSelection(query_block=8))))"
     )
+    v41 = ce.V41AttentionConfig(
+        compress_ratios=(4, 4, 0),
+        kv_source_layers=(0,),
+        index_source_layers=(0,),
+        **{k: v for k, v in vars(tiny_v4()).items() if k != "compress_rate"},
+    )
+    assert repr(abstract(ce.V41Attention, v41, layer=1)).startswith(
+        "V41Attention(V4.1 layer 1 of 3, reuse,\n  compress_rate=4, index_topk=8,"
+    )
     assert "q_a_proj=ShapeDtypeStruct(shape=(32, 64)" in eqx.tree_pformat(csa)
     # a config inside a module always shows compress_rate, the default 4 too
     assert "compress_rate=4" in eqx.tree_pformat(csa.config)
