@@ -9,7 +9,7 @@ VENV312 := .venv312
 STAMP312 := $(VENV312)/.installed
 REPORTS := build/test
 
-.PHONY: test demo lint venv clean
+.PHONY: test demo notebooks lint venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,6 +26,16 @@ $(STAMP312): pyproject.toml
 	touch $(STAMP312)
 
 venv: $(STAMP)
+
+NB_STAMP := $(VENV)/.notebook
+$(NB_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[notebook]'
+	touch $(NB_STAMP)
+
+# Every notebook top to bottom in .venv's Jupyter kernel (`pip install '.[notebook]'`), nothing
+# written back; a failing cell stops it. tests/test_notebooks.py runs the same notebooks.
+notebooks: $(NB_STAMP)
+	$(BIN)/jupyter execute --timeout=600 notebooks/*.ipynb
 
 # Two pytest workers per interpreter (compiling is mostly single-threaded), whole modules per
 # worker; each worker drops a module's compiled programs when it ends (tests/conftest.py): one

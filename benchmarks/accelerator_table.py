@@ -14,8 +14,9 @@ goes on. It writes, named by JAX's backend (``benchmarks_tpu`` on a TPU):
 - ``OUT/benchmarks_<backend>_raw.json``: every record of the run (what ``--resume`` reads).
 
 In part 1 every csa_eqx program runs twice, as **the automatic choice** (``Execution()``: on
-a GPU the Pallas kernels, on a TPU the Mosaic fused indexer (``MosaicSelection``), elsewhere
-XLA's strategies; the strategies it took are recorded, and
+a TPU the Mosaic fused indexer (``MosaicSelection``), elsewhere XLA's strategies; on a GPU the
+table forces the Pallas (Triton) kernels instead, ``chosen.platform_execution``, since they are
+what it measures there; the strategies it took are recorded, and
 its figures' ``path`` is ``"kernel"`` where a Pallas / Mosaic kernel class ran, else ``"xla"``)
 and as **the XLA path** (the dense or streaming top-k that ``AutoSelection.choose`` picks,
 with ``XlaAttention``, forced); where the automatic choice is the XLA path it runs once.
@@ -92,6 +93,7 @@ from .chosen import (
     attention_programs,
     automatic_selection,
     is_kernel,
+    platform_execution,
     resolve,
     xla_selection,
 )
@@ -654,6 +656,7 @@ class Bench:
     def layer(self, dtype_name: str, seq: int, layer, torch_layer, hf_config, hf: dict) -> None:
         """Every implementation at one dtype and S (the module docstring's item 2)."""
         jlayer = cast(layer, DTYPES[dtype_name])
+        jlayer = jlayer.with_execution(platform_execution(jlayer.execution))
         x_np = np.random.default_rng(0).normal(size=(1, seq, jlayer.config.hidden_size))
         x_np = x_np.astype(np.float32)
         x = jnp.asarray(x_np, DTYPES[dtype_name])
@@ -755,7 +758,7 @@ class Bench:
         q, w, keys = anchor_inputs(seq, heads, dim)
         problem = anchor_problem(q, w, keys)
         strategies = {
-            "indexer": automatic_selection(ce.AutoSelection(), problem),
+            "indexer": automatic_selection(platform_execution(ce.Execution()).selection, problem),
             "indexer XLA": xla_selection(problem),
         }
         rec: dict = dict(a, runs={}, checks={})
@@ -799,6 +802,7 @@ class Bench:
         its compiled memory fits: fwd, fwd+bwd, then the attention call alone."""
         config, build = released_layer(kind, self.res["mode"])
         layer = eqx.filter_eval_shape(build, jax.random.key(0))
+        layer = layer.with_execution(platform_execution(layer.execution))
         x = jax.ShapeDtypeStruct((1, seq, config.hidden_size), jnp.bfloat16)
         choice = resolve(layer, x)
         rec: dict = dict(
@@ -831,6 +835,7 @@ class Bench:
         if not set(compiled) & set(RELEASED_RUNS):
             return
         layer = eqx.filter_jit(build)(jax.random.key(0))  # one program, not one per op
+        layer = layer.with_execution(platform_execution(layer.execution))
         x = jax.random.normal(jax.random.key(1), x.shape, x.dtype)
         self.timed(compiled, ("fwd", "fwd+bwd"), (layer, x), seq, runs, family)
         self.save()

@@ -99,15 +99,18 @@ def target_platform() -> str:
     return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
 
 
-def kernel_platform() -> str | None:
-    """**Returns:** the platform whose Pallas kernels the automatic choices run, for the
-    platform the computation is traced for (``target_platform``): ``"tpu"`` (the Mosaic
-    kernels: ``MosaicSelection``, ``MosaicAttention``), also under a mesh the compiler shards
+def kernel_platform(backend: str | None = None) -> str | None:
+    """**Arguments:** the ``backend`` to answer for (``"cpu"``, ``"gpu"``, ``"tpu"``; ``None``:
+    the platform the computation is traced for, ``target_platform``).
+
+    **Returns:** the platform whose Pallas kernels the automatic choices run there:
+    ``"tpu"`` (the Mosaic kernels: ``MosaicSelection``, ``MosaicAttention``, measured on a TPU
+    v5e), also under a mesh the compiler shards
     (the kernels then run per device: ``csa_eqx._mesh.per_device``); ``None`` elsewhere: on the
     CPU kernels run only in interpret mode (proven there, far slower than XLA), and on a GPU
     the Triton kernels (``PallasSelection``, ``PallasAttention``) have not been measured on
     one, so the XLA path is the automatic choice there (they stay available by name)."""
-    return "tpu" if target_platform() == "tpu" else None
+    return "tpu" if (backend or target_platform()) == "tpu" else None
 
 
 # What a kernel strategy's ``interpret`` field holds: ``None`` (decided by the platform the

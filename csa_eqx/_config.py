@@ -234,6 +234,29 @@ class V4AttentionConfig(V4FamilyConfig):
             self.compress_rate,
         )
 
+    def __pdoc__(self, **kwargs):
+        """The config as equinox prints it inside a module (``eqx.tree_pprint``, through
+        ``wadler_lindig``): the fields that differ from their defaults, and ``compress_rate``
+        always, since it names the layer type.
+
+        **Arguments:** the printer's options (``indent``, ...).
+
+        **Returns:** a ``wadler_lindig`` document."""
+        import wadler_lindig as wl  # equinox's printer: present wherever this is called
+
+        shown = [
+            (f.name, getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if f.name == "compress_rate" or getattr(self, f.name) != f.default
+        ]
+        return wl.bracketed(
+            begin=wl.TextDoc(f"{type(self).__name__}("),
+            docs=wl.named_objs(shown, **kwargs),
+            sep=wl.comma,
+            end=wl.TextDoc(")"),
+            indent=kwargs["indent"],
+        )
+
     @property
     def layer_type(self) -> Literal["sliding", "csa", "hca"]:
         """**Returns:** ``"sliding"``, ``"csa"`` or ``"hca"``, from ``compress_rate``."""

@@ -531,3 +531,17 @@ def test_tpu_compile_layers_are_the_accelerator_tables(capsys):
     layer = build(jax.random.key(0))
     assert isinstance(layer, ce.V4Attention) and layer.config == config
     assert layer.block.q_b_proj.dtype == jnp.bfloat16
+
+
+def test_the_table_measures_the_triton_kernels_on_a_gpu(monkeypatch):
+    """The library's automatic choice on a GPU is the XLA path; the accelerator table forces the
+    Triton kernels there (what it measures), and leaves every other backend's choice alone."""
+    import csa_eqx as ce
+    from benchmarks import chosen
+
+    ex = ce.Execution(qk_head_chunk_size=2)
+    assert chosen.platform_execution(ex) is ex  # the CPU
+    monkeypatch.setattr(chosen.jax, "default_backend", lambda: "gpu")
+    forced = chosen.platform_execution(ex)
+    assert forced.selection == ce.PallasSelection() and forced.attention == ce.PallasAttention()
+    assert forced.qk_head_chunk_size == 2

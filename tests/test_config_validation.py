@@ -69,3 +69,67 @@ def test_rope_scaling_dict_becomes_yarn():
 def test_bad_rope_scaling_is_named(value, message):
     with pytest.raises(ValueError, match=rf"^rope_scaling .*{message}"):
         tiny_v4("csa", rope_scaling=value)
+
+
+# --- unknown keys in a loaded config (csa_eqx.hf) --------------------------------------------
+
+
+def _hf_v4_dict(kind="csa") -> dict:
+    from csa_eqx.hf._to_hf import v4_hf_fields
+
+    return dict(model_type="deepseek_v4", **v4_hf_fields([tiny_v4(kind)]))
+
+
+def test_unknown_hf_keys_warn_with_the_closest_known_key():
+    """A misspelt optional key would load its default silently: each unknown key is named, with
+    the closest known key where one is close, in one warning; the config is the one without
+    them."""
+    from csa_eqx.hf import v4_config_from_hf, v32_config_from_hf
+    from csa_eqx.hf._to_hf import v32_hf_fields
+
+    clean = _hf_v4_dict()
+    with pytest.warns(UserWarning) as record:
+        got = v4_config_from_hf({**clean, "rope_thta": 1.0, "rms_eps": 1.0, "zzz": 1}, 0)
+    assert got == v4_config_from_hf(clean, 0) == tiny_v4("csa")
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "'rope_thta' (did you mean 'rope_theta'?)" in message
+    assert "'rms_eps' (did you mean 'rms_norm_eps'?)" in message
+    assert "'zzz', " not in message and "'zzz' are not keys of a DeepSeek-V4 config" in message
+    v32 = dict(model_type="deepseek_v32", **v32_hf_fields(tiny_v32()))
+    with pytest.warns(UserWarning, match=r"'kv_lora_rnk' \(did you mean 'kv_lora_rank'\?\) is"):
+        assert v32_config_from_hf({**v32, "kv_lora_rnk": 8}) == tiny_v32()
+
+
+def test_unknown_hf_keys_are_errors_when_strict(tmp_path):
+    """``strict=True`` raises instead, from the config functions and the loaders (before any
+    tensor is read); a config with only known keys loads without a warning."""
+    import json
+    import warnings
+
+    from csa_eqx import hf
+
+    with pytest.raises(ValueError, match=r"^config: 'o_grups' \(did you mean 'o_groups'\?\)"):
+        hf.v4_config_from_hf({**_hf_v4_dict(), "o_grups": 2}, 0, strict=True)
+    layer = V4Attention(tiny_v4("hca"), key=jax.random.key(0))
+    folder = hf.save_v4_checkpoint(tmp_path / "ckpt", [layer])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hf.load_v4_attention_from_safetensors(folder, 0, strict=True)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "sliding_windw": 4}))
+    with pytest.raises(ValueError, match=r"config.json: 'sliding_windw' \(did you mean"):
+        hf.load_v4_attention_from_safetensors(folder, 0, strict=True)
+    with pytest.warns(UserWarning, match="'sliding_windw'") as record:
+        hf.load_v4_attention_from_safetensors(folder, 0)
+    assert len(record) == 1
+
+
+def test_unknown_native_keys_suggest_the_closest():
+    """DeepSeek's inference keys are refused as its ``ModelArgs`` refuses them; the error now
+    suggests the closest key too."""
+    from csa_eqx.hf import v4_config_from_hf
+
+    native = {"dim": 64, "n_heads": 4, "head_dim": 32, "windw_size": 8}
+    with pytest.raises(ValueError, match=r"\['windw_size'\] .*'windw_size' \(did you mean 'window"):
+        v4_config_from_hf(native, 0)

@@ -368,10 +368,12 @@ def test_auto_attention_runs_the_platforms_kernel(monkeypatch):
     assert ce.Execution().attention == ce.AutoAttention()
     assert ce.AutoAttention().choose() == ce.XlaAttention()  # CPU: the reference
     monkeypatch.setattr(choosers.jax, "default_backend", lambda: "gpu")
-    assert ce.AutoAttention().choose() == ce.PallasAttention()
+    assert ce.AutoAttention().choose() == ce.XlaAttention()  # the Triton kernel: by name only
+    monkeypatch.setattr(choosers.jax, "default_backend", lambda: "tpu")
+    assert ce.AutoAttention().choose() == ce.MosaicAttention()
     # DeepSeek's rounded softmax is XlaAttention's only: the kernel refuses it
     assert ce.AutoAttention().choose(ce.DeepSeekInference()) == ce.XlaAttention()
-    assert ce.AutoAttention().choose(ce.ExactNumerics()) == ce.PallasAttention()
+    assert ce.AutoAttention().choose(ce.ExactNumerics()) == ce.MosaicAttention()
     mesh = jax.make_mesh((2, 4), ("data", "tensor"))
     with jax.set_mesh(mesh):  # Explicit axes: XLA, unless inside a shard_map over all of them
         assert ce.AutoAttention().choose() == ce.XlaAttention()
@@ -383,10 +385,7 @@ def test_auto_attention_runs_the_platforms_kernel(monkeypatch):
 
         x = jax.device_put(jnp.zeros((8, 4)), jax.NamedSharding(mesh, jax.P("data")))
         jax.jit(jax.shard_map(local, in_specs=jax.P("data"), out_specs=jax.P("data")))(x)
-        assert chosen == [ce.PallasAttention()]
-    monkeypatch.setattr(choosers.jax, "default_backend", lambda: "tpu")
-    assert ce.AutoAttention().choose() == ce.MosaicAttention()
-    assert ce.AutoAttention().choose(ce.DeepSeekInference()) == ce.XlaAttention()
+        assert chosen == [ce.MosaicAttention()]
 
 
 @pytest.mark.parametrize(

@@ -349,3 +349,32 @@ def test_value_checks_on_a_mesh_leave_nothing_on_one_device(capfd):
     assert "callback" not in captured.as_text()
     assert "callback" in passed.as_text()  # the run-time check, for values known only then
     assert "Involuntary full rematerialization" not in capfd.readouterr().err
+
+
+def test_bf16_layer_with_float32_input_warns_once(monkeypatch):
+    """A layer with bfloat16 weights given float32 input computes in float32 (JAX promotes the
+    weights): one ``UserWarning`` at trace time naming the layer and the fix, once per layer
+    class, from ``__call__`` and ``extend``; bfloat16 input, a float32 layer
+    and DeepSeek's numerics (which round the input themselves) warn nothing. Traced only."""
+    import warnings
+
+    from csa_eqx._layers import checks
+
+    monkeypatch.setattr(checks, "_WARNED_DTYPES", set())
+    config = tiny_v4("sliding", head_dim=72, index_head_dim=32)  # sizes DeepSeek numerics take
+    layer = csa_eqx.V4Attention(config, key=jax.random.key(0), dtype=jnp.bfloat16)
+    x = jnp.ones((1, 8, config.hidden_size), jnp.float32)
+    with pytest.warns(UserWarning, match=r"^V4Attention's weights are bfloat16 but its input x"):
+        assert jax.eval_shape(layer, x).dtype == jnp.float32  # float32 in, float32 out
+    deepseek = layer.with_execution(csa_eqx.Execution(numerics=csa_eqx.DeepSeekInference()))
+    f32 = csa_eqx.V4Attention(config, key=jax.random.key(0))
+    with warnings.catch_warnings():  # the check itself, without tracing a layer again
+        warnings.simplefilter("error")
+        checks.warn_dtype_mismatch(layer, x)  # warned already
+        checks.warn_dtype_mismatch(layer, x.astype(jnp.bfloat16))
+        checks._WARNED_DTYPES.clear()
+        checks.warn_dtype_mismatch(f32, x)
+        checks.warn_dtype_mismatch(deepseek, x)
+    checks._WARNED_DTYPES.clear()
+    with pytest.warns(UserWarning, match=r"^V4Attention's weights are bfloat16"):
+        jax.eval_shape(lambda x: layer.extend(x, layer.init_cache(1, 8)), x[:, :4])

@@ -70,3 +70,21 @@ def test_notebook_runs(path, tmp_path):
         if out.output_type == "error"
     ]
     assert not errors
+
+
+def test_the_documented_command_runs_every_notebook():
+    """README's ``make notebooks`` installs the ``notebook`` extra (Jupyter's executor, a kernel
+    and matplotlib) and executes every notebook with ``jupyter execute`` (nbclient, as above)."""
+    import re
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    extra = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    wanted = {"nbclient", "ipykernel", "matplotlib", "jupyterlab"}
+    names = {re.split(r"[<>=\[ ]", req)[0] for req in extra["optional-dependencies"]["notebook"]}
+    assert wanted <= names
+    makefile = (root / "Makefile").read_text()
+    target = re.search(r"^notebooks: (.*)\n((?:\t.*\n)+)", makefile, re.M)
+    assert target and "jupyter execute" in target.group(2)
+    assert "notebooks/*.ipynb" in target.group(2)
+    assert "'.[notebook]'" in makefile and "make notebooks" in (root / "README.md").read_text()

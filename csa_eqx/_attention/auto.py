@@ -1,9 +1,8 @@
 """The attention family's automatic choices: ``AutoPicks`` (a masked matmul or a gather for the
 attention over each query's picked entries; docs/memory.md, "Masked picks") and
-``AutoAttention`` (the Pallas attention kernel on a GPU, the Mosaic one on a TPU, XLA's
-elsewhere, DeepSeek's expanded MLA under its numerics; docs/kernels.md). Each kernel sizes its
-own query blocks (``AbstractAttentionKernel.query_block_for``; ``Execution(query_block=...)``
-forces one).
+``AutoAttention`` (the Mosaic attention kernel on a TPU, XLA's elsewhere, a GPU included,
+DeepSeek's expanded MLA under its numerics; docs/kernels.md). Each kernel sizes its own query
+blocks (``AbstractAttentionKernel.query_block_for``; ``Execution(query_block=...)`` forces one).
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ from .._backend import kernel_platform
 from .base import AbstractAttentionKernel, LatentUp
 from .expanded import ExpandedAttention
 from .mosaic import MosaicAttention
-from .pallas import PallasAttention
 from .picks import AbstractPicks, GatheredPicks, MaskedPicks
 from .xla import XlaAttention
 
@@ -44,27 +42,28 @@ class AutoPicks(AbstractPicks):
 
 
 class AutoAttention(AbstractAttentionKernel):
-    """The attention kernel for the backend (``kernel_platform``): ``PallasAttention()`` on a
-    GPU, ``MosaicAttention()`` on a TPU (each reads every kind of ``Reads``; the Mosaic kernel
-    chooses its gather, blocks and VMEM use per call), ``XlaAttention()`` elsewhere and under
+    """The attention kernel for the backend (``kernel_platform``): ``MosaicAttention()`` on a
+    TPU (it reads every kind of ``Reads`` and chooses its gather, blocks and VMEM use per
+    call), ``XlaAttention()`` elsewhere (a GPU included: ``PallasAttention()`` runs there when
+    forced by name, not yet measured on one) and under
     numerics that round the attention (``exact_softmax`` false: ``DeepSeekInference``); for
     MLA (``latent``) under numerics that follow DeepSeek's expanded prefill
     (``LatentUp.expanded``), ``ExpandedAttention()``. The same outputs up to rounding (up to
     the numerics' own for the expanded one). **Arguments:** none."""
 
-    def choose(self, numerics=None, up: LatentUp | None = None) -> AbstractAttentionKernel:
-        """**Arguments:** the layer's numerics (``None``: exact) and, for MLA, its
-        up-projection.
+    def choose(
+        self, numerics=None, up: LatentUp | None = None, backend: str | None = None
+    ) -> AbstractAttentionKernel:
+        """**Arguments:** the layer's numerics (``None``: exact), for MLA its up-projection, and
+        the ``backend`` to choose for (``None``: the one it is traced for).
 
         **Returns:** ``ExpandedAttention()`` for an expanded MLA, else under exact-softmax
-        numerics ``PallasAttention()`` on a GPU and ``MosaicAttention()`` on a TPU, else
-        ``XlaAttention()``."""
+        numerics ``MosaicAttention()`` on a TPU, else ``XlaAttention()``."""
         if up is not None and up.expanded:
             return ExpandedAttention()
         if numerics is not None and not numerics.exact_softmax:
             return XlaAttention()
-        kernels = {"gpu": PallasAttention(), "tpu": MosaicAttention()}
-        return kernels.get(kernel_platform(), XlaAttention())
+        return MosaicAttention() if kernel_platform(backend) == "tpu" else XlaAttention()
 
     def __call__(self, q, reads, sinks, scale, *, return_lse=False, numerics=None, **blocks):
         kernel = self.choose(numerics)

@@ -7,12 +7,16 @@ does the indexer's work."""
 
 import abc
 import copy
+import dataclasses
 import typing
+from collections.abc import Sequence
 from functools import partial
 from typing import Any, ClassVar
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
+import numpy as np
 from beartype import beartype
 from equinox import AbstractVar
 from jaxtyping import Array, ArrayLike, Float, Int, TypeCheckError, jaxtyped
@@ -20,7 +24,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, TypeCheckError, jaxtyped
 from .._indexer.base import AbstractIndexer
 from .._layout import segment_positions, token_rows
 from .._numerics.base import DeepSeekFormats
-from .._placement.base import Carried
+from .._placement.base import Carried, SingleDevice
 from .._rows import Rows, whole_rows
 from . import checks
 from .cache import AbstractCache
@@ -144,6 +148,7 @@ class AbstractIndexedAttention(eqx.Module):
         c, ex = self.config, self.execution
         stage = self.stage(indexer_loss)
         x, positions, segment_ids = checks.layer_inputs(c.hidden_size, x, positions, segment_ids)
+        checks.warn_dtype_mismatch(self, x)
         trains = self.indexer is not None and stage != "off"
         if x.size == 0:
             topk = c.index_topk if self.selects else None
@@ -165,6 +170,57 @@ class AbstractIndexedAttention(eqx.Module):
         after = shared if state is None or shared is None else published(state, out)
         return _outputs((y,), after, aux)
 
+    def indexer_scores(
+        self,
+        x: Float[ArrayLike, "batch seq hidden"],
+        queries: Sequence[int] | None = None,
+        positions: Int[ArrayLike, "batch seq"] | None = None,
+        segment_ids: Int[ArrayLike, "batch seq"] | None = None,
+        *,
+        shared: Any = None,
+    ) -> tuple[Float[Array, "batch nq entries"], Int[Array, "batch nq k"]]:
+        """The indexer scores behind the layer's selection, for the chosen queries: what the
+        forward's top-k ranks (docs/concepts.md, "The lightning indexer"), as its numerics
+        and scorer compute them. For exploring (notebooks, ``csa_eqx.plot_picks``): it runs
+        the forward on one device and forms ``[B, nq, T]`` scores.
+
+        **Arguments:**
+
+        - ``x``, ``positions``, ``segment_ids``, ``shared``: as for ``__call__``.
+        - ``queries``: the query rows to score (Python ints in ``[0, S)``); ``None``: all.
+
+        **Returns:** ``(scores, picks)``: float32 ``[B, nq, T]`` scores of each chosen query
+        against every entry (V4 / V4.1: compressed-entry slots, V3.2: tokens), ``-inf`` where
+        the entry is not visible to it (not closed yet, another document's, or outside V4.1's
+        candidates), and its picks, int32 ``[B, nq, index_topk]`` (``aux["selection"]``'s
+        rows: the top-k of the finite scores, ties to the lower index, ``-1`` = none). A
+        ``ValueError`` for a layer with no indexer of its own or a query out of range.
+        """
+        if self.indexer is None:
+            raise ValueError(
+                f"indexer_scores needs a layer with an indexer of its own (CSA, V3.2, or a "
+                f"V4.1 index source); this one has none ({type(self).__name__})"
+            )
+        c = self.config
+        x, positions, segment_ids = checks.layer_inputs(c.hidden_size, x, positions, segment_ids)
+        s = x.shape[1]
+        chosen = np.arange(s) if queries is None else np.asarray(queries)
+        ints = chosen.ndim == 1 and chosen.size > 0 and np.issubdtype(chosen.dtype, np.integer)
+        if not (ints and ((chosen >= 0) & (chosen < s)).all()):
+            raise ValueError(
+                f"queries must be a non-empty sequence of query rows, ints in [0, {s}) "
+                f"(got {queries!r})"
+            )
+        rows = self._whole_rows(SingleDevice(), x, positions, segment_ids)
+        state = self._state(shared)
+        x = self.execution.numerics.layer_input(x)
+        f = self.forward_rows(x, rows, "off", False, *(() if state is None else (state,)))
+        p = f.problem
+        q, w = p.project(*(r[:, chosen] for r in p.rows))
+        scores = p.scorer.scores(q, w, p.keys, head_chunk=p.head_chunk, score_dtype=p.score_dtype)
+        visible = p.visibility.mask()[:, chosen]
+        return jnp.where(visible, scores, -jnp.inf), f.selection[:, chosen]
+
     def _state(self, shared: Any):
         """The stack state this layer kind reads (``None`` for a kind without one): ``shared``
         when it is one, else an empty one."""
@@ -181,6 +237,32 @@ class AbstractIndexedAttention(eqx.Module):
         seg, query_index = token_rows(like, segment_ids)
         positions = segment_positions(seg) if positions is None else positions
         return whole_rows(positions, seg, query_index, self.entry_rate)
+
+    def __repr__(self) -> str:
+        """A few lines: the layer's class and kind, its key sizes (``summary``), its weights'
+        dtype and its execution's fields that differ from the defaults, each on one line
+        (``eqx.tree_pprint(layer)`` prints every array)."""
+        kind, sizes = self.summary()
+        leaves = jax.tree.leaves(self)  # arrays, or their shapes (``eqx.filter_eval_shape``)
+        matrices = [w for w in leaves if getattr(w, "ndim", 0) >= 2]
+        dtypes = sorted({str(w.dtype) for w in matrices if jnp.issubdtype(w.dtype, jnp.inexact)})
+        listed = [f"{name}={value}" for name, value in sizes.items()]
+        listed.append(f"weights={'/'.join(dtypes)}")
+        rows = [", ".join(listed[i : i + 4]) for i in range(0, len(listed), 4)]
+        lines = [f"{type(self).__name__}({kind},", *[f"  {row}," for row in rows]]
+        ex = self.execution
+        changed = ", ".join(
+            f"{f.name}={eqx.tree_pformat(getattr(ex, f.name), width=1 << 16)}"
+            for f in dataclasses.fields(ex)
+            if getattr(ex, f.name) != f.default
+        )
+        return "\n".join([*lines, f"  execution={type(ex).__name__}({changed}))"])
+
+    @abc.abstractmethod
+    def summary(self) -> tuple[str, dict[str, int]]:
+        """**Returns:** the layer's kind in words (``"CSA (compressed sparse attention)"``) and
+        its key sizes by config field name (compression rate, top-k, window, heads, ...), as
+        the layer's ``repr`` shows them."""
 
     @abc.abstractmethod
     def head_specs(self, axis: str) -> tuple:
@@ -304,6 +386,7 @@ class AbstractIndexedAttention(eqx.Module):
         stage = self.stage(indexer_loss)
         self.execution.check_one_device("extend")
         x, lengths, segment_ids = checks.chunk_inputs(self, x, cache, lengths, segment_ids)
+        checks.warn_dtype_mismatch(self, x)
         if x.shape[1] == 0:  # an empty chunk: nothing to attend to, nothing to write
             topk = self.config.index_topk if self.selects else None
             y, aux = checks.empty_outputs(x, topk, None, True)

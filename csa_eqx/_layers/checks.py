@@ -15,6 +15,7 @@ Empty inputs (no rows or no tokens) are valid: they get empty outputs of the rig
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import equinox as eqx
 import jax
@@ -25,6 +26,7 @@ from jaxtyping import Array, ArrayLike, Bool, Int, TypeCheckError
 
 __all__ = [
     "layer_inputs",
+    "warn_dtype_mismatch",
     "chunk_inputs",
     "empty_outputs",
     "readable",
@@ -135,6 +137,40 @@ def layer_inputs(
             seg = _int_array(given, "segment_ids", rows, "[batch, seq]")
             segment_ids = _segments(seg, given)
     return x, positions, segment_ids
+
+
+# (layer class, weight dtype, input dtype) pairs warned about already: once each per process
+_WARNED_DTYPES: set[tuple[str, str, str]] = set()
+
+
+def warn_dtype_mismatch(layer, x: Array) -> None:
+    """A ``UserWarning``, once per layer class, when the ``layer``'s weight matrices are
+    bfloat16 and its exact numerics (``exact_softmax``) get a float32 ``x``: JAX promotes the
+    weights, so the layer computes in float32 (at float32's speed and memory) and returns
+    float32. Run at trace time, by ``__call__`` and ``extend`` (DeepSeek's numerics round the
+    input themselves).
+
+    **Arguments:** the ``layer`` and its checked input ``x``.
+
+    **Returns:** ``None``.
+    """
+    # DeepSeek's numerics (the ones without the exact softmax) round to bf16 on purpose
+    if x.dtype != jnp.float32 or not layer.execution.numerics.exact_softmax:
+        return
+    weights = eqx.filter(layer, eqx.is_inexact_array)
+    if not any(w.ndim >= 2 and w.dtype == jnp.bfloat16 for w in jax.tree.leaves(weights)):
+        return
+    name = type(layer).__name__
+    if (name, "bfloat16", "float32") in _WARNED_DTYPES:
+        return
+    _WARNED_DTYPES.add((name, "bfloat16", "float32"))
+    warnings.warn(
+        f"{name}'s weights are bfloat16 but its input x is float32: the layer computes in "
+        "float32 (JAX promotes the weights) and returns float32. Pass "
+        "x.astype(jnp.bfloat16) to compute in bfloat16, or build the layer with "
+        "dtype=jnp.float32 (warned once per layer class)",
+        stacklevel=4,
+    )
 
 
 def chunk_inputs(

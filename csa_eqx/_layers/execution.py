@@ -15,16 +15,20 @@ automatic for the backend. The loaders' keyword options (``qk_head_chunk_size=``
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 import equinox as eqx
+import jax
+import jax.numpy as jnp
 
 from .._attention.auto import AutoAttention, AutoPicks
-from .._attention.base import AbstractAttentionKernel
+from .._attention.base import AbstractAttentionKernel, LatentUp
 from .._attention.mosaic import MosaicAttention
 from .._attention.pallas import PallasAttention
 from .._attention.picks import AbstractPicks
 from .._attention.window import AbstractWindow, BandWindow
+from .._backend import CPU_TILES, GPU_TILES, TPU_TILES, backend_tiles
+from .._config import V32AttentionConfig
 from .._loss.auto import AutoIndexerLoss
 from .._loss.base import AbstractIndexerLoss
 from .._numerics.base import AbstractNumerics, DeepSeekFormats, ExactNumerics
@@ -33,7 +37,7 @@ from .._placement.context import ContextParallel
 from .._placement.heads import HeadParallel
 from .._scorer.base import AbstractScorer, XlaScorer
 from .._selection.auto import AutoSelection
-from .._selection.base import AbstractSelection
+from .._selection.base import AbstractSelection, SelectionProblem
 from .._tiles import TileSizes
 from .options import from_options, refuse_options
 
@@ -55,6 +59,11 @@ def check_stage(stage: object) -> None:
     )
 
 
+def _queries(q, weights):
+    """The identity ``project`` of ``Execution.describe``'s shapes-only problem."""
+    return q, weights
+
+
 class Execution(eqx.Module):
     """How an attention layer runs (never what it computes: outputs agree across settings,
     selections bitwise), and how it rounds (``numerics``: the one field that changes the
@@ -71,9 +80,9 @@ class Execution(eqx.Module):
     - ``window``: how V4 reads the sliding window (``BandWindow()``: a banded matmul,
         ``GatheredWindow()``: gathered token rows), in the forward and in ``extend``.
     - ``attention``: the attention kernel over what each query reads (``AutoAttention()``:
-        ``PallasAttention()`` on a GPU, ``MosaicAttention()`` on a TPU, else
-        ``XlaAttention()``, the reference; for V3.2 under ``DeepSeekInference``, DeepSeek's
-        expanded MLA; any ``AbstractAttentionKernel``).
+        ``MosaicAttention()`` on a TPU, else ``XlaAttention()``, the reference, a GPU
+        included (``PallasAttention()`` there only when forced); for V3.2 under
+        ``DeepSeekInference``, DeepSeek's expanded MLA; any ``AbstractAttentionKernel``).
     - ``qk_head_chunk_size``: indexer heads (and, for the KL target, attention heads) scored
         at once (0 = all); must divide ``index_n_heads`` (and ``num_heads`` when the
         indexer loss is on).
@@ -241,6 +250,74 @@ class Execution(eqx.Module):
                 f"layer.with_execution(dataclasses.replace(layer.execution, "
                 f"{', '.join(f'{name}=None' for name in asked)})), which shares the weights"
             )
+
+    def describe(
+        self, layer, shape: tuple[int, int, int], backend: str | None = None, dtype=jnp.float32
+    ) -> dict[str, Any]:
+        """What this execution runs for ``layer`` on an input of ``shape``: each automatic
+        choice resolved as the layer's forward resolves it (no computation, nothing traced).
+
+        **Arguments:**
+
+        - ``layer``: a csa_eqx layer (``V4Attention``, ``V32Attention``, ``V41Attention``).
+        - ``shape``: the input's ``(batch, seq, hidden)``.
+        - ``backend``: ``"cpu"``, ``"gpu"`` or ``"tpu"`` (``None``: ``jax.default_backend()``),
+            on one device (under a mesh the compiler shards, the XLA paths run).
+        - ``dtype``: the input's dtype (the fused indexer's VMEM bound depends on it).
+
+        **Returns:** a dict: ``"selection"`` (the top-k strategy, ``None`` for a layer that
+        runs no indexer of its own), ``"picks"`` (how the attention reads the picks, ``None``
+        without a selection), ``"window"`` (``None`` for V3.2), ``"attention"`` (the
+        kernel), ``"scorer"``, ``"indexer_kl"`` (the KL loss method when a stage trains the
+        indexer, ``None`` without one), ``"numerics"``, ``"placement"`` and ``"tiles"`` (the
+        backend's, or the forced ``TileSizes``). A V4.1 consumer whose candidate pre-filter
+        bites runs the gathered strategies instead (docs/v41.md, "Candidates").
+        """
+        batch, seq, _ = shape
+        if self.tiles is not None or backend is None:
+            tiles = backend_tiles(self.tiles)
+        else:
+            tiles = {"cpu": CPU_TILES, "tpu": TPU_TILES}.get(backend, GPU_TILES)
+        c = layer.config
+        rate = layer.entry_rate
+        entries = seq // rate if rate else 0
+        mla = isinstance(c, V32AttentionConfig)
+        up = None
+        if mla:
+            expanded = self.numerics.expanded_attention(layer.formats)
+            up = LatentUp(None, c.qk_nope_head_dim, c.v_head_dim, expanded)
+        attention = self.attention
+        if isinstance(attention, AutoAttention):
+            attention = attention.choose(self.numerics, up, backend)
+        window = None if mla else self.window  # MLA has no sliding window
+        out = dict(selection=None, picks=None, window=window, attention=attention)
+        if layer.indexer is not None:
+            heads, width = c.index_n_heads, c.index_head_dim
+            q = jax.ShapeDtypeStruct((batch, seq, heads, width), dtype)
+            w = jax.ShapeDtypeStruct((batch, seq, heads), jnp.float32)
+            keys = jax.ShapeDtypeStruct((batch, entries, width), dtype)
+            # shapes only (``from_queries`` checks arrays): the choosers read nothing else
+            problem = SelectionProblem(_queries, (q, w), keys, None, self.qk_head_chunk_size)
+            problem = problem._replace(tiles=tiles)
+            selection = self.selection
+            if isinstance(selection, AutoSelection):
+                selection = selection.strategy(problem, backend)
+            out["selection"] = selection
+            loss = self.indexer_kl
+            if isinstance(loss, AutoIndexerLoss):
+                at_once = self.qk_head_chunk_size or max(heads, c.num_heads)
+                loss = loss.choose(batch, seq, entries, at_once, tiles)
+            out["indexer_kl"] = loss
+        else:
+            out["indexer_kl"] = None
+        if layer.selects:
+            picks = self.picks
+            if isinstance(picks, AutoPicks):
+                picks = picks.choose(entries, c.index_topk)
+            out["picks"] = picks
+        return dict(
+            out, scorer=self.scorer, numerics=self.numerics, placement=self.placement, tiles=tiles
+        )
 
     @property
     def placement(self) -> AbstractPlacement:

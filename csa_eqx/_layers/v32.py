@@ -213,6 +213,18 @@ class V32Attention(AbstractIndexedAttention):
         """**Returns:** 1 (every token is an entry the indexer selects among)."""
         return 1
 
+    def summary(self) -> tuple[str, dict[str, int]]:
+        """See ``AbstractIndexedAttention.summary``: the indexer's ``index_topk`` and heads,
+        the MLA's heads, latent rank and the hidden size."""
+        c = self.config
+        return "DSA (MLA + lightning indexer over tokens)", dict(
+            index_topk=c.index_topk,
+            index_n_heads=c.index_n_heads,
+            num_heads=c.num_heads,
+            kv_lora_rank=c.kv_lora_rank,
+            hidden_size=c.hidden_size,
+        )
+
     @property
     def context_halo(self) -> int:
         """**Returns:** 0: a chunk's rows need nothing of the rows before them but their keys,

@@ -40,6 +40,13 @@ def _compressor(config: V4AttentionConfig, dim: int, overlap: bool, key: Array, 
     )
 
 
+_KINDS = {
+    "csa": "CSA (compressed sparse attention)",
+    "hca": "HCA (heavily compressed attention)",
+    "sliding": "sliding-window attention",
+}
+
+
 class V4Attention(AbstractV4Attention):
     """One DeepSeek-V4 attention layer; the type follows ``config.compress_rate``:
 
@@ -97,6 +104,21 @@ class V4Attention(AbstractV4Attention):
     def entry_rate(self) -> int:
         """**Returns:** ``compress_rate`` (tokens per compressed entry; 0 for a sliding layer)."""
         return self.config.compress_rate
+
+    def summary(self) -> tuple[str, dict[str, int]]:
+        """See ``AbstractIndexedAttention.summary``: the layer type, ``compress_rate``, the
+        indexer's ``index_topk`` and heads (CSA), the window and the attention's sizes."""
+        c = self.config
+        kind = _KINDS[c.layer_type]
+        picks = dict(index_topk=c.index_topk, index_n_heads=c.index_n_heads)
+        return kind, dict(
+            compress_rate=c.compress_rate,
+            **(picks if c.layer_type == "csa" else {}),
+            sliding_window=c.sliding_window,
+            num_heads=c.num_heads,
+            head_dim=c.head_dim,
+            hidden_size=c.hidden_size,
+        )
 
     @property
     def context_halo(self) -> int:

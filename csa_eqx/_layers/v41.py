@@ -134,6 +134,22 @@ class V41Attention(AbstractV4Attention):
         """**Returns:** the layer's compress ratio (0: sliding)."""
         return self.config.compress_ratios[self.layer]
 
+    def summary(self) -> tuple[str, dict[str, int]]:
+        """See ``AbstractIndexedAttention.summary``: its place and role in the stack, its
+        compress ratio, ``index_topk`` when it reads a selection, the window and the
+        attention's sizes."""
+        c = self.config
+        kind = f"V4.1 layer {self.layer} of {c.num_layers}, {self.role}"
+        picks = dict(index_topk=c.index_topk) if self.selects else {}
+        return kind, dict(
+            compress_rate=self.entry_rate,
+            **picks,
+            sliding_window=c.sliding_window,
+            num_heads=c.num_heads,
+            head_dim=c.head_dim,
+            hidden_size=c.hidden_size,
+        )
+
     @property
     def context_halo(self) -> int:
         """**Returns:** ``window - 1`` rows (and a group's ``m - 1``)."""

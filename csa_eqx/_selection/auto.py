@@ -1,9 +1,9 @@
 """The selection family's automatic choice (``AutoSelection``) and the rules it shares with the
 indexer loss's (``csa_eqx._loss.auto``): one size rule (``streams``) and one rule for V4.1's
 pre-filter (``filter_bites``). The fused indexer of the platform's kernels
-(``csa_eqx._backend.kernel_platform``: the Triton ``PallasSelection`` on a GPU, the Mosaic
-``MosaicSelection`` on a TPU); elsewhere the dense, the streaming or the gathered top-k
-(docs/memory.md, "Streaming top-k").
+(``csa_eqx._backend.kernel_platform``: the Mosaic ``MosaicSelection`` on a TPU); elsewhere,
+a GPU included, the dense, the streaming or the gathered top-k (docs/memory.md, "Streaming
+top-k").
 Force a path by passing a concrete strategy instead (``DenseSelection()``,
 ``StreamingSelection(...)``, ``GatheredSelection()``, ``PallasSelection(...)``,
 ``MosaicSelection(...)``) and tile sizes by ``Execution(tiles=TileSizes(...))``.
@@ -119,15 +119,16 @@ class DenseOrStreaming(eqx.Module):
 
 
 class AutoSelection(DenseOrStreaming, AbstractSelection):
-    """The fused indexer of the platform's kernels (``kernel_platform``: ``PallasSelection()``
-    on a GPU, ``MosaicSelection()`` on a TPU where the problem's keys fit its VMEM) for a
-    problem whose visibility has no biting V4.1 pre-filter. Otherwise dense while the largest
-    score tensor ``[B, S, heads at once, T]`` fits one automatic tile
-    (``SelectionProblem.tiles.elements``: 2^24 elements on CPU, 2^26 on accelerators), beyond
-    it streaming (``streams``), or gathered where a V4.1 consumer's pre-filter bites
-    (``filter_bites``): ``DenseSelection``, ``StreamingSelection`` or ``GatheredSelection``. A
-    pre-filter that cannot bite is dropped first (the same picks). Every choice selects the
-    same entries (bitwise where the scores are).
+    """The fused indexer of the platform's kernels (``kernel_platform``: ``MosaicSelection()``
+    on a TPU where the problem's keys fit its VMEM) for a problem whose visibility has no
+    biting V4.1 pre-filter (a GPU has none yet: ``PallasSelection()`` runs there when forced by
+    name, not yet measured on one). Otherwise dense while the largest score tensor
+    ``[B, S, heads at once, T]`` fits one automatic tile (``SelectionProblem.tiles.elements``:
+    2^24 elements on CPU, 2^26 on accelerators), beyond it streaming (``streams``), or gathered
+    where a V4.1 consumer's pre-filter bites (``filter_bites``): ``DenseSelection``,
+    ``StreamingSelection`` or ``GatheredSelection``. A pre-filter that cannot bite is dropped
+    first (the same picks). Every choice selects the same entries (bitwise where the scores
+    are).
 
     **Arguments:**
 
@@ -138,20 +139,18 @@ class AutoSelection(DenseOrStreaming, AbstractSelection):
     streaming = StreamingSelection
     gathered = GatheredSelection
 
-    def strategy(self, problem: SelectionProblem) -> AbstractSelection:
-        """**Arguments:** the ``problem``.
+    def strategy(self, problem: SelectionProblem, backend: str | None = None) -> AbstractSelection:
+        """**Arguments:** the ``problem`` and the ``backend`` to choose for (``None``: the one
+        it is traced for; ``Execution.describe`` names another).
 
-        **Returns:** unless a V4.1 pre-filter bites, ``PallasSelection()`` on a GPU and
-        ``MosaicSelection()`` on a TPU (where ``MosaicSelection.fits``); else ``choose`` of its
+        **Returns:** unless a V4.1 pre-filter bites, ``MosaicSelection()`` on a TPU (where
+        ``MosaicSelection.fits``); else ``choose`` of its
         sizes, tiles and pre-filter (of the problem with a pre-filter that cannot bite
         dropped).
         """
         problem = unfiltered(problem)
         filtered = filter_bites(problem.visibility, problem.keys.shape[1])
-        platform = None if filtered else kernel_platform()
-        if platform == "gpu":
-            return PallasSelection()
-        if platform == "tpu" and MosaicSelection().fits(problem):
+        if not filtered and kernel_platform(backend) == "tpu" and MosaicSelection().fits(problem):
             return MosaicSelection()
         return self.choose(*problem.sizes(), problem.tiles, filtered)
 

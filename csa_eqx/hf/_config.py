@@ -6,6 +6,8 @@ Private to ``csa_eqx.hf``. Every missing or invalid key is a ``ValueError`` nami
 
 from __future__ import annotations
 
+import difflib
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,6 +63,79 @@ _V4_MODEL_ARGS = {  # DeepSeek-V4-Flash and V4-Pro
 }  # fmt: skip
 
 
+# The keys an HF config may hold (besides those the loaders read): transformers' own
+# ``PretrainedConfig`` fields (those of recent and of older releases) and the rest of the model
+# (MoE, vocabulary, generation) in transformers' ``DeepseekV32Config`` / ``DeepseekV4Config``
+# and in DeepSeek's released ``config.json`` files. They do not change the attention layer.
+_HF_COMMON_KEYS = frozenset((
+    "_attn_implementation_autoset", "_commit_hash", "_name_or_path", "add_cross_attention",
+    "architectures", "attention_bias", "attention_dropout", "auto_map", "bad_words_ids",
+    "begin_suppress_tokens", "bos_token_id", "chunk_size_feed_forward",
+    "cross_attention_hidden_size", "decoder_start_token_id", "diversity_penalty", "do_sample",
+    "dtype", "early_stopping", "encoder_no_repeat_ngram_size", "eos_token_id",
+    "exponential_decay_length_penalty", "finetuning_task", "forced_bos_token_id",
+    "forced_eos_token_id", "hidden_act", "hidden_size", "id2label", "index_head_dim",
+    "index_n_heads", "index_topk", "initializer_range", "intermediate_size", "is_decoder",
+    "is_encoder_decoder", "label2id", "layer_types", "length_penalty", "max_length",
+    "max_position_embeddings", "min_length", "mlp_bias", "mlp_layer_types", "model_type",
+    "moe_intermediate_size", "n_routed_experts", "n_shared_experts", "no_repeat_ngram_size",
+    "norm_topk_prob", "num_attention_heads", "num_beam_groups", "num_beams",
+    "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads",
+    "num_nextn_predict_layers", "num_return_sequences", "output_attentions",
+    "output_hidden_states", "output_router_logits", "output_scores", "pad_token_id", "prefix",
+    "pretraining_tp", "problem_type", "pruned_heads", "q_lora_rank", "qk_rope_head_dim",
+    "quantization_config", "remove_invalid_values", "repetition_penalty", "return_dict",
+    "return_dict_in_generate", "rms_norm_eps", "rope_parameters", "rope_scaling", "rope_theta",
+    "routed_scaling_factor", "scoring_func", "sep_token_id", "suppress_tokens",
+    "task_specific_params", "temperature", "tf_legacy_loss", "tie_encoder_decoder",
+    "tie_word_embeddings", "tokenizer_class", "top_k", "top_p", "torch_dtype", "torchscript",
+    "transformers_version", "typical_p", "use_bfloat16", "use_cache", "vocab_size"
+))  # fmt: skip
+_HF_KNOWN_KEYS = {
+    "V4": _HF_COMMON_KEYS | frozenset((
+        "compress_rate_csa", "compress_rate_hca", "compress_rates", "compress_ratios",
+        "compress_rope_theta", "hc_eps", "hc_mult", "hc_sinkhorn_iters", "head_dim",
+        "o_groups", "o_lora_rank", "partial_rotary_factor", "router_aux_loss_coef",
+        "router_jitter_noise", "sliding_window", "swiglu_limit"
+    )),
+    "V3.2": _HF_COMMON_KEYS | frozenset((
+        "aux_loss_alpha", "ep_size", "first_k_dense_replace", "head_dim", "kv_lora_rank",
+        "moe_layer_freq", "n_group", "qk_head_dim", "qk_nope_head_dim", "seq_aux",
+        "topk_group", "topk_method", "v_head_dim"
+    )),
+}  # fmt: skip
+
+
+def _closest(key: str, known) -> str:
+    """`` (did you mean 'x'?)`` for the known key closest to ``key`` (``difflib``), or ``""``."""
+    match = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def check_known_keys(d: Mapping, family: str, source: str, strict: bool) -> None:
+    """Name every key of the HF config ``d`` that no ``family`` ("V4" / "V3.2") config holds,
+    each with the closest known key: a misspelt optional key (``rope_thta``) would otherwise
+    load its default silently. DeepSeek's inference keys are checked by ``_model_args``.
+
+    **Arguments:** the config dict ``d``, its ``family``, the ``source`` errors name, and
+    ``strict``: raise a ``ValueError`` instead of warning (``UserWarning``).
+
+    **Returns:** ``None``.
+    """
+    known = _HF_KNOWN_KEYS[family]
+    unknown = sorted(set(d) - known)
+    if not unknown:
+        return
+    message = (
+        f"{source}: {', '.join(repr(k) + _closest(k, known) for k in unknown)} "
+        f"{'is not a key' if len(unknown) == 1 else 'are not keys'} of a DeepSeek-{family} "
+        f"config; csa_eqx does not read {'it' if len(unknown) == 1 else 'them'}"
+    )
+    if strict:
+        raise ValueError(message)
+    warnings.warn(message + " (strict=True makes this an error)", stacklevel=2)
+
+
 def as_dict(config: Any) -> dict:
     """A transformers config object or a mapping as a plain dict."""
     if isinstance(config, Mapping):
@@ -79,9 +154,10 @@ def _model_args(d: dict, defaults: dict, family: str, source: str) -> dict:
     """``d`` completed with DeepSeek's ``ModelArgs`` defaults; an unknown key is an error."""
     unknown = sorted(set(d) - set(defaults))
     if unknown:
+        hints = "".join(f"; {k!r}{_closest(k, defaults)}" for k in unknown if _closest(k, defaults))
         raise ValueError(
             f"{source}: {unknown} are not keys of DeepSeek's {family} inference config "
-            f"(its ModelArgs refuses them too); known keys: {sorted(defaults)}"
+            f"(its ModelArgs refuses them too{hints}); known keys: {sorted(defaults)}"
         )
     return {**defaults, **d}
 
@@ -243,9 +319,14 @@ def _v4_layer_rate(d: dict, layer_idx: int, source: str) -> int:
     return entry
 
 
-def v4_layer_config(d: dict, layer_idx: int, source: str, options: dict) -> V4AttentionConfig:
+def v4_layer_config(
+    d: dict, layer_idx: int, source: str, options: dict, strict: bool = False
+) -> V4AttentionConfig:
     """Layer ``layer_idx``'s config from a config dict (HF or inference keys); ``source``
-    names the config in errors, ``options`` set or override fields."""
+    names the config in errors, ``options`` set or override fields; an HF key no V4 config
+    holds is a warning, or with ``strict`` an error (``check_known_keys``)."""
+    if not _is_native(d):
+        check_known_keys(d, "V4", source, strict)
     d = _from_native_v4(d, source)
     head_dim = _int(d, "head_dim", source)
     if d.get("qk_rope_head_dim") is not None:
@@ -276,7 +357,9 @@ def v4_layer_config(d: dict, layer_idx: int, source: str, options: dict) -> V4At
     return V4AttentionConfig(**fields)
 
 
-def v4_config_from_hf(config: Any, layer_idx: int, **options) -> V4AttentionConfig:
+def v4_config_from_hf(
+    config: Any, layer_idx: int, *, strict: bool = False, **options
+) -> V4AttentionConfig:
     """The ``V4AttentionConfig`` of layer ``layer_idx`` of a V4 model config.
 
     **Arguments:**
@@ -287,15 +370,19 @@ def v4_config_from_hf(config: Any, layer_idx: int, **options) -> V4AttentionConf
       (``compress_rope_theta`` 40000; YaRN only when ``original_seq_len > 0``), unknown keys
       are refused (docs/hf.md, "DeepSeek's inference config").
     - ``layer_idx``: which layer (its kind comes from ``layer_types`` or ``compress_ratios``).
+    - ``strict``: an HF key that no V4 config holds (``rope_thta``) is an error, not a
+      warning; either names every such key and the closest known one.
     - ``options``: architecture fields to override (execution options go to the loaders).
 
     **Returns:** the validated layer config. **Raises:** ``ValueError`` naming a missing or
     unknown key, an out-of-range ``layer_idx`` or an unknown layer kind.
     """
-    return v4_layer_config(as_dict(config), layer_idx, "config", options)
+    return v4_layer_config(as_dict(config), layer_idx, "config", options, strict)
 
 
-def _v32_config(d: dict, source: str, options: dict) -> V32AttentionConfig:
+def _v32_config(d: dict, source: str, options: dict, strict: bool) -> V32AttentionConfig:
+    if not _is_native(d):
+        check_known_keys(d, "V3.2", source, strict)
     d = _from_native_v32(d, source)
     if d.get("attention_bias"):
         raise ValueError(f"{source}: attention_bias=True is not supported (V3.2 has none)")
@@ -319,7 +406,7 @@ def _v32_config(d: dict, source: str, options: dict) -> V32AttentionConfig:
     return V32AttentionConfig(**fields)
 
 
-def v32_config_from_hf(config: Any, **options) -> V32AttentionConfig:
+def v32_config_from_hf(config: Any, *, strict: bool = False, **options) -> V32AttentionConfig:
     """The ``V32AttentionConfig`` (shared by every layer) of a V3.2 model config.
 
     **Arguments:**
@@ -329,21 +416,25 @@ def v32_config_from_hf(config: Any, **options) -> V32AttentionConfig:
       ``ModelArgs`` reads them: omitted keys take its defaults (YaRN on when ``max_seq_len``
       (16384) exceeds ``original_seq_len`` (4096), factor 40, ``mscale`` 1), unknown keys are
       refused (docs/hf.md, "DeepSeek's inference config").
+    - ``strict``: an HF key that no V3.2 config holds is an error, not a warning (as for
+      ``v4_config_from_hf``).
     - ``options``: architecture fields to override.
 
     HF's ``DeepseekV32Attention`` normalises with eps 1e-6 whatever ``rms_norm_eps`` says (as
     DeepSeek's reference does), so ``rms_norm_eps`` is 1e-6 unless ``options`` set it.
     """
-    return _v32_config(as_dict(config), "config", options)
+    return _v32_config(as_dict(config), "config", options, strict)
 
 
-def v32_layer_config(d: dict, layer_idx: int, source: str, options: dict) -> V32AttentionConfig:
+def v32_layer_config(
+    d: dict, layer_idx: int, source: str, options: dict, strict: bool = False
+) -> V32AttentionConfig:
     """The layer config, after checking ``layer_idx`` against ``num_hidden_layers`` / ``n_layers``
-    (when the config gives it)."""
+    (when the config gives it); unknown HF keys as ``_v32_config`` (``strict``)."""
     n_layers = _from_native_v32(d, source).get("num_hidden_layers")
     if n_layers is not None:
         _check_layer_idx(layer_idx, int(n_layers), source)
-    return _v32_config(d, source, options)
+    return _v32_config(d, source, options, strict)
 
 
 def block_size(d: Mapping, source: str) -> tuple[int, int]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -58,7 +59,7 @@ class _Family(NamedTuple):
     """What differs between loading a V4 and a V3.2 layer."""
 
     layer: type  # V4Attention / V32Attention
-    layer_config: Callable  # (config dict, layer_idx, source, overrides) -> layer config
+    layer_config: Callable  # (config dict, layer_idx, source, overrides, strict) -> config
     parameter_names: Callable  # layer config -> {module path: HF parameter name}
     native_name: Callable  # DeepSeek-native tensor name -> HF name
     check: Callable  # (layer config, tensor names, where, layer_idx) -> None, or raises
@@ -66,12 +67,12 @@ class _Family(NamedTuple):
     dequantised: tuple[str, ...] = ()  # FP8 tensors held dequantised whatever the numerics
 
 
-def _load(family: _Family, tensors, d, layer_idx, *, source, where, shown, dtype, options):
+def _load(family: _Family, tensors, d, layer_idx, *, source, where, shown, dtype, strict, options):
     """Build ``family``'s layer ``layer_idx`` from the config dict ``d`` (``source`` says
-    whose keys) and copy ``tensors`` (HF names) into it; errors name ``where`` and ``shown``
-    tensor names."""
+    whose keys; an unknown key warns, or with ``strict`` raises) and copy ``tensors`` (HF
+    names) into it; errors name ``where`` and ``shown`` tensor names."""
     overrides, execution = split_options(options, family.scale_fmt(d, source))
-    cfg = family.layer_config(d, layer_idx, source, overrides)
+    cfg = family.layer_config(d, layer_idx, source, overrides, strict)
     family.check(cfg, set(tensors), where, layer_idx)
     layer = family.layer(cfg, key=jax.random.key(0), dtype=dtype, execution=execution)
     names = family.parameter_names(cfg)
@@ -79,7 +80,9 @@ def _load(family: _Family, tensors, d, layer_idx, *, source, where, shown, dtype
     return load_tree(layer, names, tensors, block, where, shown, family.dequantised)
 
 
-def _load_state_dict(family: _Family, state_dict, config, layer_idx, prefix, dtype, options):
+def _load_state_dict(
+    family: _Family, state_dict, config, layer_idx, prefix, dtype, strict, options
+):
     """The shared body of the ``load_*_attention`` loaders (keys under ``prefix``)."""
     return _load(
         family,
@@ -90,6 +93,7 @@ def _load_state_dict(family: _Family, state_dict, config, layer_idx, prefix, dty
         where=f"state dict of layer {layer_idx}",
         shown=lambda n: prefix + n,
         dtype=dtype,
+        strict=strict,
         options=options,
     )
 
@@ -101,6 +105,7 @@ def load_v4_attention(
     *,
     prefix: str = "",
     dtype=jnp.float32,
+    strict: bool = False,
     **options,
 ) -> V4Attention:
     """A ``V4Attention`` holding layer ``layer_idx``'s weights from an HF attention state dict.
@@ -113,6 +118,9 @@ def load_v4_attention(
       ``quantization_config.weight_block_size`` gives the FP8 tile (default 128 x 128).
     - ``layer_idx``: which layer. ``prefix``: stripped from the keys; keys without it are
       ignored (so a whole model's state dict works with ``prefix="model.layers.2.self_attn."``).
+    - ``strict``: an HF config key that no V4 config holds is a ``ValueError``, not a warning;
+      either names every such key and the closest known one (a misspelt ``rope_thta`` would
+      otherwise load the default ``rope_theta``).
     - ``options``: how the layer runs: ``execution=csa_eqx.Execution(...)``, or the keywords
       of ``Execution.from_options`` (``qk_head_chunk_size=``, ``indexer_key_block=``,
       ``query_block=``, ``indexer_save_selection=``, ``indexer_sharded_topk=``,
@@ -127,7 +135,7 @@ def load_v4_attention(
     **Raises:** ``ValueError`` naming any missing, unexpected, mis-shaped or non-finite tensor,
     and a config whose layer kind does not match the tensors.
     """
-    return _load_state_dict(_V4, state_dict, config, layer_idx, prefix, dtype, options)
+    return _load_state_dict(_V4, state_dict, config, layer_idx, prefix, dtype, strict, options)
 
 
 # DeepSeek's native V4 names -> the HF module's, applied in order to the part after
@@ -150,13 +158,15 @@ _NATIVE_V4_RENAMES = [
 ]
 
 
-def _load_folder(family: _Family, path, layer_idx, dtype, options):
+def _load_folder(family: _Family, path, layer_idx, dtype, strict, options):
     """The shared body of the ``load_*_from_safetensors`` loaders: check the config before any
     I/O, read layer ``layer_idx``'s tensors under HF or DeepSeek-native names and build
     ``family``'s layer."""
     folder = Path(path)
     d, source = read_config(folder)
-    family.layer_config(d, layer_idx, source, split_options(options)[0])  # fails before I/O
+    with warnings.catch_warnings():  # fails before I/O; an unknown key warns once, from _load
+        warnings.simplefilter("ignore")
+        family.layer_config(d, layer_idx, source, split_options(options)[0], strict)
     prefixes = {
         f"model.layers.{layer_idx}.self_attn.": lambda n: n,
         f"model.layers.{layer_idx}.attn.": family.native_name,
@@ -172,6 +182,7 @@ def _load_folder(family: _Family, path, layer_idx, dtype, options):
         where=f"{folder}, layer {layer_idx}",
         shown=lambda n: origin.get(n, n),
         dtype=dtype,
+        strict=strict,
         options=options,
     )
 
@@ -197,7 +208,7 @@ _V4 = _Family(
 
 
 def load_v4_attention_from_safetensors(
-    path: str | Path, layer_idx: int, *, dtype=jnp.float32, **options
+    path: str | Path, layer_idx: int, *, dtype=jnp.float32, strict: bool = False, **options
 ) -> V4Attention:
     """Load layer ``layer_idx``'s attention from a V4 checkpoint folder.
 
@@ -210,14 +221,14 @@ def load_v4_attention_from_safetensors(
       ``model.``) or the HF module names (``model.layers.{i}.self_attn.q_a_proj.weight``).
       FP8 weights (``F8_E4M3``) are dequantised with their tile scales (``F8_E8M0`` or float).
     - ``layer_idx``: which layer; only its attention tensors are read.
-    - ``options``: as for ``load_v4_attention`` (``execution=`` or its keywords).
+    - ``strict``, ``options``: as for ``load_v4_attention`` (``execution=`` or its keywords).
 
     **Returns:** the ``V4Attention`` (float weights in ``dtype``).
 
     **Raises:** ``ValueError`` (``SafetensorsError`` for a corrupt file) naming the file, key
     or tensor at fault; docs/hf.md lists every case.
     """
-    return _load_folder(_V4, path, layer_idx, dtype, options)
+    return _load_folder(_V4, path, layer_idx, dtype, strict, options)
 
 
 # --- DeepSeek-V3.2 (DSA) ---------------------------------------------------------------------
@@ -265,6 +276,7 @@ def load_v32_attention(
     *,
     prefix: str = "",
     dtype=jnp.float32,
+    strict: bool = False,
     **options,
 ) -> V32Attention:
     """A ``V32Attention`` holding layer ``layer_idx``'s weights from an HF attention state dict.
@@ -277,11 +289,11 @@ def load_v32_attention(
 
     **Raises:** ``ValueError`` naming any missing, unexpected, mis-shaped or non-finite tensor.
     """
-    return _load_state_dict(_V32, state_dict, config, layer_idx, prefix, dtype, options)
+    return _load_state_dict(_V32, state_dict, config, layer_idx, prefix, dtype, strict, options)
 
 
 def load_v32_attention_from_safetensors(
-    path: str | Path, layer_idx: int, *, dtype=jnp.float32, **options
+    path: str | Path, layer_idx: int, *, dtype=jnp.float32, strict: bool = False, **options
 ) -> V32Attention:
     """Load layer ``layer_idx``'s attention from a V3.2 checkpoint folder.
 
@@ -294,4 +306,4 @@ def load_v32_attention_from_safetensors(
 
     **Returns:** the ``V32Attention``.
     """
-    return _load_folder(_V32, path, layer_idx, dtype, options)
+    return _load_folder(_V32, path, layer_idx, dtype, strict, options)
