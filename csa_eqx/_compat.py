@@ -58,12 +58,20 @@ _interpreted_p.multiple_results = True
 _interpreted_p.def_abstract_eval(lambda *args, fn, avals: avals)
 
 
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
 def _unvarying(aval):
-    return aval.update(manual_axis_type=_core.empty_mat)
+    """``aval`` as one device's value: no manual axis type, no mesh (the interpreter's own
+    constants have none)."""
+    spec = jax.P(*([None] * len(aval.shape)))
+    return aval.update(
+        manual_axis_type=_core.empty_mat, sharding=jax.NamedSharding(_NO_MESH, spec)
+    )
 
 
 def _interpreted_lowering(ctx, *args, fn, avals):
-    with _config._check_vma(False):
+    with _config._check_vma(False), jax.sharding.use_abstract_mesh(_NO_MESH):
         ctx = ctx.replace(
             avals_in=[_unvarying(a) for a in ctx.avals_in],
             avals_out=[_unvarying(a) for a in ctx.avals_out],

@@ -17,6 +17,7 @@ there Pallas' plain interpret mode runs through ``csa_eqx._compat.interpreted``.
 from __future__ import annotations
 
 import jax
+from jax.sharding import AxisType
 
 from ._backend import Interpret, kernel_interpret
 from ._compat import interpreted
@@ -52,9 +53,19 @@ def launch(build, mode: Interpret, out_shape, args):
     ``kernel_interpret`` decides it) and the kernel's ``out_shape``, its outputs typed for the
     manual axes its ``args`` vary over (``typed``)."""
     varying = typed(out_shape, args)
-    if mode is True and varying is not out_shape:  # interpret mode under check_vma
+    if mode is True and (varying is not out_shape or _sharded_axes()):
+        # interpret mode under check_vma or mesh axes the compiler shards: one device's values
         return interpreted(lambda *a: jax.tree.leaves(build(True, out_shape)(*a)), varying, *args)
     return build(mode, varying)(*args)
+
+
+def _sharded_axes() -> bool:
+    """Whether the mesh in context has an axis of size > 1 that is not ``Manual``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return any(
+        t != AxisType.Manual and mesh.shape[a] > 1
+        for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+    )
 
 
 def run_mosaic(

@@ -6,6 +6,7 @@ The mesh is the one set with ``jax.set_mesh`` unless a strategy holds ``mesh=``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -137,42 +138,47 @@ def run_sharded(fn: Callable, mesh: MeshLike, in_specs, out_specs, axes: set, *a
 
 def per_device(fn: Callable, batched, replicated=()):
     """``fn(batched, replicated)`` once per device of the mesh in context, where the compiler
-    shards it: a Pallas kernel is one device's program, so under a mesh whose axes are not all
-    ``Manual`` (``jit`` sharding the batch, no placement) it runs in a ``shard_map`` manual
-    over those axes, ``batched`` split over the axes that shard the batch and ``replicated``
-    whole. Elsewhere (no mesh, axes of size 1, inside a ``shard_map`` over every axis)
-    ``fn`` is called as it is. Under ``jax.vmap`` the mapped axis folds into the batch
-    (``_folded``): the kernel's grid takes it, not a loop of kernel calls.
+    shards its batch: a Pallas kernel is one device's program, so under a mesh whose axes are
+    not all ``Manual`` (``jit`` sharding the batch, no placement) it runs in a ``shard_map``
+    manual over the axes that shard the batch, ``batched`` split over them and ``replicated``
+    whole. Elsewhere (no mesh, axes of size 1, inside a ``shard_map`` over them, a batch no
+    axis shards) ``fn`` is called as it is (the compiler replicates a kernel over the other
+    axes). Under ``jax.vmap`` the mapped axis folds into the batch first (``_folded``): the
+    kernel's grid takes it, not a loop of kernel calls.
 
     The batch axes are the ``Explicit`` ones ``batched``'s first array is sharded over, else
-    the ``Auto`` axes (in mesh order) whose sizes divide the batch; every other axis leaves
-    the kernel replicated on its devices (the same work, and the same result, on each).
+    the ``Auto`` axes (in mesh order) whose sizes divide the batch.
 
     **Arguments:** ``fn``, ``batched`` (a pytree of ``[B, ...]`` arrays) and ``replicated`` (a
     pytree of arrays every device takes whole, e.g. sinks).
 
     **Returns:** ``fn``'s outputs (a pytree of ``[B, ...]`` arrays).
     """
-    fn = _folded(fn)
+    return _folded(functools.partial(_sharded, fn))(batched, replicated)
+
+
+def _sharded(fn: Callable, batched, replicated):
+    """``per_device`` after the fold: the ``shard_map`` over the batch's axes, if any."""
     mesh = jax.sharding.get_abstract_mesh()
     axes = [
         a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
         if t != AxisType.Manual and mesh.shape[a] > 1
     ]  # fmt: skip
-    if not axes:
-        return fn(batched, replicated)
     first = jax.tree.leaves(batched)[0]
-    typed = (tuple(jax.typeof(first).sharding.spec) or (None,))[0]
-    chosen = [typed] if isinstance(typed, str) else list(typed or ())
+    spec = tuple(jax.typeof(first).sharding.spec) if axes else ()
+    typed = (spec or (None,))[0]
+    chosen = [a for a in ([typed] if isinstance(typed, str) else typed or ()) if a in axes]
     if not chosen:
         size = 1
         for a in axes:
             if not is_explicit(mesh, a) and first.shape[0] % (size * mesh.shape[a]) == 0:
                 chosen.append(a)
                 size *= mesh.shape[a]
-    spec = P(tuple(chosen) or None)
+    if not chosen:
+        return fn(batched, replicated)
+    spec = P(tuple(chosen))
     in_specs = (each(batched, spec), each(replicated, P()))
-    return run_sharded(fn, mesh, in_specs, spec, set(axes), batched, replicated)
+    return run_sharded(fn, mesh, in_specs, spec, set(chosen), batched, replicated)
 
 
 def _folded(fn: Callable) -> Callable:

@@ -1,0 +1,229 @@
+"""Every member of every family composes with JAX's transformations (issue 53;
+docs/composing.md): one program per member nests them all, on 8 simulated CPU devices.
+
+The program: a ``jax.shard_map`` over ``data`` with JAX's default ``check_vma`` (the batch
+split, the weights replicated), inside it ``jax.value_and_grad`` of a ``lax.scan`` over two
+stacked layers whose body is a ``jax.checkpoint`` with ``compose_selection_policy`` around a
+``jax.vmap`` of the layer over unbatched sequences, the loss's ``pmean`` over ``data``; jitted with the
+inputs donated and traced under ``jax_enable_checks``. Its loss (the outputs' mean square and
+the indexer losses) and every gradient must equal the reference: the same two layers called one
+after the other on the whole batch, on one device, untransformed. Members run forced; the
+kernels in plain interpret mode (no effects: ``test_no_program_has_an_effect``).
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import AxisType
+
+import csa_eqx as ce
+from csa_eqx.presets import tiny_v4, tiny_v32
+from csa_eqx.remat import compose_selection_policy
+
+B, S, K = 4, 24, 3
+MESH = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2)
+V4 = tiny_v4("csa", hidden_size=48, q_lora_rank=24, sliding_window=6, index_n_heads=8, index_topk=K)
+V32 = tiny_v32(index_topk=K)
+HCA = tiny_v4("hca", hidden_size=48, q_lora_rank=24, sliding_window=6)
+
+KERNELS = dict(selection=ce.MosaicSelection(), attention=ce.MosaicAttention())
+# (config, Execution fields, indexer loss stage): one member of a family each, the rest default
+MEMBERS = {
+    "auto": (V4, {}, "off"),
+    "auto/v32": (V32, {}, "off"),
+    "auto/hca": (HCA, {}, "off"),
+    "selection/dense": (V4, dict(selection=ce.DenseSelection()), "off"),
+    "selection/streaming": (V4, dict(selection=ce.StreamingSelection()), "off"),
+    "selection/gathered": (V4, dict(selection=ce.GatheredSelection()), "off"),
+    "selection/sharded": (
+        V4,
+        dict(selection=ce.ShardedSelection(inner=ce.DenseSelection())),
+        "off",
+    ),
+    "selection/mosaic": (V4, dict(selection=ce.MosaicSelection()), "off"),
+    "selection/triton": (V4, dict(selection=ce.PallasSelection()), "off"),
+    "scorer/blocked": (V4, dict(scorer=ce.BlockedScorer(), selection=ce.DenseSelection()), "off"),
+    "scorer/triton": (V4, dict(scorer=ce.PallasScorer(), selection=ce.DenseSelection()), "off"),
+    "attention/mosaic": (V4, dict(attention=ce.MosaicAttention()), "off"),
+    "attention/triton": (V4, dict(attention=ce.PallasAttention()), "off"),
+    "attention/mosaic/v32": (V32, KERNELS, "off"),
+    "attention/expanded/v32": (
+        V32,
+        dict(attention=ce.ExpandedAttention(), numerics=ce.DeepSeekInference()),
+        "off",
+    ),  # fmt: skip
+    "loss/dense": (V4, dict(indexer_kl=ce.DenseIndexerLoss()), "dense"),
+    "loss/streaming": (V4, dict(indexer_kl=ce.StreamingIndexerLoss()), "dense"),
+    "loss/gathered": (V4, dict(indexer_kl=ce.GatheredIndexerLoss()), "sparse"),
+    "loss/kernels": (V4, KERNELS, "sparse"),
+    "numerics/deepseek": (V4, dict(numerics=ce.DeepSeekInference()), "off"),
+    "placement/heads": (V4, dict(heads=ce.HeadParallel()), "off"),
+    "placement/heads/kernels": (V4, dict(heads=ce.HeadParallel(), **KERNELS), "off"),
+}
+
+
+def layer_of(name):
+    config, fields, stage = MEMBERS[name]
+    execution = ce.Execution(indexer_loss=stage, **fields)
+    kind = ce.V32Attention if isinstance(config, ce.V32AttentionConfig) else ce.V4Attention
+    return kind(config, key=jax.random.key(0), execution=execution)
+
+
+def stacked(layer):
+    """Two layers' weights stacked (the second scaled, so that the layers differ)."""
+    params, static = eqx.partition(layer, eqx.is_array)
+    scale = lambda a: a * 0.75 if jnp.issubdtype(a.dtype, jnp.floating) else a  # noqa: E731
+    return jax.tree.map(lambda a: jnp.stack([a, scale(a)]), params), static
+
+
+def inputs(width):
+    return jax.random.normal(jax.random.key(1), (B, S, width), jnp.float32)
+
+
+def indexer_loss(aux):
+    loss = aux["indexer_loss"]
+    return jnp.zeros(()) if loss is None else jnp.mean(loss)
+
+
+def reference(params, static, x):
+    """The two layers one after the other on the whole batch, on one device."""
+    h, total = x, jnp.zeros(())
+    for i in range(2):
+        layer = eqx.combine(jax.tree.map(lambda a, i=i: a[i], params), static)
+        y, aux = layer(h, return_aux=True)
+        h, total = h + y, total + indexer_loss(aux)
+    return jnp.mean(h**2) + total
+
+
+def composed(params, static, x):
+    """The same loss and gradients through every transformation (the module docstring)."""
+
+    def body(h, p):
+        layer = eqx.combine(p, static)
+        y, aux = jax.vmap(lambda seq: layer(seq, return_aux=True))(h)
+        return h + y, indexer_loss(aux)
+
+    step = jax.checkpoint(body, policy=compose_selection_policy(None))
+
+    def loss(params, x):
+        h, losses = jax.lax.scan(step, x, params)
+        return jnp.mean(h**2) + jnp.sum(losses)
+
+    def local(params, x):
+        # the mean over devices inside the differentiated loss: under check_vma the gradient
+        # of replicated weights is summed over the devices by JAX itself (docs/composing.md)
+        return jax.value_and_grad(lambda p, x: jax.lax.pmean(loss(p, x), "data"))(params, x)
+
+    return jax.shard_map(
+        local,
+        mesh=MESH,
+        in_specs=(jax.P(), jax.P("data")),
+        out_specs=jax.P(),
+        axis_names={"data"},
+    )(params, x)
+
+
+@pytest.mark.parametrize("name", list(MEMBERS))
+def test_every_transformation_at_once(name):
+    layer = layer_of(name)
+    params, static = stacked(layer)
+    x = inputs(layer.config.hidden_size)
+    want_value, want_grads = jax.jit(jax.value_and_grad(reference), static_argnums=1)(
+        params, static, x
+    )
+    with jax.set_mesh(MESH):
+        xs = jax.device_put(x, jax.P("data"))
+        ps = jax.device_put(params, jax.P())
+        program = jax.jit(composed, static_argnums=1, donate_argnums=(0, 2))
+        with jax.enable_checks(True):
+            traced = program.trace(ps, static, xs)
+        assert not traced.jaxpr.effects
+        value, grads = program(ps, static, xs)
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        scale = float(jnp.max(jnp.abs(want))) or 1.0
+        assert float(jnp.max(jnp.abs(got - want))) <= 1e-5 * scale, name
+
+
+@pytest.mark.parametrize("name", list(MEMBERS))
+def test_no_program_has_an_effect(name):
+    """The forward and the gradient of every member carry no effect (an effectful program
+    fails ``jax.checkpoint``, ``custom_vjp`` and ``vmap`` of ``cond``, and loses JAX's fast
+    dispatch)."""
+    layer = layer_of(name)
+    x = inputs(layer.config.hidden_size)
+    loss = lambda m, x: jnp.sum(m(x) ** 2)  # noqa: E731
+    with jax.set_mesh(MESH):
+        for fn in (loss, jax.grad(loss)):
+            assert not jax.make_jaxpr(fn)(layer, x).effects, name
+
+
+def test_the_tpu_interpreter_is_the_only_effectful_choice():
+    """Pallas' TPU interpreter (simulated memories), asked for by name, is what carries IO
+    effects: kept for kernel-alone tests, never chosen for a user."""
+    layer = layer_of("selection/mosaic")
+    plain = jax.make_jaxpr(lambda x: layer(x))(inputs(48))
+    simulated = eqx.tree_at(
+        lambda m: m.execution.selection,
+        layer,
+        ce.MosaicSelection(interpret=pltpu.InterpretParams()),
+    )
+    assert not plain.effects
+    assert jax.make_jaxpr(lambda x: simulated(x))(inputs(48)).effects
+
+
+def pallas_calls(jaxpr, name: str) -> int:
+    """``pallas_call``s of kernel ``name`` in ``jaxpr`` and every nested jaxpr."""
+    from jaxpr_helpers import walk_eqns
+
+    return sum(
+        e.primitive.name == "pallas_call" and name in str(e.params.get("name_and_src_info", ""))
+        for e in walk_eqns(jaxpr.jaxpr)
+    )
+
+
+@pytest.mark.parametrize(
+    "selection, kernel",
+    [(ce.MosaicSelection(), "indexer_topk_mosaic"), (ce.PallasSelection(), "indexer_topk")],
+    ids=["mosaic", "triton"],
+)
+def test_saved_selection_runs_no_kernel_in_the_backward(selection, kernel):
+    """With the selection saved (``compose_selection_policy``), the gradient of a checkpointed
+    layer runs the selection kernel once (the forward's), not again in the backward."""
+    layer = ce.V4Attention(V4, key=jax.random.key(0), execution=ce.Execution(selection=selection))
+    x = inputs(48)
+
+    def loss(layer, x, policy):
+        return jnp.sum(jax.checkpoint(lambda m, x: m(x), policy=policy)(layer, x) ** 2)
+
+    saved = jax.make_jaxpr(jax.grad(lambda m, x: loss(m, x, compose_selection_policy(None))))
+    recomputed = jax.make_jaxpr(jax.grad(lambda m, x: loss(m, x, None)))
+    assert pallas_calls(saved(layer, x), kernel) == 1
+    assert pallas_calls(recomputed(layer, x), kernel) == 2
+
+
+def test_unbatched_layers_and_vmap_fold_into_the_kernel():
+    """A layer takes one ``[S, hidden]`` sequence as ``eqx.nn`` layers do, and ``jax.vmap``
+    of it over a batch equals the batched call; the kernels take the mapped axis in their own
+    batch (one ``pallas_call`` of each, its batch the mapped size), not a loop of calls."""
+    layer = layer_of("loss/kernels")
+    x = inputs(48)
+    want, aux = layer(x, return_aux=True)
+    one, one_aux = layer(x[1], return_aux=True)
+    np.testing.assert_allclose(one, want[1], atol=1e-6)
+    np.testing.assert_array_equal(one_aux["selection"], aux["selection"][1])
+    mapped = jax.vmap(lambda s: layer(s))
+    np.testing.assert_allclose(mapped(x), want, atol=1e-6)
+    from jaxpr_helpers import walk_eqns
+
+    calls = [
+        e for e in walk_eqns(jax.make_jaxpr(mapped)(x).jaxpr) if e.primitive.name == "pallas_call"
+    ]
+    assert calls and all(e.outvars[0].aval.shape[0] == B for e in calls)
+    assert not any(
+        e.primitive.name == "while" and "pallas_call" in str(e)
+        for e in walk_eqns(jax.make_jaxpr(mapped)(x).jaxpr)
+    )
