@@ -263,6 +263,55 @@ def test_a_v32_layer_with_the_kernel():
         assert_close(g, r, what="grad")
 
 
+def kernel_calls(jaxpr) -> dict[str, int]:
+    """The Mosaic attention kernels' ``pallas_call`` equations in ``jaxpr`` by name (each
+    call site once, however often a loop runs it; ``run_mosaic`` may hold more than one
+    ``pallas_call`` per call site, one per platform, the same for every kernel)."""
+    calls: dict[str, int] = {}
+    for eqn in walk_eqns(jaxpr):
+        if eqn.primitive.name == "pallas_call":
+            name = str(getattr(eqn.params.get("name_and_src_info"), "name", eqn.params.get("name")))
+            calls[name] = calls.get(name, 0) + 1
+    return calls
+
+
+def test_v32_head_groups_keep_the_kernel_outputs(monkeypatch):
+    """V3.2 in head groups (forced: 2 groups of 2 heads, documents packed) with
+    ``MosaicAttention``: each group keeps its kernel's latent output and ``lse`` for the
+    backward (``MosaicAttention.replay``), so the gradient's program runs the forward kernel
+    once per group call site, not twice (the recomputed forward of before: ``replaying``
+    patched to ``None``); outputs, the loss's ``lse`` and every gradient bitwise those of the
+    recompute, and within 1e-5 of ``XlaAttention``'s in one call."""
+    from csa_eqx._layers import v32
+
+    base = ce.V32Attention(presets.tiny_v32(), key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(2), (2, 24, base.config.hidden_size))
+    seg = jnp.asarray([[0] * 9 + [1] * 15, [0] * 24], jnp.int32)
+    layer = base.with_execution(ce.Execution(attention=MosaicAttention(8, 0, 8, 128, "tiles")))
+
+    def loss(model):
+        y = model(x, segment_ids=seg)
+        return jnp.sum(jnp.sin(y)), y
+
+    grad = eqx.filter_grad(loss, has_aux=True)
+    want = eqx.filter_jit(grad)(base.with_execution(ce.Execution(attention=ce.XlaAttention())))
+    monkeypatch.setattr(v32, "head_groups", lambda shape, width: 2)
+    kept = kernel_calls(eqx.filter_make_jaxpr(grad)(layer)[0].jaxpr)
+    got = eqx.filter_jit(grad)(layer)
+    with monkeypatch.context() as m:
+        m.setattr(v32, "replaying", lambda *a: None)
+        recomputed = kernel_calls(eqx.filter_make_jaxpr(grad)(layer)[0].jaxpr)
+        before = eqx.filter_jit(grad)(layer)
+    fwd, bwd = "mosaic_sparse_attention", "mosaic_sparse_attention_bwd"
+    assert recomputed[fwd] == 2 * recomputed[bwd] > 0, recomputed
+    assert kept[fwd] == kept[bwd] == recomputed[bwd], kept
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+    assert_close(got[1], want[1], what="y")
+    for g, r in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0]), strict=True):
+        assert_close(g, r, what="grad")
+
+
 def released(kind: str, kernel: MosaicAttention, s: int = 256, entries: int = 0):
     """A loss over the kernel's attention with released-size reads (bf16), and its abstract
     arguments: V4-Flash CSA (64 heads x 512, 512 picks of ``s / 4`` entries, window 128, sinks)

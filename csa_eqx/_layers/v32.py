@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
-from .._attention.base import LatentUp
+from .._attention.auto import AutoAttention
+from .._attention.base import AbstractAttentionKernel, LatentUp
 from .._attention.picks import entry_reads
 from .._config import V32AttentionConfig
 from .._indexer.v32 import V32Indexer
@@ -67,12 +68,16 @@ def head_groups(shape: tuple[int, ...], width: int) -> int:
 
 
 def in_head_groups(attend, groups: int, q_nope: Array, q_rope: Array, weight: Array, keys):
-    """``attend(q_nope, q_rope, weight, keys) -> (out, lse or None)`` over ``groups`` groups of
-    consecutive heads in turn (``lax.map``; ``weight`` is ``kv_b_proj``, head-major rows), and
-    its backward group by group, each group's forward recomputed there (a ``custom_vjp``: a
-    kernel's effects rule out ``jax.checkpoint``): one group's absorbed queries and kernel
-    buffers are live at a time and none is saved. The keys' gradient is the groups' summed
-    in float32."""
+    """``attend(q_nope, q_rope, weight, keys, saved) -> ((out, lse or None), kept)`` over
+    ``groups`` groups of consecutive heads in turn (``lax.map``; ``weight`` is ``kv_b_proj``,
+    head-major rows), and its backward group by group (a ``custom_vjp``: a kernel's effects
+    rule out ``jax.checkpoint``): one group's absorbed queries and kernel buffers are live at a
+    time. ``attend`` is called with ``saved=None`` in the forward; ``kept`` is what it keeps
+    of a group for the backward (the kernel's latent output and ``lse``: ``V32Attention``
+    with a kernel that can ``replay``), or ``None``. The backward calls it again per group
+    with that group's ``kept`` as ``saved`` (differentiated: the backward kernel on the kept
+    outputs, no forward kernel), or where nothing was kept recomputes the group's forward.
+    The keys' gradient is the groups' summed in float32."""
 
     def split(a):
         return jnp.moveaxis(a.reshape(*a.shape[:2], groups, -1, *a.shape[3:]), 2, 0)
@@ -84,30 +89,48 @@ def in_head_groups(attend, groups: int, q_nope: Array, q_rope: Array, weight: Ar
     def parts(q_nope, q_rope, weight):
         return split(q_nope), split(q_rope), weight.reshape(groups, -1, weight.shape[-1])
 
+    def mapped(q_nope, q_rope, weight, keys, keep: bool):
+        def one(a):
+            out, kept = attend(*a, keys, None)
+            return (out, kept) if keep else out
+
+        return jax.lax.map(one, parts(q_nope, q_rope, weight))
+
     @jax.custom_vjp
     def run(q_nope, q_rope, weight, keys):
-        out = jax.lax.map(lambda a: attend(*a, keys), parts(q_nope, q_rope, weight))
-        return jax.tree.map(join, out)
+        return jax.tree.map(join, mapped(q_nope, q_rope, weight, keys, False))
 
     def forward(q_nope, q_rope, weight, keys):
-        return run(q_nope, q_rope, weight, keys), (q_nope, q_rope, weight, keys)
+        out, kept = mapped(q_nope, q_rope, weight, keys, True)
+        return jax.tree.map(join, out), (q_nope, q_rope, weight, keys, kept)
 
     def backward(residuals, grads):
-        q_nope, q_rope, weight, keys = residuals
+        q_nope, q_rope, weight, keys, kept = residuals
 
         def group(d_keys, a):
-            *args, g = a
-            _, vjp = jax.vjp(attend, *args, keys)
+            *args, saved, g = a
+            _, vjp = jax.vjp(lambda *args: attend(*args, saved)[0], *args, keys)
             *d_args, d_group_keys = vjp(g)
             return d_keys + d_group_keys.astype(jnp.float32), tuple(d_args)
 
         g = jax.tree.map(split, grads)
         zero = jnp.zeros(keys.shape, jnp.float32)
-        d_keys, d = jax.lax.scan(group, zero, (*parts(q_nope, q_rope, weight), g))
+        d_keys, d = jax.lax.scan(group, zero, (*parts(q_nope, q_rope, weight), kept, g))
         return join(d[0]), join(d[1]), d[2].reshape(weight.shape), d_keys.astype(keys.dtype)
 
     run.defvjp(forward, backward)
     return run(q_nope, q_rope, weight, keys)
+
+
+def replaying(attention, numerics, up: LatentUp):
+    """**Returns:** the kernel ``attention`` runs the MLA ``up`` with (``AutoAttention``'s
+    choice) where it can ``replay`` (its forward's outputs kept, its backward run on them:
+    ``MosaicAttention.replay``) and computes ``latent`` as ``AbstractAttentionKernel``'s
+    absorbed form does; else ``None``."""
+    kernel = attention.choose(numerics, up) if isinstance(attention, AutoAttention) else attention
+    if hasattr(kernel, "replay") and type(kernel).latent is AbstractAttentionKernel.latent:
+        return kernel
+    return None
 
 
 class V32Attention(AbstractIndexedAttention):
@@ -254,10 +277,28 @@ class V32Attention(AbstractIndexedAttention):
 
         width = keys.shape[-1]
         groups = 1 if isinstance(self.kv_b_proj, Fp8Weight) else head_groups(q_nope.shape, width)
+        replays = replaying(ex.attention, nx, up)
+
+        def attend_group(q_nope, q_rope, weight, keys, saved):
+            """A head group's ``((out, lse or None), kept)`` (``in_head_groups``): with a
+            kernel that can ``replay``, the absorbed MLA of ``AbstractAttentionKernel.latent``
+            step by step, keeping the kernel's latent output and ``lse`` (``saved``: the
+            group's kept ones, replayed); else ``attend``, nothing kept."""
+            if replays is None:
+                return attend(q_nope, q_rope, weight, keys), None
+            reads = entry_reads(ex.picks, keys, visibility, picks, value_width=c.kv_lora_rank)
+            up = LatentUp(weight, c.qk_nope_head_dim, c.v_head_dim, expanded)
+            q = up.absorb(q_nope, q_rope)
+            if saved is None:
+                o, lse = replays(q, reads, None, self.softmax_scale, return_lse=True, **kernel)
+            else:
+                o, lse = replays.replay(q, reads, None, self.softmax_scale, *saved, numerics=nx)
+            return (up.values(o), lse if want_loss else None), (o, lse)
+
         if groups == 1:
             o, lse = attend(q_nope, q_rope, self.kv_b_proj, keys)
         else:
-            o, lse = in_head_groups(attend, groups, q_nope, q_rope, self.kv_b_proj, keys)
+            o, lse = in_head_groups(attend_group, groups, q_nope, q_rope, self.kv_b_proj, keys)
         y = nx.linear(o.reshape(*o.shape[:2], -1), self.o_proj)
         target = None
         if want_loss:  # KL distillation against the absorbed MLA queries and keys attended
