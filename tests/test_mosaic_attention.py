@@ -277,11 +277,13 @@ def kernel_calls(jaxpr) -> dict[str, int]:
 
 def test_v32_head_groups_keep_the_kernel_outputs(monkeypatch):
     """V3.2 in head groups (forced: 2 groups of 2 heads, documents packed) with
-    ``MosaicAttention``: each group keeps its kernel's latent output and ``lse`` for the
-    backward (``MosaicAttention.replay``), so the gradient's program runs the forward kernel
-    once per group call site, not twice (the recomputed forward of before: ``replaying``
-    patched to ``None``); outputs, the loss's ``lse`` and every gradient bitwise those of the
-    recompute, and within 1e-5 of ``XlaAttention``'s in one call."""
+    ``MosaicAttention``: the groups that fit ``KEEP`` keep their kernel's latent output and
+    ``lse`` for the backward (``MosaicAttention.replay``), so the gradient's program runs the
+    forward kernel once per group call site, not twice (the recomputed forward of before:
+    ``replaying`` patched to ``None``); with one group of two kept, the kept group's call
+    sites run it once, the other's twice. Outputs and every gradient bitwise those of the
+    recompute (the keys' gradient summed in the same group order), and within 1e-5 of
+    ``XlaAttention``'s in one call."""
     from csa_eqx._layers import v32
 
     base = ce.V32Attention(presets.tiny_v32(), key=jax.random.key(0))
@@ -296,8 +298,13 @@ def test_v32_head_groups_keep_the_kernel_outputs(monkeypatch):
     grad = eqx.filter_grad(loss, has_aux=True)
     want = eqx.filter_jit(grad)(base.with_execution(ce.Execution(attention=ce.XlaAttention())))
     monkeypatch.setattr(v32, "head_groups", lambda shape, width: 2)
+    monkeypatch.setattr(v32, "KEEP", 2 * (2 * 24 * 2 * 32))  # both groups' [2, 24, 2, 32]
     kept = kernel_calls(eqx.filter_make_jaxpr(grad)(layer)[0].jaxpr)
     got = eqx.filter_jit(grad)(layer)
+    with monkeypatch.context() as m:
+        m.setattr(v32, "KEEP", 2 * (2 * 24 * 2 * 32) - 1)  # the last group's only
+        one_kept = kernel_calls(eqx.filter_make_jaxpr(grad)(layer)[0].jaxpr)
+        partly = eqx.filter_jit(grad)(layer)
     with monkeypatch.context() as m:
         m.setattr(v32, "replaying", lambda *a: None)
         recomputed = kernel_calls(eqx.filter_make_jaxpr(grad)(layer)[0].jaxpr)
@@ -305,8 +312,11 @@ def test_v32_head_groups_keep_the_kernel_outputs(monkeypatch):
     fwd, bwd = "mosaic_sparse_attention", "mosaic_sparse_attention_bwd"
     assert recomputed[fwd] == 2 * recomputed[bwd] > 0, recomputed
     assert kept[fwd] == kept[bwd] == recomputed[bwd], kept
-    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(before), strict=True):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+    # two call sites of each (the recomputed groups' and the kept groups'), one recomputing
+    assert one_kept[fwd] == 3 * one_kept[bwd] // 2 == 3 * recomputed[bwd], one_kept
+    for run in (got, partly):
+        for g, r in zip(jax.tree.leaves(run), jax.tree.leaves(before), strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
     assert_close(got[1], want[1], what="y")
     for g, r in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0]), strict=True):
         assert_close(g, r, what="grad")

@@ -47,6 +47,20 @@ __all__ = ["V32Attention"]
 # in 4 groups 12.2; docs/memory.md, "Released sizes on one TPU v5e")
 ONE_CALL = 1 << 31
 GROUP = 5 << 27
+# the latent outputs ``[B, S, heads, kv_lora]`` (elements) the head groups keep for their
+# backward (``kept_groups``), whole groups, the last ones; the others' forward is recomputed
+KEEP = 0
+
+
+def kept_groups(shape: tuple[int, ...], groups: int, width: int) -> int:
+    """**Arguments:** the per-head queries' ``shape`` ``[B, S, H, d]``, their head ``groups``
+    and the latent values' ``width``.
+
+    **Returns:** how many head groups keep their kernel's latent output ``[B, S, H / groups,
+    width]`` for the backward (``in_head_groups``' ``keep``): as many as fit ``KEEP``
+    elements."""
+    b, s, heads, _ = shape
+    return min(groups, KEEP // max(b * s * (heads // groups) * width, 1))
 
 
 def head_groups(shape: tuple[int, ...], width: int) -> int:
@@ -67,17 +81,21 @@ def head_groups(shape: tuple[int, ...], width: int) -> int:
     return groups
 
 
-def in_head_groups(attend, groups: int, q_nope: Array, q_rope: Array, weight: Array, keys):
+def in_head_groups(
+    attend, groups: int, q_nope: Array, q_rope: Array, weight: Array, keys, keep: int = 0
+):
     """``attend(q_nope, q_rope, weight, keys, saved) -> ((out, lse or None), kept)`` over
     ``groups`` groups of consecutive heads in turn (``lax.map``; ``weight`` is ``kv_b_proj``,
-    head-major rows), and its backward group by group (a ``custom_vjp``: a kernel's effects
-    rule out ``jax.checkpoint``): one group's absorbed queries and kernel buffers are live at a
-    time. ``attend`` is called with ``saved=None`` in the forward; ``kept`` is what it keeps
-    of a group for the backward (the kernel's latent output and ``lse``: ``V32Attention``
-    with a kernel that can ``replay``), or ``None``. The backward calls it again per group
-    with that group's ``kept`` as ``saved`` (differentiated: the backward kernel on the kept
-    outputs, no forward kernel), or where nothing was kept recomputes the group's forward.
-    The keys' gradient is the groups' summed in float32."""
+    head-major rows), and its backward group by group, in the same order (a ``custom_vjp``: a
+    kernel's effects rule out ``jax.checkpoint``): one group's absorbed queries and kernel
+    buffers are live at a time. ``attend`` is called with ``saved=None`` in the forward;
+    ``kept`` is what it keeps of a group for the backward (``V32Attention`` with a kernel that
+    can ``replay``: the kernel's latent output and ``lse``), or ``None``. The last ``keep``
+    groups' ``kept`` is saved: the backward calls ``attend`` again with it as ``saved``
+    (differentiated: the backward kernel on the kept outputs, no forward kernel); the other
+    groups' forward is recomputed in the backward (``saved=None``). The keys' gradient is the
+    groups' summed in float32, in group order."""
+    first = groups - keep
 
     def split(a):
         return jnp.moveaxis(a.reshape(*a.shape[:2], groups, -1, *a.shape[3:]), 2, 0)
@@ -89,19 +107,29 @@ def in_head_groups(attend, groups: int, q_nope: Array, q_rope: Array, weight: Ar
     def parts(q_nope, q_rope, weight):
         return split(q_nope), split(q_rope), weight.reshape(groups, -1, weight.shape[-1])
 
-    def mapped(q_nope, q_rope, weight, keys, keep: bool):
+    def halves(tree):  # the recomputed groups, the kept ones
+        return jax.tree.map(lambda a: a[:first], tree), jax.tree.map(lambda a: a[first:], tree)
+
+    def mapped(xs, keys, keeping: bool):
         def one(a):
             out, kept = attend(*a, keys, None)
-            return (out, kept) if keep else out
+            return (out, kept) if keeping else out
 
-        return jax.lax.map(one, parts(q_nope, q_rope, weight))
+        return jax.lax.map(one, xs)
 
     @jax.custom_vjp
     def run(q_nope, q_rope, weight, keys):
-        return jax.tree.map(join, mapped(q_nope, q_rope, weight, keys, False))
+        return jax.tree.map(join, mapped(parts(q_nope, q_rope, weight), keys, False))
 
     def forward(q_nope, q_rope, weight, keys):
-        out, kept = mapped(q_nope, q_rope, weight, keys, True)
+        recomputed, saved = halves(parts(q_nope, q_rope, weight))
+        outs, kept = [], None
+        if first:
+            outs.append(mapped(recomputed, keys, False))
+        if keep:
+            out, kept = mapped(saved, keys, True)
+            outs.append(out)
+        out = outs[0] if len(outs) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
         return jax.tree.map(join, out), (q_nope, q_rope, weight, keys, kept)
 
     def backward(residuals, grads):
@@ -113,9 +141,17 @@ def in_head_groups(attend, groups: int, q_nope: Array, q_rope: Array, weight: Ar
             *d_args, d_group_keys = vjp(g)
             return d_keys + d_group_keys.astype(jnp.float32), tuple(d_args)
 
-        g = jax.tree.map(split, grads)
-        zero = jnp.zeros(keys.shape, jnp.float32)
-        d_keys, d = jax.lax.scan(group, zero, (*parts(q_nope, q_rope, weight), kept, g))
+        recomputed, saved = halves((*parts(q_nope, q_rope, weight), jax.tree.map(split, grads)))
+        d_keys, ds = jnp.zeros(keys.shape, jnp.float32), []
+        if first:
+            *xs, g = recomputed
+            d_keys, d = jax.lax.scan(group, d_keys, (*xs, None, g))
+            ds.append(d)
+        if keep:
+            *xs, g = saved
+            d_keys, d = jax.lax.scan(group, d_keys, (*xs, kept, g))
+            ds.append(d)
+        d = ds[0] if len(ds) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *ds)
         return join(d[0]), join(d[1]), d[2].reshape(weight.shape), d_keys.astype(keys.dtype)
 
     run.defvjp(forward, backward)
@@ -298,7 +334,9 @@ class V32Attention(AbstractIndexedAttention):
         if groups == 1:
             o, lse = attend(q_nope, q_rope, self.kv_b_proj, keys)
         else:
-            o, lse = in_head_groups(attend_group, groups, q_nope, q_rope, self.kv_b_proj, keys)
+            keep = 0 if replays is None else kept_groups(q_nope.shape, groups, c.kv_lora_rank)
+            args = (q_nope, q_rope, self.kv_b_proj, keys, keep)
+            o, lse = in_head_groups(attend_group, groups, *args)
         y = nx.linear(o.reshape(*o.shape[:2], -1), self.o_proj)
         target = None
         if want_loss:  # KL distillation against the absorbed MLA queries and keys attended
