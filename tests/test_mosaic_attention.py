@@ -302,7 +302,7 @@ def test_v32_head_groups_keep_the_kernel_outputs(monkeypatch):
     kept = kernel_calls(eqx.filter_make_jaxpr(grad)(layer)[0].jaxpr)
     got = eqx.filter_jit(grad)(layer)
     with monkeypatch.context() as m:
-        m.setattr(v32, "KEEP", 2 * (2 * 24 * 2 * 32) - 1)  # the last group's only
+        m.setattr(v32, "KEEP", 2 * (2 * 24 * 2 * 32) - 1)  # the first group's only
         one_kept = kernel_calls(eqx.filter_make_jaxpr(grad)(layer)[0].jaxpr)
         partly = eqx.filter_jit(grad)(layer)
     with monkeypatch.context() as m:
@@ -312,7 +312,7 @@ def test_v32_head_groups_keep_the_kernel_outputs(monkeypatch):
     fwd, bwd = "mosaic_sparse_attention", "mosaic_sparse_attention_bwd"
     assert recomputed[fwd] == 2 * recomputed[bwd] > 0, recomputed
     assert kept[fwd] == kept[bwd] == recomputed[bwd], kept
-    # two call sites of each (the recomputed groups' and the kept groups'), one recomputing
+    # two call sites of each (the kept groups' and the recomputed groups'), one recomputing
     assert one_kept[fwd] == 3 * one_kept[bwd] // 2 == 3 * recomputed[bwd], one_kept
     for run in (got, partly):
         for g, r in zip(jax.tree.leaves(run), jax.tree.leaves(before), strict=True):

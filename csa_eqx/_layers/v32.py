@@ -48,8 +48,8 @@ __all__ = ["V32Attention"]
 ONE_CALL = 1 << 31
 GROUP = 5 << 27
 # the latent outputs ``[B, S, heads, kv_lora]`` (elements) the head groups keep for their
-# backward (``kept_groups``), whole groups, the last ones; the others' forward is recomputed
-KEEP = 0
+# backward (``kept_groups``), whole groups, the first ones; the others' forward is recomputed
+KEEP = 1 << 29
 
 
 def kept_groups(shape: tuple[int, ...], groups: int, width: int) -> int:
@@ -90,12 +90,11 @@ def in_head_groups(
     kernel's effects rule out ``jax.checkpoint``): one group's absorbed queries and kernel
     buffers are live at a time. ``attend`` is called with ``saved=None`` in the forward;
     ``kept`` is what it keeps of a group for the backward (``V32Attention`` with a kernel that
-    can ``replay``: the kernel's latent output and ``lse``), or ``None``. The last ``keep``
+    can ``replay``: the kernel's latent output and ``lse``), or ``None``. The first ``keep``
     groups' ``kept`` is saved: the backward calls ``attend`` again with it as ``saved``
-    (differentiated: the backward kernel on the kept outputs, no forward kernel); the other
-    groups' forward is recomputed in the backward (``saved=None``). The keys' gradient is the
-    groups' summed in float32, in group order."""
-    first = groups - keep
+    (differentiated: the backward kernel on the kept outputs, no forward kernel), first, so
+    the kept outputs are gone before the other groups' forward is recomputed there
+    (``saved=None``). The keys' gradient is the groups' summed in float32, in group order."""
 
     def split(a):
         return jnp.moveaxis(a.reshape(*a.shape[:2], groups, -1, *a.shape[3:]), 2, 0)
@@ -107,8 +106,8 @@ def in_head_groups(
     def parts(q_nope, q_rope, weight):
         return split(q_nope), split(q_rope), weight.reshape(groups, -1, weight.shape[-1])
 
-    def halves(tree):  # the recomputed groups, the kept ones
-        return jax.tree.map(lambda a: a[:first], tree), jax.tree.map(lambda a: a[first:], tree)
+    def halves(tree):  # the kept groups, the recomputed ones
+        return jax.tree.map(lambda a: a[:keep], tree), jax.tree.map(lambda a: a[keep:], tree)
 
     def mapped(xs, keys, keeping: bool):
         def one(a):
@@ -122,13 +121,13 @@ def in_head_groups(
         return jax.tree.map(join, mapped(parts(q_nope, q_rope, weight), keys, False))
 
     def forward(q_nope, q_rope, weight, keys):
-        recomputed, saved = halves(parts(q_nope, q_rope, weight))
+        saved, recomputed = halves(parts(q_nope, q_rope, weight))
         outs, kept = [], None
-        if first:
-            outs.append(mapped(recomputed, keys, False))
         if keep:
             out, kept = mapped(saved, keys, True)
             outs.append(out)
+        if keep < groups:
+            outs.append(mapped(recomputed, keys, False))
         out = outs[0] if len(outs) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
         return jax.tree.map(join, out), (q_nope, q_rope, weight, keys, kept)
 
@@ -141,15 +140,15 @@ def in_head_groups(
             *d_args, d_group_keys = vjp(g)
             return d_keys + d_group_keys.astype(jnp.float32), tuple(d_args)
 
-        recomputed, saved = halves((*parts(q_nope, q_rope, weight), jax.tree.map(split, grads)))
+        saved, recomputed = halves((*parts(q_nope, q_rope, weight), jax.tree.map(split, grads)))
         d_keys, ds = jnp.zeros(keys.shape, jnp.float32), []
-        if first:
-            *xs, g = recomputed
-            d_keys, d = jax.lax.scan(group, d_keys, (*xs, None, g))
-            ds.append(d)
         if keep:
             *xs, g = saved
             d_keys, d = jax.lax.scan(group, d_keys, (*xs, kept, g))
+            ds.append(d)
+        if keep < groups:
+            *xs, g = recomputed
+            d_keys, d = jax.lax.scan(group, d_keys, (*xs, None, g))
             ds.append(d)
         d = ds[0] if len(ds) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *ds)
         return join(d[0]), join(d[1]), d[2].reshape(weight.shape), d_keys.astype(keys.dtype)
