@@ -242,6 +242,44 @@ def test_bf16_and_the_sink_alone():
     np.testing.assert_array_equal(np.asarray(lse)[0, 0], np.asarray(arrays["sinks"]))
 
 
+def test_replay_differentiates_as_the_kernel_without_its_forward():
+    """``MosaicAttention.replay`` on ``attend``'s own ``(out, lse)`` (the same inputs as
+    ``test_nonfinite_rows_reach_only_their_readers``: poisoned queries, whose ``lse`` is NaN,
+    and a non-finite query; sinks): the same outputs, every gradient (the ``lse``'s too)
+    bitwise ``attend``'s, and no forward kernel in its gradient's program."""
+    arrays, segment, picks = inputs(0, 2, 3, k=6)
+    arrays["kv"] = arrays["kv"].at[0, 6].set(jnp.nan)
+    arrays["entries"] = arrays["entries"].at[1, 40, 1].set(jnp.inf)
+    arrays["q"] = arrays["q"].at[1, 9, 0, 0].set(jnp.nan)
+    kind, kernel, _, _, _, _ = CASES["everything/automatic"]
+    reads_at = lambda a: reads_of(kind, a, segment, picks)  # noqa: E731
+    out, lse = kernel.attend(arrays["q"], reads_at(arrays), arrays["sinks"], 0.3, return_lse=True,
+                             query_block=16)  # fmt: skip
+    assert np.isnan(np.asarray(lse)).any()
+    cotangent = jax.random.normal(jax.random.key(1), out.shape)
+
+    def loss(arrays, replayed: bool):
+        reads, sinks = reads_at(arrays), arrays["sinks"]
+        if replayed:
+            o, ls = kernel.replay(arrays["q"], reads, sinks, 0.3, out, lse)
+        else:
+            o, ls = kernel.attend(arrays["q"], reads, sinks, 0.3, return_lse=True, query_block=16)
+        seen = jnp.isfinite(ls)
+        return jnp.sum(jnp.where(jnp.isnan(o), 0, o) * cotangent) + 0.1 * jnp.sum(
+            jnp.where(seen, ls, 0.0)
+        ), (o, ls)
+
+    grad = jax.grad(loss, has_aux=True)
+    got, (o, ls) = jax.jit(grad, static_argnums=1)(arrays, True)
+    want, _ = jax.jit(grad, static_argnums=1)(arrays, False)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(ls), np.asarray(lse))
+    for name in want:
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), name)
+    calls = kernel_calls(jax.make_jaxpr(grad, static_argnums=1)(arrays, True).jaxpr)
+    assert "mosaic_sparse_attention" not in calls and calls["mosaic_sparse_attention_bwd"] > 0
+
+
 def test_a_v32_layer_with_the_kernel():
     """A V3.2 layer (packed documents) with ``MosaicAttention``, its latent read once as keys
     and values (``value_width``, through ``latent``): outputs and every parameter's gradient
