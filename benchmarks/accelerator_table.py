@@ -266,6 +266,19 @@ def needed_bytes(mem: dict, resident: bool) -> int:
     return mem["temp"] + mem["output"] - mem["alias"] + (0 if resident else mem["argument"])
 
 
+def recomputed_groups(layer, choice, groups: int) -> int:
+    """The attention calls (V3.2's head groups) whose forward the backward runs again: those
+    that keep no output (``csa_eqx._layers.v32.kept_groups``; none with one call)."""
+    if groups == 1:
+        return 0
+    from csa_eqx._layers import v32
+
+    q = choice.inputs[0]
+    shape = (*q.shape[:2], q.shape[2] * groups, q.shape[3])
+    kept = v32.kept_groups(shape, groups, layer.config.kv_lora_rank)
+    return groups - (kept if hasattr(choice.attention, "replay") else 0)
+
+
 def mosaic_config(choice):
     """The forward kernel's configuration (``mosaic_kernels.Config``) of a ``resolve``d choice
     whose attention is ``MosaicAttention`` (one call: a V3.2 head group's), else ``None``."""
@@ -847,12 +860,14 @@ class Bench:
         try:  # the kernels' dense work, from the Mosaic attention's configuration
             kernel_config = mosaic_config(choice)
             if kernel_config is not None:
-                recompute = groups > 1 and not hasattr(choice.attention, "replay")
+                recomputed = recomputed_groups(layer, choice, groups)
                 rec["hardware"] = dict(
-                    calls=groups, recompute=recompute, config=repr(kernel_config)
+                    calls=groups, recomputed=recomputed, config=repr(kernel_config)
                 )
                 rec["costs"].update(
-                    flops.hardware_costs(layer, seq, rec["costs"], kernel_config, groups, recompute)
+                    flops.hardware_costs(
+                        layer, seq, rec["costs"], kernel_config, groups, recomputed
+                    )
                 )
         except Exception as err:  # noqa: BLE001 - a figure fewer, recorded
             rec["hardware"] = dict(error=describe_error(err))

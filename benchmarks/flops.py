@@ -43,8 +43,8 @@ tile up to the query block's causal frontier (``ceil(visible / tile) * tile`` ro
 the block: an upper bound, which picks spread over the whole prefix, as random weights' are,
 reach; the kernel skips tiles no query of the block picks), a band's slab (``window - 1`` rows
 before the block's ``Qb``, rounded to the block). Recomputation: V4's queries (``q_b_proj``
-again in the backward) and, where the V3.2 head groups recompute their forward in the
-backward (a kernel that cannot ``replay``), the attention's forward once more.
+again in the backward) and the forward of the V3.2 head groups that keep no output
+(``v32.kept_groups``; all of them with a kernel that cannot ``replay``) once more.
 
 The attention's bytes (``attention_bytes``): each query's read rows (its picks and window, one
 row of keys, which are the values or hold them), its queries read and its output written,
@@ -176,19 +176,21 @@ def kernel_pairs(config: K.Config, visible: np.ndarray) -> float:
     return pairs
 
 
-def hardware_costs(layer, seq: int, costs: dict, config: K.Config, calls: int, recompute: bool):
+def hardware_costs(layer, seq: int, costs: dict, config: K.Config, calls: int, recomputed: int):
     """**Arguments:** the layer, ``seq``, its ``layer_costs``, its Mosaic attention's
     ``config`` (``kernel_pairs``), the attention ``calls`` per forward (V3.2's head groups) and
-    whether the backward runs the attention's forward again (``recompute``).
+    how many of them the backward runs again (``recomputed``: V3.2's head groups that keep no
+    output, ``csa_eqx._layers.v32.kept_groups``).
 
     **Returns:** ``hardware_fwd`` and ``hardware_fwd_bwd`` FLOPs, the kernels' own
     (``hardware_attention_fwd``, ``hardware_attention_bwd``) and the recomputed
     (``hardware_recompute``) (module docstring, "Hardware FLOPs")."""
     c = layer.config
     kp, vp = config.key_blocks * K.LANES, config.value_blocks * K.LANES
-    pairs = calls * kernel_pairs(config, reads_per_query(c, seq)[0])
+    pairs = kernel_pairs(config, reads_per_query(c, seq)[0])
     fwd, bwd = 2 * pairs * (kp + vp), 2 * pairs * (3 * kp + 2 * vp)
-    again = fwd if recompute else 0.0
+    again = recomputed * fwd
+    fwd, bwd = calls * fwd, calls * bwd
     if isinstance(c, V4AttentionConfig):  # the queries recomputed: q_b_proj once more
         again += 2.0 * seq * int(np.prod(layer.block.q_b_proj.shape))
     rest = costs["projections"] + costs["indexer_projections"] + costs["scoring"]

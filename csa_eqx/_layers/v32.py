@@ -49,6 +49,10 @@ ONE_CALL = 1 << 31
 GROUP = 5 << 27
 # the latent outputs ``[B, S, heads, kv_lora]`` (elements) the head groups keep for their
 # backward (``kept_groups``), whole groups, the first ones; the others' forward is recomputed
+# (compiled for a v5e, V3.2 at released sizes, bf16 fwd+bwd at 32k in 4 groups: temporaries
+# 11.45 GiB keeping none, 12.29 keeping the first group (this budget), 14.03 the first two
+# (needs 15.65 GiB with arguments and outputs: at the chip's edge), 18.76 all four;
+# docs/memory.md)
 KEEP = 1 << 29
 
 
