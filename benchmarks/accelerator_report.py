@@ -1,18 +1,21 @@
 """The accelerator table's report (``benchmarks/accelerator_table.py``): its records as
 figures (the JSON page) and as the markdown page.
 
-The JSON page is ``{"device", "jax", "date", "command", "figures", "skipped"}``: one figure per
-measurement, ``{"name", "path", "dtype", "seq", "ms", ...}`` with ``name`` in ``FIGURE_NAMES``
-and ``path`` in ``PATHS`` (``"kernel"``: a Pallas / Mosaic kernel class ran, ``"xla"``: XLA's
-strategies, ``"naive"``: the dense-mask layer); ``ms`` is the median (``None`` where the run was
-skipped or failed, with ``"skipped"`` or ``"error"`` saying why), beside it ``ms_min``,
-``rounds``, ``temp_bytes`` (XLA's compiled temporaries), ``kernel_calls`` (Pallas kernel calls
-in the program), ``strategies``, ``automatic`` (the run is the automatic choice's), and per
-name: ``vs_naive`` (layer), ``tflops`` and ``gemm_fraction`` (selection stage, anchor:
+The JSON page is ``{"device", "jax", "date", "command", "figures", "skipped", "longest"}``: one
+figure per measurement, ``{"name", "path", "dtype", "seq", "ms", ...}`` with ``name`` in
+``FIGURE_NAMES`` and ``path`` in ``PATHS`` (``"kernel"``: a Pallas / Mosaic kernel class ran,
+``"xla"``: XLA's strategies, ``"naive"``: the dense-mask layer); ``ms`` is the median (``None``
+where the run was skipped or failed, with ``"skipped"`` or ``"error"`` saying why), beside it
+``ms_min``, ``rounds``, ``temp_bytes`` (XLA's compiled temporaries), ``kernel_calls`` (Pallas
+kernel calls in the program), ``strategies``, ``automatic`` (the run is the automatic choice's),
+and per name: ``vs_naive`` (layer), ``tflops`` and ``gemm_fraction`` (selection stage, anchor:
 visible-pair scoring in the minimum time), ``check`` (anchor: its picks against the blocked
 ``lax.top_k`` reference), ``model_tflop``, ``tflops``, ``mfu``, ``peak_tflops``,
-``attention_ms`` and ``bytes_per_s`` (released sizes), ``bytes`` (attention alone). For
-``gemm``, ``seq`` is the matrix side and ``precision`` says which float32.
+``attention_ms`` and ``bytes_per_s``, ``flop_convention`` and, where the attention is the Mosaic
+kernel, ``hardware_tflop``, ``hardware_tflops`` and ``hfu`` (released sizes;
+``benchmarks/flops.py``), ``bytes`` (attention alone). ``longest``: the longest S each
+released-size layer ran at, fwd and fwd+bwd. For ``gemm``, ``seq`` is the matrix side and
+``precision`` says which float32.
 """
 
 from __future__ import annotations
@@ -141,6 +144,12 @@ def released_figures(res: dict, r: dict) -> list[dict]:
         model = tflops(costs[suffix], run)
         extra = dict(strategies=r["strategies"], model_tflop=costs[suffix] / 1e12, tflops=model)
         extra.update(mfu=fraction(model, peak), peak_tflops=peak)
+        extra["flop_convention"] = costs.get("convention")
+        hardware = costs.get(f"hardware_{suffix}")
+        if hardware is not None:  # the kernels' dense work and recomputation (flops.py)
+            rate_ = tflops(hardware, run)
+            extra.update(hardware_tflop=hardware / 1e12, hardware_tflops=rate_)
+            extra["hfu"] = fraction(rate_, peak)
         extra.update(attention_ms=median_ms(attention), bytes_per_s=rate(moved, attention))
         out.append(figure(f"{r['kind']}_{suffix}", *at, run, **extra))
         flop = costs["attention_fwd_bwd" if p == "fwd+bwd" else "attention"]
@@ -167,6 +176,18 @@ def figures(res: dict) -> list[dict]:
     return out
 
 
+def longest(res: dict) -> dict[str, dict[str, int | None]]:
+    """The longest S each released-size layer ran at (timed), fwd and fwd+bwd: ``{kind:
+    {"fwd": S or None, "fwd+bwd": S or None}}``."""
+    out: dict = {}
+    for r in res.get("released", []):
+        seen = out.setdefault(r["kind"], {"fwd": None, "fwd+bwd": None})
+        for p in seen:
+            if "median" in r["runs"].get(p, {}):
+                seen[p] = max(seen[p] or 0, r["seq"])
+    return out
+
+
 def figure_text(res: dict) -> str:
     return json.dumps(figure_file(res), indent=1)
 
@@ -182,6 +203,7 @@ def figure_file(res: dict) -> dict:
         command=" ; ".join(r["command"] for r in res["runs"]),
         figures=figures(res),
         skipped=res["skipped"],
+        longest=longest(res),
     )
 
 
@@ -465,6 +487,8 @@ def released_lines(res: dict) -> list[str]:
     for kind, recs in by_kind.items():
         r0 = recs[0]
         lines += [f"### {kind}: `{r0['config']}`", ""]
+        if r0["costs"].get("convention"):
+            lines += [f"FLOP convention (model FLOPs): {r0['costs']['convention']}.", ""]
         rows = []
         for r in sorted(recs, key=lambda r: r["seq"]):
             figs = {f["name"]: f for f in released_figures(res, r)}
@@ -477,10 +501,12 @@ def released_lines(res: dict) -> list[str]:
                 f = figs[f"{kind}_{suffix}"]
                 att = figs[f"{kind}_attention_{suffix}"]
                 bps = att.get("bytes_per_s")
+                hw = f.get("hardware_tflop")
                 row += [
                     cell(r["runs"].get(p)),
                     pct(f.get("mfu")),
                     f"{f['model_tflop']:.3g}",
+                    "-" if hw is None else f"{hw:.3g} ({pct(f.get('hfu'))})",
                     gib(r["runs"].get(p)),
                     cell(r["runs"].get(f"attention {p}")),
                     "-" if bps is None else f"{bps / 1e9:.3g}",
@@ -489,10 +515,22 @@ def released_lines(res: dict) -> list[str]:
         header = ["S", "path", "strategies"]
         for p in ("fwd", "fwd+bwd"):
             header += [
-                f"{p} ms", f"{p} MFU", f"{p} model TFLOP", f"{p} temp GiB",
+                f"{p} ms", f"{p} MFU", f"{p} model TFLOP", f"{p} hardware TFLOP (of peak)",
+                f"{p} temp GiB",
                 f"attention {p} ms", f"attention {p} GB/s",
             ]  # fmt: skip
         lines += [harness.table(header, rows), ""]
+    ran = longest(res)
+    if ran:
+        lines += [
+            "Longest S run (the compiled memory decides; `-`: none): "
+            + "; ".join(
+                f"{kind} fwd {v['fwd'] or '-'}, fwd+bwd {v['fwd+bwd'] or '-'}"
+                for kind, v in ran.items()
+            )
+            + ".",
+            "",
+        ]
     doc = (flops.__doc__ or "").split("\n\n", 1)[1]
     return lines + ["### What is counted (`benchmarks/flops.py`)", "", doc.strip(), ""]
 

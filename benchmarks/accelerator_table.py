@@ -43,10 +43,12 @@ Part 1:
 Part 2: one DeepSeek-V4-Flash CSA layer (``presets.v4_flash("csa")``) and one V3.2 DSA layer
 (``presets.v32()``) at their released sizes, random bf16 weights, fwd and fwd+bwd at 16k, 32k,
 8k, 64k (in that order) as the automatic choice runs them, each compiled first (shapes only;
-not at all where the last S's compiled memory, scaled linearly, does not fit) and run only
-where its compiled memory fits the device; the model-FLOP utilisation beside each
-time (``benchmarks/flops.py`` says what is counted) and the attention kernel alone (the
-layer's own call, inputs captured from its forward), fwd and fwd+bwd, with its bytes per
+every program compiled, time permitting: no memory prediction) and run only where its compiled
+memory (temporaries, outputs and, given as shapes, arguments) fits the device's free memory, a
+compile the compiler refuses for memory recorded as skipped; the longest S each layer ran at
+(fwd, fwd+bwd) is in the page and the figures file (``longest``); the model-FLOP utilisation
+beside each time (``benchmarks/flops.py`` says what is counted) and the attention kernel alone
+(the layer's own call, inputs captured from its forward), fwd and fwd+bwd, with its bytes per
 second. ``--tiles`` (last): the selection stage at several streaming key tiles.
 
     python -m benchmarks.accelerator_table --out DIR [--part {1,2,all}] [--resume RAW]
@@ -136,7 +138,7 @@ RELEASED_RUNS = ("fwd", "fwd+bwd", "attention fwd", "attention fwd+bwd")
 MODES = {
     "full": dict(
         seqs=(4096, 16384, 32768, 65536),
-        # 16k first: its compiled memory, scaled, says whether 32k can fit before compiling it
+        # the goals' S first; every S compiled, its compiled memory deciding whether it runs
         released_seqs=(16384, 32768, 8192, 65536),
         profile=(4096, 32768),
         gemm_n=8192,
@@ -264,6 +266,38 @@ def needed_bytes(mem: dict, resident: bool) -> int:
     """Device bytes a compiled program still needs to run: its temporaries and outputs, and its
     arguments unless they are ``resident`` already."""
     return mem["temp"] + mem["output"] - mem["alias"] + (0 if resident else mem["argument"])
+
+
+def recomputed_groups(layer, choice, groups: int) -> int:
+    """The attention calls (V3.2's head groups) whose forward the backward runs again: those
+    that keep no output (``csa_eqx._layers.v32.kept_groups``; none with one call)."""
+    if groups == 1:
+        return 0
+    from csa_eqx._layers import v32
+
+    q = choice.inputs[0]
+    shape = (*q.shape[:2], q.shape[2] * groups, q.shape[3])
+    kept = v32.kept_groups(shape, groups, layer.config.kv_lora_rank)
+    return groups - (kept if hasattr(choice.attention, "replay") else 0)
+
+
+def mosaic_config(choice):
+    """The forward kernel's configuration (``mosaic_kernels.Config``) of a ``resolve``d choice
+    whose attention is ``MosaicAttention`` (one call: a V3.2 head group's), else ``None``."""
+    kernel = choice.attention
+    if not isinstance(kernel, ce.MosaicAttention):
+        return None
+    from csa_eqx._attention import mosaic
+
+    q, reads, sinks = choice.inputs
+    scale, seen = choice.call[0], []
+
+    def plan(q, reads):
+        seen.append(mosaic._plan(kernel, q, reads, sinks is not None, float(scale)).static.config)
+        return 0
+
+    jax.eval_shape(plan, q, reads)
+    return seen[0]
 
 
 # --- programs: compiled for shapes or arrays, called with arrays ----------------------------
@@ -520,18 +554,23 @@ class Bench:
         rec: dict,
         family: str = "",
         first_compile_s: float | None = None,
-        memory_power: int = 2,
+        memory_power: int | None = 2,
     ) -> dict[str, Program]:
         """Lower and compile the programs ``{name: (function, arguments)}`` predicted to fit the
         time and memory left (the compiles in parallel threads: XLA's release the GIL) and
         record their compiled memory; arguments given as shapes must fit with their
         arguments. Returns the compiled ``Program``s that fit; why the others did not is in
-        ``rec[name]``. ``family`` prefixes the names the predictions are kept under."""
+        ``rec[name]``. ``family`` prefixes the names the predictions are kept under.
+        ``memory_power`` ``None``: no memory prediction, every program is compiled (time
+        permitting) and the compiled memory alone decides (part 2: a layer's memory does not
+        scale by a power of S, V3.2's head groups past 16k); a compile the compiler refuses
+        for the device's memory (``RESOURCE_EXHAUSTED``) is recorded as skipped for memory."""
         first = self.mode["first_compile_s"] if first_compile_s is None else first_compile_s
         t0, lowered = time.perf_counter(), {}
         compile_s, calls_s = 0.0, 0.0  # planned: the compiles run in parallel, calls in turn
         for name, (fn, args) in programs.items():
-            c, secs, temp = self.predict(family + name, dtype, seq, memory_power)
+            c, secs, temp = self.predict(family + name, dtype, seq, memory_power or 0)
+            temp = temp if memory_power else 0.0
             c = first if c is None else c
             if max(compile_s, c) + calls_s + secs > self.left():
                 why = f"time budget (~{c + secs:.0f} s, {self.left():.0f} s left)"
@@ -555,7 +594,10 @@ class Bench:
                 program = future.result()
             except Exception as err:  # noqa: BLE001
                 rec[name] = {"error": describe_error(err)}
-                log(f"  {name}: {rec[name]['error']}")
+                if "RESOURCE_EXHAUSTED" in str(err):  # the compiler: past the device's memory
+                    first = str(err).strip().splitlines()[0][:200]
+                    rec[name] = {"skipped": f"memory (the compiler refused it: {first})"}
+                log(f"  {name}: {rec[name]}")
                 continue
             rec[name] = dict(
                 memory=program.memory, compile_s=batch, kernel_calls=program.kernel_calls
@@ -819,6 +861,20 @@ class Bench:
         programs = {"fwd": (forward, (layer, x)), "fwd+bwd": (harness.fwd_bwd(forward), (layer, x))}
         runs = rec["runs"]
         groups = config.num_heads // choice.inputs[0].shape[2]
+        try:  # the kernels' dense work, from the Mosaic attention's configuration
+            kernel_config = mosaic_config(choice)
+            if kernel_config is not None:
+                recomputed = recomputed_groups(layer, choice, groups)
+                rec["hardware"] = dict(
+                    calls=groups, recomputed=recomputed, config=repr(kernel_config)
+                )
+                rec["costs"].update(
+                    flops.hardware_costs(
+                        layer, seq, rec["costs"], kernel_config, groups, recomputed
+                    )
+                )
+        except Exception as err:  # noqa: BLE001 - a figure fewer, recorded
+            rec["hardware"] = dict(error=describe_error(err))
         if groups > 1:  # V3.2's heads in groups: the attention call runs inside a lax.map
             why = f"its heads run in {groups} groups (a lax.map): the call alone is not captured"
             runs.update({name: dict(skipped=why) for name in attention_programs(layer, choice)})
@@ -828,8 +884,10 @@ class Bench:
                 programs[name] = (fn, choice.inputs)
         family = kind + " "  # the predictions of later steps are kept per layer
         first_compile = self.mode["released_first_compile_s"]
+        # no prediction: the compiled memory decides (V3.2's head groups past 16k need less
+        # than 16k's temporaries scaled; tools/tpu_compile.py gives the same figures)
         compiled = self.compile_programs(
-            programs, "bfloat16", seq, runs, family, first_compile, memory_power=1
+            programs, "bfloat16", seq, runs, family, first_compile, memory_power=None
         )
         self.save()
         if not set(compiled) & set(RELEASED_RUNS):

@@ -21,6 +21,31 @@ and the attention; the backward's two matmuls per forward matmul) and 1x the ind
 projections and scoring (the selection gets no gradient: they run once). Recomputation is not
 counted (model FLOPs, not hardware FLOPs).
 
+**The convention** (``convention``, stated beside every MFU figure): model FLOPs of the form
+the layer executes. V3.2 DSA counts MLA **absorbed**: every head's query mapped into the
+``kv_lora_rank + qk_rope_head_dim`` (512 + 64) latent, one latent key row and one 512-wide
+latent value row shared by all heads (MQA-style), over each query's ``min(k, i + 1)`` picked
+rows; ``kv_b_proj`` counted once per token as the absorption's and the values' projections.
+Not plain MLA's per-head ``qk_nope + qk_rope`` keys over every causal pair (Megatron-LM #6753:
+such a count overstates DSA by 1.74x at 32k). V4 counts its ``head_dim`` keys / values (shared
+by the heads) over the picks and the window.
+
+**Hardware FLOPs** (``hardware_costs``, beside the model FLOPs where the attention is the Mosaic
+kernel): what the chip's matmul units are given. The projections and the scoring as counted
+above (their backward's two matmuls per matmul that gets gradients), and the attention
+kernels' dense work from their configuration (``mosaic_kernels.Config``): heads padded to the
+kernel's (16 for bfloat16), key and value widths padded to 128 lanes (``key_blocks``,
+``value_blocks``: V3.2's 576-wide keys as 640); per read set, forward
+``2 R (K + V)`` and backward ``2 R (3 K + 2 V)`` (logits again, ``dO V``, ``dq``, ``dk``,
+``dv``) over its softmax-row x key-row pairs ``R``: a rows source's picks in chunks
+(``ceil(min(k, visible) / chunk) * chunk`` per query and head), a tiles / dense source's every
+tile up to the query block's causal frontier (``ceil(visible / tile) * tile`` rows per query of
+the block: an upper bound, which picks spread over the whole prefix, as random weights' are,
+reach; the kernel skips tiles no query of the block picks), a band's slab (``window - 1`` rows
+before the block's ``Qb``, rounded to the block). Recomputation: V4's queries (``q_b_proj``
+again in the backward) and the forward of the V3.2 head groups that keep no output
+(``v32.kept_groups``; all of them with a kernel that cannot ``replay``) once more.
+
 The attention's bytes (``attention_bytes``): each query's read rows (its picks and window, one
 row of keys, which are the values or hold them), its queries read and its output written,
 in the activations' dtype, once per query: what a kernel that fetches every query's rows
@@ -34,6 +59,7 @@ import jax
 import numpy as np
 
 from csa_eqx import V4AttentionConfig
+from csa_eqx._attention import mosaic_kernels as K
 
 # parameter-path fragments: the indexer's weights (no gradient through the selection), and
 # 2-D parameters that are added, not multiplied (the compressors' position biases)
@@ -96,6 +122,7 @@ def layer_costs(layer, seq: int, itemsize: int) -> dict[str, float]:
     indexer_projections = 2.0 * seq * indexer_weights
     moved = itemsize * (rows * row + seq * c.num_heads * (d_qk + d_v))
     return dict(
+        convention=convention(c),
         fwd=projections + indexer_projections + scoring + attention,
         fwd_bwd=3 * (projections + attention) + indexer_projections + scoring,
         projections=projections,
@@ -105,4 +132,73 @@ def layer_costs(layer, seq: int, itemsize: int) -> dict[str, float]:
         attention_fwd_bwd=3 * attention,
         attention_bytes_fwd=moved,
         attention_bytes_fwd_bwd=3 * moved,
+    )
+
+
+def convention(config) -> str:
+    """**Returns:** the FLOP convention of ``config``'s layer in words (module docstring)."""
+    if isinstance(config, V4AttentionConfig):
+        return (
+            f"V4 CSA: {config.num_heads} heads x {config.head_dim} keys and values shared by "
+            f"the heads, over min(k = {config.index_topk}, visible) picked entries and "
+            f"min({config.sliding_window}, i + 1) window rows; 2 FLOP per multiply-add; "
+            "fwd+bwd = 3 x (projections + attention) + indexer once"
+        )
+    return (
+        f"V3.2 DSA, MLA absorbed: {config.num_heads} heads' queries in the "
+        f"{config.kv_lora_rank} + {config.qk_rope_head_dim} latent, MQA-style over "
+        f"min(k = {config.index_topk}, i + 1) picked latent rows ({config.kv_lora_rank}-wide "
+        "values); kv_b_proj once per token; 2 FLOP per multiply-add; fwd+bwd = 3 x "
+        "(projections + attention) + indexer once (not plain MLA's count: Megatron-LM #6753)"
+    )
+
+
+def kernel_pairs(config: K.Config, visible: np.ndarray) -> float:
+    """**Arguments:** a Mosaic attention call's ``config`` (one call: a V3.2 head group's) and
+    each query's visible entries ``visible [S]`` (``reads_per_query``).
+
+    **Returns:** the softmax-row x key-row pairs its kernels compute (module docstring,
+    "Hardware FLOPs"): summed over its read sets, heads padded."""
+    s, qb = len(visible), config.query_block
+    ends = visible[np.minimum(np.arange(qb - 1, config.seq, qb), s - 1)]  # per query block
+    pairs = 0.0
+    for src in config.sources:
+        rows = config.tables[src.table].rows
+        if src.kind == "rows":
+            read = np.minimum(src.width, visible)
+            per_query = float((-(-read // config.chunk) * config.chunk).sum())
+        elif src.kind in ("tiles", "dense"):
+            tiles = -(-np.minimum(ends, rows) // config.tile)
+            per_query = float(tiles.sum()) * config.tile * qb
+        else:  # band: one slab per query block
+            per_query = float(config.n_q * qb * config.slab(src))
+        pairs += per_query * config.heads * config.batch
+    return pairs
+
+
+def hardware_costs(layer, seq: int, costs: dict, config: K.Config, calls: int, recomputed: int):
+    """**Arguments:** the layer, ``seq``, its ``layer_costs``, its Mosaic attention's
+    ``config`` (``kernel_pairs``), the attention ``calls`` per forward (V3.2's head groups) and
+    how many of them the backward runs again (``recomputed``: V3.2's head groups that keep no
+    output, ``csa_eqx._layers.v32.kept_groups``).
+
+    **Returns:** ``hardware_fwd`` and ``hardware_fwd_bwd`` FLOPs, the kernels' own
+    (``hardware_attention_fwd``, ``hardware_attention_bwd``) and the recomputed
+    (``hardware_recompute``) (module docstring, "Hardware FLOPs")."""
+    c = layer.config
+    kp, vp = config.key_blocks * K.LANES, config.value_blocks * K.LANES
+    pairs = kernel_pairs(config, reads_per_query(c, seq)[0])
+    fwd, bwd = 2 * pairs * (kp + vp), 2 * pairs * (3 * kp + 2 * vp)
+    again = recomputed * fwd
+    fwd, bwd = calls * fwd, calls * bwd
+    if isinstance(c, V4AttentionConfig):  # the queries recomputed: q_b_proj once more
+        again += 2.0 * seq * int(np.prod(layer.block.q_b_proj.shape))
+    rest = costs["projections"] + costs["indexer_projections"] + costs["scoring"]
+    rest_bwd = 2 * costs["projections"]
+    return dict(
+        hardware_fwd=rest + fwd,
+        hardware_fwd_bwd=rest + rest_bwd + fwd + bwd + again,
+        hardware_attention_fwd=fwd,
+        hardware_attention_bwd=bwd,
+        hardware_recompute=again,
     )

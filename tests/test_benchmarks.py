@@ -87,7 +87,7 @@ def check_figures(page: dict) -> list[dict]:
     figure's required keys, name and path."""
     from benchmarks.accelerator_report import FIGURE_KEYS, FIGURE_NAMES, PATHS
 
-    assert set(page) == {"device", "jax", "date", "command", "figures", "skipped"}
+    assert set(page) == {"device", "jax", "date", "command", "figures", "skipped", "longest"}
     for fig in page["figures"]:
         assert set(FIGURE_KEYS) <= set(fig), fig
         assert fig["name"] in FIGURE_NAMES and fig["path"] in PATHS, fig
@@ -278,6 +278,114 @@ def test_accelerator_table_skips_what_will_not_fit(tmp_path, monkeypatch):
     compiled = bench.compile_programs({"shapes": shapes, "arrays": program}, "float32", 64, rec)
     assert set(compiled) == {"arrays"} and rec["shapes"]["memory"] == mem == rec["arrays"]["memory"]
     assert rec["shapes"]["skipped"].startswith("memory (")
+
+
+def test_accelerator_table_released_sizes_decide_by_compiled_memory(tmp_path, monkeypatch):
+    """Part 2 (``memory_power=None``) predicts no memory: a program whose last S's temporaries,
+    scaled, would not fit is compiled all the same and its compiled memory decides; one the
+    compiler refuses for memory (``RESOURCE_EXHAUSTED``) is recorded as skipped for memory;
+    the longest S each layer ran at is reported (``longest``)."""
+    import argparse
+
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import accelerator_report as report
+    from benchmarks import accelerator_table as at
+
+    args = argparse.Namespace(
+        out=tmp_path, budget=50.0, reps=1, settle=0, slow=1.0, quick=True, part="2"
+    )
+    bench = at.Bench(args, at.MODES["quick"], at.new_result(args, {}), "x")
+    program = (lambda x: (x @ x).sum(), (jnp.ones((64, 64)),))
+    bench.seen[("v32 fwd+bwd", "bfloat16")] = dict(seq=64, compile_s=0.0, call_s=0.0, temp=1 << 30)
+    monkeypatch.setattr(at, "jax_free_bytes", lambda: 3 << 20)
+    rec: dict = {}
+    compiled = bench.compile_programs(
+        {"fwd+bwd": program}, "bfloat16", 128, rec, "v32 ", memory_power=None
+    )
+    assert set(compiled) == {"fwd+bwd"} and "skipped" not in rec["fwd+bwd"], rec  # 2 GiB scaled
+    monkeypatch.setattr(at, "jax_free_bytes", lambda: 1)
+    rec = {}
+    assert bench.compile_programs({"fwd": program}, "bfloat16", 128, rec, memory_power=None) == {}
+    assert rec["fwd"]["skipped"].startswith("memory (") and "memory" in rec["fwd"], rec
+
+    def refused(self):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in hbm: 17.6G")
+
+    monkeypatch.setattr(at.Program, "compile", refused)
+    rec = {}
+    assert bench.compile_programs({"fwd": program}, "bfloat16", 128, rec, memory_power=None) == {}
+    assert rec["fwd"] == {
+        "skipped": "memory (the compiler refused it: RESOURCE_EXHAUSTED: Ran out of memory in "
+        "hbm: 17.6G)"
+    }
+    timed, skipped = {"median": 1.0}, {"skipped": "memory"}
+    res = dict(
+        released=[
+            dict(kind="v32_dsa", seq=16384, runs={"fwd": timed, "fwd+bwd": timed}),
+            dict(kind="v32_dsa", seq=65536, runs={"fwd": timed, "fwd+bwd": skipped}),
+            dict(kind="v32_dsa", seq=32768, runs={"fwd": timed, "fwd+bwd": timed}),
+            dict(kind="v4_flash_csa", seq=16384, runs={"fwd": skipped}),
+        ]
+    )
+    assert report.longest(res) == {
+        "v32_dsa": {"fwd": 65536, "fwd+bwd": 32768},
+        "v4_flash_csa": {"fwd": None, "fwd+bwd": None},
+    }
+
+
+def test_hardware_flops_are_the_kernels_dense_work():
+    """``benchmarks.flops.hardware_costs`` against a hand count at a tiny shape, on the
+    configurations ``MosaicAttention``'s plan gives (``mosaic_config`` of a resolved layer,
+    float32: heads padded to 8, 128-lane key and value blocks, query blocks of 8, S = 40):
+    V3.2 reading its 5 picks by rows (one chunk of 8 rows per query), V4 CSA its picks as
+    tiles (one 128-row tile per query block: the causal frontier's 2..10 entries) and its
+    window as a band (a 16 + 8 row slab per block); forward ``2 R (K + V)``, backward
+    ``2 R (3 K + 2 V)`` over the pairs ``R``; V4's ``q_b_proj`` recomputed; V3.2's head groups
+    that recompute (one of two here) add their forward once more. And the FLOP convention is
+    stated."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import csa_eqx as ce
+    from benchmarks import flops
+    from benchmarks.accelerator_table import mosaic_config
+    from benchmarks.chosen import resolve
+    from csa_eqx import presets
+
+    seq, heads, lanes = 40, 8, 128
+    blocks = seq // 8
+    cases = (
+        (ce.V32Attention, presets.tiny_v32(index_topk=5), "rows", seq * 8),
+        (ce.V4Attention, presets.tiny_v4("csa", index_topk=3), "tiles", blocks * 8 * (128 + 24)),
+    )
+    for cls, c, gather, per_head in cases:
+        layer = eqx.filter_eval_shape(cls, c, key=jax.random.key(0))
+        kernel = ce.MosaicAttention(8, 0, 8, 128, gather)
+        layer = layer.with_execution(ce.Execution(attention=kernel))
+        config = mosaic_config(
+            resolve(layer, jax.ShapeDtypeStruct((1, seq, c.hidden_size), jnp.float32))
+        )
+        assert (config.heads, config.key_blocks, config.value_blocks) == (heads, 1, 1)
+        pairs = heads * per_head
+        fwd, bwd = 2 * pairs * 2 * lanes, 2 * pairs * 5 * lanes
+        costs = flops.layer_costs(layer, seq, 4)
+        again = 2 * seq * np.prod(layer.block.q_b_proj.shape) if cls is ce.V4Attention else 0
+        for calls, recompute in ((1, 0), (2, 1)):
+            hw = flops.hardware_costs(layer, seq, costs, config, calls, recompute)
+            rest = costs["projections"] + costs["indexer_projections"] + costs["scoring"]
+            assert hw["hardware_attention_fwd"] == calls * fwd
+            assert hw["hardware_attention_bwd"] == calls * bwd
+            assert hw["hardware_recompute"] == again + recompute * fwd
+            assert hw["hardware_fwd"] == rest + calls * fwd
+            want = rest + 2 * costs["projections"] + calls * (fwd + bwd) + hw["hardware_recompute"]
+            assert hw["hardware_fwd_bwd"] == want
+    assert "MLA absorbed" in flops.convention(presets.v32()) and "512 + 64" in flops.convention(
+        presets.v32()
+    )
 
 
 def test_accelerator_table_plan_puts_the_key_rows_first():

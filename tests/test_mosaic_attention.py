@@ -242,6 +242,44 @@ def test_bf16_and_the_sink_alone():
     np.testing.assert_array_equal(np.asarray(lse)[0, 0], np.asarray(arrays["sinks"]))
 
 
+def test_replay_differentiates_as_the_kernel_without_its_forward():
+    """``MosaicAttention.replay`` on ``attend``'s own ``(out, lse)`` (the same inputs as
+    ``test_nonfinite_rows_reach_only_their_readers``: poisoned queries, whose ``lse`` is NaN,
+    and a non-finite query; sinks): the same outputs, every gradient (the ``lse``'s too)
+    bitwise ``attend``'s, and no forward kernel in its gradient's program."""
+    arrays, segment, picks = inputs(0, 2, 3, k=6)
+    arrays["kv"] = arrays["kv"].at[0, 6].set(jnp.nan)
+    arrays["entries"] = arrays["entries"].at[1, 40, 1].set(jnp.inf)
+    arrays["q"] = arrays["q"].at[1, 9, 0, 0].set(jnp.nan)
+    kind, kernel, _, _, _, _ = CASES["everything/automatic"]
+    reads_at = lambda a: reads_of(kind, a, segment, picks)  # noqa: E731
+    out, lse = kernel.attend(arrays["q"], reads_at(arrays), arrays["sinks"], 0.3, return_lse=True,
+                             query_block=16)  # fmt: skip
+    assert np.isnan(np.asarray(lse)).any()
+    cotangent = jax.random.normal(jax.random.key(1), out.shape)
+
+    def loss(arrays, replayed: bool):
+        reads, sinks = reads_at(arrays), arrays["sinks"]
+        if replayed:
+            o, ls = kernel.replay(arrays["q"], reads, sinks, 0.3, out, lse)
+        else:
+            o, ls = kernel.attend(arrays["q"], reads, sinks, 0.3, return_lse=True, query_block=16)
+        seen = jnp.isfinite(ls)
+        return jnp.sum(jnp.where(jnp.isnan(o), 0, o) * cotangent) + 0.1 * jnp.sum(
+            jnp.where(seen, ls, 0.0)
+        ), (o, ls)
+
+    grad = jax.grad(loss, has_aux=True)
+    got, (o, ls) = jax.jit(grad, static_argnums=1)(arrays, True)
+    want, _ = jax.jit(grad, static_argnums=1)(arrays, False)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(ls), np.asarray(lse))
+    for name in want:
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), name)
+    calls = kernel_calls(jax.make_jaxpr(grad, static_argnums=1)(arrays, True).jaxpr)
+    assert "mosaic_sparse_attention" not in calls and calls["mosaic_sparse_attention_bwd"] > 0
+
+
 def test_a_v32_layer_with_the_kernel():
     """A V3.2 layer (packed documents) with ``MosaicAttention``, its latent read once as keys
     and values (``value_width``, through ``latent``): outputs and every parameter's gradient
@@ -258,6 +296,65 @@ def test_a_v32_layer_with_the_kernel():
     kernel = MosaicAttention(8, 0, 8, 128, "tiles")
     got = run(base.with_execution(ce.Execution(attention=kernel)))
     want = run(base.with_execution(ce.Execution(attention=ce.XlaAttention())))
+    assert_close(got[1], want[1], what="y")
+    for g, r in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0]), strict=True):
+        assert_close(g, r, what="grad")
+
+
+def kernel_calls(jaxpr) -> dict[str, int]:
+    """The Mosaic attention kernels' ``pallas_call`` equations in ``jaxpr`` by name (each
+    call site once, however often a loop runs it; ``run_mosaic`` may hold more than one
+    ``pallas_call`` per call site, one per platform, the same for every kernel)."""
+    calls: dict[str, int] = {}
+    for eqn in walk_eqns(jaxpr):
+        if eqn.primitive.name == "pallas_call":
+            name = str(getattr(eqn.params.get("name_and_src_info"), "name", eqn.params.get("name")))
+            calls[name] = calls.get(name, 0) + 1
+    return calls
+
+
+def test_v32_head_groups_keep_the_kernel_outputs(monkeypatch):
+    """V3.2 in head groups (forced: 2 groups of 2 heads, documents packed) with
+    ``MosaicAttention``: the groups that fit ``KEEP`` keep their kernel's latent output and
+    ``lse`` for the backward (``MosaicAttention.replay``), so the gradient's program runs the
+    forward kernel once per group call site, not twice (the recomputed forward of before:
+    ``replaying`` patched to ``None``); with one group of two kept, the kept group's call
+    sites run it once, the other's twice. Outputs and every gradient bitwise those of the
+    recompute (the keys' gradient summed in the same group order), and within 1e-5 of
+    ``XlaAttention``'s in one call."""
+    from csa_eqx._layers import v32
+
+    base = ce.V32Attention(presets.tiny_v32(), key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(2), (2, 24, base.config.hidden_size))
+    seg = jnp.asarray([[0] * 9 + [1] * 15, [0] * 24], jnp.int32)
+    layer = base.with_execution(ce.Execution(attention=MosaicAttention(8, 0, 8, 128, "tiles")))
+
+    def loss(model):
+        y = model(x, segment_ids=seg)
+        return jnp.sum(jnp.sin(y)), y
+
+    grad = eqx.filter_grad(loss, has_aux=True)
+    want = eqx.filter_jit(grad)(base.with_execution(ce.Execution(attention=ce.XlaAttention())))
+    monkeypatch.setattr(v32, "head_groups", lambda shape, width: 2)
+    monkeypatch.setattr(v32, "KEEP", 2 * (2 * 24 * 2 * 32))  # both groups' [2, 24, 2, 32]
+    kept = kernel_calls(eqx.filter_make_jaxpr(grad)(layer)[0].jaxpr)
+    got = eqx.filter_jit(grad)(layer)
+    with monkeypatch.context() as m:
+        m.setattr(v32, "KEEP", 2 * (2 * 24 * 2 * 32) - 1)  # the first group's only
+        one_kept = kernel_calls(eqx.filter_make_jaxpr(grad)(layer)[0].jaxpr)
+        partly = eqx.filter_jit(grad)(layer)
+    with monkeypatch.context() as m:
+        m.setattr(v32, "replaying", lambda *a: None)
+        recomputed = kernel_calls(eqx.filter_make_jaxpr(grad)(layer)[0].jaxpr)
+        before = eqx.filter_jit(grad)(layer)
+    fwd, bwd = "mosaic_sparse_attention", "mosaic_sparse_attention_bwd"
+    assert recomputed[fwd] == 2 * recomputed[bwd] > 0, recomputed
+    assert kept[fwd] == kept[bwd] == recomputed[bwd], kept
+    # two call sites of each (the kept groups' and the recomputed groups'), one recomputing
+    assert one_kept[fwd] == 3 * one_kept[bwd] // 2 == 3 * recomputed[bwd], one_kept
+    for run in (got, partly):
+        for g, r in zip(jax.tree.leaves(run), jax.tree.leaves(before), strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
     assert_close(got[1], want[1], what="y")
     for g, r in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0]), strict=True):
         assert_close(g, r, what="grad")

@@ -172,6 +172,31 @@ class MosaicAttention(AbstractAttentionKernel):
         lse = jnp.where(plan.ints.live[:, :, None], lse, jnp.nan)
         return (out, lse) if return_lse else out
 
+    def replay(self, q, reads: Reads, sinks, scale, out, lse, *, query_block=0, numerics=None):
+        """The attention whose forward already ran: ``(out, lse)`` as given (``attend``'s with
+        ``return_lse``, on these very arguments), differentiable as ``attend``: its backward
+        runs the backward kernel on them and no forward kernel (V3.2's head groups keep
+        ``out`` and ``lse`` for their backward, ``csa_eqx._layers.v32.in_head_groups``). The
+        plain XLA preparation of the reads runs again (the backward needs its tables).
+
+        **Arguments:** as ``attend``'s, and its outputs ``out [B, S, H, vdim]`` and ``lse
+        [B, S, H]`` (``NaN`` for a poisoned query, as ``attend`` returns them).
+
+        **Returns:** ``(out, lse)``, equal to the given ones."""
+        del query_block
+        require_exact_softmax(self, numerics)
+        require_keys(reads)
+        if q.shape[1] == 0:
+            return out, lse
+        plan = _plan(self, q, reads, sinks is not None, float(scale))
+        sink = jnp.zeros(q.shape[2:3], jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+        live = plan.ints.live[:, :, None]
+        # a poisoned query's lse is NaN, its cotangents zero: +inf gives its weights exactly
+        # the zeros the kernel's own finite lse gives them (no NaN * 0 in the backward kernel)
+        kernel_lse = jnp.where(live, lse, jnp.inf)
+        out, kernel_lse = _replayed(plan.static, q, sink, plan.floats, plan.ints, out, kernel_lse)
+        return out, jnp.where(live, kernel_lse, jnp.nan)
+
 
 class _Static(NamedTuple):
     """What the ``custom_vjp`` needs besides the arrays: the forward's and the backward's kernel
@@ -734,3 +759,23 @@ def _attention_bwd(static: _Static, residuals, cotangents):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _replayed(static: _Static, q, sink, floats, ints: _Ints, out, lse):
+    """``(out, lse)``, the forward kernel's outputs on these arguments, given: differentiated
+    as ``_attention`` (its backward), with no forward kernel (``MosaicAttention.replay``)."""
+    return out, lse
+
+
+def _replayed_fwd(static, q, sink, floats, ints, out, lse):
+    return (out, lse), (_finite_queries(q, static, ints), sink, floats, ints, out, lse)
+
+
+def _replayed_bwd(static: _Static, residuals, cotangents):
+    out, lse = residuals[-2:]
+    grads = _attention_bwd(static, residuals, cotangents)
+    return (*grads, jnp.zeros_like(out), jnp.zeros_like(lse))
+
+
+_replayed.defvjp(_replayed_fwd, _replayed_bwd)

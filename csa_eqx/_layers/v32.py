@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
-from .._attention.base import LatentUp
+from .._attention.auto import AutoAttention
+from .._attention.base import AbstractAttentionKernel, LatentUp
 from .._attention.picks import entry_reads
 from .._config import V32AttentionConfig
 from .._indexer.v32 import V32Indexer
@@ -46,6 +47,24 @@ __all__ = ["V32Attention"]
 # in 4 groups 12.2; docs/memory.md, "Released sizes on one TPU v5e")
 ONE_CALL = 1 << 31
 GROUP = 5 << 27
+# the latent outputs ``[B, S, heads, kv_lora]`` (elements) the head groups keep for their
+# backward (``kept_groups``), whole groups, the first ones; the others' forward is recomputed
+# (compiled for a v5e, V3.2 at released sizes, bf16 fwd+bwd at 32k in 4 groups: temporaries
+# 11.45 GiB keeping none, 12.29 keeping the first group (this budget), 14.03 the first two
+# (needs 15.65 GiB with arguments and outputs: at the chip's edge), 18.76 all four;
+# docs/memory.md)
+KEEP = 1 << 29
+
+
+def kept_groups(shape: tuple[int, ...], groups: int, width: int) -> int:
+    """**Arguments:** the per-head queries' ``shape`` ``[B, S, H, d]``, their head ``groups``
+    and the latent values' ``width``.
+
+    **Returns:** how many head groups keep their kernel's latent output ``[B, S, H / groups,
+    width]`` for the backward (``in_head_groups``' ``keep``): as many as fit ``KEEP``
+    elements."""
+    b, s, heads, _ = shape
+    return min(groups, KEEP // max(b * s * (heads // groups) * width, 1))
 
 
 def head_groups(shape: tuple[int, ...], width: int) -> int:
@@ -66,13 +85,20 @@ def head_groups(shape: tuple[int, ...], width: int) -> int:
     return groups
 
 
-def in_head_groups(attend, groups: int, q_nope: Array, q_rope: Array, weight: Array, keys):
-    """``attend(q_nope, q_rope, weight, keys) -> (out, lse or None)`` over ``groups`` groups of
-    consecutive heads in turn (``lax.map``; ``weight`` is ``kv_b_proj``, head-major rows), and
-    its backward group by group, each group's forward recomputed there (a ``custom_vjp``: a
+def in_head_groups(
+    attend, groups: int, q_nope: Array, q_rope: Array, weight: Array, keys, keep: int = 0
+):
+    """``attend(q_nope, q_rope, weight, keys, saved) -> ((out, lse or None), kept)`` over
+    ``groups`` groups of consecutive heads in turn (``lax.map``; ``weight`` is ``kv_b_proj``,
+    head-major rows), and its backward group by group, in the same order (a ``custom_vjp``: a
     kernel's effects rule out ``jax.checkpoint``): one group's absorbed queries and kernel
-    buffers are live at a time and none is saved. The keys' gradient is the groups' summed
-    in float32."""
+    buffers are live at a time. ``attend`` is called with ``saved=None`` in the forward;
+    ``kept`` is what it keeps of a group for the backward (``V32Attention`` with a kernel that
+    can ``replay``: the kernel's latent output and ``lse``), or ``None``. The first ``keep``
+    groups' ``kept`` is saved: the backward calls ``attend`` again with it as ``saved``
+    (differentiated: the backward kernel on the kept outputs, no forward kernel), first, so
+    the kept outputs are gone before the other groups' forward is recomputed there
+    (``saved=None``). The keys' gradient is the groups' summed in float32, in group order."""
 
     def split(a):
         return jnp.moveaxis(a.reshape(*a.shape[:2], groups, -1, *a.shape[3:]), 2, 0)
@@ -84,30 +110,66 @@ def in_head_groups(attend, groups: int, q_nope: Array, q_rope: Array, weight: Ar
     def parts(q_nope, q_rope, weight):
         return split(q_nope), split(q_rope), weight.reshape(groups, -1, weight.shape[-1])
 
+    def halves(tree):  # the kept groups, the recomputed ones
+        return jax.tree.map(lambda a: a[:keep], tree), jax.tree.map(lambda a: a[keep:], tree)
+
+    def mapped(xs, keys, keeping: bool):
+        def one(a):
+            out, kept = attend(*a, keys, None)
+            return (out, kept) if keeping else out
+
+        return jax.lax.map(one, xs)
+
     @jax.custom_vjp
     def run(q_nope, q_rope, weight, keys):
-        out = jax.lax.map(lambda a: attend(*a, keys), parts(q_nope, q_rope, weight))
-        return jax.tree.map(join, out)
+        return jax.tree.map(join, mapped(parts(q_nope, q_rope, weight), keys, False))
 
     def forward(q_nope, q_rope, weight, keys):
-        return run(q_nope, q_rope, weight, keys), (q_nope, q_rope, weight, keys)
+        saved, recomputed = halves(parts(q_nope, q_rope, weight))
+        outs, kept = [], None
+        if keep:
+            out, kept = mapped(saved, keys, True)
+            outs.append(out)
+        if keep < groups:
+            outs.append(mapped(recomputed, keys, False))
+        out = outs[0] if len(outs) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
+        return jax.tree.map(join, out), (q_nope, q_rope, weight, keys, kept)
 
     def backward(residuals, grads):
-        q_nope, q_rope, weight, keys = residuals
+        q_nope, q_rope, weight, keys, kept = residuals
 
         def group(d_keys, a):
-            *args, g = a
-            _, vjp = jax.vjp(attend, *args, keys)
+            *args, saved, g = a
+            _, vjp = jax.vjp(lambda *args: attend(*args, saved)[0], *args, keys)
             *d_args, d_group_keys = vjp(g)
             return d_keys + d_group_keys.astype(jnp.float32), tuple(d_args)
 
-        g = jax.tree.map(split, grads)
-        zero = jnp.zeros(keys.shape, jnp.float32)
-        d_keys, d = jax.lax.scan(group, zero, (*parts(q_nope, q_rope, weight), g))
+        saved, recomputed = halves((*parts(q_nope, q_rope, weight), jax.tree.map(split, grads)))
+        d_keys, ds = jnp.zeros(keys.shape, jnp.float32), []
+        if keep:
+            *xs, g = saved
+            d_keys, d = jax.lax.scan(group, d_keys, (*xs, kept, g))
+            ds.append(d)
+        if keep < groups:
+            *xs, g = recomputed
+            d_keys, d = jax.lax.scan(group, d_keys, (*xs, None, g))
+            ds.append(d)
+        d = ds[0] if len(ds) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *ds)
         return join(d[0]), join(d[1]), d[2].reshape(weight.shape), d_keys.astype(keys.dtype)
 
     run.defvjp(forward, backward)
     return run(q_nope, q_rope, weight, keys)
+
+
+def replaying(attention, numerics, up: LatentUp):
+    """**Returns:** the kernel ``attention`` runs the MLA ``up`` with (``AutoAttention``'s
+    choice) where it can ``replay`` (its forward's outputs kept, its backward run on them:
+    ``MosaicAttention.replay``) and computes ``latent`` as ``AbstractAttentionKernel``'s
+    absorbed form does; else ``None``."""
+    kernel = attention.choose(numerics, up) if isinstance(attention, AutoAttention) else attention
+    if hasattr(kernel, "replay") and type(kernel).latent is AbstractAttentionKernel.latent:
+        return kernel
+    return None
 
 
 class V32Attention(AbstractIndexedAttention):
@@ -266,10 +328,30 @@ class V32Attention(AbstractIndexedAttention):
 
         width = keys.shape[-1]
         groups = 1 if isinstance(self.kv_b_proj, Fp8Weight) else head_groups(q_nope.shape, width)
+        replays = replaying(ex.attention, nx, up)
+
+        def attend_group(q_nope, q_rope, weight, keys, saved):
+            """A head group's ``((out, lse or None), kept)`` (``in_head_groups``): with a
+            kernel that can ``replay``, the absorbed MLA of ``AbstractAttentionKernel.latent``
+            step by step, keeping the kernel's latent output and ``lse`` (``saved``: the
+            group's kept ones, replayed); else ``attend``, nothing kept."""
+            if replays is None:
+                return attend(q_nope, q_rope, weight, keys), None
+            reads = entry_reads(ex.picks, keys, visibility, picks, value_width=c.kv_lora_rank)
+            up = LatentUp(weight, c.qk_nope_head_dim, c.v_head_dim, expanded)
+            q = up.absorb(q_nope, q_rope)
+            if saved is None:
+                o, lse = replays(q, reads, None, self.softmax_scale, return_lse=True, **kernel)
+            else:
+                o, lse = replays.replay(q, reads, None, self.softmax_scale, *saved, numerics=nx)
+            return (up.values(o), lse if want_loss else None), (o, lse)
+
         if groups == 1:
             o, lse = attend(q_nope, q_rope, self.kv_b_proj, keys)
         else:
-            o, lse = in_head_groups(attend, groups, q_nope, q_rope, self.kv_b_proj, keys)
+            keep = 0 if replays is None else kept_groups(q_nope.shape, groups, c.kv_lora_rank)
+            args = (q_nope, q_rope, self.kv_b_proj, keys, keep)
+            o, lse = in_head_groups(attend_group, groups, *args)
         y = nx.linear(o.reshape(*o.shape[:2], -1), self.o_proj)
         target = None
         if want_loss:  # KL distillation against the absorbed MLA queries and keys attended
