@@ -62,20 +62,25 @@ def init_linear(key: Array, d_out: int, d_in: int, dtype=jnp.float32, std: float
     return (std * jax.random.normal(key, (d_out, d_in))).astype(dtype)
 
 
-def varying_like(x: Array, *likes) -> Array:
+def varying_like(x, *likes):
     """``x`` cast to vary over every manual mesh axis any of ``likes`` (arrays or pytrees)
     varies over: a loop carry built from constants, inside a ``shard_map`` with ``check_vma``
     (JAX's default), must vary as the body makes it (unchanged outside one).
 
-    **Arguments:** the array ``x`` and the arrays whose manual axes it takes.
+    **Arguments:** the array (or pytree of arrays) ``x`` and the arrays whose manual axes it
+    takes.
 
     **Returns:** ``x``, typed as varying over those axes (no data moves).
     """
     axes = frozenset().union(
         *(jax.typeof(a).manual_axis_type.varying for a in jax.tree.leaves(likes))
     )
-    missing = tuple(sorted(axes - jax.typeof(x).manual_axis_type.varying))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    def cast(a):
+        missing = tuple(sorted(axes - jax.typeof(a).manual_axis_type.varying))
+        return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+    return jax.tree.map(cast, x)
 
 
 def summed_like(cotangents, primals):

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from .._layout import gather_keys, scatter_rows, take
+from .._ops import varying_like
 from .._scorer.base import sum_head_chunks
 from .._tiles import block_starts, sparse_query_block
 from .base import AttentionTarget
@@ -216,5 +217,6 @@ def gathered_kl(
         return (carry[0] + jnp.sum(kl), carry[1] + jnp.sum(has)), None
 
     init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+    init = varying_like(init, (q, entries, lse))
     (kl, count), _ = jax.lax.scan(jax.checkpoint(body), init, jnp.arange(starts.shape[0]))
     return kl / jnp.maximum(count, 1)

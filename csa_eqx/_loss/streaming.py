@@ -19,7 +19,9 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._blocks import block_starts, key_block_ranges, take
+from .._dispatch import typed
 from .._layout import Visibility
+from .._ops import varying_like
 from .._tiles import streaming_block_sizes
 from .base import AbstractIndexerLoss
 from .kl import gathered_kl, target_mass
@@ -109,6 +111,7 @@ def _dense_tiles(static, index_keys, fx: _Fixed, init, query_block_body):
 
         return query_block_body(carry, r0, fresh, rows, tile, lo[i], hi[i])
 
+    init = varying_like(init, (index_keys, fx))
     return jax.lax.fori_loop(0, q_starts.shape[0], body, init)
 
 
@@ -138,7 +141,8 @@ def _streaming_dense_fwd(project, static, consts, index_keys, fx: _Fixed):
             c0, mass, visible = tile(j)
             return _online_update(st, score(qx, wx, take(index_keys, c0, kb)), mass, visible)
 
-        st = jax.lax.fori_loop(lo, hi, key_block_body, _online_init((b, fresh.shape[0])))
+        st = varying_like(_online_init((b, fresh.shape[0])), (qx, wx, index_keys, rows))
+        st = jax.lax.fori_loop(lo, hi, key_block_body, st)
         kl, has, lse_i = _online_kl(st)
         # rows of a pulled-back last block are recomputed alike: overwriting them is harmless
         new = (kl, has, lse_i, st.mass)
@@ -182,7 +186,7 @@ def _streaming_dense_bwd(project, static, res, g):
             )
             return d_qx + dq, d_wx + dw, d_keys
 
-        acc = (_f32_zeros(qx), _f32_zeros(wx), d_keys)
+        acc = varying_like((_f32_zeros(qx), _f32_zeros(wx), d_keys), (qx, wx, d_keys, g))
         d_qx, d_wx, d_keys = jax.lax.fori_loop(lo, hi, key_block_body, acc)
         d_c = pull((d_qx.astype(qx.dtype), d_wx.astype(wx.dtype)))
         return jax.tree.map(jnp.add, d_consts, d_c), d_keys
@@ -234,7 +238,9 @@ class StreamingIndexerLoss(AbstractIndexerLoss):
         qb, kb = streaming_block_sizes(
             b, s, t, heads, self.key_block, self.query_block, problem.tiles
         )
-        block = [jax.ShapeDtypeStruct((r.shape[0], qb, *r.shape[2:]), r.dtype) for r in rows]
+        block = [
+            typed(jax.ShapeDtypeStruct((r.shape[0], qb, *r.shape[2:]), r.dtype), r) for r in rows
+        ]
         project, consts = jax.closure_convert(problem.project, *block)
         fixed = _Fixed(rows, q, entries, lse, problem.visibility)
         static = (target.scale, problem.head_chunk, qb, kb, problem.scorer)

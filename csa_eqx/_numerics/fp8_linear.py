@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Float8e4m3fn
 
-from .._ops import round_to
+from .._ops import round_to, varying_like
 from .formats import act_quant
 from .fp8_weight import Fp8Weight
 
@@ -67,7 +67,8 @@ def fp8_product(
         )
         return acc + part * (a_scale[:, None] * w_scale[None, :]), None
 
-    acc, _ = jax.lax.scan(tile, jnp.zeros((xs[0].shape[1], out), jnp.float32), xs)
+    acc = varying_like(jnp.zeros((xs[0].shape[1], out), jnp.float32), xs)
+    acc, _ = jax.lax.scan(tile, acc, xs)
     return acc.reshape(*lead, out)
 
 

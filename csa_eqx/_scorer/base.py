@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from .._ops import varying_like
+
 __all__ = [
     "indexer_scores",
     "sum_head_chunks",
@@ -66,7 +68,7 @@ def sum_head_chunks(fn: Callable[..., Array], head_chunk: int, shape, *per_head:
         chunk = (jax.lax.dynamic_slice_in_dim(a, i * head_chunk, head_chunk, 2) for a in per_head)
         return acc + fn(*chunk), None
 
-    init = jnp.zeros(shape, jnp.float32)
+    init = varying_like(jnp.zeros(shape, jnp.float32), per_head)
     return jax.lax.scan(jax.checkpoint(body), init, jnp.arange(heads // head_chunk))[0]
 
 

@@ -26,7 +26,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from .._blocks import block_starts, take
+from .._dispatch import typed
 from .._layout import gather_keys
+from .._ops import varying_like
 from .._tiles import sparse_query_block
 from .._topk import exact_topk
 from .base import AbstractSelection, SelectionProblem
@@ -79,7 +81,7 @@ def gathered_topk(
     budget = problem.tiles.elements
     qb = min(query_block or sparse_query_block(b, heads, d, n, 0, budget), s)
     # Integer output: nothing here is differentiated (closed-over parameters included).
-    block = [jax.ShapeDtypeStruct((r.shape[0], qb, *r.shape[2:]), r.dtype) for r in rows]
+    block = [typed(jax.ShapeDtypeStruct((r.shape[0], qb, *r.shape[2:]), r.dtype), r) for r in rows]
     project, consts = jax.closure_convert(project, *block)
     rows, consts, keys = jax.lax.stop_gradient((rows, consts, keys))
     q_starts = block_starts(s, qb)
@@ -99,7 +101,7 @@ def gathered_topk(
             jax.lax.dynamic_update_slice_in_dim(o, a, r0, 1) for o, a in zip(outs, new, strict=True)
         )
 
-    outs = tuple(jnp.full((b, s, w), -1, jnp.int32) for w in widths)
+    outs = tuple(varying_like(jnp.full((b, s, w), -1, jnp.int32), rows, keys) for w in widths)
     return jax.lax.fori_loop(0, q_starts.shape[0], query_block_body, outs)
 
 

@@ -16,6 +16,7 @@ from .._blocks import block_starts, padded_keys, take
 from .._dispatch import typed
 from .._layout import Visibility
 from .._mesh import per_device
+from .._ops import varying_like
 from .base import SelectionProblem
 
 __all__ = ["kernel_row_chunks"]
@@ -104,4 +105,5 @@ def kernel_row_chunks(
         new = r0 + jnp.arange(chunk, dtype=jnp.int32) >= c * chunk  # not another call's rows
         return jax.lax.dynamic_update_slice_in_dim(out, picks(r0, new[None, :]), r0, axis=1)
 
-    return jax.lax.fori_loop(0, n, call, jnp.full((b, s, k), -1, jnp.int32))
+    out = varying_like(jnp.full((b, s, k), -1, jnp.int32), rows, keys, consts)
+    return jax.lax.fori_loop(0, n, call, out)

@@ -78,18 +78,21 @@ class ShardedSelection(AbstractSplitSelection):
             per_row = tuple(_pad_rows(a, pad) for a in per_row)
             visibility = visibility.pad_rows(pad)
 
-        def local(per_row, keys, visibility):
+        def shard(per_row, keys, visibility):
             # The visibility's per-row arrays are tiny beside the queries: pass them whole and
             # slice this shard's rows here. (Resharding the [B, S] int rows by rows outside made
             # XLA's CPU SPMD partitioner emit invalid HLO when the layer also shifts the same
             # segment ids; jax 0.10.2.)
             start = jax.lax.axis_index(tensor_axis) * rows
             q, weights = per_row
-            shard = problem.with_queries(q, weights)._replace(
+            part = problem.with_queries(q, weights)._replace(
                 keys=keys, visibility=visibility.rows(start, rows)
             )
+            return run(part)
+
+        def local(*args):  # this shard's rows, all-gathered
             gather = partial(jax.lax.all_gather, axis_name=tensor_axis, axis=1, tiled=True)
-            return tuple(gather(out) for out in run(shard))
+            return tuple(gather(out) for out in shard(*args))
 
         def this_device(per_row, *rest):
             # inside a shard_map already manual over the axis (head parallelism), where every
@@ -103,18 +106,20 @@ class ShardedSelection(AbstractSplitSelection):
         # takes its slice of the rows; else a shard_map of our own splits them
         if is_manual(jax.sharding.get_abstract_mesh(), tensor_axis):
             return tuple(out[:, :s] for out in this_device(*args))
-        outs = self._shard_map(local, mesh, b, args)
+        outs = self._shard_map(shard, mesh, b, args)
         return tuple(place(out[:, :s], mesh, out_layout) for out in outs)
 
     def _shard_map(
         self, local: Callable, mesh: MeshLike, batch: int, args: tuple
     ) -> tuple[Array, ...]:
         """``local`` in a ``shard_map``: query rows over ``tensor_axis``, the batch over
-        ``data_axis`` when that is free and divides it (``csa_eqx._mesh.batch_axis``)."""
+        ``data_axis`` when that is free and divides it (``csa_eqx._mesh.batch_axis``); the
+        shards' rows joined by the ``shard_map``'s output (typed as varying over the axis,
+        as ``check_vma`` wants, where an all-gather inside would be typed varying too)."""
         dp = batch_axis(mesh, self.data_axis, batch)
         per_row = tuple(P(dp, self.tensor_axis, *[None] * (a.ndim - 2)) for a in args[0])
         whole = jax.tree.map(lambda a: P(dp, *[None] * (a.ndim - 1)), args[2])
         specs = (per_row, P(dp, None, None), whole)
-        # nothing here is differentiated, and the all-gather makes the result replicated over
-        # ``tensor_axis``
-        return run_sharded(local, mesh, specs, P(dp, None, None), set(mesh.axis_names), *args)
+        # nothing here is differentiated
+        axes = {a for a in mesh.axis_names if not is_manual(jax.sharding.get_abstract_mesh(), a)}
+        return run_sharded(local, mesh, specs, P(dp, self.tensor_axis, None), axes, *args)

@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from .._blocks import block_starts, key_block_ranges, padded_keys, take
+from .._dispatch import typed
+from .._ops import varying_like
 from .._tiles import streaming_block_sizes, topk_block_size
 from .._topk import exact_topk, merge_topk
 from .base import AbstractSelection, SelectionProblem
@@ -85,7 +87,7 @@ def _newest(visibility, tiles: tuple[Array, Array], kb: int) -> Array:
     def tile(j, newest):
         return jnp.maximum(newest, newest_visible(visibility.tile(j * kb, kb), j * kb))
 
-    init = jnp.full(visibility.query_index.shape, -1, jnp.int32)
+    init = varying_like(jnp.full(visibility.query_index.shape, -1, jnp.int32), visibility)
     return jax.lax.fori_loop(*tiles, tile, init)
 
 
@@ -120,7 +122,7 @@ def stream_topk(
     qb, kb = streaming_block_sizes(b, s, t, heads, key_block, query_block, sizes, multiple)
     group = topk_block_size(b, qb, t, kb, topk_block, sizes)
     # Integer output: nothing here is differentiated (closed-over parameters included).
-    block = [jax.ShapeDtypeStruct((r.shape[0], qb, *r.shape[2:]), r.dtype) for r in rows]
+    block = [typed(jax.ShapeDtypeStruct((r.shape[0], qb, *r.shape[2:]), r.dtype), r) for r in rows]
     project, consts = jax.closure_convert(project, *block)
     rows, consts, keys = jax.lax.stop_gradient((rows, consts, keys))
     keys, layout = padded_keys(keys, visibility.layout, group)
@@ -145,7 +147,8 @@ def stream_topk(
                 return jax.lax.dynamic_update_slice_in_dim(buffer, scores, (j - first) * kb, 2)
 
             tiles = (jnp.maximum(lo[i], first), jnp.minimum(hi[i], first + tiles_per_group))
-            buffer = jax.lax.fori_loop(*tiles, tile, jnp.zeros((b, qb, group), jnp.float32))
+            buffer = varying_like(jnp.zeros((b, qb, group), jnp.float32), (qx, keys))
+            buffer = jax.lax.fori_loop(*tiles, tile, buffer)
             c0 = first * kb
             visible = seen.tile(c0, group)
             tops = (_top_of(buffer, visible, c0, k, topk),)
@@ -170,5 +173,5 @@ def stream_topk(
             for o, r in zip(outs, running, strict=True)
         )
 
-    outs = tuple(jnp.full((b, s, w), -1, jnp.int32) for w in widths)
+    outs = tuple(varying_like(jnp.full((b, s, w), -1, jnp.int32), rows, keys) for w in widths)
     return jax.lax.fori_loop(0, q_starts.shape[0], query_block_body, outs)
