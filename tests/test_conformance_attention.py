@@ -170,10 +170,10 @@ def gathered_rows(kind, xp, kv, entries, values=None):
             index[i, j], mask[i, j] = offsets[table] + row, True
     index, mask = index.reshape(B, S, n), mask.reshape(B, S, n)
     keys = xp.concatenate([tables["kv"], tables["entries"]], axis=1)
-    if kind in MLA:
-        values = keys[..., :VDIM] * 2.0 if values is None else values
-    else:
+    if kind not in MLA:
         values = keys
+    elif values is None:
+        values = keys[..., :VDIM] * 2.0
     take = (
         jax.vmap(lambda t, i: t[i])
         if xp is jnp
