@@ -27,7 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_helpers import assert_close
+from hypothesis import given
+from hypothesis import strategies as st
 from jaxpr_helpers import gpu_lowering, kernel_dots, tpu_lowering, walk_eqns
+from mosaic_sweep import AttentionSetting, attention_data, check_attention, sweep_settings
 
 import csa_eqx as ce
 from csa_eqx import MosaicAttention, presets
@@ -195,6 +198,52 @@ def test_outputs_and_gradients_equal_the_reference(case):
         assert_close(lse, np_lse, what="numpy lse")
     if kind == "latent":  # query 0 reads nothing (and has no sink): zeros, lse = -inf
         assert (np.asarray(out)[:, 0] == 0).all() and (np.asarray(lse)[:, 0] == -np.inf).all()
+
+
+# --- the randomised sweep (issue 57; tests/mosaic_sweep.py) ----------------------------------
+
+# One compiled program each; hypothesis draws the data (picks with repeats, a block's largest
+# pick on a tile boundary, an entry closing at a block's last query, documents, non-finite
+# queries / keys / values). Together they run every setting the kernel chooses for itself
+# (tiles of 512 over more than 512 entries, keys of 128 lanes) and the ones it is forced to.
+SWEEP = {
+    # three tiles of 128 (boundary picks at 0, 128, 256), two head blocks, gradients in HBM
+    # (tiles and the band's slabs summed over the head blocks)
+    "band+picks/tiles/hbm/two-head-blocks": AttentionSetting(
+        "tiles-hbm", MosaicAttention(8, 8, 8, 128, "tiles", False, "hbm"), "band+picks",
+        heads=16, t=260,
+    ),
+    # bf16 keys 136 wide (two feature blocks in one packed word-row) and values of their own
+    # 130 wide (two more), row DMAs in chunks of 8 (the backward's VMEM gradient table)
+    "band+picks/bf16-wide-own-values/rows": AttentionSetting(
+        "bf16-rows", MosaicAttention(8, 16, 8, 128, "rows"), "band+picks", dtype="bfloat16",
+        heads=16, d=136, values=130, s=8,
+    ),
+    # every kind at once over two packed batch rows, resident tables, ragged query blocks
+    "band+picks+dense/tiles/resident": AttentionSetting(
+        "everything", MosaicAttention(8, 0, 8, 128, "tiles", True), "band+picks+dense",
+        batch=2, heads=3, s=11,
+    ),
+    # a DenseKeys' picks masked by visibility, values of their own, gradients in HBM
+    "band+masked/tiles/hbm/own-values": AttentionSetting(
+        "masked", MosaicAttention(8, 0, 8, 128, "tiles", False, "hbm"), "band+masked",
+        heads=3, values=5, s=11,
+    ),
+    # the automatic configuration: tiles of 512 over 600 entries, keys of 128 lanes
+    "band+picks/automatic/512-tiles": AttentionSetting(
+        "automatic", MosaicAttention(), "band+picks", heads=3, d=128, t=600,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(SWEEP))
+@sweep_settings(4)
+@given(data=st.data())
+def test_randomised_sweep_against_numpy(name, data):
+    """Outputs and ``lse`` against the float64 formula, every gradient against its ``jnp``
+    autodiff, on drawn data (tests/mosaic_sweep.py)."""
+    setting = SWEEP[name]
+    check_attention(setting, attention_data(data.draw, setting))
 
 
 def test_nonfinite_rows_reach_only_their_readers():

@@ -23,7 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from jaxpr_helpers import gpu_lowering, kernel_dots, tpu_lowering, walk_avals
+from mosaic_sweep import SelectionSetting, check_selection, selection_data, sweep_settings
 from test_pallas_selection import problem, selections
 from test_topk_reference import B, S, brute_force, fixed_case, layout_of
 
@@ -143,6 +146,36 @@ def test_full_lane_chunks_on_token_keys():
     np.testing.assert_array_equal(got, brute(*args, k))
     picks = np.asarray(got)
     assert ((picks >= 0).sum(-1) == k).any() and ((picks >= 0).sum(-1) < k).any()
+
+
+# --- the randomised sweep (issue 57; tests/mosaic_sweep.py) ----------------------------------
+
+# d = 128 (the released indexer width: d^-1/2 is not a power of two, so the order in which the
+# weight, d^-1/2 and the bf16 roundings apply shows in the picks), bf16 scores, head chunks,
+# key tiles of 8 and 16 lanes and the automatic 512 over more than 512 entries.
+SELECTION_SWEEP = {
+    "d128/bf16-scores/head-chunks": SelectionSetting(
+        "chunks", ce.MosaicSelection(query_block=8, key_block=16, head_group=2, search="secant"),
+        head_chunk=2, score_dtype="bfloat16", k=5,
+    ),
+    "d128/bf16-inputs-and-scores/k-above-visible": SelectionSetting(
+        "bf16", ce.MosaicSelection(query_block=8, key_block=8, search="bisect"),
+        dtype="bfloat16", score_dtype="bfloat16", k=12, batch=2,
+    ),
+    "d128/automatic/512-key-tiles": SelectionSetting(
+        "automatic", ce.MosaicSelection(), t=520, score_dtype="bfloat16", k=9,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(SELECTION_SWEEP))
+@sweep_settings(4)
+@given(data=st.data())
+def test_randomised_sweep_against_brute_force(name, data):
+    """The picks bitwise the brute force's over the numpy scores (DeepSeek's bf16 einsum
+    modelled by ``scores_np``), on drawn documents, layouts and tied keys."""
+    setting = SELECTION_SWEEP[name]
+    check_selection(setting, selection_data(data.draw, setting))
 
 
 def test_no_score_matrix_in_the_program():
