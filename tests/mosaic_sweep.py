@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from attention_helpers import assert_close
 from conformance import attention_np, bf16, brute_topk, scores_np, visible_np
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
 import csa_eqx as ce
@@ -33,12 +33,16 @@ SCALE = 0.3
 
 
 def sweep_settings(examples: int):
-    """hypothesis' settings of a sweep: a fixed budget, the same examples every run."""
+    """hypothesis' settings of a sweep: a fixed budget, the same examples every run, no
+    shrinking (each run of a failing example costs a kernel call; the failing example's draws
+    are printed as drawn)."""
     return settings(
         max_examples=examples,
         derandomize=True,
         deadline=None,
         database=None,
+        phases=(Phase.explicit, Phase.generate),
+        report_multiple_bugs=False,
         suppress_health_check=list(HealthCheck),
     )
 
