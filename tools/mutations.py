@@ -668,10 +668,7 @@ MUTATIONS += [
         "csa_eqx/_selection/mosaic_topk.py",
         "w = _round_mantissa(weights.astype(jnp.float32) * dim**-0.5, bits)",
         "w = _round_mantissa(weights.astype(jnp.float32), bits) * dim**-0.5",
-        (
-            "tests/test_mosaic_selection.py::test_randomised_sweep_against_brute_force"
-            "[d128/bf16-scores/head-chunks]",
-        ),
+        ("tests/test_mosaic_selection.py::test_randomised_sweep_against_brute_force",),
     ),
     Mutation(
         "fp8_tile_rows_as_columns",
