@@ -687,7 +687,10 @@ MUTATIONS += [
         "csa_eqx/hf/_v41.py",
         'return quant.get("scale_fmt")',
         'return "ue8m0"',
-        ("tests/test_released_formats.py::test_v41_scale_format_of_each_layout",),
+        (
+            "tests/test_released_formats.py::test_v41_scale_format_of_each_layout",
+            "tests/test_v41_reference.py::test_flash_config_scale_format_read_from_each_spelling",
+        ),
     ),
     Mutation(
         "nonfinite_values_unflagged",
