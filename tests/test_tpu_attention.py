@@ -7,7 +7,10 @@ features are the values), for the automatic configuration (the
 one ``AutoAttention`` takes on a TPU: tiles, prefill and decoding) and the forced designs it
 does not take (rows copied by vector loads from a resident table, gradients added in HBM, a
 rows backward read as tiles). Tolerances, relative to the reference's largest magnitude:
-bfloat16 inputs 3e-2, float32 under ``jax.default_matmul_precision("highest")`` 2e-4.
+bfloat16 inputs 3e-2, float32 under ``jax.default_matmul_precision("highest")`` 2e-4. The
+randomised sweep of ``test_mosaic_attention.py`` (tests/mosaic_sweep.py, issue 57) runs here
+too, compiled by Mosaic: its settings with row chunks of 128, 40 drawn examples each, against
+the numpy formula (and its ``jnp`` autodiff on the CPU device).
 
 Collected everywhere; skipped unless a TPU is present. Run on a TPU machine (both backends,
 the CPU's for the reference)::

@@ -14,6 +14,10 @@ reference scores differ by more than ``TIE`` times its largest score (or it sees
 ``k`` entries); an untied row's picks must be the reference's exactly, and every row's picks
 must be a valid top-k within that tolerance (visible, distinct, increasing, as many as the row
 sees up to ``k``, none scored below the ``k``-th best by more than the tolerance).
+
+The randomised sweep of ``test_mosaic_selection.py`` (tests/mosaic_sweep.py, issue 57: d = 128,
+bf16 scores, head chunks) runs here too at the blocks a TPU takes, 40 drawn examples a setting:
+its integer inputs' scores are exact in float32, so the picks must be the brute force's bitwise.
 """
 
 import dataclasses
