@@ -351,7 +351,9 @@ def selection_data(draw, c: SelectionSetting) -> dict:
     keys = dense(b, t, d).astype(np.float32)
     if draw(st.booleans(), label="tied keys"):
         keys[:, 1::3] = keys[:, ::3][:, : keys[:, 1::3].shape[1]]
-    weights = r.uniform(-1.5, 1.5, (b, s, h)).astype(np.float32)
+    # magnitudes 0.25..1.5: the bf16 terms of a query stay within 2^16 of each other, so their
+    # float32 head sums are exact (scores_np asserts it) on every draw
+    weights = (r.choice([-1, 1], (b, s, h)) * r.uniform(0.25, 1.5, (b, s, h))).astype(np.float32)
     if c.dtype == "bfloat16":
         q, keys, weights = bf16(q), bf16(keys), bf16(weights)
     return dict(
