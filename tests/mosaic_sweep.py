@@ -343,12 +343,13 @@ def selection_data(draw, c: SelectionSetting) -> dict:
     end = np.sort(r.integers(-2, s, (b, t)), axis=1).astype(np.int32)
     end = np.where(end < 0, -1, end)
     entry_segment = np.take_along_axis(segment, np.clip(end, 0, s - 1), axis=1)
-    # integers over 60 % of the features: logits of a few dozen, whose bf16 products with the
-    # weights round (many scores a bf16 step apart, where the rounding order moves the picks);
-    # the ReLU's zeros tie
+    # integer keys near one common key: each query's logits large and close (many scores a
+    # bf16 step apart, where the order in which the weight, d^-1/2 and the roundings apply
+    # moves the picks); the ReLU's zeros tie
     dense = lambda *shape: r.integers(-3, 4, shape) * (r.random(shape) < 0.6)  # noqa: E731
     q = dense(b, s, h, d).astype(np.float32)
-    keys = dense(b, t, d).astype(np.float32)
+    near = r.integers(-1, 2, (b, t, d)) * (r.random((b, t, d)) < 0.1)
+    keys = (dense(b, 1, d) + near).astype(np.float32)
     if draw(st.booleans(), label="tied keys"):
         keys[:, 1::3] = keys[:, ::3][:, : keys[:, 1::3].shape[1]]
     # magnitudes 0.25..1.5: the bf16 terms of a query stay within 2^16 of each other, so their
