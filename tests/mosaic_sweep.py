@@ -357,9 +357,57 @@ def selection_data(draw, c: SelectionSetting) -> dict:
     weights = (r.choice([-1, 1], (b, s, h)) * r.uniform(0.25, 1.5, (b, s, h))).astype(np.float32)
     if c.dtype == "bfloat16":
         q, keys, weights = bf16(q), bf16(keys), bf16(weights)
-    return dict(
+    data = dict(
         q=q, keys=keys, weights=weights, segment=segment, end=end, entry_segment=entry_segment
     )
+    if c.score_dtype == "bfloat16":
+        _rounding_order_pair(r, c, data)
+    return data
+
+
+def _bf16_score(logits, weights, chunk: int, late: bool) -> np.float32:
+    """One bf16 score (``scores_np``'s model) of integer ``logits [H]``; ``late``: the head
+    weight rounded to bf16 before ``d^-1/2`` multiplies it (a wrong order), not after."""
+    c = np.float32(128**-0.5)
+    w = bf16(weights) * c if late else bf16(np.float32(weights) * c)
+    terms = bf16(np.maximum(logits, 0).astype(np.float32) * w.astype(np.float32))
+    total = np.float32(0)
+    for i in range(0, len(terms), chunk):
+        total = total + terms[i : i + chunk].sum(dtype=np.float32)
+    return bf16(total)
+
+
+def _rounding_order_pair(r, c: SelectionSetting, data) -> None:
+    """Where the last query of batch row 0 sees more than ``k`` entries: its logits made the
+    first ``H`` features of its entries (one-hot queries), ``k - 1`` entries far ahead, then two
+    entries ``A`` and ``B`` whose order (a tie going to ``A``, the lower index) the rounding
+    order decides: the weight rounded after ``d^-1/2`` multiplies it, as DeepSeek's bf16 einsum
+    does, or before. A wrong order then changes that query's ``k``-th pick on every such draw."""
+    s, h, k, chunk = c.s, c.heads, c.k, c.head_chunk or c.heads
+    index = np.arange(s)[None, :]
+    seen = np.flatnonzero(visible_np(index, data["segment"][:1], data["end"][:1],
+                                     data["entry_segment"][:1])[0, s - 1])  # fmt: skip
+    if len(seen) <= k:
+        return
+    for _ in range(200):  # a pair one logit apart the rounding order decides (~1 in 7)
+        w = r.uniform(0.25, 1.5, h).astype(np.float32)
+        w = bf16(w) if c.dtype == "bfloat16" else w
+        a = r.integers(100, 200, h).astype(np.float32)
+        b = a.copy()
+        b[r.integers(h)] += r.choice([-1.0, 1.0])
+        # A, at the lower index, wins a tie
+        right = _bf16_score(a, w, chunk, False) >= _bf16_score(b, w, chunk, False)
+        if right != (_bf16_score(a, w, chunk, True) >= _bf16_score(b, w, chunk, True)):
+            break
+    else:
+        return
+    q, keys = data["q"], data["keys"]
+    q[0, s - 1] = 0.0
+    q[0, s - 1, np.arange(h), np.arange(h)] = 1.0
+    keys[0, seen, :h] = 0.0
+    keys[0, seen[: k - 1], :h] = 250.0
+    keys[0, seen[k - 1], :h], keys[0, seen[k], :h] = a, b
+    data["weights"][0, s - 1] = w
 
 
 def selection_problem(c: SelectionSetting, data):
