@@ -16,7 +16,8 @@ picks) with their own values and no sink, ``extend``'s band with a history ring,
 window): outputs and ``lse``, gradients
 with respect to queries, keys, entries and sinks; packed documents of ragged lengths, a
 query that reads nothing (zeros, ``lse = -inf``); bf16 inputs; the kernel contract for
-non-finite rows (NaN exactly for the queries that read them); DeepSeek's rounded softmax
+non-finite rows (NaN exactly for the queries that read them, a NaN or Inf in MLA's values of
+their own included); DeepSeek's rounded softmax
 (``DeepSeekInference``: bf16 probabilities, the division after ``P·V``), against the formula
 with that rounding. A member that cannot run a check says why in ``EXCEPTIONS`` (the test is
 skipped with that reason) or refuses it (``REFUSES``: the error is asserted). Non-member tests
@@ -90,9 +91,11 @@ COTANGENT = {kind: R.normal(size=(B, S, H, VDIM if kind in MLA else D)) for kind
 LAYOUT = ce.EntryLayout(*(np.asarray(a)[:, :T] for a in ce.entry_layout(jnp.asarray(SEG), 2)))
 
 
-def reads_of(kind, kv, entries):
-    """The ``Reads`` of one layer path (entries: segment-aligned, 2 tokens each)."""
+def reads_of(kind, kv, entries, values=None):
+    """The ``Reads`` of one layer path (entries: segment-aligned, 2 tokens each); ``values``:
+    MLA's own values (default ``2 kv[..., :VDIM]``)."""
     seg, picks = jnp.asarray(SEG), jnp.asarray(PICKS)
+    values = kv[..., :VDIM] * 2.0 if values is None else values
     index = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     layout = ce.EntryLayout(*(jnp.asarray(a) for a in LAYOUT))
     band = ce.BandRows(kv, seg, W)
@@ -104,11 +107,11 @@ def reads_of(kind, kv, entries):
         return ce.Reads(band=band, dense=ce.DenseKeys(entries, layout, index, seg))
     if kind == "v32":  # MLA: keys and (narrower) values differ; no sink
         tokens = jnp.where(picks >= 0, picks + W, -1)
-        return ce.Reads((ce.GatheredRows(kv, tokens, kv[..., :VDIM] * 2.0),))
+        return ce.Reads((ce.GatheredRows(kv, tokens, values),))
     if kind == "v32-masked":  # the token rows as entries (m = 1), masked to the picks
         keys = kv[:, W - 1 :]
         tokens = ce.EntryLayout(index, seg, jnp.ones((B, S), bool))
-        dense = ce.DenseKeys(keys, tokens, index, seg, keys[..., :VDIM] * 2.0, picks)
+        dense = ce.DenseKeys(keys, tokens, index, seg, values[:, W - 1 :], picks)
         return ce.Reads(dense=dense)
     if kind == "extend":
         band = ce.BandRows(kv, seg, W, jnp.asarray(HISTORY))
@@ -153,8 +156,9 @@ def rows_read(kind):
     return out
 
 
-def gathered_rows(kind, xp, kv, entries):
-    """Each query's key and value rows ``[B, S, n, ·]`` and its mask, from ``rows_read``."""
+def gathered_rows(kind, xp, kv, entries, values=None):
+    """Each query's key and value rows ``[B, S, n, ·]`` and its mask, from ``rows_read``
+    (``values``: MLA's own, as ``reads_of``)."""
     lists = rows_read(kind)
     n = max(len(r) for r in lists)
     tables = {"kv": kv, "entries": entries}
@@ -166,7 +170,10 @@ def gathered_rows(kind, xp, kv, entries):
             index[i, j], mask[i, j] = offsets[table] + row, True
     index, mask = index.reshape(B, S, n), mask.reshape(B, S, n)
     keys = xp.concatenate([tables["kv"], tables["entries"]], axis=1)
-    values = keys[..., :VDIM] * 2.0 if kind in MLA else keys
+    if kind not in MLA:
+        values = keys
+    elif values is None:
+        values = keys[..., :VDIM] * 2.0
     take = (
         jax.vmap(lambda t, i: t[i])
         if xp is jnp
@@ -180,9 +187,11 @@ def reference(kind, arrays, weights_round=None):
     non-finite query) set to NaN as the kernel contract says."""
     a = {k: np.asarray(v, np.float64) for k, v in arrays.items()}
     bad_kv = ~np.isfinite(a["kv"]).all(-1)
+    if "values" in a:  # MLA's own values: a non-finite value row poisons its readers too
+        bad_kv = bad_kv | ~np.isfinite(a["values"]).all(-1)
     bad_entries = ~np.isfinite(a["entries"]).all(-1)
     zero = {k: np.where(np.isfinite(v), v, 0.0) for k, v in a.items()}
-    keys, values, mask = gathered_rows(kind, np, zero["kv"], zero["entries"])
+    keys, values, mask = gathered_rows(kind, np, zero["kv"], zero["entries"], zero.get("values"))
     sinks = None if kind in MLA else a["sinks"]
     out, lse = attention_np(np, zero["q"], keys, values, mask, sinks, SCALE, weights_round)
     bad, _, _ = gathered_rows(kind, np, bad_kv[..., None], bad_entries[..., None])
@@ -222,7 +231,7 @@ def reference_grads():
 
 
 def _attend(kernel, kind, arrays, numerics=None):
-    reads = reads_of(kind, arrays["kv"], arrays["entries"])
+    reads = reads_of(kind, arrays["kv"], arrays["entries"], arrays.get("values"))
     sinks = None if kind in MLA else arrays["sinks"]
     kw = dict(return_lse=True, query_block=4, numerics=numerics)
     return kernel.attend(arrays["q"], reads, sinks, SCALE, **kw)
@@ -233,6 +242,17 @@ def nonfinite_arrays():
     a["kv"][0, 6] = np.nan  # token 3 of row 0 (the history's rows come first for extend)
     a["entries"][1, 2, 1] = np.inf
     a["q"][1, 9, 0, 0] = np.nan
+    return a
+
+
+def bad_values_arrays():
+    """MLA's values an array of their own (``2 kv[..., :VDIM]``, the keys finite) with a NaN in
+    token 5's row of batch row 0 and an Inf in token 3's of row 1: some queries read them
+    (gathered, or seen among their picks), others not."""
+    a = {k: np.array(v, np.float32) for k, v in ARRAYS.items()}
+    a["values"] = a["kv"][..., :VDIM] * 2.0
+    a["values"][0, W - 1 + 5, 2] = np.nan
+    a["values"][1, W - 1 + 3, 0] = np.inf
     return a
 
 
@@ -248,6 +268,9 @@ def outputs(name: str, arrays, bf16_arrays, bad_arrays, deepseek: bool):
     if runs("nonfinite"):
         for kind in NONFINITE_KINDS:
             out[f"bad-{kind}"] = _attend(kernel, kind, bad_arrays)
+    for kind in MLA:  # every member reads MLA's values of their own
+        values = {k: jnp.asarray(v) for k, v in bad_values_arrays().items()}
+        out[f"bad-values-{kind}"] = _attend(kernel, kind, values)
     if deepseek:
         out["deepseek"] = _attend(kernel, "csa-gathered", arrays, ce.DeepSeekInference())
     return out
@@ -293,6 +316,10 @@ def test_the_inputs_tell_right_from_wrong():
         out, _ = reference(kind, nonfinite_arrays())
         bad = np.isnan(out).any((2, 3))
         assert bad.any() and not bad.all(), kind
+    for kind in MLA:  # the non-finite values reach some queries, not all
+        out, _ = reference(kind, bad_values_arrays())
+        bad = np.isnan(out).any((2, 3))
+        assert bad[0].any() and bad[1].any() and not bad.all(), kind
     # csa-masked: the flagged entry (row 1, entry 2) is also picked by a query that cannot see it
     end, seg = (int(np.asarray(a)[1, 2]) for a in LAYOUT[:2])
     assert [t for t in range(S) if 2 in PICKS[1, t] and not (0 <= end <= t and seg == SEG[1, t])]
@@ -338,6 +365,17 @@ def test_nonfinite_rows_reach_only_their_readers(results, name):
         want_out, want_lse = reference(kind, nonfinite_arrays())
         assert_close(out, want_out, what=kind)
         assert_close(lse, want_lse, what=kind)
+
+
+@pytest.mark.parametrize("kind", MLA)
+@pytest.mark.parametrize("name", MEMBERS)
+def test_nonfinite_values_reach_only_their_readers(results, name, kind):
+    """A NaN (and an Inf) in the values, not the keys: exactly the queries that read that value
+    row return NaN (out and ``lse``); the others' are the formula's."""
+    out, lse = results(name, kind)[f"bad-values-{kind}"]
+    want_out, want_lse = reference(kind, bad_values_arrays())
+    assert_close(out, want_out, what=f"{kind} out")
+    assert_close(lse, want_lse, what=f"{kind} lse")
 
 
 def _deepseek_rounding(p):

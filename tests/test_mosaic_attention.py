@@ -8,10 +8,14 @@ of their own and as the keys' first features), both homes of the backward's grad
 a VMEM table, and per-block slabs overlap-added), both layouts of the query-side arrays
 (unpadded ``[B, S, h * d]`` for few heads, the kernels' padded rows where head blocks split
 the heads), ragged query blocks, packed documents, rows that read nothing, the sink alone,
-head blocks that split the heads; one case also against a numpy formula; the automatic
-configuration; the kernel contract (non-finite rows poison exactly their readers, the picks'
-check in blocks against numpy); bfloat16; V4 CSA and V3.2 layers; the lowering for a TPU at
-released shapes and the benchmark layer's (forward and backward), the tiles kernels' one pick
+head blocks that split the heads; the automatic configuration; a randomised sweep of the
+kernel's settings against the numpy formula (issue 57, tests/mosaic_sweep.py: tiles of 128 and
+512, two head blocks with gradients in HBM, bf16 keys wider than 128 with values of their own,
+every read kind and their mixes, repeated and tile-boundary picks, an entry closing at a
+block's last query, documents, non-finite queries, keys and values); the kernel contract
+(non-finite rows poison exactly their readers, the picks' check in blocks against numpy);
+bfloat16; V4 CSA and V3.2 layers; the lowering for a TPU at released shapes and the
+benchmark layer's (forward and backward), the tiles kernels' one pick
 operand (no transposed copy), the few-head kernels' unpadded operands, the automatic choices
 (gather, blocks, VMEM, the query block) up to 64k, a clear error where nothing fits, the
 refusal on a GPU and ``AutoAttention``'s choice on a TPU.
@@ -27,7 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_helpers import assert_close
+from hypothesis import given
+from hypothesis import strategies as st
 from jaxpr_helpers import gpu_lowering, kernel_dots, tpu_lowering, walk_eqns
+from mosaic_sweep import AttentionSetting, attention_data, check_attention, sweep_settings
 
 import csa_eqx as ce
 from csa_eqx import MosaicAttention, presets
@@ -89,7 +96,6 @@ def reads_of(kind: str, arrays, segment, picks) -> ce.Reads:
 
 # (reads, kernel, batch, heads, picks per query, sinks)
 CASES = {
-    "band+picks/rows": ("band+picks", MosaicAttention(8, 0, 8, 128, "rows"), 2, 3, 6, True),
     # rows copied by vector loads from a resident table, forward and backward (VMEM gradients)
     "latent/rows-resident": ("latent", MosaicAttention(8, 0, 8, 128, "rows", True), 1, 3, 6, False),
     "everything/automatic": ("everything", MosaicAttention(), 2, 3, 6, True),
@@ -100,14 +106,6 @@ CASES = {
         3,
         K_PICKS,
         True,
-    ),
-    "latent/tiles/resident/split-heads": (
-        "latent",
-        MosaicAttention(8, 8, 8, 128, "tiles", True),
-        1,
-        12,
-        6,
-        False,
     ),
     "extend-mla/rows-resident/backward-as-tiles": (
         "extend-mla",
@@ -137,31 +135,6 @@ def outputs_and_grads(kernel, kind, sinks, arrays, segment, picks, cotangent):
     return jax.grad(loss, has_aux=True)(arrays)
 
 
-def numpy_attention(arrays, segment, picks, scale=0.3):
-    """``(out, lse)`` of the ``"band+picks"`` reads with sinks, query by query."""
-    q, kv, entries, sinks = (
-        np.asarray(arrays[k], np.float64) for k in ("q", "kv", "entries", "sinks")
-    )
-    tokens, segment, picks = kv[:, W - 1 :], np.asarray(segment), np.asarray(picks)
-    b, s, h, _ = q.shape
-    out, lse = np.zeros((b, s, h, D)), np.zeros((b, s, h))
-    for bi in range(b):
-        for t in range(s):
-            window = [
-                j for j in range(t - W + 1, t + 1) if j >= 0 and segment[bi, j] == segment[bi, t]
-            ]
-            keys = np.concatenate(
-                [entries[bi, [p for p in picks[bi, t] if p >= 0]], tokens[bi, window]]
-            )
-            for hi in range(h):
-                logits = np.append(keys @ q[bi, t, hi] * scale, sinks[hi])
-                top = logits.max()
-                weights = np.exp(logits - top)
-                lse[bi, t, hi] = top + np.log(weights.sum())
-                out[bi, t, hi] = weights[:-1] @ keys / weights.sum()
-    return out, lse
-
-
 def run_case(case: str, arrays=None):
     """The kernel's and the reference's ``(grads, (out, lse))`` on a case's inputs (or
     ``arrays``)."""
@@ -189,12 +162,55 @@ def test_outputs_and_gradients_equal_the_reference(case):
     for name in grads:
         assert_close(grads[name], ref_grads[name], what=f"d{name}")
         assert (float(jnp.max(jnp.abs(ref_grads[name]))) > 0) == (name in read), name
-    if kind == "band+picks":  # and a formula of its own
-        np_out, np_lse = numpy_attention(arrays, segment, picks)
-        assert_close(out, np_out, what="numpy out")
-        assert_close(lse, np_lse, what="numpy lse")
     if kind == "latent":  # query 0 reads nothing (and has no sink): zeros, lse = -inf
         assert (np.asarray(out)[:, 0] == 0).all() and (np.asarray(lse)[:, 0] == -np.inf).all()
+
+
+# --- the randomised sweep (issue 57; tests/mosaic_sweep.py) ----------------------------------
+
+# One compiled program each; hypothesis draws the data (picks with repeats, a block's largest
+# pick on a tile boundary, an entry closing at a block's last query, documents, non-finite
+# queries / keys / values). Together they run every setting the kernel chooses for itself
+# (tiles of 512 over more than 512 entries, keys of 128 lanes) and the ones it is forced to.
+SWEEP = {
+    # three tiles of 128 (boundary picks at 0, 128, 256), two head blocks, gradients in HBM
+    # (tiles and the band's slabs summed over the head blocks)
+    "band+picks/tiles/hbm/two-head-blocks": AttentionSetting(
+        "tiles-hbm", MosaicAttention(8, 8, 8, 128, "tiles", False, "hbm"), "band+picks",
+        heads=16, t=260,
+    ),
+    # bf16 keys 136 wide (two feature blocks in one packed word-row) and values of their own
+    # 130 wide (two more), row DMAs in chunks of 8 (the backward's VMEM gradient table)
+    "band+picks/bf16-wide-own-values/rows": AttentionSetting(
+        "bf16-rows", MosaicAttention(8, 16, 8, 128, "rows"), "band+picks", dtype="bfloat16",
+        heads=16, d=136, values=130, s=8,
+    ),
+    # every kind at once over two packed batch rows, resident tables, ragged query blocks
+    "band+picks+dense/tiles/resident": AttentionSetting(
+        "everything", MosaicAttention(8, 0, 8, 128, "tiles", True), "band+picks+dense",
+        batch=2, heads=3, s=11,
+    ),
+    # a DenseKeys' picks masked by visibility read as row DMAs, values of their own, gradients
+    # in HBM (the rows' backward reads them as tiles)
+    "band+masked/rows/hbm/own-values": AttentionSetting(
+        "masked", MosaicAttention(8, 0, 8, 128, "rows", False, "hbm"), "band+masked",
+        heads=3, values=5, s=11,
+    ),
+    # the automatic configuration: tiles of 512 over 600 entries, keys of 128 lanes
+    "band+picks/automatic/512-tiles": AttentionSetting(
+        "automatic", MosaicAttention(), "band+picks", heads=3, d=128, t=600,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(SWEEP))
+@sweep_settings(4)
+@given(data=st.data())
+def test_randomised_sweep_against_numpy(name, data):
+    """Outputs and ``lse`` against the float64 formula, every gradient against its ``jnp``
+    autodiff, on drawn data (tests/mosaic_sweep.py)."""
+    setting = SWEEP[name]
+    check_attention(setting, attention_data(data.draw, setting))
 
 
 def test_nonfinite_rows_reach_only_their_readers():

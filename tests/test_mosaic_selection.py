@@ -11,7 +11,11 @@ slots, queries that see nothing, ``k`` above the visible count. Tiny blocks (``q
 to 8, ``key_block`` 4 to 8: chunks of that many lanes) give several query blocks, skipped and
 ragged key tiles, several output tiles and several kernel calls; one case runs the TPU's own
 128-lane chunks (``key_block`` 256: two chunks per tile). Each of the three threshold searches
-runs, and the tie search on rows with more ties than room. The selection family's conformance
+runs, and the tie search on rows with more ties than room. A randomised sweep (issue 57,
+tests/mosaic_sweep.py) runs d = 128 (where ``d^-1/2`` is not a power of two, so the rounding
+order of DeepSeek's bf16 scores shows), bf16 inputs and scores, head chunks, key tiles of 8,
+16 and the automatic 512, against the numpy model of the scores and the brute-force top-k
+(it replaced the hand-picked bf16 cases). The selection family's conformance
 suite runs the kernel as a member too (tests/test_conformance_selection.py: rows whose every
 score ties, bf16 head weights that bf16 must round, no gradient through the picks, a V4.1
 consumer refused and a candidate source streamed, no entries at all).
@@ -23,7 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from jaxpr_helpers import gpu_lowering, kernel_dots, tpu_lowering, walk_avals
+from mosaic_sweep import SelectionSetting, check_selection, selection_data, sweep_settings
 from test_pallas_selection import problem, selections
 from test_topk_reference import B, S, brute_force, fixed_case, layout_of
 
@@ -48,23 +55,6 @@ BLOCKS = {
 }
 
 
-def v4_case(seed, s=29, heads=4, dim=16, m=2):
-    """V4 CSA-like: compressed entries (``m`` tokens each, segment-aligned), two packed
-    documents in row 0; integer keys near one common key, so the logits are large (bf16 rounds
-    them, to ties) and close, while float32 holds every score exactly (``d = 16``)."""
-    r = np.random.default_rng(seed)
-    q = r.integers(-16, 17, (2, s, heads, dim))
-    w = r.integers(-3, 4, (2, s, heads)) * 4
-    seg = np.zeros((2, s), np.int32)
-    seg[0, 11:] = 1
-    layout = ce.entry_layout(jnp.asarray(seg), m)
-    t = layout.end.shape[1]
-    sparse = r.integers(-1, 2, (2, t, dim)) * (r.random((2, t, dim)) < 0.1)
-    keys = r.integers(-8, 9, (1, 1, dim)) + sparse
-    qi = np.broadcast_to(np.arange(s, dtype=np.int32), (2, s))
-    return q, w, keys, qi, seg, layout
-
-
 def brute(q, w, keys, qi, qs, layout, k):
     """``brute_force`` of test_topk_reference.py over a layout."""
     end, seg = np.asarray(layout.end), np.asarray(layout.segment)
@@ -84,43 +74,6 @@ def test_selection_equals_xla_and_brute_force(name):
     picks = np.asarray(got)
     assert (picks == -1).all(-1).any()  # queries that see nothing
     assert (picks >= 0).all(-1).any() == (k <= 5) and (picks[..., -1] == -1).any()
-
-
-def test_bf16_scores_round_alike_in_compressed_entries():
-    """V4 CSA's entries (m = 2, two packed documents), scores rounded to bf16 (which here
-    changes scores and picks) and summed over chunks of two heads (two stacked per matmul):
-    the kernel's selection is the streaming one's, bitwise; a document's first token sees no
-    entry yet (all ``-1``)."""
-    q, w, keys, qi, seg, layout = v4_case(0)
-    k = 3
-    kernel = ce.MosaicSelection(query_block=8, key_block=4)
-    streaming = ce.StreamingSelection(key_block=2, query_block=4)
-    args = (q, w, keys, qi, seg, layout)
-    got, want = selections((kernel, streaming), k, *args, head_chunk=2, score_dtype="bfloat16")
-    np.testing.assert_array_equal(got, want)
-    assert not np.array_equal(got, brute(*args, k))  # the rounding reached the picks
-    firsts = np.asarray(got)[[0, 0, 1], [0, 11, 0]]  # each document's first token
-    assert (firsts == -1).all() and (np.asarray(got)[:, 1:11] >= 0).any()
-
-
-@jax.jit
-def bf16_selections(q, w, keys, qi, seg, layout):
-    """The kernel's and the XLA reference's selection of bf16 queries and keys (k = 3)."""
-    visibility = ce.Visibility(qi, seg, layout)
-    p = ce.SelectionProblem.from_queries(q, w, keys, visibility)
-    strategies = (ce.MosaicSelection(key_block=4), DENSE)  # one query block: 29 rows, 3 padded
-    return [s.select(p, 3) for s in strategies]
-
-
-def test_bf16_inputs_in_compressed_entries():
-    """bf16 queries and keys (the MXU's bf16 path), V4 entries of m = 4 over two packed
-    documents, the default query block (a sequence shorter than it: one block of whole 16s,
-    padded with rows that see nothing): bitwise the XLA reference's and the brute force's."""
-    q, w, keys, qi, seg, layout = v4_case(1, m=4)
-    bf16 = [jnp.asarray(a, jnp.bfloat16) for a in (q, keys)]
-    got, want = bf16_selections(bf16[0], jnp.asarray(w, jnp.float32), bf16[1], qi, seg, layout)
-    np.testing.assert_array_equal(got, want)
-    np.testing.assert_array_equal(got, brute(q, w, keys, qi, seg, layout, 3))
 
 
 def test_full_lane_chunks_on_token_keys():
@@ -143,6 +96,36 @@ def test_full_lane_chunks_on_token_keys():
     np.testing.assert_array_equal(got, brute(*args, k))
     picks = np.asarray(got)
     assert ((picks >= 0).sum(-1) == k).any() and ((picks >= 0).sum(-1) < k).any()
+
+
+# --- the randomised sweep (issue 57; tests/mosaic_sweep.py) ----------------------------------
+
+# d = 128 (the released indexer width: d^-1/2 is not a power of two, so the order in which the
+# weight, d^-1/2 and the bf16 roundings apply shows in the picks), bf16 scores, head chunks,
+# key tiles of 8 and 16 lanes and the automatic 512 over more than 512 entries.
+SELECTION_SWEEP = {
+    "d128/bf16-scores/head-chunks": SelectionSetting(
+        "chunks", ce.MosaicSelection(query_block=8, key_block=16, head_group=2, search="secant"),
+        head_chunk=2, score_dtype="bfloat16", k=5,
+    ),
+    "d128/bf16-inputs-and-scores/k-above-visible": SelectionSetting(
+        "bf16", ce.MosaicSelection(query_block=8, key_block=8, search="bisect"),
+        dtype="bfloat16", score_dtype="bfloat16", k=12, batch=2,
+    ),
+    "d128/automatic/512-key-tiles": SelectionSetting(
+        "automatic", ce.MosaicSelection(), t=520, score_dtype="bfloat16", k=9,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(SELECTION_SWEEP))
+@sweep_settings(4)
+@given(data=st.data())
+def test_randomised_sweep_against_brute_force(name, data):
+    """The picks bitwise the brute force's over the numpy scores (DeepSeek's bf16 einsum
+    modelled by ``scores_np``), on drawn documents, layouts and tied keys."""
+    setting = SELECTION_SWEEP[name]
+    check_selection(setting, selection_data(data.draw, setting))
 
 
 def test_no_score_matrix_in_the_program():

@@ -7,7 +7,10 @@ features are the values), for the automatic configuration (the
 one ``AutoAttention`` takes on a TPU: tiles, prefill and decoding) and the forced designs it
 does not take (rows copied by vector loads from a resident table, gradients added in HBM, a
 rows backward read as tiles). Tolerances, relative to the reference's largest magnitude:
-bfloat16 inputs 3e-2, float32 under ``jax.default_matmul_precision("highest")`` 2e-4.
+bfloat16 inputs 3e-2, float32 under ``jax.default_matmul_precision("highest")`` 2e-4. The
+randomised sweep of ``test_mosaic_attention.py`` (tests/mosaic_sweep.py, issue 57) runs here
+too, compiled by Mosaic: its settings with row chunks of 128, 40 drawn examples each, against
+the numpy formula (and its ``jnp`` autodiff on the CPU device).
 
 Collected everywhere; skipped unless a TPU is present. Run on a TPU machine (both backends,
 the CPU's for the reference)::
@@ -22,6 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from mosaic_sweep import attention_data, check_attention, sweep_settings
+from test_mosaic_attention import SWEEP
 
 import csa_eqx as ce
 from csa_eqx import MosaicAttention
@@ -155,3 +162,30 @@ def test_forced_designs_on_the_chip(design):
     backward read as tiles: bfloat16."""
     kernel, problem = FORCED[design]
     compare(kernel, problem, "bfloat16")
+
+
+# The CPU sweep's settings (tests/mosaic_sweep.py, test_mosaic_attention.py's ``SWEEP``) compiled
+# by Mosaic: row chunks of 128 (the least a TPU takes), the chip's tolerances; the same draws.
+CHIP_SWEEP = {
+    name: dataclasses.replace(
+        setting,
+        kernel=dataclasses.replace(
+            setting.kernel, key_block=128 if setting.kernel.key_block else 0
+        ),
+        tolerance=TOLERANCE[setting.dtype],
+    )
+    for name, setting in SWEEP.items()
+}
+
+
+@pytest.mark.parametrize("name", list(CHIP_SWEEP))
+@sweep_settings(40)
+@given(data=st.data())
+def test_randomised_sweep_on_the_chip(name, data):
+    """Outputs, ``lse`` and every gradient against the numpy formula and its ``jnp`` autodiff
+    on the CPU device, on drawn data: boundary and repeated picks, documents, non-finite
+    queries, keys and values."""
+    setting = CHIP_SWEEP[name]
+    precision = jax.default_matmul_precision("highest") if setting.dtype == "float32" else None
+    with precision or contextlib.nullcontext():
+        check_attention(setting, attention_data(data.draw, setting), jax.devices("cpu")[0])

@@ -14,8 +14,13 @@ reference scores differ by more than ``TIE`` times its largest score (or it sees
 ``k`` entries); an untied row's picks must be the reference's exactly, and every row's picks
 must be a valid top-k within that tolerance (visible, distinct, increasing, as many as the row
 sees up to ``k``, none scored below the ``k``-th best by more than the tolerance).
+
+The randomised sweep of ``test_mosaic_selection.py`` (tests/mosaic_sweep.py, issue 57: d = 128,
+bf16 scores, head chunks) runs here too at the blocks a TPU takes, 40 drawn examples a setting:
+its integer inputs' scores are exact in float32, so the picks must be the brute force's bitwise.
 """
 
+import dataclasses
 import functools
 import math
 
@@ -23,6 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from mosaic_sweep import check_selection, selection_data, sweep_settings
+from test_mosaic_selection import SELECTION_SWEEP
 
 import csa_eqx as ce
 from csa_eqx._backend import backend_tiles
@@ -199,3 +208,28 @@ def test_the_automatic_choice_is_the_kernel():
     np.testing.assert_array_equal(
         case.run(ce.AutoSelection()), case.run(ce.MosaicSelection()), err_msg="auto != kernel"
     )
+
+
+# The CPU sweep's settings (test_mosaic_selection.py's ``SELECTION_SWEEP``) at the blocks a TPU
+# takes (query blocks of 16, key tiles of 128 lanes or the automatic 512): the same draws,
+# the picks bitwise the brute force's (the inputs' scores are exact in float32).
+CHIP_SELECTION_SWEEP = {
+    name: dataclasses.replace(
+        setting,
+        kernel=dataclasses.replace(
+            setting.kernel,
+            query_block=max(setting.kernel.query_block, 16),
+            key_block=max(setting.kernel.key_block, 128),
+        ),
+        t=max(setting.t, 300),
+    )
+    for name, setting in SELECTION_SWEEP.items()
+}
+
+
+@pytest.mark.parametrize("name", list(CHIP_SELECTION_SWEEP))
+@sweep_settings(40)
+@given(data=st.data())
+def test_randomised_sweep_on_the_chip(name, data):
+    setting = CHIP_SELECTION_SWEEP[name]
+    check_selection(setting, selection_data(data.draw, setting))

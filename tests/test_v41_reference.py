@@ -692,6 +692,23 @@ def _check_outputs(config, ys, sels, fx, key) -> None:
         assert err <= 1e-2, (key("y", i), err)
 
 
+def test_flash_config_scale_format_read_from_each_spelling(flash_config, tmp_path):
+    """``numerics="deepseek"`` takes the checkpoint's activation scale format: DeepSeek's
+    spelling (no such key: its code's ``"ue8m0"``), transformers' with
+    ``quantization_config.scale_fmt`` ``"ue8m0"``, and transformers' without it (``None``:
+    amax scales; the loaders took ``"ue8m0"`` whatever the config said before issue 57)."""
+    from csa_eqx.hf import load_v41_attention_from_safetensors
+
+    *_, folders = flash_config
+    top = json.loads((folders[1] / "config.json").read_text())
+    del top["quantization_config"]["scale_fmt"]
+    (tmp_path / "config.json").write_text(json.dumps(top))
+    (tmp_path / "model.safetensors").symlink_to(folders[1] / "model.safetensors")
+    for folder, want in ((folders[0], "ue8m0"), (folders[1], "ue8m0"), (tmp_path, None)):
+        layer = load_v41_attention_from_safetensors(folder, 0, numerics="deepseek")
+        assert layer.execution.numerics == ce.DeepSeekV41Inference(scale_fmt=want), folder
+
+
 def test_flash_config_fp8_prefill_matches_deepseek(flash_config):
     """V4.1-Flash's released ``inference/config.json`` keys (tiny sizes) and FP8 layout through
     the public folder loader (transformers' spelling of the config loads the same layers: two

@@ -164,6 +164,19 @@ def v41_config_from_hf(config: Any, source: str = "config") -> V41AttentionConfi
     )
 
 
+def v41_scale_fmt(config: Mapping) -> str | None:
+    """The activation scale format of a V4.1 ``config.json`` (as ``v4_scale_fmt`` for V4):
+    transformers' ``quantization_config.scale_fmt`` (at the top or in ``text_config``; absent:
+    ``None``, amax scales), and for DeepSeek's ``inference/config.json`` the code's constant
+    ``"ue8m0"`` (V4.1's ``ModelArgs`` has no ``scale_fmt`` field)."""
+    d = dict(config)
+    text = dict(d.get("text_config") or d)
+    if "dim" in text and "hidden_size" not in text:
+        return "ue8m0"
+    quant = d.get("quantization_config") or text.get("quantization_config") or {}
+    return quant.get("scale_fmt")
+
+
 def load_v41_attention(
     config: V41AttentionConfig,
     layer_idx: int,
@@ -172,6 +185,7 @@ def load_v41_attention(
     dtype=jnp.float32,
     execution=None,
     block: tuple[int, int] = V41_BLOCK,
+    scale_fmt: str | None = "ue8m0",
     **options,
 ) -> V41Attention:
     """Layer ``layer_idx`` of a V4.1 stack from a state dict under DeepSeek's names (docs/v41.md,
@@ -186,7 +200,9 @@ def load_v41_attention(
     - ``prefix``: the names' prefix (``None``: ``layers.{layer_idx}.attn.``; transformers'
         checkpoints add ``model.``); keys without it are ignored.
     - ``dtype``: the parameters' dtype (norms and sinks stay float32); ``execution``: as for
-        ``V41Attention``; ``block``: the FP8 tile (the release's 32 x 32).
+        ``V41Attention``; ``block``: the FP8 tile (the release's 32 x 32); ``scale_fmt``: the
+        checkpoint's activation scale format for ``numerics="deepseek"`` (the release's
+        ``"ue8m0"``, or ``None``: amax scales; ``v41_scale_fmt`` reads it from a config).
     - ``options``: instead of ``execution=``, the keywords of ``csa_eqx.Execution.from_options``
         (``head_parallel=True``, ``context_parallel=True``, ``indexer_sharded_topk=True``, ...;
         docs/v41.md, "Scaling out"); ``numerics="deepseek"`` is ``DeepSeekV41Inference()``
@@ -201,7 +217,7 @@ def load_v41_attention(
     prefix = f"layers.{layer_idx}.attn." if prefix is None else prefix
     given = {_internal(k): v for k, v in strip_prefix(tensors, prefix).items()}
     where = f"state dict of layer {layer_idx}"
-    execution = loader_execution(execution, options, formats=V41_FORMATS)
+    execution = loader_execution(execution, options, scale_fmt, formats=V41_FORMATS)
     return _load(
         config, layer_idx, given, where, lambda n: prefix + _native(n), dtype, execution, block
     )
@@ -249,7 +265,8 @@ def load_v41_attention_from_safetensors(
     prefixes = {
         p: _internal for p in (f"layers.{layer_idx}.attn.", f"model.layers.{layer_idx}.attn.")
     }
-    execution = loader_execution(execution, options, formats=V41_FORMATS)
+    scale_fmt = v41_scale_fmt(top if "text_config" in top else text)
+    execution = loader_execution(execution, options, scale_fmt, formats=V41_FORMATS)
     tensors, origin = read_layer(folder, prefixes)
     where = f"{folder}, layer {layer_idx}"
     return _load(
