@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from ._ops import varying_like
+
 __all__ = [
     "METHODS",
     "canonical_scores",
@@ -93,8 +95,8 @@ def _compact(count: Int[Array, "*rows n"], k: int, unroll: bool) -> Int[Array, "
     ``[*rows, n]`` index tuples, 12 bytes per element, the largest buffers of a selection."""
     n = count.shape[-1]
     target = jnp.arange(1, k + 1, dtype=jnp.int32)
-    # the carry from the input (not a constant): inside a shard_map it varies as ``count`` does
-    lo = jnp.broadcast_to(jnp.zeros_like(count[..., :1]), (*count.shape[:-1], k))
+    # typed as the input varies (inside a shard_map with check_vma, the body makes it vary)
+    lo = varying_like(jnp.zeros((*count.shape[:-1], k), jnp.int32), count)
 
     def halve(_, bounds):  # invariant: the answer is in [lo, hi]; hi = n means none
         lo, hi = bounds
@@ -150,7 +152,7 @@ def exact_topk(
         enough = jnp.sum(key >= mid[..., None], axis=-1, dtype=jnp.int32) >= want
         return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid - 1)
 
-    lo = jnp.zeros_like(key[..., 0])  # from the input: varies as it does under a shard_map
+    lo = varying_like(jnp.zeros(key.shape[:-1], jnp.uint32), key)
     kth, _ = jax.lax.fori_loop(0, 32, halve, (lo, jnp.full_like(lo, 0xFFFFFFFF)), unroll=unroll)
     above, tied = key > kth[..., None], key == kth[..., None]
     room = want - jnp.sum(above, axis=-1, dtype=jnp.int32)

@@ -231,7 +231,7 @@ def choice_at(s: int, m: int, heads: int = 4):
 
 def test_auto_selection_takes_the_kernel_on_a_tpu(monkeypatch):
     """On a (faked) TPU backend ``AutoSelection`` takes ``MosaicSelection`` for a plain
-    problem, not where a V4.1 pre-filter bites, under a compiler-sharded mesh, or where the
+    problem (under a compiler-sharded mesh too), not where a V4.1 pre-filter bites, or where the
     keys cannot stay in VMEM (there: the XLA streaming top-k); on a GPU the XLA path."""
     q, w, keys, qi, qs, end = fixed_case(1)
     plain = problem(q, w, keys, qi, qs, layout_of(end, qs))
@@ -243,8 +243,12 @@ def test_auto_selection_takes_the_kernel_on_a_tpu(monkeypatch):
     assert choice_at(32768, 4, heads=64) == ce.MosaicSelection()
     assert isinstance(auto.strategy(plain._replace(visibility=filtered)), ce.DenseSelection)
     assert isinstance(choice_at(1 << 20, 1), ce.StreamingSelection)
-    with jax.set_mesh(jax.make_mesh((2, 4), ("data", "tensor"))):  # sharded by the compiler
-        assert isinstance(auto.strategy(plain), ce.DenseSelection)
+    # a TPU mesh the compiler shards: the kernel still (per device: csa_eqx._mesh.per_device)
+    device = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=None, platform="tpu")
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    tpus = jax.sharding.AbstractMesh((2, 4), ("data", "tensor"), explicit, abstract_device=device)
+    with jax.sharding.use_abstract_mesh(tpus):
+        assert auto.strategy(plain) == ce.MosaicSelection()
     monkeypatch.setattr(_backend.jax, "default_backend", lambda: "gpu")
     assert isinstance(auto.strategy(plain), ce.DenseSelection)
 

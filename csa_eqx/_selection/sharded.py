@@ -107,7 +107,8 @@ class ShardedSelection(AbstractSplitSelection):
         if is_manual(jax.sharding.get_abstract_mesh(), tensor_axis):
             return tuple(out[:, :s] for out in this_device(*args))
         outs = self._shard_map(shard, mesh, b, args)
-        return tuple(place(out[:, :s], mesh, out_layout) for out in outs)
+        whole = P(batch_axis(mesh, self.data_axis, b), None, None)  # the rows joined
+        return tuple(place(place(out, mesh, whole)[:, :s], mesh, out_layout) for out in outs)
 
     def _shard_map(
         self, local: Callable, mesh: MeshLike, batch: int, args: tuple

@@ -1,0 +1,225 @@
+"""Composition on an accelerator (issue 53; docs/composing.md, docs/benchmarks_tpu.md,
+"Composition"): the layer under JAX's transformations on the automatic path and with the XLA
+path forced, a checkpointed ``lax.scan`` training step over a stack against an unchecked one
+and the XLA path's (compiled memory and time, one run), and the kernels against the XLA path
+in float32 at ``precision="highest"``.
+
+    python -m benchmarks.composition --out DIR [--part table stack float32] [--quick]
+
+``--quick`` shrinks every size (a CPU smoke run; the numbers mean nothing). Writes
+``DIR/composition.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+import csa_eqx as ce
+from csa_eqx.presets import tiny_v4, tiny_v32, v4_flash, v32
+from csa_eqx.remat import compose_selection_policy
+
+XLA = ce.Execution(selection=ce.DenseSelection(), attention=ce.XlaAttention())
+XLA_TPU = ce.Execution(selection=ce.StreamingSelection(), attention=ce.XlaAttention())
+POLICY = compose_selection_policy(None)
+
+
+def config_of(kind: str, quick: bool):
+    if kind == "v4":
+        return tiny_v4("csa") if quick else v4_flash("csa")
+    return tiny_v32() if quick else v32()
+
+
+def layer_of(kind: str, execution, quick: bool, dtype=jnp.bfloat16):
+    cls = ce.V4Attention if kind == "v4" else ce.V32Attention
+    return cls(config_of(kind, quick), key=jax.random.key(0), execution=execution, dtype=dtype)
+
+
+def stacked(layer, n: int):
+    params, static = eqx.partition(layer, eqx.is_array)
+    return jax.tree.map(lambda a: jnp.stack([a] * n), params), static
+
+
+def timed(fn, *args, reps: int = 3) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def temporaries(fn, *args) -> float:
+    mem = jax.jit(fn).lower(*args).compile().memory_analysis()
+    return mem.temp_size_in_bytes / 2**30
+
+
+def table(quick: bool) -> dict:
+    """The issue's table: each use on the automatic path and with the XLA path forced."""
+    seq = 64 if quick else 2048
+    paths = (("automatic", ce.Execution()), ("xla", XLA_TPU))
+    return {path: _uses(execution, quick, seq) for path, execution in paths}
+
+
+def _uses(execution, quick: bool, seq: int) -> dict:
+    """Each use of the table on one path: ``"works"`` or the error's first line."""
+    layer = layer_of("v4", execution, quick)
+    x = jax.random.normal(jax.random.key(1), (2, seq, layer.config.hidden_size), jnp.bfloat16)
+    params, static = stacked(layer, 2)
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+
+    def loss(m, x):
+        return jnp.mean(m(x).astype(jnp.float32) ** 2)
+
+    def body(h, p):
+        return h + eqx.combine(p, static)(h), None
+
+    def square(y):
+        return jnp.mean(y.astype(jnp.float32) ** 2)
+
+    def remat(m, x):
+        return square(jax.checkpoint(lambda m, x: m(x), policy=POLICY)(m, x))
+
+    def stack_loss(p, x, step):
+        return square(jax.lax.scan(step, x, p)[0])
+
+    def data_parallel(m, x, grad):
+        def local(m, x):
+            f = lambda m, x: jax.lax.pmean(loss(m, x), "data")  # noqa: E731
+            return jax.grad(f)(m, x) if grad else f(m, x)
+
+        spec = (jax.P(), jax.P("data"))
+        x = jax.reshard(x, jax.NamedSharding(mesh, jax.P("data")))
+        return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=jax.P())(m, x)
+
+    uses = {
+        "checkpoint + grad": lambda: jax.jit(jax.grad(remat))(layer, x),
+        "scan + grad": lambda: jax.jit(jax.grad(stack_loss), static_argnums=2)(params, x, body),
+        "scan(checkpoint) + grad": lambda: jax.jit(jax.grad(stack_loss), static_argnums=2)(
+            params, x, jax.checkpoint(body, policy=POLICY)
+        ),
+        "vmap": lambda: jax.jit(jax.vmap(layer))(x),
+        "shard_map fwd": lambda: jax.jit(lambda m, x: data_parallel(m, x, False))(layer, x),
+        "shard_map grad": lambda: jax.jit(lambda m, x: data_parallel(m, x, True))(layer, x),
+    }
+    out = {}
+    for use, run in uses.items():
+        try:
+            jax.block_until_ready(run())
+            out[use] = "works"
+        except Exception as error:  # recorded, not raised: the table is the point
+            out[use] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            traceback.print_exc()
+        print(use, out[use], flush=True)
+    return out
+
+
+def stack(quick: bool) -> dict:
+    """A training step over 4 V4-Flash CSA layers (bf16): checkpointed ``lax.scan`` with the
+    selection saved, on the kernels; the same unchecked; the checkpointed one on the XLA path."""
+    seq = 128 if quick else 8192
+    out = {"layers": 4, "seq": seq}
+    for name, execution, checkpoint in (
+        ("kernels, checkpointed", ce.Execution(), True),
+        ("kernels, unchecked", ce.Execution(), False),
+        ("xla, checkpointed", XLA_TPU, True),
+    ):
+        out[name] = _step(execution, checkpoint, quick, seq)
+        print(name, out[name], flush=True)
+    base = out.get("kernels, checkpointed", {}).get("seconds")
+    for row in out.values():
+        if isinstance(row, dict) and base and "seconds" in row:
+            row["time_ratio_to_kernels_checkpointed"] = row["seconds"] / base
+    return out
+
+
+def _step(execution, checkpoint: bool, quick: bool, seq: int) -> dict:
+    """One training step's compiled temporaries and time (or the error)."""
+    layer = layer_of("v4", execution, quick)
+    params, static = stacked(layer, 4)
+    x = jax.random.normal(jax.random.key(1), (1, seq, layer.config.hidden_size), jnp.bfloat16)
+
+    def body(h, p):
+        return h + eqx.combine(p, static)(h), None
+
+    step = jax.checkpoint(body, policy=POLICY) if checkpoint else body
+
+    def loss(p, x):
+        return jnp.mean(jax.lax.scan(step, x, p)[0].astype(jnp.float32) ** 2)
+
+    grad = jax.jit(jax.grad(loss))
+    try:
+        temp = temporaries(jax.grad(loss), params, x)
+        return dict(temp_gib=temp, seconds=timed(grad, params, x))
+    except Exception as error:
+        return dict(error=f"{type(error).__name__}: {str(error).splitlines()[0][:300]}")
+
+
+def float32(quick: bool) -> dict:
+    """The kernels against the XLA path, float32 at ``precision="highest"``: the largest
+    difference of the output and of every gradient, relative to the largest value."""
+    seq = 64 if quick else 3072
+    out = {}
+    with jax.default_matmul_precision("highest"):
+        for kind in ("v4", "v32"):
+            results = {}
+            for path, execution in (
+                ("kernels", ce.Execution(indexer_loss="dense")),
+                ("xla", XLA_TPU),
+            ):
+                if path == "xla":
+                    execution = eqx.tree_at(lambda e: e.indexer_loss, execution, "dense")
+                layer = layer_of(kind, execution, quick, dtype=jnp.float32)
+                x = jax.random.normal(jax.random.key(1), (1, seq, layer.config.hidden_size))
+
+                def loss(m, x):
+                    y, aux = m(x, return_aux=True)
+                    return jnp.mean(y**2) + aux["indexer_loss"], (y, aux["indexer_loss"])
+
+                (_, (y, kl)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(layer, x)
+                results[path] = (y, kl, grads)
+            (y0, kl0, g0), (y1, kl1, g1) = results["kernels"], results["xla"]
+
+            def rel(a, b):
+                return float(jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
+
+            grads = [
+                rel(a, b) for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True)
+            ]
+            out[kind] = dict(
+                output=rel(y0, y1), indexer_loss=rel(kl0, kl1), worst_gradient=max(grads)
+            )
+            print(kind, out[kind], flush=True)
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--part", nargs="+", default=["table", "stack", "float32"])
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = dict(
+        backend=jax.default_backend(),
+        devices=[d.device_kind for d in jax.devices()],
+        jax=jax.__version__,
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    )
+    parts = dict(table=table, stack=stack, float32=float32)
+    for part in args.part:
+        record[part] = parts[part](args.quick)
+        (args.out / "composition.json").write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
