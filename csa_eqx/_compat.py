@@ -65,9 +65,7 @@ def _unvarying(aval):
     """``aval`` as one device's value: no manual axis type, no mesh (the interpreter's own
     constants have none)."""
     spec = jax.P(*([None] * len(aval.shape)))
-    return aval.update(
-        manual_axis_type=_core.empty_mat, sharding=jax.NamedSharding(_NO_MESH, spec)
-    )
+    return aval.update(manual_axis_type=_core.empty_mat, sharding=jax.NamedSharding(_NO_MESH, spec))
 
 
 def _interpreted_lowering(ctx, *args, fn, avals):

@@ -235,3 +235,31 @@ def test_unbatched_layers_and_vmap_fold_into_the_kernel():
         e.primitive.name == "while" and "pallas_call" in str(e)
         for e in walk_eqns(jax.make_jaxpr(mapped)(x).jaxpr)
     )
+
+
+def test_kernels_run_per_device_under_jit_sharding():
+    """With the batch sharded by ``jit`` over a mesh (no placement), each kernel runs once per
+    device, in a ``shard_map`` over the batch's axis, and the loss and every gradient equal
+    one device's."""
+    from jaxpr_helpers import walk_eqns
+
+    layer = layer_of("kernels/mosaic+loss/auto")
+    x = inputs(48)
+
+    def loss(m, x):
+        y, aux = m(x, return_aux=True)
+        return jnp.mean(y**2) + aux["indexer_loss"]
+
+    want_value, want_grads = jax.jit(jax.value_and_grad(loss))(layer, x)
+    with jax.set_mesh(jax.make_mesh((B,), ("data",))):
+        xs = jax.device_put(x, jax.P("data"))
+        program = jax.jit(jax.value_and_grad(loss))
+        jaxpr = program.trace(layer, xs).jaxpr
+        value, grads = program(layer, xs)
+    maps = [e for e in walk_eqns(jaxpr.jaxpr) if e.primitive.name == "shard_map"]
+    kernels = [m for m in maps if "pallas_call" in str(m.params["jaxpr"])]
+    assert kernels and all(m.params["in_specs"][0] == jax.P(("data",)) for m in kernels)
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        scale = float(jnp.max(jnp.abs(want))) or 1.0
+        assert float(jnp.max(jnp.abs(got - want))) <= 1e-5 * scale
