@@ -140,7 +140,7 @@ def run_sharded(fn: Callable, mesh: MeshLike, in_specs, out_specs, axes: set, *a
     )(*args)
 
 
-def per_device(fn: Callable, batched, replicated=()):
+def per_device(fn: Callable, batched, replicated=(), differentiable: bool = True):
     """``fn(batched, replicated)`` once per device of the mesh in context, where the compiler
     shards its batch: a Pallas kernel is one device's program, so under a mesh whose axes are
     not all ``Manual`` (``jit`` sharding the batch, no placement) it runs in a ``shard_map``
@@ -153,12 +153,18 @@ def per_device(fn: Callable, batched, replicated=()):
     The batch axes are the ``Explicit`` ones ``batched``'s first array is sharded over, else
     the ``Auto`` axes (in mesh order) whose sizes divide the batch.
 
-    **Arguments:** ``fn``, ``batched`` (a pytree of ``[B, ...]`` arrays) and ``replicated`` (a
-    pytree of arrays every device takes whole, e.g. sinks).
+    **Arguments:** ``fn``, ``batched`` (a pytree of ``[B, ...]`` arrays), ``replicated`` (a
+    pytree of arrays every device takes whole, e.g. sinks) and ``differentiable`` (``False``
+    where nothing is differentiated, e.g. a selection's integer picks of inputs whose
+    gradient is stopped: no fold, JAX maps the kernel itself; the fold's ``custom_vmap``
+    would stay in the backward of a ``jax.checkpoint`` whose policy saves the picks).
 
     **Returns:** ``fn``'s outputs (a pytree of ``[B, ...]`` arrays).
     """
-    return _folded(functools.partial(_sharded, fn))(batched, replicated)
+    sharded = functools.partial(_sharded, fn)
+    if not differentiable:  # JAX's own vmap of the kernel (the fold's custom_vmap would stay
+        return sharded(batched, replicated)  # in a remat's backward, see _folded)
+    return _folded(sharded)(batched, replicated)
 
 
 def _sharded(fn: Callable, batched, replicated):
@@ -216,7 +222,7 @@ def _folded(fn: Callable) -> Callable:
         return out, jax.tree.map(lambda _: True, out)
 
     @jax.custom_vjp
-    def differentiable(batched, replicated):
+    def derivable(batched, replicated):
         return call(batched, replicated)
 
     def forward(batched, replicated):
@@ -225,5 +231,5 @@ def _folded(fn: Callable) -> Callable:
     def backward(vjp, cotangent):
         return vjp(cotangent)
 
-    differentiable.defvjp(forward, backward)
-    return differentiable
+    derivable.defvjp(forward, backward)
+    return derivable

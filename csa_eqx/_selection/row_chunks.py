@@ -90,7 +90,8 @@ def kernel_row_chunks(
         seen = visibility.rows(r0, chunk)
         index = jnp.where(new, seen.query_index, -1)
         args = (q, w, keys, layout, index, seen.query_segment)
-        return per_device(lambda args, _: kernel(*args), args)  # one device's program
+        # one device's program; nothing here is differentiated (the inputs' gradient stopped)
+        return per_device(lambda args, _: kernel(*args), args, differentiable=False)
 
     starts = block_starts(s, chunk)
     if starts.shape[0] == 1:
