@@ -29,8 +29,6 @@ V4 = tiny_v4(
     "csa", hidden_size=48, q_lora_rank=24, sliding_window=6, index_n_heads=8, index_topk=K,
     o_groups=4,  # HeadParallel over the 4 devices of "tensor"
 )  # fmt: skip
-    "csa", hidden_size=48, q_lora_rank=24, sliding_window=6, head_dim=72, index_head_dim=64
-)
 V32 = tiny_v32(index_topk=K)
 HCA = tiny_v4("hca", hidden_size=48, q_lora_rank=24, sliding_window=6)
 
