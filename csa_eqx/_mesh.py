@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
@@ -161,10 +162,17 @@ def per_device(fn: Callable, batched, replicated=(), differentiable: bool = True
 
     **Returns:** ``fn``'s outputs (a pytree of ``[B, ...]`` arrays).
     """
+    # only arrays cross the fold and the shard_map (a read set's int fields stay Python ints)
+    arrays, static = eqx.partition(batched, eqx.is_array)
+    fn = functools.partial(_with_static, fn, static)
     sharded = functools.partial(_sharded, fn)
     if not differentiable:  # JAX's own vmap of the kernel (the fold's custom_vmap would stay
-        return sharded(batched, replicated)  # in a remat's backward, see _folded)
-    return _folded(sharded)(batched, replicated)
+        return sharded(arrays, replicated)  # in a remat's backward, see _folded)
+    return _folded(sharded)(arrays, replicated)
+
+
+def _with_static(fn: Callable, static, arrays, replicated):
+    return fn(eqx.combine(arrays, static), replicated)
 
 
 def _sharded(fn: Callable, batched, replicated):

@@ -254,7 +254,7 @@ def test_bad_state_dict_names_the_tensor():
 def test_wrong_input_shape_is_a_jaxtyping_error():
     config = tiny_v32()
     layer = V32Attention(config, key=jax.random.key(0))
-    with pytest.raises(jaxtyping.TypeCheckError):
-        layer(jnp.zeros((5, config.hidden_size)))
+    with pytest.raises(jaxtyping.TypeCheckError):  # ([S, hidden] is one sequence: issue 53)
+        layer(jnp.zeros((1, 1, 5, config.hidden_size)))
     with pytest.raises(jaxtyping.TypeCheckError):
         layer(jnp.zeros((1, 5, config.hidden_size)), positions=jnp.zeros((1, 4), jnp.int32))

@@ -76,3 +76,9 @@ class AutoAttention(AbstractAttentionKernel):
     def latent(self, q_nope, q_rope, reads, up, scale, *, numerics=None, **kw):
         kernel = self.choose(numerics, up)
         return kernel.latent(q_nope, q_rope, reads, up, scale, numerics=numerics, **kw)
+
+
+def resolved(attention: AbstractAttentionKernel, numerics=None, up=None) -> AbstractAttentionKernel:
+    """**Returns:** the kernel ``attention`` runs: ``AutoAttention``'s choice for ``numerics``
+    and the MLA ``up``, any other kernel itself."""
+    return attention.choose(numerics, up) if isinstance(attention, AutoAttention) else attention

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
-from .._attention.auto import AutoAttention
+from .._attention.auto import resolved
 from .._attention.base import AbstractAttentionKernel, LatentUp
 from .._attention.picks import entry_reads
 from .._config import V32AttentionConfig
@@ -166,7 +166,7 @@ def replaying(attention, numerics, up: LatentUp):
     choice) where it can ``replay`` (its forward's outputs kept, its backward run on them:
     ``MosaicAttention.replay``) and computes ``latent`` as ``AbstractAttentionKernel``'s
     absorbed form does; else ``None``."""
-    kernel = attention.choose(numerics, up) if isinstance(attention, AutoAttention) else attention
+    kernel = resolved(attention, numerics, up)
     if hasattr(kernel, "replay") and type(kernel).latent is AbstractAttentionKernel.latent:
         return kernel
     return None
