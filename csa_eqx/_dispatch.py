@@ -22,7 +22,7 @@ from jax.sharding import AxisType
 from ._backend import Interpret, kernel_interpret
 from ._compat import interpreted
 
-__all__ = ["run_mosaic", "launch", "typed", "MOSAIC_REFUSED"]
+__all__ = ["run_mosaic", "launch", "typed", "converted_for_blocks", "MOSAIC_REFUSED"]
 
 MOSAIC_REFUSED = (
     "csa_eqx's Pallas kernel {name!r} is a Mosaic (TPU) kernel and runs only on a TPU (and "
@@ -46,6 +46,17 @@ def typed(out_shape, args):
         lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sharding, manual_axis_type=mat),
         out_shape,
     )
+
+
+def converted_for_blocks(project, rows, n: int):
+    """``jax.closure_convert(project, ...)`` for blocks of ``n`` rows of each ``[B, S, ...]``
+    array of ``rows``, the blocks typed as their arrays vary (inside a ``shard_map`` with
+    ``check_vma`` the converted function then takes the rows it is given).
+
+    **Returns:** ``(converted, consts)``, as ``jax.closure_convert``.
+    """
+    block = [typed(jax.ShapeDtypeStruct((r.shape[0], n, *r.shape[2:]), r.dtype), r) for r in rows]
+    return jax.closure_convert(project, *block)
 
 
 def launch(build, mode: Interpret, out_shape, args):

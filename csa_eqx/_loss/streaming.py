@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._blocks import block_starts, key_block_ranges, take
-from .._dispatch import typed
+from .._dispatch import converted_for_blocks
 from .._layout import Visibility
 from .._ops import summed_like, varying_like
 from .._tiles import streaming_block_sizes
@@ -239,10 +239,7 @@ class StreamingIndexerLoss(AbstractIndexerLoss):
         qb, kb = streaming_block_sizes(
             b, s, t, heads, self.key_block, self.query_block, problem.tiles
         )
-        block = [
-            typed(jax.ShapeDtypeStruct((r.shape[0], qb, *r.shape[2:]), r.dtype), r) for r in rows
-        ]
-        project, consts = jax.closure_convert(problem.project, *block)
+        project, consts = converted_for_blocks(problem.project, rows, qb)
         fixed = _Fixed(rows, q, entries, lse, problem.visibility)
         static = (target.scale, problem.head_chunk, qb, kb, problem.scorer)
         return _streaming_dense_kl(project, static, tuple(consts), problem.keys, fixed)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from .._blocks import block_starts, take
-from .._dispatch import typed
+from .._dispatch import converted_for_blocks
 from .._layout import gather_keys
 from .._ops import varying_like
 from .._tiles import sparse_query_block
@@ -81,8 +81,7 @@ def gathered_topk(
     budget = problem.tiles.elements
     qb = min(query_block or sparse_query_block(b, heads, d, n, 0, budget), s)
     # Integer output: nothing here is differentiated (closed-over parameters included).
-    block = [typed(jax.ShapeDtypeStruct((r.shape[0], qb, *r.shape[2:]), r.dtype), r) for r in rows]
-    project, consts = jax.closure_convert(project, *block)
+    project, consts = converted_for_blocks(project, rows, qb)
     rows, consts, keys = jax.lax.stop_gradient((rows, consts, keys))
     q_starts = block_starts(s, qb)
     topk = problem.tiles.topk()

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from .._blocks import block_starts, padded_keys, take
-from .._dispatch import typed
+from .._dispatch import converted_for_blocks
 from .._layout import Visibility
 from .._mesh import per_device
 from .._ops import varying_like
@@ -78,9 +78,7 @@ def kernel_row_chunks(
     per_call = -(-s // calls)
     chunk = min(-(-per_call // block) * block, s)
     # Integer output: nothing here is differentiated (closed-over parameters included).
-    # (typed: inside a shard_map the converted projection takes rows varying as ``rows`` do)
-    like = [typed(jax.ShapeDtypeStruct((b, chunk, *r.shape[2:]), r.dtype), r) for r in rows]
-    project, consts = jax.closure_convert(project, *like)
+    project, consts = converted_for_blocks(project, rows, chunk)
     rows, consts, keys = jax.lax.stop_gradient((rows, consts, keys))
     keys, layout = padded_keys(keys, visibility.layout, key_block)
 

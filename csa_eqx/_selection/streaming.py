@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from .._blocks import block_starts, key_block_ranges, padded_keys, take
-from .._dispatch import typed
+from .._dispatch import converted_for_blocks
 from .._ops import varying_like
 from .._tiles import streaming_block_sizes, topk_block_size
 from .._topk import exact_topk, merge_topk
@@ -122,8 +122,7 @@ def stream_topk(
     qb, kb = streaming_block_sizes(b, s, t, heads, key_block, query_block, sizes, multiple)
     group = topk_block_size(b, qb, t, kb, topk_block, sizes)
     # Integer output: nothing here is differentiated (closed-over parameters included).
-    block = [typed(jax.ShapeDtypeStruct((r.shape[0], qb, *r.shape[2:]), r.dtype), r) for r in rows]
-    project, consts = jax.closure_convert(project, *block)
+    project, consts = converted_for_blocks(project, rows, qb)
     rows, consts, keys = jax.lax.stop_gradient((rows, consts, keys))
     keys, layout = padded_keys(keys, visibility.layout, group)
     visibility = visibility.with_layout(layout)
