@@ -13,6 +13,7 @@ in float32 at ``precision="highest"``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -22,6 +23,7 @@ from pathlib import Path
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import csa_eqx as ce
 from csa_eqx.presets import tiny_v4, tiny_v32, v4_flash, v32
@@ -166,40 +168,59 @@ def _step(execution, checkpoint: bool, quick: bool, seq: int) -> dict:
 
 def float32(quick: bool) -> dict:
     """The kernels against the XLA path, float32 at ``precision="highest"``: the largest
-    difference of the output and of every gradient, relative to the largest value."""
+    difference of the output, the indexer loss and every gradient, relative to the largest
+    value, with the leaf that differs most. Beside it the same XLA path run on the host's CPU
+    against the chip's: how far two float32 programs that only sum in another order lie apart,
+    the yardstick for the kernels' difference (docs/benchmarks_tpu.md, "Composition")."""
     seq = 64 if quick else 3072
-    out = {}
+    cpu = jax.devices("cpu")[0]
+    xla = eqx.tree_at(lambda e: e.indexer_loss, XLA_TPU, "dense")
+    paths = (
+        ("kernels", ce.Execution(indexer_loss="dense"), None),
+        ("xla", xla, None),
+        ("xla_cpu", xla, cpu),
+    )
+    out = {"seq": seq}
     with jax.default_matmul_precision("highest"):
         for kind in ("v4", "v32"):
             results = {}
-            for path, execution in (
-                ("kernels", ce.Execution(indexer_loss="dense")),
-                ("xla", XLA_TPU),
-            ):
-                if path == "xla":
-                    execution = eqx.tree_at(lambda e: e.indexer_loss, execution, "dense")
-                layer = layer_of(kind, execution, quick, dtype=jnp.float32)
-                x = jax.random.normal(jax.random.key(1), (1, seq, layer.config.hidden_size))
+            for path, execution, device in paths:
+                with jax.default_device(device) if device else contextlib.nullcontext():
+                    layer = layer_of(kind, execution, quick, dtype=jnp.float32)
+                    x = jax.random.normal(jax.random.key(1), (1, seq, layer.config.hidden_size))
 
-                def loss(m, x):
-                    y, aux = m(x, return_aux=True)
-                    return jnp.mean(y**2) + aux["indexer_loss"], (y, aux["indexer_loss"])
+                    def loss(m, x):
+                        y, aux = m(x, return_aux=True)
+                        return jnp.mean(y**2) + aux["indexer_loss"], (y, aux["indexer_loss"])
 
-                (_, (y, kl)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(layer, x)
+                    step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+                    (_, (y, kl)), grads = jax.device_get(step(layer, x))
                 results[path] = (y, kl, grads)
-            (y0, kl0, g0), (y1, kl1, g1) = results["kernels"], results["xla"]
-
-            def rel(a, b):
-                return float(jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
-
-            grads = [
-                rel(a, b) for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True)
-            ]
-            out[kind] = dict(
-                output=rel(y0, y1), indexer_loss=rel(kl0, kl1), worst_gradient=max(grads)
-            )
+            out[kind] = {
+                f"{a}_vs_{b}": _differences(results[a], results[b])
+                for a, b in (("kernels", "xla"), ("xla_cpu", "xla"), ("kernels", "xla_cpu"))
+            }
             print(kind, out[kind], flush=True)
     return out
+
+
+def _differences(got, want) -> dict:
+    """Largest differences of output, indexer loss and gradients, relative to ``want``'s
+    largest value, and the name of the gradient leaf that differs most."""
+
+    def rel(a, b):
+        return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
+
+    (y0, kl0, g0), (y1, kl1, g1) = got, want
+    named = jax.tree_util.tree_leaves_with_path(g1)
+    grads = [
+        (rel(a, b), jax.tree_util.keystr(path))
+        for a, (path, b) in zip(jax.tree.leaves(g0), named, strict=True)
+    ]
+    worst, leaf = max(grads)
+    return dict(
+        output=rel(y0, y1), indexer_loss=rel(kl0, kl1), worst_gradient=worst, worst_leaf=leaf
+    )
 
 
 def main(argv=None) -> None:
