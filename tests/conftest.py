@@ -74,8 +74,57 @@ ONE_HALF = {
 }
 
 
-def _other_half(item, half: str | None) -> bool:
-    return half is not None and ONE_HALF.get(item.path.name, half) != half
+# Modules whose parametrised tests `make test` deals between the halves, case by case: of each
+# test function's cases (in collection order) the first runs on 3.11, the second on 3.12, and
+# so on; a test without parameters, or with one case, runs in both. Every case still runs on
+# one JAX, and each module's code on both; the modules whose cases cost most (interpret-mode
+# kernels, simulated devices, many members). A case that needs torch runs on 3.11 (the 3.12
+# half has no torch), outside the count. docs/testing.md, "Cases dealt between the halves".
+SPLIT_CASES = frozenset(
+    {
+        "test_attention_kernel.py",
+        "test_chunking.py",
+        "test_conformance_attention.py",
+        "test_conformance_selection.py",
+        "test_context_parallel.py",
+        "test_decode.py",
+        "test_extend_sharded.py",
+        "test_head_parallel.py",
+        "test_input_validation.py",
+        "test_loss_v32.py",
+        "test_mosaic_attention.py",
+        "test_nan_isolation.py",
+        "test_numerics.py",
+        "test_v41_parallel.py",
+        "test_v4_behaviour.py",
+        "test_v4_parity.py",
+    }
+)
+HALVES = ("py311", "py312")
+
+
+def _dealt_halves(items) -> dict:
+    """``{nodeid: half}`` for the cases of ``SPLIT_CASES``' parametrised tests."""
+    cases: dict[tuple, list] = {}
+    for item in items:
+        if item.path.name in SPLIT_CASES and hasattr(item, "callspec"):
+            cases.setdefault((item.path.name, item.originalname), []).append(item)
+    dealt = {}
+    for group in cases.values():
+        free = [item for item in group if not _needs_torch(item)]
+        if len(free) > 1:
+            dealt.update((item.nodeid, HALVES[i % 2]) for i, item in enumerate(free))
+    return dealt
+
+
+def _needs_torch(item) -> bool:
+    return item.path.name in TORCH_MODULES or item.get_closest_marker("torch") is not None
+
+
+def _other_half(item, half: str | None, dealt: dict) -> bool:
+    if half is None:
+        return False
+    return ONE_HALF.get(item.path.name, dealt.get(item.nodeid, half)) != half
 
 
 # Each module's share of a run (seconds of test time on the 2-core machine, measured: the 3.11
@@ -96,10 +145,11 @@ def _module_order(items) -> None:
 def pytest_collection_modifyitems(config, items):
     _module_order(items)
     half = os.environ.get("CSA_EQX_TEST_HALF")
-    elsewhere = [item for item in items if _other_half(item, half)]
+    dealt = _dealt_halves(items)
+    elsewhere = [item for item in items if _other_half(item, half, dealt)]
     if elsewhere:
         config.hook.pytest_deselected(items=elsewhere)
-        items[:] = [item for item in items if not _other_half(item, half)]
+        items[:] = [item for item in items if not _other_half(item, half, dealt)]
     for item in items:
         if item.path.name in TORCH_MODULES:
             item.add_marker(pytest.mark.torch)
@@ -117,6 +167,8 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_line(
             f"CSA_EQX_TEST_HALF={half}: deselected here, run in the other half: "
             + ", ".join(elsewhere)
+            + f"; and every other case of the parametrised tests in {len(SPLIT_CASES)} modules"
+            " (SPLIT_CASES)"
         )
     if config.getoption("torch_free"):
         terminalreporter.write_line(
