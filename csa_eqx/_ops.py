@@ -63,22 +63,32 @@ def init_linear(key: Array, d_out: int, d_in: int, dtype=jnp.float32, std: float
 
 
 def varying_like(x, *likes):
-    """``x`` cast to vary over every manual mesh axis any of ``likes`` (arrays or pytrees)
-    varies over: a loop carry built from constants, inside a ``shard_map`` with ``check_vma``
-    (JAX's default), must vary as the body makes it (unchanged outside one).
+    """``x`` typed as the data it will meet: a loop carry or buffer built from constants must
+    vary over every manual mesh axis any of ``likes`` (arrays or pytrees) varies over, inside a
+    ``shard_map`` with ``check_vma`` (JAX's default), and, under ``jit`` with ``Explicit`` mesh
+    axes, have its leading (batch) axis sharded as the first of ``likes`` whose leading axis
+    is sharded and as long (a select or update of a sharded row by a replicated one is a
+    sharding type error). Unchanged outside both.
 
-    **Arguments:** the array (or pytree of arrays) ``x`` and the arrays whose manual axes it
-    takes.
+    **Arguments:** the array (or pytree of arrays) ``x`` and the arrays whose types it takes.
 
-    **Returns:** ``x``, typed as varying over those axes (no data moves).
+    **Returns:** ``x``, so typed (no data moves but the leading axis' split).
     """
-    axes = frozenset().union(
-        *(jax.typeof(a).manual_axis_type.varying for a in jax.tree.leaves(likes))
-    )
+    leaves = jax.tree.leaves(likes)
+    axes = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in leaves))
+    leads = [
+        (a.shape[0], spec[0])
+        for a in leaves
+        if a.ndim and (spec := jax.typeof(a).sharding.spec) and spec[0] is not None
+    ]
 
     def cast(a):
         missing = tuple(sorted(axes - jax.typeof(a).manual_axis_type.varying))
-        return jax.lax.pcast(a, missing, to="varying") if missing else a
+        a = jax.lax.pcast(a, missing, to="varying") if missing else a
+        lead = next((axis for size, axis in leads if a.ndim and a.shape[0] == size), None)
+        if lead is not None and (jax.typeof(a).sharding.spec or (None,))[0] is None:
+            a = jax.reshard(a, jax.P(lead))
+        return a
 
     return jax.tree.map(cast, x)
 

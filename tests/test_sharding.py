@@ -21,7 +21,9 @@ from multiprocess_worker import MESHES, K, make_inputs
 from selection_helpers import selected, sharded_selected
 from test_remat import TOPK, count_prim, remat_layer
 
+import csa_eqx as ce
 from csa_eqx import EntryLayout, entry_layout
+from csa_eqx.presets import tiny_v4, tiny_v32
 
 MESH_SHAPES = [((8,), ("tensor",)), ((2, 4), ("data", "tensor"))]
 ROOT = Path(__file__).resolve().parents[1]
@@ -310,3 +312,44 @@ def test_v41_stack_sharded_topk_bitwise():
     assert (np.asarray(want[0].candidates) >= 0).all(-1).mean() > 0.5
     for y, w in zip(ys, want_ys, strict=True):
         np.testing.assert_allclose(np.asarray(y), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kind, execution",
+    [
+        ("v4", dict(indexer_loss="sparse")),
+        ("v4", dict(selection=ce.StreamingSelection(), indexer_loss="dense")),
+        (
+            "v4",
+            dict(
+                selection=ce.GatheredSelection(),
+                indexer_kl=ce.GatheredIndexerLoss(),
+                indexer_loss="sparse",
+            ),
+        ),
+        ("v32", dict(indexer_loss="dense")),
+    ],  # fmt: skip
+    ids=["dense+sparse-loss", "streaming+dense-loss", "gathered+gathered-loss", "v32"],
+)
+def test_xla_selections_under_jit_sharding(kind, execution):
+    """``jit`` data parallelism with an ``Explicit`` data axis (``jax.make_mesh``'s default):
+    the XLA selections' buffers and loop carries take the batch's sharding from the data, so
+    the program is typed (before: a ``ShardingTypeError`` in the top-k's and the selections'
+    selects and updates) and its loss and every gradient equal one device's."""
+    config = tiny_v4("csa", index_topk=4) if kind == "v4" else tiny_v32(index_topk=4)
+    layer = (ce.V4Attention if kind == "v4" else ce.V32Attention)(
+        config, key=jax.random.key(0), execution=ce.Execution(**execution)
+    )
+    x = jax.random.normal(jax.random.key(1), (2, 16, config.hidden_size))
+
+    def loss(m, x):
+        y, aux = m(x, return_aux=True)
+        return jnp.mean(y**2) + jnp.mean(aux["indexer_loss"])
+
+    program = jax.jit(jax.value_and_grad(loss))
+    want_value, want_grads = program(layer, x)
+    with jax.set_mesh(jax.make_mesh((2, 4), ("data", "tensor"))):
+        value, grads = program(layer, jax.device_put(x, P("data")))
+    np.testing.assert_allclose(value, want_value, rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(want))))
