@@ -60,6 +60,7 @@ import numpy as np
 
 from csa_eqx import V4AttentionConfig
 from csa_eqx._attention import mosaic_kernels as K
+from csa_eqx._mosaic import LANES
 
 # parameter-path fragments: the indexer's weights (no gradient through the selection), and
 # 2-D parameters that are added, not multiplied (the compressors' position biases)
@@ -186,7 +187,7 @@ def hardware_costs(layer, seq: int, costs: dict, config: K.Config, calls: int, r
     (``hardware_attention_fwd``, ``hardware_attention_bwd``) and the recomputed
     (``hardware_recompute``) (module docstring, "Hardware FLOPs")."""
     c = layer.config
-    kp, vp = config.key_blocks * K.LANES, config.value_blocks * K.LANES
+    kp, vp = config.key_blocks * LANES, config.value_blocks * LANES
     pairs = kernel_pairs(config, reads_per_query(c, seq)[0])
     fwd, bwd = 2 * pairs * (kp + vp), 2 * pairs * (3 * kp + 2 * vp)
     again = recomputed * fwd

@@ -37,7 +37,7 @@ import csa_eqx as ce
 
 MEMBERS = {
     "xla": ce.XlaAttention(),  # blocks of 4 of the 11 queries (the last one padded)
-    "pallas": ce.PallasAttention(query_block=4, key_block=2),  # interpret mode: partial tiles
+    "triton": ce.TritonAttention(query_block=4, key_block=2),  # interpret mode: partial tiles
     "auto": ce.AutoAttention(),
     # Pallas' TPU interpreter: blocks of 8 queries (the second partial), its automatic choices
     "mosaic": ce.MosaicAttention(query_block=8),
@@ -47,7 +47,7 @@ MEMBERS = {
 }
 # (member, check) -> (error, message) the member refuses the check's call with (asserted)
 REFUSES = {
-    ("pallas", "deepseek"): (ValueError, "PallasAttention computes the exact softmax"),
+    ("triton", "deepseek"): (ValueError, "TritonAttention computes the exact softmax"),
     ("mosaic", "deepseek"): (ValueError, "MosaicAttention computes the exact softmax"),
     ("mosaic-tiles", "deepseek"): (ValueError, "MosaicAttention computes the exact softmax"),
 }

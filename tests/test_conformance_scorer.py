@@ -34,7 +34,7 @@ import csa_eqx as ce
 MEMBERS = {
     "xla": ce.XlaScorer(),
     "blocked": ce.BlockedScorer(5),  # 13 keys: two blocks and a padded one
-    "pallas": ce.PallasScorer(query_block=4, key_block=8),  # interpret mode; partial tiles
+    "triton": ce.TritonScorer(query_block=4, key_block=8),  # interpret mode; partial tiles
     # "mosaic": the TPU scorer (issue 44) joins here
 }
 # (member, check) -> why the member cannot run the check

@@ -331,17 +331,17 @@ MUTATIONS = [
     ),
     # --- issue 43: the audit's list, and the bugs test docstrings name --------------------------
     Mutation(
-        "pallas_scorer_grad_ignores_score_dtype",
-        "the Pallas scorer's backward differentiates the float32 scores, not the bf16 ones asked",
-        "csa_eqx/_scorer/pallas.py",
+        "triton_scorer_grad_ignores_score_dtype",
+        "the Triton scorer's backward differentiates the float32 scores, not the bf16 ones asked",
+        "csa_eqx/_scorer/triton.py",
         "    kw = dict(head_chunk=head_chunk, score_dtype=score_dtype)\n    _, vjp = jax.vjp(",
         "    kw = dict(head_chunk=head_chunk, score_dtype=None)\n    _, vjp = jax.vjp(",
         ("tests/test_conformance_scorer.py::test_bf16_gradients",),
     ),
     Mutation(
-        "pallas_head_weights_unrounded",
-        "the Pallas kernels' bf16 scores skip the rounding of the head weights DeepSeek does",
-        "csa_eqx/_pallas.py",
+        "triton_head_weights_unrounded",
+        "the Triton kernels' bf16 scores skip the rounding of the head weights DeepSeek does",
+        "csa_eqx/_triton.py",
         "term = rounded * w.astype(score_dtype).astype(jnp.float32)",
         "term = rounded * w",
         (
@@ -575,7 +575,7 @@ MUTATIONS = [
         "rows_chunk_not_whole_128s",
         "the automatic rows chunk split evenly but not rounded up to whole 128s",
         "csa_eqx/_attention/mosaic.py",
-        "return _round_up(-(-width // n), K.LANES)",
+        "return round_up(-(-width // n), LANES)",
         "return -(-width // n)",
         ("tests/test_mosaic_attention.py::test_the_automatic_rows_chunk",),
     ),

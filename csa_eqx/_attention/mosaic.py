@@ -43,7 +43,8 @@ from jaxtyping import Array
 
 from .._backend import Interpret
 from .._layout import entry_visibility
-from .._ops import summed_like, varying_like
+from .._mosaic import LANES, round_up
+from .._ops import pad_axis, summed_like, varying_like
 from . import mosaic_kernels as K
 from .base import AbstractAttentionKernel, require_exact_softmax, require_keys
 from .reads import DenseKeys, Reads, gather_keys, nonfinite_rows, zero_rows
@@ -125,7 +126,7 @@ class MosaicAttention(AbstractAttentionKernel):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < least:
                 raise ValueError(f"MosaicAttention.{name} must be an int >= {least} (got {v!r})")
-        for name, multiple in (("key_block", 8), ("tile_block", K.LANES)):
+        for name, multiple in (("key_block", 8), ("tile_block", LANES)):
             if getattr(self, name) % multiple:
                 raise ValueError(
                     f"MosaicAttention.{name} must be a multiple of {multiple} "
@@ -232,17 +233,6 @@ class _Plan(NamedTuple):
     ints: _Ints
 
 
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def _pad_to(x: Array, axis: int, size: int, value=0, front: int = 0) -> Array:
-    """``x`` padded with ``value``: ``front`` before ``axis``, then to ``size`` along it."""
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (front, size - front - x.shape[axis])
-    return jnp.pad(x, pad, constant_values=value)
-
-
 def _value_width(reads: Reads, width: int) -> int:
     """The output width: the first read set's values give it (of their own, or the keys' first
     ``value_width`` features), else the keys' ``width``."""
@@ -331,7 +321,7 @@ def auto_query_block(heads: int) -> int:
     slab is ``window + Qb`` rows per ``Qb`` queries, so its reads and the backward's slab
     gradients shrink with it (window 128: 9x the block's own rows at 16 queries, 3x at 64)."""
     low, high = QUERY_BLOCKS
-    fit = STEP_ROWS // _round_up(heads, 16)
+    fit = STEP_ROWS // round_up(heads, 16)
     return min(high, max(low, 1 << (fit.bit_length() - 1) if fit else 0))
 
 
@@ -342,7 +332,7 @@ def auto_key_block(width: int) -> int:
     costs per row: V4-Flash CSA's rows forward at 32k on the chip took 186 / 162 / 141 ms at
     chunks of 128 / 256 / 512 (docs/kernels.md)."""
     n = -(-width // MAX_CHUNK)
-    return _round_up(-(-width // n), K.LANES)
+    return round_up(-(-width // n), LANES)
 
 
 def _tiles_ints(idx: Array, nq: int, qb: int, tile: int):
@@ -357,9 +347,9 @@ def _entry_meta(dense: DenseKeys, tile: int) -> Array:
     """int32 ``[B, rows / tile, 8, tile]``: the entries' end (row 0) and segment (row 1) per
     tile (padded entries: end ``-1``, seen by no query), the kernel's visibility rule's."""
     b, t = dense.layout.end.shape
-    rows = _round_up(t, tile)
-    end = _pad_to(dense.layout.end.astype(jnp.int32), 1, rows, -1)
-    segment = _pad_to(dense.layout.segment.astype(jnp.int32), 1, rows)
+    rows = round_up(t, tile)
+    end = pad_axis(dense.layout.end.astype(jnp.int32), 1, rows, -1)
+    segment = pad_axis(dense.layout.segment.astype(jnp.int32), 1, rows)
     emeta = jnp.zeros((b, 8, rows), jnp.int32).at[:, 0].set(end).at[:, 1].set(segment)
     return emeta.reshape(b, 8, rows // tile, tile).transpose(0, 2, 1, 3)
 
@@ -368,8 +358,8 @@ def _query_meta(dense: DenseKeys, sp: int) -> dict[int, Array]:
     """The per-query metadata columns the visibility rule reads: 1, each query's index; 2, its
     segment (padded queries: index ``-1``, see nothing)."""
     return {
-        1: _pad_to(dense.query_index.astype(jnp.int32), 1, sp, -1),
-        2: _pad_to(dense.query_segment.astype(jnp.int32), 1, sp, QUERY_PAD),
+        1: pad_axis(dense.query_index.astype(jnp.int32), 1, sp, -1),
+        2: pad_axis(dense.query_segment.astype(jnp.int32), 1, sp, QUERY_PAD),
     }
 
 
@@ -380,11 +370,11 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
     packed = q.dtype == jnp.bfloat16
     per, sublanes = (2, 16) if packed else (1, 8)
     qb, tile = kernel.query_block_for(b, h, reads, None), kernel.tile_block
-    sp = _round_up(s, qb)
+    sp = round_up(s, qb)
     nq = sp // qb
     value_width = _value_width(reads, d)
-    key_blocks, value_blocks = -(-d // K.LANES), -(-value_width // K.LANES)
-    heads = _round_up(h, sublanes)
+    key_blocks, value_blocks = -(-d // LANES), -(-value_width // LANES)
+    heads = round_up(h, sublanes)
     gathered, dense, picked = list(reads.gathered), reads.dense, None
     if dense is not None and dense.picks is not None:  # each query's visible picks
         dense, picked = None, dense
@@ -393,7 +383,7 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
         sets = [(g.keys.shape[1], g.indices.shape[-1]) for g in gathered]
         if picked is not None:
             sets.append((picked.keys.shape[1], picked.picks.shape[-1]))
-        width = K.LANES * (key_blocks + value_blocks)
+        width = LANES * (key_blocks + value_blocks)
         rows, tiles = (gather_seconds(way, s, sets, heads, width, tile, qb) for way in GATHERS[1:])
         gather = "rows" if sets and rows < tiles else "tiles"
     if picked is not None and gather == "rows":  # the visible picks as gathered rows
@@ -436,8 +426,8 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
 
         reads_bad = functools.partial(_picks_poison, tables[t]["bad"], idx)
         poison = poison | _if_bad(tables[t]["bad"], reads_bad, (b, s))
-        width = _round_up(max(idx.shape[-1], 1), chunk if gather == "rows" else 8)
-        idx = _pad_to(_pad_to(idx, 2, width, -1), 1, sp, -1)
+        width = round_up(max(idx.shape[-1], 1), chunk if gather == "rows" else 8)
+        idx = pad_axis(pad_axis(idx, 2, width, -1), 1, sp, -1)
         if gather == "rows":
             ints.append((idx, idx.reshape(b, -1, chunk)))
             sources.append(K.Source("rows", t, width))
@@ -451,7 +441,7 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
         t = table(picked.keys, picked.values, picked.value_width)
         tables[t]["kind"] = "tiles"
         idx = picked.picks.astype(i32)
-        idx = _pad_to(_pad_to(idx, 2, _round_up(max(idx.shape[-1], 1), 8), -1), 1, sp, -1)
+        idx = pad_axis(pad_axis(idx, 2, round_up(max(idx.shape[-1], 1), 8), -1), 1, sp, -1)
         src_ints, src_counts = _tiles_ints(idx, nq, qb, tile)
         counts.append(src_counts)
         ints.append((*src_ints, _entry_meta(picked, tile)))
@@ -482,7 +472,7 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
     if band is not None:
         window = band.window
         before = 0 if band.history is None else window - 1
-        front = _round_up(window - 1, qb)
+        front = round_up(window - 1, qb)
         pad = front - before
         keys = band.keys[:, : before + s]
         values = None if band.values is None else band.values[:, : before + s]
@@ -494,17 +484,17 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
         if before:
             key_segment = jnp.concatenate([band.history, band.segment], axis=1)
         key_segment = key_segment.astype(i32)
-        padded = _pad_to(key_segment, 1, sp + front, KEY_PAD, front=pad)
+        padded = pad_axis(key_segment, 1, sp + front, KEY_PAD, front=pad)
         starts = (jnp.arange(nq) * qb)[:, None] + jnp.arange(front + qb)
         ints.append((padded[:, starts][:, :, None, :],))
         sources.append(K.Source("band", len(tables) - 1, window, front))
-        meta[0] = _pad_to(band.segment.astype(i32), 1, sp, QUERY_PAD)
+        meta[0] = pad_axis(band.segment.astype(i32), 1, sp, QUERY_PAD)
 
         def window_bad(bad=bad, key_segment=key_segment):
             return _band_poison(bad, key_segment, band.segment, window, before)
 
         poison = poison | _if_bad(bad, window_bad, (b, s))
-    meta[3] = _pad_to((~poison).astype(i32), 1, sp)
+    meta[3] = pad_axis((~poison).astype(i32), 1, sp)
     rows = [meta.get(k, jnp.zeros((b, sp), i32)) for k in range(4)]
     qmeta = K.query_meta(jnp.stack(rows, axis=1), qb)
     ntiles = jnp.stack(counts).reshape(-1).astype(i32) if counts else jnp.zeros((1,), i32)
@@ -518,20 +508,20 @@ def _plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: floa
     # one head block takes every head, and its padded rows (heads to whole sublane tiles,
     # features to whole 128-lane blocks) are twice the heads' features or more (few heads,
     # narrow heads): the query-side arrays stay [B, seq, h * width] in HBM
-    padded = heads * K.LANES * (key_blocks + value_blocks) >= 2 * h * (d + value_width)
+    padded = heads * LANES * (key_blocks + value_blocks) >= 2 * h * (d + value_width)
     narrow = (h, d, value_width) if hb >= heads and padded else ()
 
     def config(resident: bool, hbm: bool, slabs: bool) -> K.Config:
         specs = []
         for t, (_, values) in zip(tables, floats, strict=True):
-            rows = _round_up(t["rows"], tile) if t["kind"] == "tiles" else t["rows"]
+            rows = round_up(t["rows"], tile) if t["kind"] == "tiles" else t["rows"]
             words = 0 if values is None else -(-value_blocks // per)
             in_vmem = resident and t["kind"] != "band"
             grads = {"tiles": hbm, "band": slabs}.get(t["kind"], False)
             specs.append(K.Table(rows, -(-key_blocks // per), words, packed, in_vmem, grads))
         return K.Config(
             tables=tuple(specs), sources=tuple(sources), batch=b, queries=s, seq=sp,
-            heads=_round_up(h, hb), head_block=hb, query_block=qb, key_blocks=key_blocks,
+            heads=round_up(h, hb), head_block=hb, query_block=qb, key_blocks=key_blocks,
             value_blocks=value_blocks, chunk=chunk, tile=tile, scale=scale,
             has_sinks=has_sinks, dtype=jnp.dtype(q.dtype).name,
             vmem_limit=kernel.vmem_limit_bytes, narrow=narrow, interpret=kernel.interpret,
@@ -560,7 +550,7 @@ def _as_tiles(config: K.Config) -> K.Config:
     slots = sum(src.kind in ("tiles", "dense") for src in config.sources)
     for src in config.sources:
         if src.kind == "rows":
-            rows = _round_up(tables[src.table].rows, config.tile)
+            rows = round_up(tables[src.table].rows, config.tile)
             tables[src.table] = tables[src.table]._replace(
                 rows=rows, resident=False, hbm_grads=True
             )
@@ -619,10 +609,10 @@ def _query_words(x: Array, static: _Static, blocks: int) -> Array:
     """``x [B, S, H, w]`` as the kernels take it: its queries padded, in ``narrow_rows``
     layout, or padded (heads, ``blocks`` features too) in ``query_rows`` layout."""
     c = static.config
-    x = _pad_to(x, 1, c.seq)
+    x = pad_axis(x, 1, c.seq)
     if c.narrow:
         return K.narrow_rows(x, c)
-    return K.query_rows(_pad_to(_pad_to(x, 2, c.heads), 3, blocks * K.LANES), c)
+    return K.query_rows(pad_axis(pad_axis(x, 2, c.heads), 3, blocks * LANES), c)
 
 
 def _unquery_words(x: Array, static: _Static, width: int) -> Array:
@@ -635,14 +625,14 @@ def _unquery_words(x: Array, static: _Static, width: int) -> Array:
 def _scalars(x: Array, static: _Static) -> Array:
     """Per-row scalars ``[B, S, H]`` padded, in ``row_scalars`` layout."""
     c = static.config
-    return K.row_scalars(_pad_to(_pad_to(x, 1, c.seq), 2, c.heads), c)
+    return K.row_scalars(pad_axis(pad_axis(x, 1, c.seq), 2, c.heads), c)
 
 
 def _table_words(config: K.Config, static: _Static, floats) -> tuple:
     words = []
     for table, front, (keys, values) in zip(config.tables, static.front, floats, strict=True):
-        keys = _pad_to(keys, 1, table.rows, front=front)
-        values = None if values is None else _pad_to(values, 1, table.rows, front=front)
+        keys = pad_axis(keys, 1, table.rows, front=front)
+        values = None if values is None else pad_axis(values, 1, table.rows, front=front)
         blocks = config.key_blocks, config.value_blocks
         words.append(K.pack_rows(keys, values, *blocks, table.packed))
     return tuple(words)
@@ -651,9 +641,9 @@ def _table_words(config: K.Config, static: _Static, floats) -> tuple:
 def _sink_rows(sink: Array, static: _Static) -> Array:
     """The sink logit of every softmax row of a grid step, ``[n_h, R, 128]``."""
     c = static.config
-    per_head = _pad_to(sink, 0, c.heads).reshape(c.n_h, 1, c.head_block)
+    per_head = pad_axis(sink, 0, c.heads).reshape(c.n_h, 1, c.head_block)
     rows = jnp.broadcast_to(per_head, (c.n_h, c.query_block, c.head_block))
-    return jnp.broadcast_to(rows.reshape(c.n_h, c.rows, 1), (c.n_h, c.rows, K.LANES))
+    return jnp.broadcast_to(rows.reshape(c.n_h, c.rows, 1), (c.n_h, c.rows, LANES))
 
 
 def _forward(static: _Static, qk, sink, floats, ints: _Ints):
@@ -689,7 +679,7 @@ def _overlap_add(slabs: Array, static: _Static, src: K.Source) -> Array:
     b, qb = slabs.shape[0], c.query_block
     pieces = c.slab(src) // qb
     x = slabs.reshape(b, c.n_q, pieces, qb, -1)
-    total = sum(_pad_to(x[:, :, p], 1, c.n_q + pieces - 1, front=p) for p in range(pieces))
+    total = sum(pad_axis(x[:, :, p], 1, c.n_q + pieces - 1, front=p) for p in range(pieces))
     return total.reshape(b, (c.n_q + pieces - 1) * qb, -1)
 
 
@@ -744,7 +734,7 @@ def _attention_bwd(static: _Static, residuals, cotangents):
             d_keys, d_values = K.unpack_rows(grads[t], table.rows, c.key_blocks, value_blocks)
         else:
             rows = _overlap_add(slabs[band_of[t]], static, c.sources[band_of[t]])
-            words = rows.reshape(rows.shape[0], -1, K.LANES)
+            words = rows.reshape(rows.shape[0], -1, LANES)
             d_keys, d_values = K.unpack_rows(words, rows.shape[1], c.key_blocks, value_blocks)
         front, n = static.front[t], static.natural_rows[t]
         d_keys = d_keys[:, front : front + n, : static.key_width].astype(keys.dtype)

@@ -60,7 +60,7 @@ Per-row scalars (``lse``, the backward's coefficient) travel as ``[ceil(R / 128)
 into ``[R, 128]`` lane-broadcast columns by one transpose; the online softmax state is ``[R,
 128]`` lane-broadcast (``m``, ``l``) and ``[R, dv]``.
 
-``csa_eqx._dispatch.run_mosaic`` runs a kernel: Pallas' TPU interpreter when lowered for the
+``csa_eqx._mosaic.run_mosaic`` runs a kernel: Pallas' TPU interpreter when lowered for the
 CPU, Mosaic on a TPU, a ``NotImplementedError`` naming the kernel for any other platform.
 """
 
@@ -75,11 +75,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
-from .._dispatch import run_mosaic
+from .._mosaic import LANES, dot, dot_nt, precision, run_mosaic
 from .base import fold_sink
 
 __all__ = [
-    "LANES",
     "Table",
     "Source",
     "Config",
@@ -96,8 +95,6 @@ __all__ = [
     "backward",
     "vmem_bytes",
 ]
-
-LANES = 128
 
 
 class Table(NamedTuple):
@@ -616,25 +613,6 @@ def _source_refs(config: Config, ints, tables, scratch, sems, backward: bool, gr
 # --- in-kernel pieces -----------------------------------------------------------------------
 
 
-def _precision(config: Config) -> jax.lax.Precision:
-    """The dots' precision, always explicit: ``HIGHEST`` for float32 operands, ``DEFAULT`` for
-    bfloat16 ones. Left as ``None`` it would follow ``jax.default_matmul_precision``, and under
-    ``"highest"`` Mosaic refuses a bfloat16 dot (``Bad lhs type``, seen on a TPU v5e)."""
-    return jax.lax.Precision.HIGHEST if config.dtype == "float32" else jax.lax.Precision.DEFAULT
-
-
-def _dot_nt(a, b, precision):
-    """``a [m, k] . b [n, k]^T`` in float32."""
-    dims = (((1,), (1,)), ((), ()))
-    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=precision)
-
-
-def _dot(a, b, precision):
-    """``a [m, k] . b [k, n]`` in float32."""
-    dims = (((1,), (0,)), ((), ()))
-    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=precision)
-
-
 def _features(words, offset, n: int, table: Table, first: int, blocks: int, dtype):
     """``[n, blocks * 128]`` features of ``n`` consecutive table rows from word-row ``offset`` of
     the ref ``words`` (``first``: the features' first word-row within a row)."""
@@ -909,7 +887,7 @@ def _count_picks(step: _Step, s: _SourceRefs):
         hi_hot = jnp.where(hi_rows == hi, 1.0, 0.0).astype(jnp.bfloat16)
         lo_hot = jnp.where(lo_lanes == lo, 1.0, 0.0).astype(jnp.bfloat16)
         exact = jax.lax.Precision.DEFAULT  # 0 / 1 operands: bf16 passes are exact
-        counts[pl.ds(qq, high, stride=c.query_block), :] = _dot(hi_hot, lo_hot, exact)
+        counts[pl.ds(qq, high, stride=c.query_block), :] = dot(hi_hot, lo_hot, exact)
 
 
 def _start(step: _Step, sources) -> None:
@@ -965,7 +943,7 @@ def _update(state, rows, s, w, values, precision):
     alpha = jnp.exp(m_prev - shift)
     p = jnp.where(w > 0, w * jnp.exp(s - shift[:, 0:1]), 0.0)
     l_ref[rows, :] = alpha * l_ref[rows, :] + jnp.sum(p, axis=1, keepdims=True)
-    pv = _dot(p.astype(values.dtype), values, precision)
+    pv = dot(p.astype(values.dtype), values, precision)
     acc_ref[rows, :] = acc_ref[rows, :] * alpha[:, 0:1] + pv
     m_ref[rows, :] = m_new
 
@@ -985,7 +963,7 @@ def _forward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
     *scratch, sems = refs.rest()
     sources, _ = _source_refs(config, ints, tables, scratch, sems, backward=False)
     step = _Step(config, interpret, pl.program_id(0), pl.program_id(1), ntiles_ref, qmeta_ref)
-    precision, scale, hb = _precision(config), config.scale, config.head_block
+    prec, scale, hb = precision(config.dtype), config.scale, config.head_block
     state = (m_ref, l_ref, acc_ref)
     everything = pl.ds(0, config.rows)
 
@@ -999,16 +977,16 @@ def _forward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
             def consume(qq, cc, words, mask, s=s):
                 keys, values = _keys_values(words, 0, config.chunk, s.table, config)
                 rows = pl.ds(pl.multiple_of(qq * hb, hb), hb)
-                logits = _dot_nt(q_ref[rows, :], keys, precision) * scale
-                _update(state, rows, logits, mask, values, precision)
+                logits = dot_nt(q_ref[rows, :], keys, prec) * scale
+                _update(state, rows, logits, mask, values, prec)
 
             _rows_pipeline(step, s, consume)
         elif s.src.kind in ("tiles", "dense"):
 
             def consume(t, words, offset, _, s=s):
                 keys, values = _keys_values(words, offset, config.tile, s.table, config)
-                logits = _dot_nt(q_ref[...], keys, precision) * scale
-                _update(state, everything, logits, _tile_weights(step, s, t), values, precision)
+                logits = dot_nt(q_ref[...], keys, prec) * scale
+                _update(state, everything, logits, _tile_weights(step, s, t), values, prec)
 
             _tiles_pipeline(step, s, consume)
 
@@ -1017,8 +995,8 @@ def _forward_kernel(config: Config, interpret: bool, ntiles_ref, *refs):
             words = _band_words(s)
             keys, values = _keys_values(words, 0, config.slab(s.src), s.table, config)
             w = _per_row(_band_weights(step, s), config)
-            logits = _dot_nt(q_ref[...], keys, precision) * scale
-            _update(state, everything, logits, w, values, precision)
+            logits = dot_nt(q_ref[...], keys, prec) * scale
+            _update(state, everything, logits, w, values, prec)
 
     m, l_sum, acc = m_ref[...], l_ref[...], acc_ref[...]
     if config.has_sinks:
@@ -1119,15 +1097,15 @@ def _grads(ctx: _Cotangents, config: Config, rows, keys, values, w, table: Table
     """The backward of one chunk: adds to ``dq``'s rows; returns the chunk rows' gradient in
     ``[n, 128]`` blocks, one per word-row of the table's gradient rows (the keys', then the
     values' of their own; values that are the keys' first features add to those)."""
-    precision, scale = _precision(config), config.scale
+    prec, scale = precision(config.dtype), config.scale
     q, do = ctx.q[rows, :], ctx.do[rows, :]
     lse, coeff = ctx.lse[rows, :][:, 0:1], ctx.coeff[rows, :][:, 0:1]
-    s = _dot_nt(q, keys, precision) * scale
+    s = dot_nt(q, keys, prec) * scale
     p = jnp.where(w > 0, w * jnp.exp(s - lse), 0.0)
-    ds = p * (_dot_nt(do, values, precision) + coeff)
-    ctx.dq[rows, :] = ctx.dq[rows, :] + _dot(ds.astype(keys.dtype), keys, precision) * scale
-    d_keys = _dot(ds.T.astype(q.dtype), q, precision) * scale
-    d_values = _dot(p.T.astype(do.dtype), do, precision)
+    ds = p * (dot_nt(do, values, prec) + coeff)
+    ctx.dq[rows, :] = ctx.dq[rows, :] + dot(ds.astype(keys.dtype), keys, prec) * scale
+    d_keys = dot(ds.T.astype(q.dtype), q, prec) * scale
+    d_values = dot(p.T.astype(do.dtype), do, prec)
     blocks = [d_keys[:, f * LANES : (f + 1) * LANES] for f in range(config.key_blocks)]
     values = [d_values[:, f * LANES : (f + 1) * LANES] for f in range(config.value_blocks)]
     if table.value_words:

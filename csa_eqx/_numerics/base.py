@@ -105,7 +105,7 @@ class AbstractNumerics(eqx.Module):
     identity for ``ExactNumerics``.
 
     ``exact_softmax``: whether ``attention_max`` and ``attention_weights`` are the exact
-    softmax's (an attention kernel that fuses its own softmax, ``PallasAttention`` or
+    softmax's (an attention kernel that fuses its own softmax, ``TritonAttention`` or
     ``MosaicAttention``, runs only under such numerics)."""
 
     exact_softmax: ClassVar[bool] = True

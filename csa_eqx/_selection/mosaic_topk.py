@@ -47,9 +47,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
 from .._blocks import key_block_ranges, padded_keys
-from .._dispatch import run_mosaic
 from .._layout import EntryLayout
-from .._pallas import pad_axis
+from .._mosaic import LANES, dot, dot_nt, precision, round_up, run_mosaic
+from .._ops import pad_axis
 from .._topk import signed_keys
 
 __all__ = [
@@ -65,7 +65,6 @@ __all__ = [
 
 NAME = "indexer_topk_mosaic"
 SEARCHES = ("bisect", "early", "secant")
-LANES = 128  # a vreg's lanes: the compaction's chunk and output tile on a TPU
 MIN_QUERY_BLOCK = 16  # Mosaic's sublane tile for bf16 (8 for float32): the smallest TPU block
 INVALID = np.iinfo(np.int32).min  # the key of an invisible entry (below every score's key)
 _INDEX_BITS = 24  # a packed pick: entry index in bits 0..23, its displacement in bits 24..30
@@ -120,14 +119,6 @@ def _count(mask: Array) -> Array:
     return jnp.sum(jnp.where(mask, 1.0, 0.0), axis=1, keepdims=True)
 
 
-def _precision(dtype) -> jax.lax.Precision:
-    """An in-kernel dot's precision, always explicit: ``HIGHEST`` for float32 operands,
-    ``DEFAULT`` for bfloat16 ones. Left as ``None`` it would follow
-    ``jax.default_matmul_precision``, and under ``"highest"`` Mosaic refuses a bfloat16 dot
-    (``Bad lhs type``: an fp32 contraction asked of bf16 operands, seen on a TPU v5e)."""
-    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
-
-
 def _tile_scores(q_ref, w_ref, keys, sizes) -> Float[Array, "qb kt"]:
     """Inside the kernel: one query block's scores against one key tile, formed as
     ``csa_eqx.indexer_scores`` forms them (per head ``ReLU(q.k) * w``; the head sum in chunks,
@@ -142,16 +133,13 @@ def _tile_scores(q_ref, w_ref, keys, sizes) -> Float[Array, "qb kt"]:
     """
     heads, chunk, group, bits = sizes
     qb, kt, dim = w_ref.shape[1], keys.shape[0], q_ref.shape[-1]
-    precision = _precision(keys.dtype)
+    exact = precision(keys.dtype)
     zeros = jnp.zeros((qb, kt), jnp.float32)
     per_chunk = chunk // group
-    dims = (((1,), (1,)), ((), ()))
 
     def heads_of(g, acc):
         q = q_ref[pl.ds(g * group, group)].reshape(group * qb, dim)  # G heads stacked
-        logits = jax.lax.dot_general(
-            q, keys, dims, precision=precision, preferred_element_type=jnp.float32
-        )
+        logits = dot_nt(q, keys, exact)
         w = w_ref[g]
         for h in range(group):
             logit = _round_mantissa(logits[h * qb : (h + 1) * qb], bits)
@@ -315,9 +303,7 @@ def _make_kernel(k: int, search: str, sizes, blocks):
             index = first + lane
             pick = (keys > lo_b) | ((keys == lo_b) & (index <= last_b))
             ones = jnp.where(pick, 1.0, 0.0).astype(jnp.bfloat16)
-            rank = jnp.dot(
-                ones, upper, precision=_precision(ones.dtype), preferred_element_type=jnp.float32
-            ).astype(jnp.int32)
+            rank = dot(ones, upper, precision(ones.dtype)).astype(jnp.int32)
             n = rank[:, lanes - 1 : lanes]
             v = jnp.where(pick, ((lane + 1 - rank) << _INDEX_BITS) | index, _EMPTY)
             for b in range(steps):  # each pick left by its displacement, bit b
@@ -357,7 +343,7 @@ def vmem_bytes(
     scoring's float32 temporaries."""
     buffers = 4 * t_pad * qb + 4 * k_out * qb
     blocks = t_pad * dim * itemsize + heads * qb * dim * itemsize
-    blocks += 4 * (heads // group) * qb * _round_up(group, LANES) + 4 * qb * LANES + 4 * t_pad * 8
+    blocks += 4 * (heads // group) * qb * round_up(group, LANES) + 4 * qb * LANES + 4 * t_pad * 8
     blocks += 4 * qb * k_out
     scratch = 4 * qb * kt * (group + 8)
     return buffers + 2 * blocks + scratch
@@ -372,14 +358,10 @@ def fits_vmem(
     **Returns:** whether the kernel's smallest TPU query block, its picks aside (a few hundred
     KiB, within the room ``_VMEM_LIMIT`` leaves), fits the VMEM budget: the keys of a batch
     row stay resident, so past a few hundred thousand entries it does not."""
-    t_pad = _round_up(entries, key_block)
+    t_pad = round_up(entries, key_block)
     group = math.gcd(heads, head_group)
     need = vmem_bytes(MIN_QUERY_BLOCK, key_block, t_pad, heads, dim, group, 0, itemsize)
     return need <= _VMEM_CAP
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _block_inputs(q, weights, keys, query_index, query_segment, layout, blocks, group, bits):
@@ -399,7 +381,7 @@ def _block_inputs(q, weights, keys, query_index, query_segment, layout, blocks, 
     """
     b, s, heads, dim = q.shape
     qb, kt = blocks
-    r = _round_up(s, qb)
+    r = round_up(s, qb)
     w = _round_mantissa(weights.astype(jnp.float32) * dim**-0.5, bits)
     q, w = pad_axis(q.astype(keys.dtype), 1, r), pad_axis(w, 1, r)
     query_index = pad_axis(query_index.astype(jnp.int32), 1, r, -1)
@@ -477,7 +459,7 @@ def mosaic_topk(
         raise ValueError(f"the Mosaic indexer takes fewer than {_EMPTY} entries (got {t_pad})")
     lanes = min(LANES, kt)
     n_out = -(-k // lanes)
-    qb = min(query_block, _round_up(s, MIN_QUERY_BLOCK))
+    qb = min(query_block, round_up(s, MIN_QUERY_BLOCK))
     itemsize = jnp.dtype(dtype).itemsize
     sizes = (t_pad, heads, dim, group, n_out * lanes, itemsize)
     while qb > MIN_QUERY_BLOCK and vmem_bytes(qb, kt, *sizes) > _VMEM_CAP:

@@ -1,4 +1,4 @@
-"""``PallasAttention``: the sparse attention over ``csa_eqx.Reads`` in Pallas kernels, forward
+"""``TritonAttention``: the sparse attention over ``csa_eqx.Reads`` in Pallas kernels, forward
 and backward (docs/kernels.md, "The sparse attention kernel").
 
 Each program takes ``query_block`` query rows of a batch row and runs them one at a time with
@@ -35,24 +35,23 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .._ops import summed_like
-from .._pallas import (
+from .._ops import pad_axis, summed_like
+from .._triton import (
     MIN_DOT,
     count,
     dot_t,
     feature_parts,
     next_pow2,
-    pad_axis,
     run_kernel,
     sum_in_order,
 )
 from .base import AbstractAttentionKernel, fold_sink, require_exact_softmax, require_keys
 from .reads import Reads
 
-__all__ = ["PallasAttention"]
+__all__ = ["TritonAttention"]
 
 
-class PallasAttention(AbstractAttentionKernel):
+class TritonAttention(AbstractAttentionKernel):
     """The sparse attention kernel (see the module docstring): Triton on a GPU, interpret mode
     on the CPU (where it is proven against ``XlaAttention``, not fast). Every kind of
     ``Reads`` is taken natively (masked dense picks as gathered rows); the ``query_block``
@@ -80,10 +79,10 @@ class PallasAttention(AbstractAttentionKernel):
         for name in ("query_block", "key_block"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"PallasAttention.{name} must be an int >= 1 (got {v!r})")
+                raise ValueError(f"TritonAttention.{name} must be an int >= 1 (got {v!r})")
         if self.key_block & (self.key_block - 1):
             raise ValueError(
-                f"PallasAttention.key_block must be a power of two (got {self.key_block})"
+                f"TritonAttention.key_block must be a power of two (got {self.key_block})"
             )
 
     def attend(
