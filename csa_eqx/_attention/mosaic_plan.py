@@ -20,7 +20,7 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,9 +45,6 @@ from .mosaic_layout import (
 )
 from .mosaic_steps import read_scratch, vmem
 from .reads import BandRows, DenseKeys, GatheredRows, Reads, gather_keys, nonfinite_rows, zero_rows
-
-if TYPE_CHECKING:
-    from .mosaic import MosaicAttention
 
 __all__ = [
     "BlockSizes",
@@ -131,9 +128,9 @@ def _sublanes(dtype) -> int:
     return 16 if dtype == jnp.bfloat16 else 8
 
 
-def block_sizes(kernel: MosaicAttention, q, reads: Reads) -> BlockSizes:
-    """The kernel's fields where set, else the automatic sizes (see the module docstring); a
-    ``ValueError`` for a head block off the queries' sublane tile."""
+def block_sizes(kernel, q, reads: Reads) -> BlockSizes:
+    """The ``MosaicAttention`` ``kernel``'s fields where set, else the automatic sizes (see
+    the module docstring); a ``ValueError`` for a head block off the queries' sublane tile."""
     _, s, h, d = q.shape
     sublanes = _sublanes(q.dtype)
     qb, tile = kernel.query_block_for(q.shape[0], h, reads, None), kernel.tile_block
@@ -298,9 +295,9 @@ class _Builder:
         self.poisons(len(self.tables) - 1, window_bad)
 
 
-def plan(kernel: MosaicAttention, q, reads: Reads, has_sinks: bool, scale: float) -> Plan:
-    """The kernels' read sets, tables, int arrays and configurations for ``reads`` (see the
-    module docstring)."""
+def plan(kernel, q, reads: Reads, has_sinks: bool, scale: float) -> Plan:
+    """The ``MosaicAttention`` ``kernel``'s read sets, tables, int arrays and configurations
+    for ``reads`` (see the module docstring)."""
     b, s, h, d = q.shape
     sizes = block_sizes(kernel, q, reads)
     built = _Builder(q, sizes)
@@ -475,8 +472,7 @@ def auto_key_block(width: int) -> int:
     """The automatic rows chunk for a query's ``width`` index columns: the fewest chunks of at
     most ``MAX_CHUNK`` rows, each a whole number of 128 (V4-Flash's 512 picks: one chunk of
     512; V3.2's 2048: four). Fewer, larger chunks pay fewer online-softmax updates and fixed
-    costs per row: V4-Flash CSA's rows forward at 32k on the chip took 186 / 162 / 141 ms at
-    chunks of 128 / 256 / 512 (docs/kernels.md)."""
+    costs per row (the chip's figures: docs/kernels.md)."""
     n = -(-width // MAX_CHUNK)
     return round_up(-(-width // n), LANES)
 
@@ -498,7 +494,7 @@ def as_tiles(config: Config) -> Config:
     return config._replace(tables=tuple(tables), sources=tuple(sources))
 
 
-def _configs(kernel: MosaicAttention, config, gather: str, tabled: bool, banded: bool):
+def _configs(kernel, config, gather: str, tabled: bool, banded: bool):
     """The forward's and the backward's kernel configurations: the first of the candidate
     (``resident``, HBM gradients, band slabs) whose kernels fit ``AUTO_SHARE`` of the VMEM
     limit (VMEM gradient tables first, the measured path, unless ``kernel.gradients`` says;
