@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_helpers import assert_close
-from conformance import attention_np, attention_query_block, bf16, choosers
+from conformance import attention_np, attention_query_block, bf16, choosers, member_results
 
 import csa_eqx as ce
 
@@ -283,25 +283,19 @@ def _bf16_arrays():
 
 @pytest.fixture(scope="module")
 def results():
-    cache = {}
+    def run(name: str) -> dict:
+        arrays = {k: jnp.asarray(v, jnp.float32) for k, v in ARRAYS.items()}
+        bad = {k: jnp.asarray(v) for k, v in nonfinite_arrays().items()}
+        refused = REFUSES.get((name, "deepseek"))
+        deepseek = refused is None and (name, "deepseek") not in EXCEPTIONS
+        out = jax.device_get(outputs(name, arrays, _bf16_arrays(), bad, deepseek))
+        if refused:
+            with pytest.raises(refused[0], match=refused[1]):
+                _attend(MEMBERS[name], "csa-gathered", arrays, ce.DeepSeekInference())
+            out["refused"] = True
+        return out
 
-    def get(name: str, check: str) -> dict:
-        if (name, check) in EXCEPTIONS:
-            pytest.skip(EXCEPTIONS[name, check])
-        if name not in cache:
-            arrays = {k: jnp.asarray(v, jnp.float32) for k, v in ARRAYS.items()}
-            bad = {k: jnp.asarray(v) for k, v in nonfinite_arrays().items()}
-            refused = REFUSES.get((name, "deepseek"))
-            deepseek = refused is None and (name, "deepseek") not in EXCEPTIONS
-            out = outputs(name, arrays, _bf16_arrays(), bad, deepseek)
-            cache[name] = jax.device_get(out)
-            if refused:
-                with pytest.raises(refused[0], match=refused[1]):
-                    _attend(MEMBERS[name], "csa-gathered", arrays, ce.DeepSeekInference())
-                cache[name]["refused"] = True
-        return cache[name]
-
-    return get
+    return member_results(EXCEPTIONS, run)
 
 
 def test_the_inputs_tell_right_from_wrong():

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conformance import bf16, scores_np
+from conformance import bf16, member_results, scores_np
 
 import csa_eqx as ce
 
@@ -133,16 +133,7 @@ def outputs(scorer):
 
 @pytest.fixture(scope="module")
 def results():
-    cache = {}
-
-    def get(name: str, check: str) -> dict:
-        if (name, check) in EXCEPTIONS:
-            pytest.skip(EXCEPTIONS[name, check])
-        if name not in cache:
-            cache[name] = jax.device_get(outputs(MEMBERS[name]))
-        return cache[name]
-
-    return get
+    return member_results(EXCEPTIONS, lambda name: jax.device_get(outputs(MEMBERS[name])))
 
 
 def test_the_bf16_inputs_tell_right_from_wrong():

@@ -46,6 +46,7 @@ from conformance import (
     choosers,
     filter_bites,
     in_blocks_np,
+    member_results,
     scores_np,
     visible_np,
 )
@@ -209,16 +210,7 @@ def _run(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    cache = {}
-
-    def get(name: str, check: str) -> dict:
-        if (name, check) in EXCEPTIONS:
-            pytest.skip(EXCEPTIONS[name, check])
-        if name not in cache:
-            cache[name] = _run(name)
-        return cache[name]
-
-    return get
+    return member_results(EXCEPTIONS, _run)
 
 
 def test_the_inputs_tell_right_from_wrong():

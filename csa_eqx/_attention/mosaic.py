@@ -107,6 +107,7 @@ class MosaicAttention(AbstractAttentionKernel):
     interpret: Interpret = eqx.field(static=True, default=None)
 
     is_kernel = True
+    exact_softmax_only = True
 
     def __check_init__(self):
         for name, least in (("key_block", 0), ("tile_block", 1), ("vmem_limit_bytes", 1)):

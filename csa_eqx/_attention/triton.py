@@ -27,8 +27,9 @@ table's end, so every add of a tile has distinct rows), the sinks' per program.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +75,7 @@ class TritonAttention(AbstractAttentionKernel):
     interpret: bool | None = None
 
     is_kernel = True
+    exact_softmax_only = True
 
     def __check_init__(self):
         for name in ("query_block", "key_block"):
@@ -117,16 +119,38 @@ class TritonAttention(AbstractAttentionKernel):
         return (out, lse) if return_lse else out
 
 
-class _Source(NamedTuple):
-    """A read set as the kernels see it: ``kind`` (``"gathered"``, ``"band"``, ``"dense"``),
-    whether it has ``values`` of its own, its tile, table rows, window and history rows."""
+# A read set as the kernels see it, one record per kind (the kernels dispatch on the type):
+# whether it has ``values`` of its own, its tile, table rows (a band's window and history rows)
+# and ``n_ints``, its int arrays.
 
-    kind: str
+
+@dataclasses.dataclass(frozen=True)
+class _Gathered:
     values: bool
     tile: int
     rows: int
-    window: int = 0
-    before: int = 0
+    n_ints: ClassVar[int] = 1  # the indices
+
+
+@dataclasses.dataclass(frozen=True)
+class _Band:
+    values: bool
+    tile: int
+    rows: int
+    window: int
+    before: int
+    n_ints: ClassVar[int] = 2  # the rows' segments, the queries'
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dense:
+    values: bool
+    tile: int
+    rows: int
+    n_ints: ClassVar[int] = 4  # the entries' end and segment, the queries' index and segment
+
+
+_Source = _Gathered | _Band | _Dense
 
 
 class _Config(NamedTuple):
@@ -164,7 +188,7 @@ def _sources(reads: Reads, dtype, kt: int):
         tile = min(kt, next_pow2(g.indices.shape[-1], MIN_DOT))
         n = -(-g.indices.shape[-1] // tile) * tile
         values = g.value_rows()
-        sources.append(_Source("gathered", values is not None, tile, g.keys.shape[1]))
+        sources.append(_Gathered(values is not None, tile, g.keys.shape[1]))
         floats.append((g.keys.astype(dtype), values))
         ints.append((pad_axis(g.indices.astype(jnp.int32), 2, n, -1),))
     band = reads.band
@@ -175,7 +199,7 @@ def _sources(reads: Reads, dtype, kt: int):
             key_segment = jnp.concatenate([band.history, band.segment], axis=1)
         tile = min(kt, _span(band.window))
         sources.append(
-            _Source("band", band.values is not None, tile, band.keys.shape[1], band.window, before)
+            _Band(band.values is not None, tile, band.keys.shape[1], band.window, before)
         )
         floats.append((band.keys.astype(dtype), band.values))
         ints.append((key_segment.astype(jnp.int32), band.segment.astype(jnp.int32)))
@@ -185,7 +209,7 @@ def _sources(reads: Reads, dtype, kt: int):
         tp = -(-t // tile) * tile
         values = dense.value_rows()
         values = None if values is None else pad_axis(values, 1, tp)
-        sources.append(_Source("dense", values is not None, tile, t))
+        sources.append(_Dense(values is not None, tile, t))
         floats.append((pad_axis(dense.keys.astype(dtype), 1, tp), values))
         end = pad_axis(dense.layout.end.astype(jnp.int32), 1, tp, -1)
         segment = pad_axis(dense.layout.segment.astype(jnp.int32), 1, tp, -1)
@@ -220,13 +244,13 @@ def _tile_of(src: _Source, refs, config: _Config, bi, r, c) -> _Tile:
     """Tile ``c`` of what query row ``r`` of batch row ``bi`` reads from ``src``."""
     k_ref, v_ref, ints = refs
     lane = jax.lax.broadcasted_iota(jnp.int32, (src.tile,), 0)
-    if src.kind == "gathered":
+    if isinstance(src, _Gathered):
         (idx_ref,) = ints
         idx = idx_ref[bi, r, pl.ds(c * src.tile, src.tile)]
         mask = idx >= 0
         rows = jnp.clip(idx, 0, src.rows - 1)
         grad_rows = jnp.where(mask, rows, src.rows + lane)
-    elif src.kind == "band":
+    elif isinstance(src, _Band):
         key_segment_ref, segment_ref = ints
         span = _span(src.window)
         raw = src.before + r - (span - 1) + c * src.tile + lane  # may precede row 0
@@ -254,9 +278,9 @@ def _tile_of(src: _Source, refs, config: _Config, bi, r, c) -> _Tile:
 
 def _n_tiles(src: _Source, ints) -> int:
     """Tiles of ``src`` each row reads (from its int arrays' static shapes)."""
-    if src.kind == "gathered":
+    if isinstance(src, _Gathered):
         return ints[0].shape[-1] // src.tile
-    if src.kind == "band":
+    if isinstance(src, _Band):
         return _span(src.window) // src.tile
     return ints[0].shape[1] // src.tile
 
@@ -281,7 +305,7 @@ def _split_refs(config: _Config, refs):
         v_ref = refs.pop(0) if src.values else None
         out.append([k_ref, v_ref])
     for pair, src in zip(out, config.sources, strict=True):
-        n = {"gathered": 1, "band": 2, "dense": 4}[src.kind]
+        n = src.n_ints
         pair.append(tuple(refs[:n]))
         refs = refs[n:]
     return [tuple(p) for p in out], refs
@@ -403,8 +427,10 @@ def _backward(config: _Config, q, sink, floats, ints, out, lse, g_out, g_lse):
     # zero tables for the atomic adds: rows a lane without a read adds to lie past the end
     tables = []
     for src, (keys, values) in zip(config.sources, padded, strict=True):
-        extra = {"gathered": src.tile, "band": _span(src.window) - 1, "dense": 0}[src.kind]
-        front = extra if src.kind == "band" else 0
+        extra = 0  # a gathered set's lanes that read nothing add past its end; a band's start early
+        if isinstance(src, _Gathered | _Band):
+            extra = src.tile if isinstance(src, _Gathered) else _span(src.window) - 1
+        front = extra if isinstance(src, _Band) else 0
         rows = keys.shape[1] + extra
         shapes = [(b, rows, dk)] + ([(b, rows, dv)] if values is not None else [])
         tables.append((front, [jnp.zeros(shape, jnp.float32) for shape in shapes]))

@@ -23,9 +23,7 @@ import jax.numpy as jnp
 
 from .._attention.auto import AutoAttention, AutoPicks
 from .._attention.base import AbstractAttentionKernel, LatentUp
-from .._attention.mosaic import MosaicAttention
 from .._attention.picks import AbstractPicks
-from .._attention.triton import TritonAttention
 from .._attention.window import AbstractWindow, BandWindow
 from .._backend import CPU_TILES, GPU_TILES, TPU_TILES, backend_tiles
 from .._config import V32AttentionConfig
@@ -155,9 +153,8 @@ class Execution(eqx.Module):
                 isinstance(value, base), name, f"must be a csa_eqx {base.__name__} ({what})", value
             )
         self._optional("tiles", TileSizes, "csa_eqx.TileSizes")
-        fused = isinstance(self.attention, (TritonAttention, MosaicAttention))
         _require(
-            self.numerics.exact_softmax or not fused,
+            self.numerics.exact_softmax or not self.attention.exact_softmax_only,
             "attention",
             f"{type(self.attention).__name__} computes the exact softmax, not "
             f"{type(self.numerics).__name__}'s rounded one: use XlaAttention() or AutoAttention()",

@@ -2,7 +2,7 @@
 
 ``ExactNumerics`` (the default and the reference) computes in the dtype of the input and the
 parameters, float32 in practice, with nothing quantised. ``DeepSeekInference``
-(``_deepseek_numerics.py``) reproduces what DeepSeek's own inference code computes. A layer
+(``deepseek.py``) reproduces what DeepSeek's own inference code computes. A layer
 asks its ``Execution.numerics`` at the few points where the two differ, and says with a
 ``DeepSeekFormats`` what DeepSeek quantises in its family.
 """
