@@ -220,10 +220,10 @@ class _Builder:
         """A tiles set of indices ``idx`` (padded to ``width`` columns and the padded queries)
         and its tile counts."""
         idx = pad_axis(pad_axis(idx, 2, width, -1), 1, self.seq, -1)
-        src_ints, src_counts = tiles_ints(idx, self.seq // self.sizes.query_block,
-                                          self.sizes.query_block, self.sizes.tile)  # fmt: skip
-        self.counts.append(src_counts)
-        self.ints.append((*src_ints, *extra))
+        qb = self.sizes.query_block
+        own, counts = tiles_ints(idx, self.seq // qb, qb, self.sizes.tile)
+        self.counts.append(counts)
+        self.ints.append((*own, *extra))
         self.reads.append(TilesRead(t, width, slot=len(self.counts) - 1, visible=visible))
 
     def rows(self, g: GatheredRows) -> None:
