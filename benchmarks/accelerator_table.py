@@ -282,18 +282,20 @@ def recomputed_groups(layer, choice, groups: int) -> int:
 
 
 def mosaic_config(choice):
-    """The forward kernel's configuration (``mosaic_kernels.Config``) of a ``resolve``d choice
+    """The forward kernel's configuration (``mosaic_layout.Config``) of a ``resolve``d choice
     whose attention is ``MosaicAttention`` (one call: a V3.2 head group's), else ``None``."""
     kernel = choice.attention
     if not isinstance(kernel, ce.MosaicAttention):
         return None
-    from csa_eqx._attention import mosaic
+    from csa_eqx._attention import mosaic_plan
 
     q, reads, sinks = choice.inputs
     scale, seen = choice.call[0], []
 
     def plan(q, reads):
-        seen.append(mosaic._plan(kernel, q, reads, sinks is not None, float(scale)).static.config)
+        seen.append(
+            mosaic_plan.plan(kernel, q, reads, sinks is not None, float(scale)).static.config
+        )
         return 0
 
     jax.eval_shape(plan, q, reads)

@@ -21,23 +21,23 @@ import csa_eqx as ce
 
 from .harness import forward
 
-KERNEL_PREFIXES = ("Pallas", "Mosaic")  # the kernel strategy classes (docs/kernels.md)
+KERNEL_PREFIXES = ("Triton", "Mosaic")  # the kernel strategy classes (docs/kernels.md)
 _SEEN: list[tuple] = []  # what the watched strategies saw while a forward was traced
 
 
 def is_kernel(strategy) -> bool:
-    """Whether ``strategy`` (a selection or attention object) is a Pallas / Mosaic kernel."""
+    """Whether ``strategy`` (a selection or attention object) is a Triton / Mosaic kernel."""
     return type(strategy).__name__.startswith(KERNEL_PREFIXES)
 
 
 def platform_execution(execution: ce.Execution) -> ce.Execution:
     """The execution the table measures as "the automatic choice": ``execution`` itself, but on
-    a GPU with the Triton kernels (``PallasSelection``, ``PallasAttention``) forced. The
+    a GPU with the Triton kernels (``TritonSelection``, ``TritonAttention``) forced. The
     library's automatic choice there is the XLA path until these kernels have been measured on
     a GPU, which is what this table does."""
     if jax.default_backend() != "gpu":
         return execution
-    kernels = dict(selection=ce.PallasSelection(), attention=ce.PallasAttention())
+    kernels = dict(selection=ce.TritonSelection(), attention=ce.TritonAttention())
     return dataclasses.replace(execution, **kernels)
 
 

@@ -33,7 +33,7 @@ by the heads) over the picks and the window.
 **Hardware FLOPs** (``hardware_costs``, beside the model FLOPs where the attention is the Mosaic
 kernel): what the chip's matmul units are given. The projections and the scoring as counted
 above (their backward's two matmuls per matmul that gets gradients), and the attention
-kernels' dense work from their configuration (``mosaic_kernels.Config``): heads padded to the
+kernels' dense work from their configuration (``mosaic_layout.Config``): heads padded to the
 kernel's (16 for bfloat16), key and value widths padded to 128 lanes (``key_blocks``,
 ``value_blocks``: V3.2's 576-wide keys as 640); per read set, forward
 ``2 R (K + V)`` and backward ``2 R (3 K + 2 V)`` (logits again, ``dO V``, ``dq``, ``dk``,
@@ -59,7 +59,8 @@ import jax
 import numpy as np
 
 from csa_eqx import V4AttentionConfig
-from csa_eqx._attention import mosaic_kernels as K
+from csa_eqx._attention.mosaic_layout import Config, DenseRead, RowsRead, TilesRead
+from csa_eqx._mosaic import LANES
 
 # parameter-path fragments: the indexer's weights (no gradient through the selection), and
 # 2-D parameters that are added, not multiplied (the compressors' position biases)
@@ -153,7 +154,7 @@ def convention(config) -> str:
     )
 
 
-def kernel_pairs(config: K.Config, visible: np.ndarray) -> float:
+def kernel_pairs(config: Config, visible: np.ndarray) -> float:
     """**Arguments:** a Mosaic attention call's ``config`` (one call: a V3.2 head group's) and
     each query's visible entries ``visible [S]`` (``reads_per_query``).
 
@@ -164,10 +165,10 @@ def kernel_pairs(config: K.Config, visible: np.ndarray) -> float:
     pairs = 0.0
     for src in config.sources:
         rows = config.tables[src.table].rows
-        if src.kind == "rows":
+        if isinstance(src, RowsRead):
             read = np.minimum(src.width, visible)
             per_query = float((-(-read // config.chunk) * config.chunk).sum())
-        elif src.kind in ("tiles", "dense"):
+        elif isinstance(src, TilesRead | DenseRead):
             tiles = -(-np.minimum(ends, rows) // config.tile)
             per_query = float(tiles.sum()) * config.tile * qb
         else:  # band: one slab per query block
@@ -176,7 +177,7 @@ def kernel_pairs(config: K.Config, visible: np.ndarray) -> float:
     return pairs
 
 
-def hardware_costs(layer, seq: int, costs: dict, config: K.Config, calls: int, recomputed: int):
+def hardware_costs(layer, seq: int, costs: dict, config: Config, calls: int, recomputed: int):
     """**Arguments:** the layer, ``seq``, its ``layer_costs``, its Mosaic attention's
     ``config`` (``kernel_pairs``), the attention ``calls`` per forward (V3.2's head groups) and
     how many of them the backward runs again (``recomputed``: V3.2's head groups that keep no
@@ -186,7 +187,7 @@ def hardware_costs(layer, seq: int, costs: dict, config: K.Config, calls: int, r
     (``hardware_attention_fwd``, ``hardware_attention_bwd``) and the recomputed
     (``hardware_recompute``) (module docstring, "Hardware FLOPs")."""
     c = layer.config
-    kp, vp = config.key_blocks * K.LANES, config.value_blocks * K.LANES
+    kp, vp = config.key_blocks * LANES, config.value_blocks * LANES
     pairs = kernel_pairs(config, reads_per_query(c, seq)[0])
     fwd, bwd = 2 * pairs * (kp + vp), 2 * pairs * (3 * kp + 2 * vp)
     again = recomputed * fwd

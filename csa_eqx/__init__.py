@@ -1,11 +1,12 @@
 """csa_eqx: DeepSeek sparse attention (V4 CSA / HCA / sliding, V3.2 DSA) in JAX + Equinox."""
 
+import warnings as _warnings
+
 from ._attention.auto import AutoAttention as AutoAttention
 from ._attention.auto import AutoPicks as AutoPicks
 from ._attention.base import AbstractAttentionKernel as AbstractAttentionKernel
 from ._attention.expanded import ExpandedAttention as ExpandedAttention
 from ._attention.mosaic import MosaicAttention as MosaicAttention
-from ._attention.pallas import PallasAttention as PallasAttention
 from ._attention.picks import AbstractPicks as AbstractPicks
 from ._attention.picks import GatheredPicks as GatheredPicks
 from ._attention.picks import MaskedPicks as MaskedPicks
@@ -14,6 +15,7 @@ from ._attention.reads import DenseKeys as DenseKeys
 from ._attention.reads import GatheredRows as GatheredRows
 from ._attention.reads import Reads as Reads
 from ._attention.sparse import sparse_attention as sparse_attention
+from ._attention.triton import TritonAttention as TritonAttention
 from ._attention.window import AbstractWindow as AbstractWindow
 from ._attention.window import BandWindow as BandWindow
 from ._attention.window import GatheredWindow as GatheredWindow
@@ -72,7 +74,7 @@ from ._scorer.base import AbstractScorer as AbstractScorer
 from ._scorer.base import XlaScorer as XlaScorer
 from ._scorer.base import indexer_scores as indexer_scores
 from ._scorer.blocked import BlockedScorer as BlockedScorer
-from ._scorer.pallas import PallasScorer as PallasScorer
+from ._scorer.triton import TritonScorer as TritonScorer
 from ._selection.auto import AutoSelection as AutoSelection
 from ._selection.base import AbstractSelection as AbstractSelection
 from ._selection.base import SelectionProblem as SelectionProblem
@@ -81,9 +83,9 @@ from ._selection.candidates import candidate_blocks as candidate_blocks
 from ._selection.dense import DenseSelection as DenseSelection
 from ._selection.gathered import GatheredSelection as GatheredSelection
 from ._selection.mosaic import MosaicSelection as MosaicSelection
-from ._selection.pallas import PallasSelection as PallasSelection
 from ._selection.sharded import ShardedSelection as ShardedSelection
 from ._selection.streaming import StreamingSelection as StreamingSelection
+from ._selection.triton import TritonSelection as TritonSelection
 from ._tiles import TileSizes as TileSizes
 from ._topk import select_topk as select_topk
 from .plotting import plot_picks as plot_picks
@@ -125,13 +127,13 @@ __all__ = [
     "StreamingSelection",
     "GatheredSelection",
     "ShardedSelection",
-    "PallasSelection",
+    "TritonSelection",
     "MosaicSelection",
     # attention
     "AbstractAttentionKernel",
     "AutoAttention",
     "XlaAttention",
-    "PallasAttention",
+    "TritonAttention",
     "MosaicAttention",
     "ExpandedAttention",
     "AbstractPicks",
@@ -145,7 +147,7 @@ __all__ = [
     "AbstractScorer",
     "XlaScorer",
     "BlockedScorer",
-    "PallasScorer",
+    "TritonScorer",
     # indexer loss
     "AbstractIndexerLoss",
     "AutoIndexerLoss",
@@ -179,3 +181,25 @@ __all__ = [
     # pictures
     "plot_picks",
 ]
+
+
+# The Triton kernels' names before they were named by their backend (0.x; CHANGELOG.md): kept
+# for one release, each access warns.
+_DEPRECATED = {
+    "PallasSelection": "TritonSelection",
+    "PallasAttention": "TritonAttention",
+    "PallasScorer": "TritonScorer",
+}
+
+
+def __getattr__(name: str):
+    if name in _DEPRECATED:
+        new = _DEPRECATED[name]
+        _warnings.warn(
+            f"csa_eqx.{name} is deprecated and goes in the next release: use csa_eqx.{new} "
+            "(the same class, named by its backend)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -108,7 +108,7 @@ def kernel_platform(backend: str | None = None) -> str | None:
     v5e), also under a mesh the compiler shards
     (the kernels then run per device: ``csa_eqx._mesh.per_device``); ``None`` elsewhere: on the
     CPU kernels run only in interpret mode (proven there, far slower than XLA), and on a GPU
-    the Triton kernels (``PallasSelection``, ``PallasAttention``) have not been measured on
+    the Triton kernels (``TritonSelection``, ``TritonAttention``) have not been measured on
     one, so the XLA path is the automatic choice there (they stay available by name)."""
     return "tpu" if (backend or target_platform()) == "tpu" else None
 

@@ -1,6 +1,7 @@
 """How a Pallas kernel is run, decided once when the program is traced (docs/kernels.md,
 "Where a kernel runs"; docs/composing.md): the one mechanism the Triton kernels
-(``csa_eqx._pallas.run_kernel``) and the Mosaic TPU kernels (``run_mosaic``) share.
+(``csa_eqx._triton.run_kernel``) and the Mosaic TPU kernels (``csa_eqx._mosaic.run_mosaic``)
+share.
 
 A kernel strategy's ``interpret`` field (``csa_eqx._backend.kernel_interpret``) says whether its
 kernels are compiled (for the platform the program is built for) or interpreted; nothing is
@@ -19,16 +20,10 @@ from __future__ import annotations
 import jax
 from jax.sharding import AxisType
 
-from ._backend import Interpret, kernel_interpret
+from ._backend import Interpret
 from ._compat import interpreted
 
-__all__ = ["run_mosaic", "launch", "typed", "converted_for_blocks", "MOSAIC_REFUSED"]
-
-MOSAIC_REFUSED = (
-    "csa_eqx's Pallas kernel {name!r} is a Mosaic (TPU) kernel and runs only on a TPU (and "
-    "interpreted on the CPU): the automatic choices take it on a TPU only; force another "
-    "strategy here (docs/kernels.md)."
-)
+__all__ = ["launch", "typed", "converted_for_blocks"]
 
 
 def typed(out_shape, args):
@@ -77,28 +72,3 @@ def _sharded_axes() -> bool:
         t != AxisType.Manual and mesh.shape[a] > 1
         for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
     )
-
-
-def run_mosaic(
-    name: str,
-    build,
-    out_shape,
-    *args,
-    interpret: Interpret,
-    tpu_refusal: str | None = None,
-):
-    """Run a Mosaic TPU kernel: ``build(mode, out_shape)(*args)`` (a ``pallas_call``), with
-    ``mode`` what ``kernel_interpret`` decides for the TPU: ``False`` (compiled by Mosaic),
-    ``True`` (Pallas' interpret mode) or a ``pltpu.InterpretParams``.
-
-    **Arguments:** the kernel's ``name``, ``build``, its ``out_shape`` (``ShapeDtypeStruct``
-    pytree), its ``args``, the strategy's ``interpret`` field and ``tpu_refusal``: a message to
-    refuse compiling with (a configuration the chip cannot run, e.g. blocks below Mosaic's
-    tiles, which the interpreters still run).
-
-    **Returns:** the kernel's outputs; a ``NotImplementedError`` where the kernel cannot run.
-    """
-    mode = kernel_interpret(interpret, "tpu", MOSAIC_REFUSED.format(name=name))
-    if mode is False and tpu_refusal is not None:
-        raise NotImplementedError(tpu_refusal)
-    return launch(build, mode, out_shape, args)

@@ -6,7 +6,16 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-__all__ = ["linear", "rms_norm", "init_linear", "upcast", "round_to", "varying_like", "summed_like"]
+__all__ = [
+    "linear",
+    "rms_norm",
+    "init_linear",
+    "upcast",
+    "round_to",
+    "pad_axis",
+    "varying_like",
+    "summed_like",
+]
 
 
 def linear(x: Float[Array, "*batch d_in"], weight: Float[Array, "d_out d_in"]) -> Array:
@@ -60,6 +69,16 @@ def rms_norm(x: Array, weight: Array | None, eps: float) -> Array:
 def init_linear(key: Array, d_out: int, d_in: int, dtype=jnp.float32, std: float = 0.02) -> Array:
     """A ``[d_out, d_in]`` weight drawn from N(0, std²)."""
     return (std * jax.random.normal(key, (d_out, d_in))).astype(dtype)
+
+
+def pad_axis(x: Array, axis: int, size: int, value=0, front: int = 0) -> Array:
+    """``x`` padded with ``value`` along ``axis``: ``front`` entries before it, then to ``size``
+    in all (``x`` itself when nothing is padded)."""
+    if x.shape[axis] == size and not front:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (front, size - front - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
 
 
 def varying_like(x, *likes):

@@ -1,4 +1,4 @@
-"""What the attention kernels' tests share (``test_pallas_attention.py``,
+"""What the attention kernels' tests share (``test_triton_attention.py``,
 ``test_mosaic_attention.py``, ``test_conformance_attention.py``): comparing a kernel's results
 with the reference's."""
 

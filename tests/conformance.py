@@ -9,6 +9,7 @@ and a member that cannot run a check says why in that module's table of exceptio
 
 import ml_dtypes
 import numpy as np
+import pytest
 
 # --- every private name the suites use: the one place to retarget when modules move --------
 from csa_eqx import _backend as choosers  # the module whose jax.default_backend the choosers ask
@@ -28,6 +29,7 @@ __all__ = [
     "V4_FORMATS",
     "V32_FORMATS",
     "V41_FORMATS",
+    "member_results",
     "bf16",
     "visible_np",
     "scores_np",
@@ -38,6 +40,22 @@ __all__ = [
     "kl_np",
     "target_mass_np",
 ]
+
+
+def member_results(exceptions: dict, run):
+    """A suite's ``results`` fixture: ``get(name, check)``, member ``name``'s outputs (its
+    ``run(name)``, computed once per module), or a skip where ``exceptions`` names the member
+    and the ``check`` with its reason."""
+    cache = {}
+
+    def get(name: str, check=None) -> dict:
+        if (name, check) in exceptions:
+            pytest.skip(exceptions[name, check])
+        if name not in cache:
+            cache[name] = run(name)
+        return cache[name]
+
+    return get
 
 
 def bf16(x) -> np.ndarray:

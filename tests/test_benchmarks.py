@@ -564,9 +564,9 @@ def test_chosen_names_the_strategies_that_run():
     assert choice.path == "xla" and choice.automatic_is_xla
     q, reads, sinks = choice.inputs
     assert q.shape == (1, 64, 4, 32) and reads.band.window == 16 and sinks.shape == (4,)
-    kernels = ce.Execution(selection=ce.PallasSelection(), attention=ce.PallasAttention())
+    kernels = ce.Execution(selection=ce.TritonSelection(), attention=ce.TritonAttention())
     forced = chosen.resolve(layer.with_execution(kernels), x)
-    assert forced.names == {"selection": "PallasSelection", "attention": "PallasAttention"}
+    assert forced.names == {"selection": "TritonSelection", "attention": "TritonAttention"}
     assert forced.path == "kernel" and not forced.automatic_is_xla
     assert forced.xla_names == {"selection": "DenseSelection", "attention": "XlaAttention"}
 
@@ -651,5 +651,5 @@ def test_the_table_measures_the_triton_kernels_on_a_gpu(monkeypatch):
     assert chosen.platform_execution(ex) is ex  # the CPU
     monkeypatch.setattr(chosen.jax, "default_backend", lambda: "gpu")
     forced = chosen.platform_execution(ex)
-    assert forced.selection == ce.PallasSelection() and forced.attention == ce.PallasAttention()
+    assert forced.selection == ce.TritonSelection() and forced.attention == ce.TritonAttention()
     assert forced.qk_head_chunk_size == 2

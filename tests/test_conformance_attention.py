@@ -31,13 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_helpers import assert_close
-from conformance import attention_np, attention_query_block, bf16, choosers
+from conformance import attention_np, attention_query_block, bf16, choosers, member_results
 
 import csa_eqx as ce
 
 MEMBERS = {
     "xla": ce.XlaAttention(),  # blocks of 4 of the 11 queries (the last one padded)
-    "pallas": ce.PallasAttention(query_block=4, key_block=2),  # interpret mode: partial tiles
+    "triton": ce.TritonAttention(query_block=4, key_block=2),  # interpret mode: partial tiles
     "auto": ce.AutoAttention(),
     # Pallas' TPU interpreter: blocks of 8 queries (the second partial), its automatic choices
     "mosaic": ce.MosaicAttention(query_block=8),
@@ -47,7 +47,7 @@ MEMBERS = {
 }
 # (member, check) -> (error, message) the member refuses the check's call with (asserted)
 REFUSES = {
-    ("pallas", "deepseek"): (ValueError, "PallasAttention computes the exact softmax"),
+    ("triton", "deepseek"): (ValueError, "TritonAttention computes the exact softmax"),
     ("mosaic", "deepseek"): (ValueError, "MosaicAttention computes the exact softmax"),
     ("mosaic-tiles", "deepseek"): (ValueError, "MosaicAttention computes the exact softmax"),
 }
@@ -283,25 +283,19 @@ def _bf16_arrays():
 
 @pytest.fixture(scope="module")
 def results():
-    cache = {}
+    def run(name: str) -> dict:
+        arrays = {k: jnp.asarray(v, jnp.float32) for k, v in ARRAYS.items()}
+        bad = {k: jnp.asarray(v) for k, v in nonfinite_arrays().items()}
+        refused = REFUSES.get((name, "deepseek"))
+        deepseek = refused is None and (name, "deepseek") not in EXCEPTIONS
+        out = jax.device_get(outputs(name, arrays, _bf16_arrays(), bad, deepseek))
+        if refused:
+            with pytest.raises(refused[0], match=refused[1]):
+                _attend(MEMBERS[name], "csa-gathered", arrays, ce.DeepSeekInference())
+            out["refused"] = True
+        return out
 
-    def get(name: str, check: str) -> dict:
-        if (name, check) in EXCEPTIONS:
-            pytest.skip(EXCEPTIONS[name, check])
-        if name not in cache:
-            arrays = {k: jnp.asarray(v, jnp.float32) for k, v in ARRAYS.items()}
-            bad = {k: jnp.asarray(v) for k, v in nonfinite_arrays().items()}
-            refused = REFUSES.get((name, "deepseek"))
-            deepseek = refused is None and (name, "deepseek") not in EXCEPTIONS
-            out = outputs(name, arrays, _bf16_arrays(), bad, deepseek)
-            cache[name] = jax.device_get(out)
-            if refused:
-                with pytest.raises(refused[0], match=refused[1]):
-                    _attend(MEMBERS[name], "csa-gathered", arrays, ce.DeepSeekInference())
-                cache[name]["refused"] = True
-        return cache[name]
-
-    return get
+    return member_results(EXCEPTIONS, run)
 
 
 def test_the_inputs_tell_right_from_wrong():

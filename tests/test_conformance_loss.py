@@ -31,6 +31,7 @@ from conformance import (
     filter_bites,
     in_blocks_np,
     kl_np,
+    member_results,
     scores_np,
     target_mass_np,
     visible_np,
@@ -172,19 +173,13 @@ def _visibility(qseg=QSEG, layout=LAYOUT):
 
 @pytest.fixture(scope="module")
 def results():
-    cache = {}
+    def run(name: str) -> dict:
+        params = {k: jnp.asarray(v) for k, v in PARAMS.items()}
+        foreign = _visibility(np.full_like(QSEG, 99))
+        args = (_visibility(), foreign, jnp.asarray(BLOCKS), jnp.asarray(SELECTION))
+        return jax.device_get(outputs(name, params, *args))
 
-    def get(name: str, check: str) -> dict:
-        if (name, check) in EXCEPTIONS:
-            pytest.skip(EXCEPTIONS[name, check])
-        if name not in cache:
-            params = {k: jnp.asarray(v) for k, v in PARAMS.items()}
-            foreign = _visibility(np.full_like(QSEG, 99))
-            args = (_visibility(), foreign, jnp.asarray(BLOCKS), jnp.asarray(SELECTION))
-            cache[name] = jax.device_get(outputs(name, params, *args))
-        return cache[name]
-
-    return get
+    return member_results(EXCEPTIONS, run)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conformance import V4_FORMATS, V32_FORMATS, V41_FORMATS, bf16, fp8_product
+from conformance import V4_FORMATS, V32_FORMATS, V41_FORMATS, bf16, fp8_product, member_results
 from test_formats import FP8, _fwht, _reference, _reference_quant
 
 import csa_eqx as ce
@@ -248,17 +248,11 @@ def outputs(numerics, formats: tuple[str, ...]):
 
 @pytest.fixture(scope="module")
 def results():
-    cache = {}
+    def run(name: str) -> dict:
+        allowed = tuple(f for f in FORMATS if (name, f) not in EXCEPTIONS)
+        return jax.device_get(outputs(MEMBERS[name], allowed))
 
-    def get(name: str, formats: str | None = None) -> dict:
-        if (name, formats) in EXCEPTIONS:
-            pytest.skip(EXCEPTIONS[name, formats])
-        if name not in cache:
-            allowed = tuple(f for f in FORMATS if (name, f) not in EXCEPTIONS)
-            cache[name] = jax.device_get(outputs(MEMBERS[name], allowed))
-        return cache[name]
-
-    return get
+    return member_results(EXCEPTIONS, run)
 
 
 def test_the_inputs_tell_right_from_wrong():

@@ -27,14 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conformance import bf16, scores_np
+from conformance import bf16, member_results, scores_np
 
 import csa_eqx as ce
 
 MEMBERS = {
     "xla": ce.XlaScorer(),
     "blocked": ce.BlockedScorer(5),  # 13 keys: two blocks and a padded one
-    "pallas": ce.PallasScorer(query_block=4, key_block=8),  # interpret mode; partial tiles
+    "triton": ce.TritonScorer(query_block=4, key_block=8),  # interpret mode; partial tiles
     # "mosaic": the TPU scorer (issue 44) joins here
 }
 # (member, check) -> why the member cannot run the check
@@ -133,16 +133,7 @@ def outputs(scorer):
 
 @pytest.fixture(scope="module")
 def results():
-    cache = {}
-
-    def get(name: str, check: str) -> dict:
-        if (name, check) in EXCEPTIONS:
-            pytest.skip(EXCEPTIONS[name, check])
-        if name not in cache:
-            cache[name] = jax.device_get(outputs(MEMBERS[name]))
-        return cache[name]
-
-    return get
+    return member_results(EXCEPTIONS, lambda name: jax.device_get(outputs(MEMBERS[name])))
 
 
 def test_the_bf16_inputs_tell_right_from_wrong():

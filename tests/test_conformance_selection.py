@@ -46,6 +46,7 @@ from conformance import (
     choosers,
     filter_bites,
     in_blocks_np,
+    member_results,
     scores_np,
     visible_np,
 )
@@ -59,8 +60,8 @@ MEMBERS = {
     # rows over a 4-way tensor axis (13 rows: padded), the batch over a 2-way data axis
     "sharded": ce.ShardedSelection(ce.StreamingSelection(key_block=4, query_block=3)),
     # interpret mode: a compaction every other tile, two kernel calls (rows pulled back)
-    "pallas": ce.PallasSelection(query_block=4, key_block=2, query_chunk=8),
-    "sharded-pallas": ce.ShardedSelection(ce.PallasSelection(query_block=4, key_block=4)),
+    "triton": ce.TritonSelection(query_block=4, key_block=2, query_chunk=8),
+    "sharded-pallas": ce.ShardedSelection(ce.TritonSelection(query_block=4, key_block=4)),
     "auto": ce.AutoSelection(),
     # Pallas' TPU interpreter: two key tiles of 8 lanes, query blocks of 4 (the last padded),
     # interpolated and halved threshold steps, three output tiles at k = 20, two kernel calls
@@ -74,7 +75,7 @@ _IN_KERNEL = (
 )
 # (member, check) -> why the member cannot run the check
 EXCEPTIONS = {
-    ("pallas", "scorer"): _IN_KERNEL,
+    ("triton", "scorer"): _IN_KERNEL,
     ("sharded-pallas", "scorer"): _IN_KERNEL,
     ("mosaic", "scorer"): (
         "the Mosaic kernel forms the scores in-kernel as indexer_scores does, not through "
@@ -83,8 +84,8 @@ EXCEPTIONS = {
 }
 # (member, check) -> the error the member refuses the check's problem with (asserted)
 REFUSES = {
-    ("pallas", "consumer"): (TypeError, "PallasSelection scores a plain Visibility"),
-    ("sharded-pallas", "consumer"): (TypeError, "PallasSelection scores a plain Visibility"),
+    ("triton", "consumer"): (TypeError, "TritonSelection scores a plain Visibility"),
+    ("sharded-pallas", "consumer"): (TypeError, "TritonSelection scores a plain Visibility"),
     ("mosaic", "consumer"): (TypeError, "MosaicSelection scores a plain Visibility"),
 }
 
@@ -209,16 +210,7 @@ def _run(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    cache = {}
-
-    def get(name: str, check: str) -> dict:
-        if (name, check) in EXCEPTIONS:
-            pytest.skip(EXCEPTIONS[name, check])
-        if name not in cache:
-            cache[name] = _run(name)
-        return cache[name]
-
-    return get
+    return member_results(EXCEPTIONS, _run)
 
 
 def test_the_inputs_tell_right_from_wrong():

@@ -33,7 +33,7 @@ V32 = tiny_v32(index_topk=K)
 
 MOSAIC = dict(selection=ce.MosaicSelection(), attention=ce.MosaicAttention())
 TRITON = dict(
-    selection=ce.PallasSelection(), attention=ce.PallasAttention(), scorer=ce.PallasScorer()
+    selection=ce.TritonSelection(), attention=ce.TritonAttention(), scorer=ce.TritonScorer()
 )
 # (config, Execution fields, indexer loss stage): the members of every family, the kernels of a
 # backend together (one program each: interpret mode compiles slowly on the CPU)
@@ -207,7 +207,7 @@ def pallas_calls(jaxpr, name: str) -> int:
 )
 @pytest.mark.parametrize(
     "selection, kernel",
-    [(ce.MosaicSelection(), "indexer_topk_mosaic"), (ce.PallasSelection(), "indexer_topk")],
+    [(ce.MosaicSelection(), "indexer_topk_mosaic"), (ce.TritonSelection(), "indexer_topk")],
     ids=["mosaic", "triton"],
 )
 def test_saved_selection_runs_no_kernel_in_the_backward(selection, kernel):

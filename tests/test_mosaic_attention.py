@@ -38,8 +38,8 @@ from mosaic_sweep import AttentionSetting, attention_data, check_attention, swee
 
 import csa_eqx as ce
 from csa_eqx import MosaicAttention, presets
-from csa_eqx._attention import mosaic
-from csa_eqx._attention import mosaic_kernels as K
+from csa_eqx._attention import mosaic_plan
+from csa_eqx._attention.mosaic_layout import BandRead, DenseRead, RowsRead, TilesRead
 
 S, D, W, T, K_PICKS = 11, 8, 4, 150, 10
 SEGMENTS = [[0] * 5 + [1] * 6, [0] * 11]
@@ -464,7 +464,7 @@ def configs(kind: str, kernel: MosaicAttention, s: int, entries: int = 0):
     """The forward's and the backward's kernel configurations of a released-size call (traced
     abstractly: nothing runs)."""
     seen = []
-    plan = mosaic._plan
+    plan = mosaic_plan.plan
 
     def spy(*args):
         seen.append(plan(*args))
@@ -472,11 +472,12 @@ def configs(kind: str, kernel: MosaicAttention, s: int, entries: int = 0):
 
     loss, args = released(kind, kernel, s, entries)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(mosaic, "_plan", spy)
+        patch.setattr(mosaic_plan, "plan", spy)
         jax.eval_shape(jax.grad(loss, argnums=(0, 2)), *args)
     return seen[0].static.config, seen[0].static.backward
 
 
+KINDS = {RowsRead: "rows", TilesRead: "tiles", DenseRead: "dense", BandRead: "band"}
 # (kind, queries, entries) -> gather, head block, resident table, HBM gradients (backward),
 # query block, narrow query-side arrays
 AUTOMATIC = {
@@ -514,21 +515,21 @@ def test_automatic_choices_fit_vmem_at_released_sizes():
     for (kind, s, entries), want in AUTOMATIC.items():
         forward, backward = configs(kind, MosaicAttention(), s, entries)
         gathered = forward.sources[0]
-        got = (gathered.kind, forward.head_block, forward.tables[gathered.table].resident,
+        got = (KINDS[type(gathered)], forward.head_block, forward.tables[gathered.table].resident,
                backward.tables[backward.sources[0].table].hbm_grads, forward.query_block,
                bool(forward.narrow))  # fmt: skip
         assert got == want, (kind, s, entries)
         assert backward.narrow == forward.narrow == ((4, 64, 64) if want[5] else ())
-        bands = [backward.tables[src.table] for src in backward.sources if src.kind == "band"]
+        bands = [backward.tables[s.table] for s in backward.sources if isinstance(s, BandRead)]
         assert [t.hbm_grads for t in bands] == BAND_SLABS.get((kind, s, entries), []), kind
-        assert backward.sources[0].kind == ("tiles" if want[3] else want[0])
+        assert KINDS[type(backward.sources[0])] == ("tiles" if want[3] else want[0])
         for config, is_backward in ((forward, False), (backward, True)):
-            assert K.vmem_bytes(config, is_backward) <= 0.8 * config.vmem_limit
+            assert mosaic_plan.vmem_bytes(config, is_backward) <= 0.8 * config.vmem_limit
 
 
 def test_the_automatic_query_block():
     """``STEP_ROWS`` = 1024 softmax rows over the heads padded to 16, within 16..64 queries."""
-    got = [mosaic.auto_query_block(h) for h in (1, 4, 16, 17, 32, 48, 64, 128)]
+    got = [mosaic_plan.auto_query_block(h) for h in (1, 4, 16, 17, 32, 48, 64, 128)]
     assert got == [64, 64, 64, 32, 32, 16, 16, 16]
     assert MosaicAttention().query_block_for(1, 4, None, None) == 64
     assert MosaicAttention(query_block=8).query_block_for(1, 4, None, None) == 8
@@ -537,7 +538,7 @@ def test_the_automatic_query_block():
 def test_the_automatic_rows_chunk():
     """The fewest chunks of at most 512 rows, each a whole number of 128 (V4-Flash's 512
     picks: one chunk; V3.2's 2048: four); a call's kernels take it, or the field's."""
-    got = [mosaic.auto_key_block(w) for w in (1, 6, 128, 129, 512, 513, 640, 2048)]
+    got = [mosaic_plan.auto_key_block(w) for w in (1, 6, 128, 129, 512, 513, 640, 2048)]
     assert got == [128, 128, 128, 256, 512, 384, 384, 512]
     q = jnp.zeros((1, 8, 16, 128), jnp.bfloat16)
     reads = ce.Reads(
@@ -545,7 +546,7 @@ def test_the_automatic_rows_chunk():
     )
     for kernel, chunk in ((MosaicAttention(gather="rows"), 384),
                           (MosaicAttention(gather="rows", key_block=256), 256)):  # fmt: skip
-        config = mosaic._plan(kernel, q, reads, False, 1.0).static.config
+        config = mosaic_plan.plan(kernel, q, reads, False, 1.0).static.config
         assert (config.chunk, config.sources[0].width) == (chunk, 768)
 
 
@@ -599,8 +600,8 @@ def test_the_picks_check_in_blocks(monkeypatch):
     )
     assert want.any() and not want.all()
     for elements in (2 * 4 * 5, 2**20):
-        monkeypatch.setattr(mosaic, "POISON_ELEMENTS", elements)
-        got = mosaic._picks_poison(jnp.asarray(bad), jnp.asarray(idx))
+        monkeypatch.setattr(mosaic_plan, "POISON_ELEMENTS", elements)
+        got = mosaic_plan.picks_poison(jnp.asarray(bad), jnp.asarray(idx))
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
@@ -630,8 +631,8 @@ def test_the_visible_picks_check_in_blocks(monkeypatch):
     dense = ce.DenseKeys(jnp.zeros((b, t, 8)), layout, jnp.asarray(qidx), jnp.asarray(qseg),
                          None, jnp.asarray(idx))  # fmt: skip
     for elements in (b * k * 5, 2**20):
-        monkeypatch.setattr(mosaic, "POISON_ELEMENTS", elements)
-        got = mosaic._picks_poison(jnp.asarray(bad), jnp.asarray(idx), dense)
+        monkeypatch.setattr(mosaic_plan, "POISON_ELEMENTS", elements)
+        got = mosaic_plan.picks_poison(jnp.asarray(bad), jnp.asarray(idx), dense)
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
@@ -651,7 +652,7 @@ def test_cost_model_of_the_gather():
     v4 = dict(sets=[(8192 // 4, 512)], heads=64, width=1024, tile=512, qb=16)
     for s, tiles, rows in ((8192, 17.7e-3, 84.1e-3), (32768, 141.6e-3, 332e-3)):
         v4["sets"] = [(s // 4, 512)]
-        got = {way: mosaic.gather_seconds(way, s, **v4) for way in ("tiles", "rows")}
+        got = {way: mosaic_plan.gather_seconds(way, s, **v4) for way in ("tiles", "rows")}
         assert tiles / 2 < got["tiles"] < 2 * tiles and rows / 2 < got["rows"] < 2 * rows
         assert got["tiles"] < got["rows"]
 

@@ -31,12 +31,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from jaxpr_helpers import gpu_lowering, kernel_dots, tpu_lowering, walk_avals
 from mosaic_sweep import SelectionSetting, check_selection, selection_data, sweep_settings
-from test_pallas_selection import problem, selections
 from test_topk_reference import B, S, brute_force, fixed_case, layout_of
+from test_triton_selection import problem, selections
 
 import csa_eqx as ce
 from csa_eqx import _backend
-from csa_eqx._dispatch import MOSAIC_REFUSED
+from csa_eqx._mosaic import MOSAIC_REFUSED
 from csa_eqx._selection.auto import candidate_source
 from csa_eqx._selection.candidate_source import StreamingCandidates
 from csa_eqx._selection.mosaic_topk import NAME, TPU_BLOCKS, TPU_VMEM
@@ -284,7 +284,7 @@ def test_fields_are_checked():
 @pytest.mark.parametrize("s, query_chunk, chunk", [(40, 24, 20), (40, 40, 40), (37, 16, 16)])
 def test_row_chunks_are_balanced_and_cover_every_row_once(s, query_chunk, chunk):
     """The fused kernels' row chunks (``kernel_row_chunks``, shared by ``MosaicSelection`` and
-    ``PallasSelection``): a stub kernel that answers each row with its own query index shows
+    ``TritonSelection``): a stub kernel that answers each row with its own query index shows
     every row answered by a call covering it, in as few calls as ``query_chunk`` allows, each
     as short as whole blocks of 4 allow (40 rows at most 24 a call: two calls of 20, where a
     chunk of 24 made the second call redo 8 rows; 37 at 16: three of 16), and each row given

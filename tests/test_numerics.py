@@ -236,8 +236,8 @@ def test_sizes_the_formats_cannot_take_are_named():
     match = r"columns of .*o_b_proj.* each needs whole tiles"
     with jax.set_mesh(mesh), pytest.raises(ValueError, match=match):
         layer(x)
-    with pytest.raises(ValueError, match="PallasAttention computes the exact softmax"):
-        ce.Execution(attention=ce.PallasAttention(), numerics=NUMERICS)
+    with pytest.raises(ValueError, match="TritonAttention computes the exact softmax"):
+        ce.Execution(attention=ce.TritonAttention(), numerics=NUMERICS)
 
 
 def _bf16(v) -> np.ndarray:

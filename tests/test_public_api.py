@@ -214,6 +214,19 @@ def test_stable_api_is_the_documented_list():
         assert internal not in ce.__all__ and hasattr(ce, internal)  # importable, not stable
 
 
+@pytest.mark.parametrize(
+    "old, new", [("Pallas" + k, "Triton" + k) for k in ("Selection", "Attention", "Scorer")]
+)
+def test_the_old_kernel_names_are_deprecated_aliases(old, new):
+    """The Triton kernels' names before they were named by their backend still import, as the
+    same classes, with a ``DeprecationWarning`` (CHANGELOG.md); they are not in the stable API."""
+    with pytest.warns(DeprecationWarning, match=f"csa_eqx.{old} is deprecated.*csa_eqx.{new}"):
+        assert getattr(ce, old) is getattr(ce, new)
+    with pytest.warns(DeprecationWarning):
+        exec(f"from csa_eqx import {old}", {})
+    assert old not in ce.__all__ and old not in dir(ce)
+
+
 def test_readme_is_short():
     """The README is for the adoption decision: at most ~900 words outside code blocks."""
     text = re.sub(r"```.*?```|<!--.*?-->", "", (ROOT / "README.md").read_text(), flags=re.S)

@@ -110,7 +110,7 @@ STRATEGY_MODULES = tuple(
         "dense",
         "streaming",
         "gathered",
-        "pallas",
+        "triton",
         "mosaic",
         "row_chunks",
         "sharded",

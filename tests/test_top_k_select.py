@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jaxpr_helpers import loop_primitives, walk_eqns
-from test_pallas_selection import problem
 from test_topk_reference import B, S, brute_force, fixed_case, layout_of
+from test_triton_selection import problem
 
 import csa_eqx as ce
 from csa_eqx._backend import CPU_TILES, TPU_TILES

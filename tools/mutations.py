@@ -125,17 +125,17 @@ MUTATIONS = [
     Mutation(
         "visible_tiles_unmasked",
         "Mosaic attention: a DenseKeys' picks read as tiles without the visibility mask",
-        "csa_eqx/_attention/mosaic_kernels.py",
-        "    if s.src.visible:\n        counts = counts * _tile_visibility(step, s, t)\n",
+        "csa_eqx/_attention/mosaic_steps.py",
+        "    if s.read.visible:\n        counts = counts * _tile_visibility(step, s, t)\n",
         "",
         ("tests/test_conformance_attention.py::test_outputs_and_lse",),
     ),
     Mutation(
         "unseen_pick_poisons",
         "Mosaic attention: a non-finite entry poisons the queries that picked it unseen",
-        "csa_eqx/_attention/mosaic.py",
-        'functools.partial(_picks_poison, tables[t]["bad"], picked.picks, picked)',
-        'functools.partial(_picks_poison, tables[t]["bad"], picked.picks)',
+        "csa_eqx/_attention/mosaic_plan.py",
+        "functools.partial(picks_poison, self.tables[t].bad, picked.picks, picked)",
+        "functools.partial(picks_poison, self.tables[t].bad, picked.picks)",
         ("tests/test_conformance_attention.py::test_nonfinite_rows_reach_only_their_readers",),
     ),
     Mutation(
@@ -331,17 +331,17 @@ MUTATIONS = [
     ),
     # --- issue 43: the audit's list, and the bugs test docstrings name --------------------------
     Mutation(
-        "pallas_scorer_grad_ignores_score_dtype",
-        "the Pallas scorer's backward differentiates the float32 scores, not the bf16 ones asked",
-        "csa_eqx/_scorer/pallas.py",
+        "triton_scorer_grad_ignores_score_dtype",
+        "the Triton scorer's backward differentiates the float32 scores, not the bf16 ones asked",
+        "csa_eqx/_scorer/triton.py",
         "    kw = dict(head_chunk=head_chunk, score_dtype=score_dtype)\n    _, vjp = jax.vjp(",
         "    kw = dict(head_chunk=head_chunk, score_dtype=None)\n    _, vjp = jax.vjp(",
         ("tests/test_conformance_scorer.py::test_bf16_gradients",),
     ),
     Mutation(
-        "pallas_head_weights_unrounded",
-        "the Pallas kernels' bf16 scores skip the rounding of the head weights DeepSeek does",
-        "csa_eqx/_pallas.py",
+        "triton_head_weights_unrounded",
+        "the Triton kernels' bf16 scores skip the rounding of the head weights DeepSeek does",
+        "csa_eqx/_triton.py",
         "term = rounded * w.astype(score_dtype).astype(jnp.float32)",
         "term = rounded * w",
         (
@@ -545,8 +545,8 @@ MUTATIONS = [
     Mutation(
         "mosaic_band_rows_not_flagged",
         "the Mosaic attention zeroes a non-finite window row without poisoning its readers",
-        "csa_eqx/_attention/mosaic.py",
-        "        poison = poison | _if_bad(bad, window_bad, (b, s))\n",
+        "csa_eqx/_attention/mosaic_plan.py",
+        "        self.poisons(len(self.tables) - 1, window_bad)\n",
         "",
         ("tests/test_conformance_attention.py::test_nonfinite_rows_reach_only_their_readers",),
     ),
@@ -562,7 +562,7 @@ MUTATIONS = [
     Mutation(
         "rows_mask_ignored",
         "Mosaic attention, rows: a chunk's -1 indices read (row 0) instead of masked",
-        "csa_eqx/_attention/mosaic_kernels.py",
+        "csa_eqx/_attention/mosaic_steps.py",
         "mask = jnp.where(chunks[pl.ds(n, 1), :] >= 0, 1.0, 0.0)",
         "mask = jnp.where(chunks[pl.ds(n, 1), :] >= -1, 1.0, 0.0)",
         # (its numpy-checked band+picks/rows case went into the sweep, issue 57)
@@ -574,8 +574,8 @@ MUTATIONS = [
     Mutation(
         "rows_chunk_not_whole_128s",
         "the automatic rows chunk split evenly but not rounded up to whole 128s",
-        "csa_eqx/_attention/mosaic.py",
-        "return _round_up(-(-width // n), K.LANES)",
+        "csa_eqx/_attention/mosaic_plan.py",
+        "return round_up(-(-width // n), LANES)",
         "return -(-width // n)",
         ("tests/test_mosaic_attention.py::test_the_automatic_rows_chunk",),
     ),
@@ -590,7 +590,7 @@ MUTATIONS = [
     Mutation(
         "poisoned_output_kept",
         "Mosaic attention: a poisoned query's output written as computed, not NaN",
-        "csa_eqx/_attention/mosaic_kernels.py",
+        "csa_eqx/_attention/mosaic_forward.py",
         "out = jnp.where(live, acc / norm[:, 0:1], jnp.nan)",
         "out = acc / norm[:, 0:1]",
         ("tests/test_conformance_attention.py::test_nonfinite_rows_reach_only_their_readers",),
@@ -622,7 +622,7 @@ MUTATIONS += [
         "tile_count_off_by_one",
         "Mosaic attention: a block's tile count rounds its largest pick up, not past it (a "
         "pick on a tile boundary, row 0 alone, is never read)",
-        "csa_eqx/_attention/mosaic.py",
+        "csa_eqx/_attention/mosaic_layout.py",
         "counts = (jnp.max(idx.reshape(b, nq, qb * width), axis=-1) + tile) // tile",
         "counts = (jnp.max(idx.reshape(b, nq, qb * width), axis=-1) + tile - 1) // tile",
         (_TILES_HBM,),
@@ -631,7 +631,7 @@ MUTATIONS += [
         "dense_tile_count_open_end",
         "Mosaic attention: dense entries' tile count leaves out an entry closing exactly at "
         "the block's last query",
-        "csa_eqx/_attention/mosaic.py",
+        "csa_eqx/_attention/mosaic_plan.py",
         "closed = (end[:, None, :] >= 0) & (end[:, None, :] <= top[:, :, None])",
         "closed = (end[:, None, :] >= 0) & (end[:, None, :] < top[:, :, None])",
         (f"{_SWEEP}[band+picks+dense/tiles/resident]",),
@@ -639,7 +639,7 @@ MUTATIONS += [
     Mutation(
         "repeated_picks_once_in_backward",
         "Mosaic attention: the backward weighs a row picked twice once (the forward twice)",
-        "csa_eqx/_attention/mosaic_kernels.py",
+        "csa_eqx/_attention/mosaic_backward.py",
         "p = jnp.where(w > 0, w * jnp.exp(s - lse), 0.0)",
         "p = jnp.where(w > 0, jnp.exp(s - lse), 0.0)",
         (_TILES_HBM,),
@@ -648,16 +648,16 @@ MUTATIONS += [
         "hbm_band_slab_zeroed_per_head_block",
         "Mosaic attention, gradients in HBM: the band's slab zeroed by every head block, not "
         "summed over them (only the last head block's gradient kept)",
-        "csa_eqx/_attention/mosaic_kernels.py",
-        "            @pl.when(j == 0)\n            def _(out=into):\n",
-        "            @pl.when(j >= 0)\n            def _(out=into):\n",
+        "csa_eqx/_attention/mosaic_backward.py",
+        "                @pl.when(j == 0)\n                def _(out=into):\n",
+        "                @pl.when(j >= 0)\n                def _(out=into):\n",
         (_TILES_HBM,),
     ),
     Mutation(
         "packed_feature_block_offset",
         "Mosaic attention, bf16: feature block f of a packed row read from word-row f, not "
         "f // 2 (keys and values wider than 128)",
-        "csa_eqx/_attention/mosaic_kernels.py",
+        "csa_eqx/_attention/mosaic_steps.py",
         "start = offset + first + (f // 2 if table.packed else f)",
         "start = offset + first + f",
         (f"{_SWEEP}[band+picks/bf16-wide-own-values/rows]",),

@@ -44,7 +44,7 @@ class AutoPicks(AbstractPicks):
 class AutoAttention(AbstractAttentionKernel):
     """The attention kernel for the backend (``kernel_platform``): ``MosaicAttention()`` on a
     TPU (it reads every kind of ``Reads`` and chooses its gather, blocks and VMEM use per
-    call), ``XlaAttention()`` elsewhere (a GPU included: ``PallasAttention()`` runs there when
+    call), ``XlaAttention()`` elsewhere (a GPU included: ``TritonAttention()`` runs there when
     forced by name, not yet measured on one) and under
     numerics that round the attention (``exact_softmax`` false: ``DeepSeekInference``); for
     MLA (``latent``) under numerics that follow DeepSeek's expanded prefill

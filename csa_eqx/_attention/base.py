@@ -179,6 +179,9 @@ class AbstractAttentionKernel(eqx.Module):
 
     # a Pallas kernel (one device's program: run per device under a mesh the compiler shards)
     is_kernel: ClassVar[bool] = False
+    # it computes the exact softmax only (a fused kernel: numerics that round the attention's
+    # weights are refused, by ``require_exact_softmax`` and up front by ``Execution``)
+    exact_softmax_only: ClassVar[bool] = False
 
     def query_block_for(self, batch: int, heads: int, reads: Reads, tiles: TileSizes) -> int:
         """**Arguments:** the queries' ``batch`` and ``heads``, their ``reads`` and the ``tiles``.

@@ -23,8 +23,6 @@ import jax.numpy as jnp
 
 from .._attention.auto import AutoAttention, AutoPicks
 from .._attention.base import AbstractAttentionKernel, LatentUp
-from .._attention.mosaic import MosaicAttention
-from .._attention.pallas import PallasAttention
 from .._attention.picks import AbstractPicks
 from .._attention.window import AbstractWindow, BandWindow
 from .._backend import CPU_TILES, GPU_TILES, TPU_TILES, backend_tiles
@@ -73,7 +71,7 @@ class Execution(eqx.Module):
     **Arguments:**
 
     - ``selection``: the indexer top-k strategy (``AutoSelection()``, ``DenseSelection()``,
-        ``StreamingSelection(key_block, query_block, topk_block)``, ``PallasSelection(...)``,
+        ``StreamingSelection(key_block, query_block, topk_block)``, ``TritonSelection(...)``,
         ``ShardedSelection(inner, tensor_axis, data_axis)``).
     - ``picks``: how the attention reads the picked entries (``AutoPicks()``,
         ``MaskedPicks()``, ``GatheredPicks()``).
@@ -81,7 +79,7 @@ class Execution(eqx.Module):
         ``GatheredWindow()``: gathered token rows), in the forward and in ``extend``.
     - ``attention``: the attention kernel over what each query reads (``AutoAttention()``:
         ``MosaicAttention()`` on a TPU, else ``XlaAttention()``, the reference, a GPU
-        included (``PallasAttention()`` there only when forced); for V3.2 under
+        included (``TritonAttention()`` there only when forced); for V3.2 under
         ``DeepSeekInference``, DeepSeek's expanded MLA; any ``AbstractAttentionKernel``).
     - ``qk_head_chunk_size``: indexer heads (and, for the KL target, attention heads) scored
         at once (0 = all); must divide ``index_n_heads`` (and ``num_heads`` when the
@@ -108,7 +106,7 @@ class Execution(eqx.Module):
     - ``indexer_kl``: how the indexer's KL loss is computed when a stage trains it
         (``AutoIndexerLoss()``, ``DenseIndexerLoss()``, ``StreamingIndexerLoss(...)``).
     - ``scorer``: the indexer's scoring kernel, used by every selection strategy and the loss
-        (``XlaScorer()``, the reference; ``BlockedScorer(key_block)``; ``PallasScorer(...)``).
+        (``XlaScorer()``, the reference; ``BlockedScorer(key_block)``; ``TritonScorer(...)``).
     - ``tiles``: the tile sizes of the selection, the loss and the attention (``TileSizes``;
         ``None`` = the backend's, ``csa_eqx._backend.backend_tiles``, when traced).
     """
@@ -155,9 +153,8 @@ class Execution(eqx.Module):
                 isinstance(value, base), name, f"must be a csa_eqx {base.__name__} ({what})", value
             )
         self._optional("tiles", TileSizes, "csa_eqx.TileSizes")
-        fused = isinstance(self.attention, (PallasAttention, MosaicAttention))
         _require(
-            self.numerics.exact_softmax or not fused,
+            self.numerics.exact_softmax or not self.attention.exact_softmax_only,
             "attention",
             f"{type(self.attention).__name__} computes the exact softmax, not "
             f"{type(self.numerics).__name__}'s rounded one: use XlaAttention() or AutoAttention()",

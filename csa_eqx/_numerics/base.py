@@ -2,7 +2,7 @@
 
 ``ExactNumerics`` (the default and the reference) computes in the dtype of the input and the
 parameters, float32 in practice, with nothing quantised. ``DeepSeekInference``
-(``_deepseek_numerics.py``) reproduces what DeepSeek's own inference code computes. A layer
+(``deepseek.py``) reproduces what DeepSeek's own inference code computes. A layer
 asks its ``Execution.numerics`` at the few points where the two differ, and says with a
 ``DeepSeekFormats`` what DeepSeek quantises in its family.
 """
@@ -105,7 +105,7 @@ class AbstractNumerics(eqx.Module):
     identity for ``ExactNumerics``.
 
     ``exact_softmax``: whether ``attention_max`` and ``attention_weights`` are the exact
-    softmax's (an attention kernel that fuses its own softmax, ``PallasAttention`` or
+    softmax's (an attention kernel that fuses its own softmax, ``TritonAttention`` or
     ``MosaicAttention``, runs only under such numerics)."""
 
     exact_softmax: ClassVar[bool] = True

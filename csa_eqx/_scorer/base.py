@@ -7,7 +7,7 @@ exists in the forward or the backward pass; only the float32 ``[B, S, T]`` accum
 
 Every selection strategy and the indexer loss score through the ``SelectionProblem``'s scorer
 (``Execution.scorer``, an ``AbstractScorer``), so a new kernel (a Pallas kernel, a quantised
-scorer) is one new subclass in its own module (``_scorer_blocked.py`` is one); ``XlaScorer``,
+scorer) is one new subclass in its own module (``blocked.py`` is one); ``XlaScorer``,
 ``indexer_scores`` over all keys at once, is the reference.
 """
 

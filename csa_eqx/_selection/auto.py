@@ -5,7 +5,7 @@ pre-filter (``filter_bites``). The fused indexer of the platform's kernels
 a GPU included, the dense, the streaming or the gathered top-k (docs/memory.md, "Streaming
 top-k").
 Force a path by passing a concrete strategy instead (``DenseSelection()``,
-``StreamingSelection(...)``, ``GatheredSelection()``, ``PallasSelection(...)``,
+``StreamingSelection(...)``, ``GatheredSelection()``, ``TritonSelection(...)``,
 ``MosaicSelection(...)``) and tile sizes by ``Execution(tiles=TileSizes(...))``.
 """
 
@@ -30,8 +30,8 @@ from .candidates import CandidateVisibility
 from .dense import DenseSelection
 from .gathered import GatheredSelection
 from .mosaic import MosaicSelection
-from .pallas import PallasSelection
 from .streaming import StreamingSelection
+from .triton import TritonSelection
 
 __all__ = [
     "AutoSelection",
@@ -121,7 +121,7 @@ class DenseOrStreaming(eqx.Module):
 class AutoSelection(DenseOrStreaming, AbstractSelection):
     """The fused indexer of the platform's kernels (``kernel_platform``: ``MosaicSelection()``
     on a TPU where the problem's keys fit its VMEM) for a problem whose visibility has no
-    biting V4.1 pre-filter (a GPU has none yet: ``PallasSelection()`` runs there when forced by
+    biting V4.1 pre-filter (a GPU has none yet: ``TritonSelection()`` runs there when forced by
     name, not yet measured on one). Otherwise dense while the largest score tensor
     ``[B, S, heads at once, T]`` fits one automatic tile (``SelectionProblem.tiles.elements``:
     2^24 elements on CPU, 2^26 on accelerators), beyond it streaming (``streams``), or gathered
@@ -164,7 +164,7 @@ def candidate_source(selection: AbstractSelection, problem: SelectionProblem):
     itself; else the same strategy's (``DenseSelection``, ``StreamingSelection`` and
     ``GatheredSelection`` with their sizes), ``AutoSelection``'s choice for ``problem``, a
     split selection's (``ShardedSelection``) over its parts, each running its inner
-    strategy's; the fused kernels' (``PallasSelection``, ``MosaicSelection``) blocks are not
+    strategy's; the fused kernels' (``TritonSelection``, ``MosaicSelection``) blocks are not
     fused yet: streamed.
 
     **Arguments:** the ``selection`` strategy and the candidate source's ``problem``.
@@ -184,7 +184,7 @@ def candidate_source(selection: AbstractSelection, problem: SelectionProblem):
         return StreamingCandidates(*sizes)
     if isinstance(selection, GatheredSelection):
         return GatheredCandidates(selection.query_block)
-    if isinstance(selection, PallasSelection | MosaicSelection):
+    if isinstance(selection, TritonSelection | MosaicSelection):
         return StreamingCandidates(query_block=selection.query_chunk)
     raise TypeError(
         f"{type(selection).__name__} cannot give a V4.1 candidate source its candidate blocks: "

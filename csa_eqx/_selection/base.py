@@ -1,7 +1,7 @@
 """The selection family's base (docs/concepts.md, "The lightning indexer"): ``SelectionProblem``
 says what each query may read and how good it is, ``AbstractSelection`` answers "which ``k``
 entries does each query read?". The strategies live one per module of this folder
-(``dense.py``, ``streaming.py``, ``gathered.py``, ``pallas.py``, ``sharded.py``); ``auto.py``
+(``dense.py``, ``streaming.py``, ``gathered.py``, ``triton.py``, ``sharded.py``); ``auto.py``
 chooses. The indexer loss answers the same problem (``csa_eqx._loss``).
 """
 

@@ -6,7 +6,7 @@ The kernel forms the scores itself, exactly as ``csa_eqx.indexer_scores`` does (
 ``head_chunk`` and ``score_dtype``; its ``scorer`` is not called), and selects what
 ``select_topk`` selects given them: the other strategies' selection, bitwise, wherever the
 scores are (tests/test_mosaic_selection.py). The queries are projected a chunk of rows at a
-time (``kernel_row_chunks``, as ``PallasSelection``), one kernel call per chunk.
+time (``kernel_row_chunks``, as ``TritonSelection``), one kernel call per chunk.
 """
 
 from __future__ import annotations

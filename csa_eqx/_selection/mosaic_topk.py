@@ -6,28 +6,28 @@ One grid step per query block of ``Qb`` queries of one batch row. The step visit
 tiles its queries may see (``key_block_ranges``: causal and document skipping, the per-block
 tile range scalar-prefetched into SMEM) and works in VMEM:
 
-1. **Scores.** Per key tile of ``Kt`` entries, the block's queries of ``G`` heads at once
-   (the queries head-major, ``[B, H, R, d]``; a group's heads stacked into the MXU's rows by a
-   reshape in VMEM: ``[G*Qb, d] x [Kt, d]^T``, bf16 in, float32 out;
-   float32 inputs at ``HIGHEST`` precision), then per head ``ReLU(logit) * w`` summed on the
-   VPU, in head chunks and with ``score_dtype`` rounding exactly as
-   ``csa_eqx.indexer_scores`` forms them. Each score becomes an order-preserving ``int32`` key
-   (``csa_eqx._topk.signed_keys``' order: ``-0.0`` ties ``+0.0``; an invisible entry is
-   ``INT32_MIN``), kept for the whole visible range in a ``[tiles, Qb, Kt]`` buffer.
-2. **Threshold.** Per query, the largest key ``x`` with at least ``k`` keys ``>= x``, by a
-   search over the integer keys whose every step is one counting pass over the buffer
-   (compare and add, accumulated vreg-wise, one cross-lane sum per pass): ``"bisect"`` (32
-   halvings), ``"early"`` (halvings from the row's score range, stopping when a count is
+1. **Scores** (``_score``). Per key tile of ``Kt`` entries, the block's queries of ``G`` heads
+   at once (the queries head-major, ``[B, H, R, d]``; a group's heads stacked into the MXU's
+   rows by a reshape in VMEM: ``[G*Qb, d] x [Kt, d]^T``, bf16 in, float32 out; float32 inputs at
+   ``HIGHEST`` precision), then per head ``ReLU(logit) * w`` summed on the VPU, in head chunks
+   and with ``score_dtype`` rounding exactly as ``csa_eqx.indexer_scores`` forms them. Each
+   score becomes an order-preserving ``int32`` key (``csa_eqx._topk.signed_keys``' order:
+   ``-0.0`` ties ``+0.0``; an invisible entry is ``INT32_MIN``), kept for the whole visible
+   range in a ``[tiles, Qb, Kt]`` buffer.
+2. **Threshold** (``_threshold``). Per query, the largest key ``x`` with at least ``k`` keys
+   ``>= x``, by a search over the integer keys whose every step is one counting pass over the
+   buffer (compare and add, accumulated vreg-wise, one cross-lane sum per pass): ``"bisect"``
+   (32 halvings), ``"early"`` (halvings from the row's score range, stopping when a count is
    exactly ``k``) or ``"secant"`` (interpolated guesses alternating with halvings).
-3. **Ties.** Where more than ``k`` keys reach the threshold, the lowest-index ``room`` of the
-   tied ones: a second search over the entry index (the count of tied entries with an index
-   ``<= j``), no prefix sum.
-4. **Compaction.** The picks in increasing index order, 128 lanes at a time: ranks by a
-   matmul with a triangular 0/1 matrix; each pick moves left by its displacement, one bit of
-   it per ``pltpu.roll`` step from the least significant (collision-free: displacements do
-   not decrease along the picks); the compacted lanes are rotated to the row's fill level (one
-   ``roll`` per bit) into a pending 128-lane tile, which is written to the row's next output
-   tile once full.
+3. **Ties** (``_last_tie``). Where more than ``k`` keys reach the threshold, the lowest-index
+   ``room`` of the tied ones: a second search over the entry index (the count of tied entries
+   with an index ``<= j``), no prefix sum.
+4. **Compaction** (``_compact``). The picks in increasing index order, 128 lanes at a time:
+   ranks by a matmul with a triangular 0/1 matrix; each pick moves left by its displacement, one
+   bit of it per ``pltpu.roll`` step from the least significant (collision-free: displacements
+   do not decrease along the picks); the compacted lanes are rotated to the row's fill level
+   (one ``roll`` per bit) into a pending 128-lane tile, which is written to the row's next
+   output tile once full.
 
 Given the same scores this is ``select_topk`` exactly (ties to the lower index, picks in
 increasing index order, ``-1`` past the visible count). It runs where ``run_mosaic`` says:
@@ -38,6 +38,7 @@ naming it elsewhere.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,9 +48,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
 from .._blocks import key_block_ranges, padded_keys
-from .._dispatch import run_mosaic
 from .._layout import EntryLayout
-from .._pallas import pad_axis
+from .._mosaic import LANES, dot, dot_nt, precision, round_up, run_mosaic
+from .._ops import pad_axis
 from .._topk import signed_keys
 
 __all__ = [
@@ -65,7 +66,6 @@ __all__ = [
 
 NAME = "indexer_topk_mosaic"
 SEARCHES = ("bisect", "early", "secant")
-LANES = 128  # a vreg's lanes: the compaction's chunk and output tile on a TPU
 MIN_QUERY_BLOCK = 16  # Mosaic's sublane tile for bf16 (8 for float32): the smallest TPU block
 INVALID = np.iinfo(np.int32).min  # the key of an invisible entry (below every score's key)
 _INDEX_BITS = 24  # a packed pick: entry index in bits 0..23, its displacement in bits 24..30
@@ -120,38 +120,26 @@ def _count(mask: Array) -> Array:
     return jnp.sum(jnp.where(mask, 1.0, 0.0), axis=1, keepdims=True)
 
 
-def _precision(dtype) -> jax.lax.Precision:
-    """An in-kernel dot's precision, always explicit: ``HIGHEST`` for float32 operands,
-    ``DEFAULT`` for bfloat16 ones. Left as ``None`` it would follow
-    ``jax.default_matmul_precision``, and under ``"highest"`` Mosaic refuses a bfloat16 dot
-    (``Bad lhs type``: an fp32 contraction asked of bf16 operands, seen on a TPU v5e)."""
-    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
-
-
-def _tile_scores(q_ref, w_ref, keys, sizes) -> Float[Array, "qb kt"]:
+def _tile_scores(q_ref, w_ref, keys, scoring: Scoring) -> Float[Array, "qb kt"]:
     """Inside the kernel: one query block's scores against one key tile, formed as
     ``csa_eqx.indexer_scores`` forms them (per head ``ReLU(q.k) * w``; the head sum in chunks,
     each chunk's sum added to the running one; with a rounding each head's logit, its weighted
     term and the total rounded to ``score_dtype``).
 
     **Arguments:** refs ``q [H, Qb, d]`` (head-major) and ``w [H/G, Qb, G]`` (float32,
-    ``d^-1/2`` included, already rounded), the tile's ``keys [Kt, d]`` and ``sizes``
-    ``(heads, head chunk, G, rounding bits)``.
+    ``d^-1/2`` included, already rounded), the tile's ``keys [Kt, d]`` and the ``scoring``.
 
     **Returns:** float32 ``[Qb, Kt]``.
     """
-    heads, chunk, group, bits = sizes
+    heads, chunk, group, bits = scoring
     qb, kt, dim = w_ref.shape[1], keys.shape[0], q_ref.shape[-1]
-    precision = _precision(keys.dtype)
+    exact = precision(keys.dtype)
     zeros = jnp.zeros((qb, kt), jnp.float32)
     per_chunk = chunk // group
-    dims = (((1,), (1,)), ((), ()))
 
     def heads_of(g, acc):
         q = q_ref[pl.ds(g * group, group)].reshape(group * qb, dim)  # G heads stacked
-        logits = jax.lax.dot_general(
-            q, keys, dims, precision=precision, preferred_element_type=jnp.float32
-        )
+        logits = dot_nt(q, keys, exact)
         w = w_ref[g]
         for h in range(group):
             logit = _round_mantissa(logits[h * qb : (h + 1) * qb], bits)
@@ -169,182 +157,236 @@ def _ceil_mid(lo: Array, hi: Array) -> Array:
     return (lo | hi) - ((lo ^ hi) >> 1)
 
 
-def _make_kernel(k: int, search: str, sizes, blocks):
-    qb, kt, lanes, n_out = blocks
-    chunks, steps, tile_bits = kt // lanes, lanes.bit_length() - 1, kt.bit_length() - 1
+class Scoring(NamedTuple):
+    """How a tile's scores are formed: the ``heads``, the heads per ``chunk`` of the head sum,
+    the heads per matmul ``group`` and the mantissa ``bits`` scores are rounded to (``None``:
+    none, ``score_rounding``)."""
+
+    heads: int
+    chunk: int
+    group: int
+    bits: int | None
+
+
+class Blocks(NamedTuple):
+    """A grid step's blocks: the ``query_block`` queries, the key ``tile`` of entries, the
+    ``lanes`` of a chunk (128, or the tile when smaller) and the ``out_tiles`` of ``lanes``
+    picks each."""
+
+    query_block: int
+    tile: int
+    lanes: int
+    out_tiles: int
+
+
+class _Step(NamedTuple):
+    """What the phases of a grid step share: its visible key tiles ``[t0, t1)``, the key buffer
+    ``buf [tiles, Qb, Kt]`` (the scores as keys) and the ``blocks``."""
+
+    t0: Array
+    t1: Array
+    buf: object
+    blocks: Blocks
+
+    def lane(self) -> Array:
+        return jax.lax.broadcasted_iota(jnp.int32, (self.blocks.query_block, self.blocks.lanes), 1)
+
+    def count(self, pred, stop=None) -> Array:
+        """Per row, how many entries of the visible tiles satisfy ``pred(keys, first index)``,
+        float32 ``[Qb, 1]``: accumulated vreg-wise, one cross-lane sum."""
+        qb, kt, lanes = self.blocks.query_block, self.blocks.tile, self.blocks.lanes
+
+        def body(j, acc):
+            for c in range(kt // lanes):
+                cols = pl.ds(c * lanes, lanes)
+                acc = acc + jnp.where(pred(self.buf[j, :, cols], j * kt + c * lanes), 1.0, 0.0)
+            return acc
+
+        end = self.t1 if stop is None else jnp.minimum(self.t1, stop)
+        acc = jax.lax.fori_loop(self.t0, end, body, jnp.zeros((qb, lanes), jnp.float32))
+        return jnp.sum(acc, axis=1, keepdims=True)
+
+
+def _any_row(mask: Array) -> Array:
+    return jnp.max(jnp.where(mask, 1.0, 0.0)) > 0.0
+
+
+def _score(step: _Step, refs, scoring: Scoring):
+    """Phase 1: the scores of the visible tiles, kept as keys in ``buf``; per row its visible
+    count, lowest and highest score (float32 ``[Qb, 1]`` each)."""
+    rows_ref, q_ref, w_ref, ends_ref, keys_ref = refs
+    kt = step.blocks.tile
+    q_index, q_segment = rows_ref[:, 0:1], rows_ref[:, 1:2]
+
+    def score(j, stats):
+        count, low, high = stats
+        tile = keys_ref[pl.ds(pl.multiple_of(j * kt, kt), kt), :]
+        scores = _tile_scores(q_ref, w_ref, tile, scoring)
+        ends = ends_ref[j]
+        end, segment = ends[0:1, :], ends[1:2, :]
+        visible = (end >= 0) & (end <= q_index) & (segment == q_segment)
+        step.buf[j] = jnp.where(visible, signed_keys(scores), INVALID)
+        low = jnp.minimum(low, jnp.min(jnp.where(visible, scores, jnp.inf), 1, keepdims=True))
+        high = jnp.maximum(high, jnp.max(jnp.where(visible, scores, -jnp.inf), 1, keepdims=True))
+        return count + _count(visible), low, high
+
+    column = jnp.zeros((step.blocks.query_block, 1), jnp.float32)
+    init = (column, column + jnp.inf, column - jnp.inf)
+    return jax.lax.fori_loop(step.t0, step.t1, score, init)
+
+
+def _threshold(step: _Step, k: int, search: str, valid, low, high):
+    """Phase 2: per row the threshold ``lo``, the largest key x with count(keys >= x) >= k (or
+    a key with a count of exactly k), and ``(c_lo, c_hi)``: count(>= lo) >= k > count(>= hi +
+    1). A row with at most k visible entries takes them all (``lo`` above no valid key)."""
+    qb, lanes = step.blocks.query_block, step.blocks.lanes
     kf = float(k)
+    few = valid <= kf
+    lo = jnp.where(few, INVALID + 1, signed_keys(low))
+    hi = jnp.where(few, INVALID + 1, signed_keys(high))
+    state = (lo, hi, valid, jnp.zeros_like(valid))
+
+    def active(state):
+        lo, hi, c_lo, _ = state
+        return (lo < hi) & (c_lo != kf)
+
+    def step_to(guess, state):
+        lo, hi, c_lo, c_hi = state
+        x = jnp.where(active(state), guess, lo)
+        x_b = jnp.broadcast_to(x, (qb, lanes))
+        c = step.count(lambda keys, _: keys >= x_b)
+        up = c >= kf
+        lo, c_lo = jnp.where(up, x, lo), jnp.where(up, c, c_lo)
+        return lo, jnp.where(up, hi, x - 1), c_lo, jnp.where(up, c_hi, c)
+
+    def midpoint(state):
+        return _ceil_mid(state[0], state[1])
+
+    def interpolated(state):
+        """Where count(>= x) would reach k if it fell linearly between lo and hi + 1."""
+        lo, hi, c_lo, c_hi = state
+        frac = (c_lo - kf) / jnp.maximum(c_lo - c_hi, 1.0)
+        lo_f = lo.astype(jnp.float32)
+        guess = lo_f + frac * (hi.astype(jnp.float32) - lo_f + 1.0)
+        guess = jnp.clip(guess, -(2.0**31), 2.0**31 - 256).astype(jnp.int32)
+        return jnp.clip(guess, lo + 1, hi)
+
+    if search == "bisect":
+        state = jax.lax.fori_loop(0, 32, lambda _, s: step_to(midpoint(s), s), state)
+    else:
+
+        def more(carry):
+            n, state = carry
+            return (n < _MAX_STEPS) & _any_row(active(state))
+
+        def next_step(carry):
+            n, state = carry
+            guess = midpoint(state)
+            if search == "secant":  # interpolate on even steps, halve on odd ones
+                guess = jnp.where((n & 1) == 0, interpolated(state), guess)
+            return n + 1, step_to(guess, state)
+
+        state = jax.lax.while_loop(more, next_step, (0, state))[1]
+    lo, _, c_lo, c_hi = state
+    return lo, c_lo, c_hi
+
+
+def _last_tie(step: _Step, k: int, lo, c_lo, c_hi):
+    """Phase 3: per row the last index of the ties at ``lo`` it takes: where they exceed the
+    room, the lowest-index ones, by a search over the index (at most 25 halvings of an index
+    below 2^24: the cap only guards a misread value)."""
+    qb, lanes, kt = step.blocks.query_block, step.blocks.lanes, step.blocks.tile
+    tile_bits, lane = kt.bit_length() - 1, step.lane()
+    room = float(k) - c_hi
+    lo_b = jnp.broadcast_to(lo, (qb, lanes))
+    none = jnp.full((qb, 1), step.buf.shape[0] * kt, jnp.int32)  # above every index
+
+    def tie_step(carry):
+        n, (j_lo, j_hi) = carry
+        mid = (j_lo + j_hi) >> 1
+        mid_b = jnp.broadcast_to(mid, (qb, lanes))
+        stop = (jnp.max(jnp.where(j_lo < j_hi, mid, 0)) >> tile_bits) + 1
+        c = step.count(lambda keys, first: (keys == lo_b) & (first + lane <= mid_b), stop)
+        enough = (c >= room) | (j_lo >= j_hi)
+        return n + 1, (jnp.where(enough, j_lo, mid + 1), jnp.where(enough, mid, j_hi))
+
+    def ties_left(carry):
+        n, (j_lo, j_hi) = carry
+        return (n < _INDEX_BITS + 2) & _any_row(j_lo < j_hi)
+
+    tied_rows = c_lo > float(k)
+    bounds = (jnp.where(tied_rows, 0, none), jnp.where(tied_rows, none - 1, none))
+    return jax.lax.while_loop(ties_left, tie_step, (0, bounds))[1][0]
+
+
+def _compact(step: _Step, lo, last, pend, out_ref) -> None:
+    """Phase 4: the picks (keys above ``lo``, and ties at it up to index ``last``) compacted
+    into the output tiles in increasing index order."""
+    qb, kt, lanes, n_out = step.blocks
+    steps, lane = lanes.bit_length() - 1, step.lane()
+    lo_b, last_b = (jnp.broadcast_to(x, (qb, lanes)) for x in (lo, last))
+    for t in range(n_out):
+        pend[t] = jnp.full((qb, lanes), _EMPTY, jnp.int32)
+    row, col = (jax.lax.broadcasted_iota(jnp.int32, (lanes, lanes), a) for a in (0, 1))
+    upper = jnp.where(row <= col, 1.0, 0.0).astype(jnp.bfloat16)
+
+    def flush(tile, full, slot):
+        """Write ``tile``'s rows where ``full`` to their output tile ``slot`` (visiting only
+        the tiles some row writes)."""
+
+        def put(u, _):
+            pend[u] = jnp.where(full & (slot == u), tile, pend[u])
+            return 0
+
+        first = jnp.maximum(jnp.min(jnp.where(full, slot, n_out)), 0)
+        stop = jnp.minimum(jnp.max(jnp.where(full, slot + 1, 0)), n_out)
+        jax.lax.fori_loop(first, stop, put, 0)
+
+    def chunk_of(keys, first, carry):
+        held, fill, slot = carry
+        index = first + lane
+        pick = (keys > lo_b) | ((keys == lo_b) & (index <= last_b))
+        ones = jnp.where(pick, 1.0, 0.0).astype(jnp.bfloat16)
+        rank = dot(ones, upper, precision(ones.dtype)).astype(jnp.int32)
+        n = rank[:, lanes - 1 : lanes]
+        v = jnp.where(pick, ((lane + 1 - rank) << _INDEX_BITS) | index, _EMPTY)
+        for b in range(steps):  # each pick left by its displacement, bit b
+            y = pltpu.roll(v, lanes - (1 << b), 1)  # y[p] = v[p + 2^b]
+            moves = (v << (7 - b)) < 0
+            v = jnp.where((y << (7 - b)) < 0, y, jnp.where(moves, _EMPTY, v))
+        v = v & _EMPTY
+        for b in range(steps):  # rotate right by the row's fill level
+            v = jnp.where(((fill >> b) & 1) == 1, pltpu.roll(v, 1 << b, 1), v)
+        merged = jnp.where(lane >= fill, v, held)
+        full = fill + n >= lanes
+        flush(merged, full, slot)
+        held = jnp.where(full, jnp.where(lane < fill, v, _EMPTY), merged)
+        return held, fill + n - jnp.where(full, lanes, 0), slot + jnp.where(full, 1, 0)
+
+    def compact(j, carry):
+        for c in range(kt // lanes):
+            carry = chunk_of(step.buf[j, :, pl.ds(c * lanes, lanes)], j * kt + c * lanes, carry)
+        return carry
+
+    zero = jnp.zeros((qb, 1), jnp.int32)
+    carry = (jnp.full((qb, lanes), _EMPTY, jnp.int32), zero, zero)
+    held, fill, slot = jax.lax.fori_loop(step.t0, step.t1, compact, carry)
+    flush(held, fill > 0, slot)
+    for t in range(n_out):
+        tile = pend[t]
+        out_ref[:, t * lanes : (t + 1) * lanes] = jnp.where(tile == _EMPTY, -1, tile)
+
+
+def _make_kernel(k: int, search: str, scoring: Scoring, blocks: Blocks):
+    """The kernel of one grid step: its four phases in order."""
 
     def kernel(lo_ref, hi_ref, rows_ref, q_ref, w_ref, ends_ref, keys_ref, out_ref, buf, pend):
         i = pl.program_id(1)
-        t0, t1 = lo_ref[i], hi_ref[i]
-        q_index, q_segment = rows_ref[:, 0:1], rows_ref[:, 1:2]
-        lane = jax.lax.broadcasted_iota(jnp.int32, (qb, lanes), 1)
-
-        # 1. scores of the visible tiles, kept as keys; per row its visible count and range
-        def score(j, stats):
-            count, low, high = stats
-            tile = keys_ref[pl.ds(pl.multiple_of(j * kt, kt), kt), :]
-            scores = _tile_scores(q_ref, w_ref, tile, sizes)
-            ends = ends_ref[j]
-            end, segment = ends[0:1, :], ends[1:2, :]
-            visible = (end >= 0) & (end <= q_index) & (segment == q_segment)
-            buf[j] = jnp.where(visible, signed_keys(scores), INVALID)
-            low = jnp.minimum(low, jnp.min(jnp.where(visible, scores, jnp.inf), 1, keepdims=True))
-            high = jnp.maximum(
-                high, jnp.max(jnp.where(visible, scores, -jnp.inf), 1, keepdims=True)
-            )
-            return count + _count(visible), low, high
-
-        column = jnp.zeros((qb, 1), jnp.float32)
-        init = (column, column + jnp.inf, column - jnp.inf)
-        valid, low, high = jax.lax.fori_loop(t0, t1, score, init)
-
-        def count_pass(pred, stop=None):
-            """Per row, how many entries of the visible tiles satisfy ``pred(keys, first
-            index)``, float32 ``[Qb, 1]``: accumulated vreg-wise, one cross-lane sum."""
-
-            def body(j, acc):
-                for c in range(chunks):
-                    cols = pl.ds(c * lanes, lanes)
-                    acc = acc + jnp.where(pred(buf[j, :, cols], j * kt + c * lanes), 1.0, 0.0)
-                return acc
-
-            end = t1 if stop is None else jnp.minimum(t1, stop)
-            acc = jax.lax.fori_loop(t0, end, body, jnp.zeros((qb, lanes), jnp.float32))
-            return jnp.sum(acc, axis=1, keepdims=True)
-
-        def any_row(mask):
-            return jnp.max(jnp.where(mask, 1.0, 0.0)) > 0.0
-
-        # 2. the threshold: lo, the largest key x with count(keys >= x) >= k (or a key with a
-        # count of exactly k); invariants count(>= lo) = c_lo >= k > count(>= hi + 1) = c_hi.
-        # A row with at most k visible entries takes them all (lo above no valid key).
-        few = valid <= kf
-        lo = jnp.where(few, INVALID + 1, signed_keys(low))
-        hi = jnp.where(few, INVALID + 1, signed_keys(high))
-        state = (lo, hi, valid, jnp.zeros_like(valid))
-
-        def active(state):
-            lo, hi, c_lo, _ = state
-            return (lo < hi) & (c_lo != kf)
-
-        def step(guess, state):
-            lo, hi, c_lo, c_hi = state
-            move = active(state)
-            x = jnp.where(move, guess, lo)
-            x_b = jnp.broadcast_to(x, (qb, lanes))
-            c = count_pass(lambda keys, _: keys >= x_b)
-            up = c >= kf
-            lo, c_lo = jnp.where(up, x, lo), jnp.where(up, c, c_lo)
-            return lo, jnp.where(up, hi, x - 1), c_lo, jnp.where(up, c_hi, c)
-
-        def midpoint(state):
-            return _ceil_mid(state[0], state[1])
-
-        def interpolated(state):
-            """Where count(>= x) would reach k if it fell linearly between lo and hi + 1."""
-            lo, hi, c_lo, c_hi = state
-            frac = (c_lo - kf) / jnp.maximum(c_lo - c_hi, 1.0)
-            lo_f = lo.astype(jnp.float32)
-            guess = lo_f + frac * (hi.astype(jnp.float32) - lo_f + 1.0)
-            guess = jnp.clip(guess, -(2.0**31), 2.0**31 - 256).astype(jnp.int32)
-            return jnp.clip(guess, lo + 1, hi)
-
-        if search == "bisect":
-            state = jax.lax.fori_loop(0, 32, lambda _, s: step(midpoint(s), s), state)
-        else:
-
-            def more(carry):
-                n, state = carry
-                return (n < _MAX_STEPS) & any_row(active(state))
-
-            def next_step(carry):
-                n, state = carry
-                guess = midpoint(state)
-                if search == "secant":  # interpolate on even steps, halve on odd ones
-                    guess = jnp.where((n & 1) == 0, interpolated(state), guess)
-                return n + 1, step(guess, state)
-
-            state = jax.lax.while_loop(more, next_step, (0, state))[1]
-        lo, _, c_lo, c_hi = state
-
-        # 3. ties at lo beyond the room: the lowest-index ones, by a search over the index
-        # (at most 25 halvings of an index below 2^24: the cap only guards a misread value)
-        tied_rows = c_lo > kf
-        room = kf - c_hi
-        lo_b = jnp.broadcast_to(lo, (qb, lanes))
-        none = jnp.full((qb, 1), buf.shape[0] * kt, jnp.int32)  # above every index
-
-        def tie_step(carry):
-            n, (j_lo, j_hi) = carry
-            mid = (j_lo + j_hi) >> 1
-            mid_b = jnp.broadcast_to(mid, (qb, lanes))
-            stop = (jnp.max(jnp.where(j_lo < j_hi, mid, 0)) >> tile_bits) + 1
-            c = count_pass(lambda keys, first: (keys == lo_b) & (first + lane <= mid_b), stop)
-            enough = (c >= room) | (j_lo >= j_hi)
-            return n + 1, (jnp.where(enough, j_lo, mid + 1), jnp.where(enough, mid, j_hi))
-
-        def ties_left(carry):
-            n, (j_lo, j_hi) = carry
-            return (n < _INDEX_BITS + 2) & any_row(j_lo < j_hi)
-
-        bounds = (jnp.where(tied_rows, 0, none), jnp.where(tied_rows, none - 1, none))
-        last = jax.lax.while_loop(ties_left, tie_step, (0, bounds))[1][0]
-        last_b = jnp.broadcast_to(last, (qb, lanes))
-
-        # 4. compaction into the output tiles, in increasing index order
-        for t in range(n_out):
-            pend[t] = jnp.full((qb, lanes), _EMPTY, jnp.int32)
-        row, col = (jax.lax.broadcasted_iota(jnp.int32, (lanes, lanes), a) for a in (0, 1))
-        upper = jnp.where(row <= col, 1.0, 0.0).astype(jnp.bfloat16)
-
-        def flush(tile, full, slot):
-            """Write ``tile``'s rows where ``full`` to their output tile ``slot`` (visiting
-            only the tiles some row writes)."""
-
-            def put(u, _):
-                pend[u] = jnp.where(full & (slot == u), tile, pend[u])
-                return 0
-
-            first = jnp.maximum(jnp.min(jnp.where(full, slot, n_out)), 0)
-            stop = jnp.minimum(jnp.max(jnp.where(full, slot + 1, 0)), n_out)
-            jax.lax.fori_loop(first, stop, put, 0)
-
-        def chunk_of(keys, first, carry):
-            held, fill, slot = carry
-            index = first + lane
-            pick = (keys > lo_b) | ((keys == lo_b) & (index <= last_b))
-            ones = jnp.where(pick, 1.0, 0.0).astype(jnp.bfloat16)
-            rank = jnp.dot(
-                ones, upper, precision=_precision(ones.dtype), preferred_element_type=jnp.float32
-            ).astype(jnp.int32)
-            n = rank[:, lanes - 1 : lanes]
-            v = jnp.where(pick, ((lane + 1 - rank) << _INDEX_BITS) | index, _EMPTY)
-            for b in range(steps):  # each pick left by its displacement, bit b
-                y = pltpu.roll(v, lanes - (1 << b), 1)  # y[p] = v[p + 2^b]
-                moves = (v << (7 - b)) < 0
-                v = jnp.where((y << (7 - b)) < 0, y, jnp.where(moves, _EMPTY, v))
-            v = v & _EMPTY
-            for b in range(steps):  # rotate right by the row's fill level
-                v = jnp.where(((fill >> b) & 1) == 1, pltpu.roll(v, 1 << b, 1), v)
-            merged = jnp.where(lane >= fill, v, held)
-            full = fill + n >= lanes
-            flush(merged, full, slot)
-            held = jnp.where(full, jnp.where(lane < fill, v, _EMPTY), merged)
-            return held, fill + n - jnp.where(full, lanes, 0), slot + jnp.where(full, 1, 0)
-
-        def compact(j, carry):
-            for c in range(chunks):
-                carry = chunk_of(buf[j, :, pl.ds(c * lanes, lanes)], j * kt + c * lanes, carry)
-            return carry
-
-        zero = jnp.zeros((qb, 1), jnp.int32)
-        carry = (jnp.full((qb, lanes), _EMPTY, jnp.int32), zero, zero)
-        held, fill, slot = jax.lax.fori_loop(t0, t1, compact, carry)
-        flush(held, fill > 0, slot)
-        for t in range(n_out):
-            tile = pend[t]
-            out_ref[:, t * lanes : (t + 1) * lanes] = jnp.where(tile == _EMPTY, -1, tile)
+        step = _Step(lo_ref[i], hi_ref[i], buf, blocks)
+        valid, low, high = _score(step, (rows_ref, q_ref, w_ref, ends_ref, keys_ref), scoring)
+        lo, c_lo, c_hi = _threshold(step, k, search, valid, low, high)
+        last = _last_tie(step, k, lo, c_lo, c_hi)
+        _compact(step, lo, last, pend, out_ref)
 
     return kernel
 
@@ -357,7 +399,7 @@ def vmem_bytes(
     scoring's float32 temporaries."""
     buffers = 4 * t_pad * qb + 4 * k_out * qb
     blocks = t_pad * dim * itemsize + heads * qb * dim * itemsize
-    blocks += 4 * (heads // group) * qb * _round_up(group, LANES) + 4 * qb * LANES + 4 * t_pad * 8
+    blocks += 4 * (heads // group) * qb * round_up(group, LANES) + 4 * qb * LANES + 4 * t_pad * 8
     blocks += 4 * qb * k_out
     scratch = 4 * qb * kt * (group + 8)
     return buffers + 2 * blocks + scratch
@@ -372,14 +414,10 @@ def fits_vmem(
     **Returns:** whether the kernel's smallest TPU query block, its picks aside (a few hundred
     KiB, within the room ``_VMEM_LIMIT`` leaves), fits the VMEM budget: the keys of a batch
     row stay resident, so past a few hundred thousand entries it does not."""
-    t_pad = _round_up(entries, key_block)
+    t_pad = round_up(entries, key_block)
     group = math.gcd(heads, head_group)
     need = vmem_bytes(MIN_QUERY_BLOCK, key_block, t_pad, heads, dim, group, 0, itemsize)
     return need <= _VMEM_CAP
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _block_inputs(q, weights, keys, query_index, query_segment, layout, blocks, group, bits):
@@ -399,7 +437,7 @@ def _block_inputs(q, weights, keys, query_index, query_segment, layout, blocks, 
     """
     b, s, heads, dim = q.shape
     qb, kt = blocks
-    r = _round_up(s, qb)
+    r = round_up(s, qb)
     w = _round_mantissa(weights.astype(jnp.float32) * dim**-0.5, bits)
     q, w = pad_axis(q.astype(keys.dtype), 1, r), pad_axis(w, 1, r)
     query_index = pad_axis(query_index.astype(jnp.int32), 1, r, -1)
@@ -477,22 +515,38 @@ def mosaic_topk(
         raise ValueError(f"the Mosaic indexer takes fewer than {_EMPTY} entries (got {t_pad})")
     lanes = min(LANES, kt)
     n_out = -(-k // lanes)
-    qb = min(query_block, _round_up(s, MIN_QUERY_BLOCK))
     itemsize = jnp.dtype(dtype).itemsize
-    sizes = (t_pad, heads, dim, group, n_out * lanes, itemsize)
+    sizes = (t_pad, heads, dim, group, n_out * lanes, itemsize)  # vmem_bytes' after (Qb, Kt)
+    qb = min(query_block, round_up(s, MIN_QUERY_BLOCK))
     while qb > MIN_QUERY_BLOCK and vmem_bytes(qb, kt, *sizes) > _VMEM_CAP:
-        qb //= 2
+        qb //= 2  # the largest query block whose step fits VMEM
     visibility = (query_index, query_segment, layout)
     args = _block_inputs(q, weights, keys, *visibility, (qb, kt), group, bits)
-    n_blocks, n_tiles = args[0].shape[0], args[5].shape[1]
-    wh = args[4]
+    scoring, blocks = Scoring(heads, chunk, group, bits), Blocks(qb, kt, lanes, n_out)
+    call = _call(_make_kernel(k, search, scoring, blocks), blocks, args, vmem_bytes(qb, kt, *sizes))
+    refusal = None
+    if qb < MIN_QUERY_BLOCK or kt < LANES:
+        refusal = TPU_BLOCKS
+    elif not fits_vmem(t_pad, heads, dim, itemsize, kt, group):
+        refusal = TPU_VMEM
+    out = run_mosaic(NAME, *call, *args, interpret=interpret, tpu_refusal=refusal)
+    return out[:, :s, :k]
+
+
+def _call(kernel, blocks: Blocks, args: tuple, vmem: int):
+    """``(build, out_shape)`` of the kernel's ``pallas_call`` over the grid ``(batch, query
+    blocks)`` on ``_block_inputs``' ``args`` (``run_mosaic``'s), its VMEM limit from the step's
+    estimate ``vmem``."""
+    qb, kt, lanes, n_out = blocks
+    b, heads, _, dim = args[3].shape
+    n_blocks, n_tiles, t_pad = args[0].shape[0], args[5].shape[1], args[6].shape[1]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(b, n_blocks),
         in_specs=[
             pl.BlockSpec((None, qb, 2), lambda bi, i, *_: (bi, i, 0)),
             pl.BlockSpec((None, heads, qb, dim), lambda bi, i, *_: (bi, 0, i, 0)),
-            pl.BlockSpec((None, None, *wh.shape[2:]), lambda bi, i, *_: (bi, i, 0, 0, 0)),
+            pl.BlockSpec((None, None, *args[4].shape[2:]), lambda bi, i, *_: (bi, i, 0, 0, 0)),
             pl.BlockSpec((None, n_tiles, 2, kt), lambda bi, i, *_: (bi, 0, 0, 0)),
             pl.BlockSpec((None, t_pad, dim), lambda bi, i, *_: (bi, 0, 0)),
         ],
@@ -502,9 +556,6 @@ def mosaic_topk(
             pltpu.VMEM((n_out, qb, lanes), jnp.int32),
         ],
     )
-    kernel = _make_kernel(k, search, (heads, chunk, group, bits), (qb, kt, lanes, n_out))
-    out_shape = jax.ShapeDtypeStruct((b, n_blocks * qb, n_out * lanes), jnp.int32)
-    vmem = vmem_bytes(qb, kt, *sizes)
 
     def build(interpret, out_shape):
         if interpret is not False:
@@ -517,10 +568,4 @@ def mosaic_topk(
             params = dict(compiler_params=compiler)
         return pl.pallas_call(kernel, out_shape=out_shape, grid_spec=grid_spec, name=NAME, **params)
 
-    refusal = None
-    if qb < MIN_QUERY_BLOCK or kt < LANES:
-        refusal = TPU_BLOCKS
-    elif not fits_vmem(t_pad, heads, dim, itemsize, kt, group):
-        refusal = TPU_VMEM
-    out = run_mosaic(NAME, build, out_shape, *args, interpret=interpret, tpu_refusal=refusal)
-    return out[:, :s, :k]
+    return build, jax.ShapeDtypeStruct((b, n_blocks * qb, n_out * lanes), jnp.int32)

@@ -1,4 +1,4 @@
-"""The row-chunk loop the fused selection kernels share (``PallasSelection``,
+"""The row-chunk loop the fused selection kernels share (``TritonSelection``,
 ``MosaicSelection``): the queries are projected ``query_chunk`` rows at a time
 (``SelectionProblem.project``), one kernel call per chunk, so the ``[B, S, H, d]`` queries never
 exist at once either.

@@ -1,4 +1,4 @@
-"""``PallasScorer``: the indexer scores by a Pallas kernel, one ``[query_block, key_block]``
+"""``TritonScorer``: the indexer scores by a Pallas kernel, one ``[query_block, key_block]``
 tile per program, the ReLU, head weights and head sum fused in the tile (docs/kernels.md)."""
 
 from __future__ import annotations
@@ -10,13 +10,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .._pallas import MIN_DOT, feature_parts, next_pow2, pad_axis, run_kernel, tile_scores
+from .._ops import pad_axis
+from .._triton import MIN_DOT, feature_parts, next_pow2, run_kernel, tile_scores
 from .base import AbstractScorer, XlaScorer, indexer_scores
 
-__all__ = ["PallasScorer"]
+__all__ = ["TritonScorer"]
 
 
-class PallasScorer(AbstractScorer):
+class TritonScorer(AbstractScorer):
     """Scores by a Pallas kernel (Triton on a GPU, interpret mode on the CPU): each program
     scores a ``[query_block, key_block]`` tile, per head one dot of the queries against the
     key tile, its ReLU times the head weight summed over the heads in registers, so neither the
@@ -28,7 +29,7 @@ class PallasScorer(AbstractScorer):
     (``indexer_scores``' VJP), and ``gathered_scores`` (each query against its own keys) is
     ``XlaScorer``'s: a tile per query would be a one-row dot.
 
-    The fused selection (``csa_eqx.PallasSelection``) scores its tiles with the same in-kernel
+    The fused selection (``csa_eqx.TritonSelection``) scores its tiles with the same in-kernel
     code; this scorer serves every other path (the dense and streaming selections, the loss).
 
     **Arguments:**
@@ -47,7 +48,7 @@ class PallasScorer(AbstractScorer):
         for name in ("query_block", "key_block"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
-                raise ValueError(f"PallasScorer.{name} must be a power of two (got {v!r})")
+                raise ValueError(f"TritonScorer.{name} must be a power of two (got {v!r})")
 
     def scores(self, q, weights, keys, *, head_chunk=0, score_dtype=None):
         if head_chunk and q.shape[2] % head_chunk:

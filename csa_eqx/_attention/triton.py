@@ -1,4 +1,4 @@
-"""``PallasAttention``: the sparse attention over ``csa_eqx.Reads`` in Pallas kernels, forward
+"""``TritonAttention``: the sparse attention over ``csa_eqx.Reads`` in Pallas kernels, forward
 and backward (docs/kernels.md, "The sparse attention kernel").
 
 Each program takes ``query_block`` query rows of a batch row and runs them one at a time with
@@ -27,32 +27,32 @@ table's end, so every add of a tile has distinct rows), the sinks' per program.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .._ops import summed_like
-from .._pallas import (
+from .._ops import pad_axis, summed_like
+from .._triton import (
     MIN_DOT,
     count,
     dot_t,
     feature_parts,
     next_pow2,
-    pad_axis,
     run_kernel,
     sum_in_order,
 )
 from .base import AbstractAttentionKernel, fold_sink, require_exact_softmax, require_keys
 from .reads import Reads
 
-__all__ = ["PallasAttention"]
+__all__ = ["TritonAttention"]
 
 
-class PallasAttention(AbstractAttentionKernel):
+class TritonAttention(AbstractAttentionKernel):
     """The sparse attention kernel (see the module docstring): Triton on a GPU, interpret mode
     on the CPU (where it is proven against ``XlaAttention``, not fast). Every kind of
     ``Reads`` is taken natively (masked dense picks as gathered rows); the ``query_block``
@@ -75,15 +75,16 @@ class PallasAttention(AbstractAttentionKernel):
     interpret: bool | None = None
 
     is_kernel = True
+    exact_softmax_only = True
 
     def __check_init__(self):
         for name in ("query_block", "key_block"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"PallasAttention.{name} must be an int >= 1 (got {v!r})")
+                raise ValueError(f"TritonAttention.{name} must be an int >= 1 (got {v!r})")
         if self.key_block & (self.key_block - 1):
             raise ValueError(
-                f"PallasAttention.key_block must be a power of two (got {self.key_block})"
+                f"TritonAttention.key_block must be a power of two (got {self.key_block})"
             )
 
     def attend(
@@ -118,16 +119,38 @@ class PallasAttention(AbstractAttentionKernel):
         return (out, lse) if return_lse else out
 
 
-class _Source(NamedTuple):
-    """A read set as the kernels see it: ``kind`` (``"gathered"``, ``"band"``, ``"dense"``),
-    whether it has ``values`` of its own, its tile, table rows, window and history rows."""
+# A read set as the kernels see it, one record per kind (the kernels dispatch on the type):
+# whether it has ``values`` of its own, its tile, table rows (a band's window and history rows)
+# and ``n_ints``, its int arrays.
 
-    kind: str
+
+@dataclasses.dataclass(frozen=True)
+class _Gathered:
     values: bool
     tile: int
     rows: int
-    window: int = 0
-    before: int = 0
+    n_ints: ClassVar[int] = 1  # the indices
+
+
+@dataclasses.dataclass(frozen=True)
+class _Band:
+    values: bool
+    tile: int
+    rows: int
+    window: int
+    before: int
+    n_ints: ClassVar[int] = 2  # the rows' segments, the queries'
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dense:
+    values: bool
+    tile: int
+    rows: int
+    n_ints: ClassVar[int] = 4  # the entries' end and segment, the queries' index and segment
+
+
+_Source = _Gathered | _Band | _Dense
 
 
 class _Config(NamedTuple):
@@ -165,7 +188,7 @@ def _sources(reads: Reads, dtype, kt: int):
         tile = min(kt, next_pow2(g.indices.shape[-1], MIN_DOT))
         n = -(-g.indices.shape[-1] // tile) * tile
         values = g.value_rows()
-        sources.append(_Source("gathered", values is not None, tile, g.keys.shape[1]))
+        sources.append(_Gathered(values is not None, tile, g.keys.shape[1]))
         floats.append((g.keys.astype(dtype), values))
         ints.append((pad_axis(g.indices.astype(jnp.int32), 2, n, -1),))
     band = reads.band
@@ -176,7 +199,7 @@ def _sources(reads: Reads, dtype, kt: int):
             key_segment = jnp.concatenate([band.history, band.segment], axis=1)
         tile = min(kt, _span(band.window))
         sources.append(
-            _Source("band", band.values is not None, tile, band.keys.shape[1], band.window, before)
+            _Band(band.values is not None, tile, band.keys.shape[1], band.window, before)
         )
         floats.append((band.keys.astype(dtype), band.values))
         ints.append((key_segment.astype(jnp.int32), band.segment.astype(jnp.int32)))
@@ -186,7 +209,7 @@ def _sources(reads: Reads, dtype, kt: int):
         tp = -(-t // tile) * tile
         values = dense.value_rows()
         values = None if values is None else pad_axis(values, 1, tp)
-        sources.append(_Source("dense", values is not None, tile, t))
+        sources.append(_Dense(values is not None, tile, t))
         floats.append((pad_axis(dense.keys.astype(dtype), 1, tp), values))
         end = pad_axis(dense.layout.end.astype(jnp.int32), 1, tp, -1)
         segment = pad_axis(dense.layout.segment.astype(jnp.int32), 1, tp, -1)
@@ -221,13 +244,13 @@ def _tile_of(src: _Source, refs, config: _Config, bi, r, c) -> _Tile:
     """Tile ``c`` of what query row ``r`` of batch row ``bi`` reads from ``src``."""
     k_ref, v_ref, ints = refs
     lane = jax.lax.broadcasted_iota(jnp.int32, (src.tile,), 0)
-    if src.kind == "gathered":
+    if isinstance(src, _Gathered):
         (idx_ref,) = ints
         idx = idx_ref[bi, r, pl.ds(c * src.tile, src.tile)]
         mask = idx >= 0
         rows = jnp.clip(idx, 0, src.rows - 1)
         grad_rows = jnp.where(mask, rows, src.rows + lane)
-    elif src.kind == "band":
+    elif isinstance(src, _Band):
         key_segment_ref, segment_ref = ints
         span = _span(src.window)
         raw = src.before + r - (span - 1) + c * src.tile + lane  # may precede row 0
@@ -255,9 +278,9 @@ def _tile_of(src: _Source, refs, config: _Config, bi, r, c) -> _Tile:
 
 def _n_tiles(src: _Source, ints) -> int:
     """Tiles of ``src`` each row reads (from its int arrays' static shapes)."""
-    if src.kind == "gathered":
+    if isinstance(src, _Gathered):
         return ints[0].shape[-1] // src.tile
-    if src.kind == "band":
+    if isinstance(src, _Band):
         return _span(src.window) // src.tile
     return ints[0].shape[1] // src.tile
 
@@ -282,7 +305,7 @@ def _split_refs(config: _Config, refs):
         v_ref = refs.pop(0) if src.values else None
         out.append([k_ref, v_ref])
     for pair, src in zip(out, config.sources, strict=True):
-        n = {"gathered": 1, "band": 2, "dense": 4}[src.kind]
+        n = src.n_ints
         pair.append(tuple(refs[:n]))
         refs = refs[n:]
     return [tuple(p) for p in out], refs
@@ -404,8 +427,10 @@ def _backward(config: _Config, q, sink, floats, ints, out, lse, g_out, g_lse):
     # zero tables for the atomic adds: rows a lane without a read adds to lie past the end
     tables = []
     for src, (keys, values) in zip(config.sources, padded, strict=True):
-        extra = {"gathered": src.tile, "band": _span(src.window) - 1, "dense": 0}[src.kind]
-        front = extra if src.kind == "band" else 0
+        extra = 0  # a gathered set's lanes that read nothing add past its end; a band's start early
+        if isinstance(src, _Gathered | _Band):
+            extra = src.tile if isinstance(src, _Gathered) else _span(src.window) - 1
+        front = extra if isinstance(src, _Band) else 0
         rows = keys.shape[1] + extra
         shapes = [(b, rows, dk)] + ([(b, rows, dv)] if values is not None else [])
         tables.append((front, [jnp.zeros(shape, jnp.float32) for shape in shapes]))

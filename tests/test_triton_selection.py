@@ -1,4 +1,4 @@
-"""The fused indexer kernel (``PallasSelection``, here in interpret mode) beyond what the
+"""The fused indexer kernel (``TritonSelection``, here in interpret mode) beyond what the
 selection family's conformance suite checks (tests/test_conformance_selection.py: its picks
 against the numpy brute force on exact ties, packed documents, empty slots, queries that see
 nothing, ``k`` above the visible count, bf16 scores, several kernel calls, inside the
@@ -37,15 +37,15 @@ def selections(strategies, k, *args, **kw):
 
 def test_random_float_scores_select_alike():
     """Random float inputs: the kernel's selection equals the streaming selection over the
-    same in-kernel tile scores (``PallasScorer`` with the kernel's tiles), bitwise: the
+    same in-kernel tile scores (``TritonScorer`` with the kernel's tiles), bitwise: the
     selection is exact given the scores."""
     r = np.random.default_rng(3)
     q, w = r.normal(size=(B, S, 2, 24)), r.normal(size=(B, S, 2))
     keys = r.normal(size=(B, T, 24))
     _, _, _, qi, qs, end = fixed_case(3)
     layout = layout_of(end, qs)
-    scorer = ce.PallasScorer(query_block=4, key_block=4)
-    kernel = ce.PallasSelection(query_block=4, key_block=4)
+    scorer = ce.TritonScorer(query_block=4, key_block=4)
+    kernel = ce.TritonSelection(query_block=4, key_block=4)
     streaming = ce.StreamingSelection(key_block=4, query_block=4)
     got, want = selections((kernel, streaming), 4, q, w, keys, qi, qs, layout, scorer=scorer)
     np.testing.assert_array_equal(got, want)
@@ -66,7 +66,7 @@ def test_no_score_matrix_in_the_program():
         jaxpr = jax.make_jaxpr(lambda: strategy.select(p, k))()
         return max(np.prod(a.shape, dtype=int) for a in walk_avals(jaxpr.jaxpr) if a.shape)
 
-    assert largest(ce.PallasSelection(query_block=16, key_block=16)) < b * s * t
+    assert largest(ce.TritonSelection(query_block=16, key_block=16)) < b * s * t
     assert largest(ce.DenseSelection()) >= b * s * t
 
 
@@ -84,14 +84,14 @@ def test_lowers_to_triton():
     def select(q, w, keys):
         vis = ce.Visibility(qi, seg, ce.entry_layout(seg, 4))
         p = ce.SelectionProblem.from_queries(q, w, keys, vis, 16, "bfloat16")
-        return ce.PallasSelection().select(p, 512)
+        return ce.TritonSelection().select(p, 512)
 
     assert gpu_lowering(select, q, w, keys).count("__gpu$xla.gpu.triton") == 1
 
 
 def test_fields_are_checked():
     for field in ("query_block", "key_block"):
-        with pytest.raises(ValueError, match=f"PallasSelection.{field} must be a power of two"):
-            ce.PallasSelection(**{field: 6})
+        with pytest.raises(ValueError, match=f"TritonSelection.{field} must be a power of two"):
+            ce.TritonSelection(**{field: 6})
     with pytest.raises(ValueError, match="query_chunk"):
-        ce.PallasSelection(query_chunk=-1)
+        ce.TritonSelection(query_chunk=-1)

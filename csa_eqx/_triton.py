@@ -1,5 +1,5 @@
-"""What the Pallas kernels share (``_scorer/pallas.py``, ``_selection/pallas.py``,
-``_attention_pallas.py``; docs/kernels.md): where they run, their Triton compiler parameters,
+"""What the Pallas kernels share (``_scorer/triton.py``, ``_selection/triton.py``,
+``_attention/triton.py``; docs/kernels.md): where they run, their Triton compiler parameters,
 the power-of-two shapes Triton needs and the in-kernel scoring of one tile.
 
 **Pallas Triton, not Mosaic GPU.** The kernels are written in the portable subset of
@@ -41,7 +41,6 @@ __all__ = [
     "next_pow2",
     "floor_pow2",
     "feature_parts",
-    "pad_axis",
     "tile_scores",
     "count",
     "dot_t",
@@ -53,7 +52,7 @@ TPU_REFUSED = (
     "csa_eqx's Pallas kernel {name!r} is a Triton (GPU) kernel and cannot be lowered for a TPU: "
     "Mosaic TPU has none of its masked pointer gathers and scatters (docs/kernels.md). On a TPU "
     "the automatic choices run the Mosaic kernels (MosaicSelection, MosaicAttention) or the XLA "
-    "paths; do not force PallasSelection, PallasAttention or PallasScorer there."
+    "paths; do not force TritonSelection, TritonAttention or TritonScorer there."
 )
 GPU_ONLY = (
     "csa_eqx's Pallas kernel {name!r} is a Triton (GPU) kernel: it is compiled for a GPU only "
@@ -123,15 +122,6 @@ def feature_parts(width: int) -> tuple[tuple[int, int], ...]:
             parts.append((start, size))
             start += size
     return tuple(parts)
-
-
-def pad_axis(x, axis: int, size: int, value=0):
-    """``x`` padded with ``value`` at the end of ``axis`` to ``size`` (unchanged if it is)."""
-    if x.shape[axis] == size:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad, constant_values=value)
 
 
 def count(mask, axis: int = -1):

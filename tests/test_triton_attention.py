@@ -1,4 +1,4 @@
-"""The sparse attention kernel (``PallasAttention``, here in interpret mode) beyond what the
+"""The sparse attention kernel (``TritonAttention``, here in interpret mode) beyond what the
 attention family's conformance suite checks (tests/test_conformance_attention.py: outputs,
 ``lse`` and gradients on every kind of ``Reads`` against softmax attention written out, bf16,
 non-finite rows, the refusal of DeepSeek's rounded softmax): whole V4 CSA, HCA and V3.2 layers
@@ -17,7 +17,7 @@ from jaxpr_helpers import gpu_lowering, tpu_lowering, walk_avals
 import csa_eqx as ce
 from csa_eqx import presets
 
-KERNEL = ce.PallasAttention(query_block=4, key_block=2)
+KERNEL = ce.TritonAttention(query_block=4, key_block=2)
 TRITON_DEPRECATED = "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
 
 
@@ -29,11 +29,11 @@ def layer(kind, execution):
 
 @pytest.mark.parametrize("kind", ["csa", "hca", "v32"])
 def test_layers_with_both_kernels(kind):
-    """A whole layer with ``PallasSelection`` and ``PallasAttention``: the selection bitwise
+    """A whole layer with ``TritonSelection`` and ``TritonAttention``: the selection bitwise
     the default's, outputs within 1e-5, packed documents; for V4 CSA also every parameter's
     gradient (the other layers' reads are the kernel tests' above)."""
     kernels = ce.Execution(
-        selection=ce.PallasSelection(query_block=8, key_block=4), attention=KERNEL
+        selection=ce.TritonSelection(query_block=8, key_block=4), attention=KERNEL
     )
     base = layer(kind, ce.Execution())
     x = jax.random.normal(jax.random.key(2), (2, 24, base.config.hidden_size))
@@ -81,8 +81,8 @@ def test_no_dense_mask_in_the_program():
         jaxpr = jax.make_jaxpr(jax.grad(loss))(q)
         return max(np.prod(a.shape, dtype=int) for a in walk_avals(jaxpr.jaxpr) if a.shape)
 
-    assert largest(ce.PallasAttention(), True) < s * (s + t)
-    assert largest(ce.PallasAttention(), False) < s * (s + t)
+    assert largest(ce.TritonAttention(), True) < s * (s + t)
+    assert largest(ce.TritonAttention(), False) < s * (s + t)
     # the reference in one block of every query: its band slab alone is [S, S + W - 1] per head
     assert largest(ce.XlaAttention(), True, block=s) >= s * (s + t)
 
@@ -99,11 +99,11 @@ def test_forward_and_backward_lower_to_triton(dtype):
 
     def v4(q, kv, entries, picks, sinks):
         reads = ce.Reads((ce.GatheredRows(entries, picks),), band=ce.BandRows(kv, seg, 128))
-        return ce.PallasAttention().attend(q, reads, sinks, 0.1, query_block=16)
+        return ce.TritonAttention().attend(q, reads, sinks, 0.1, query_block=16)
 
     def v32(q, kv, entries, picks, sinks):
         reads = ce.Reads((ce.GatheredRows(kv, picks, kv[..., :512]),))
-        return ce.PallasAttention().attend(q, reads, None, 0.1, query_block=16)
+        return ce.TritonAttention().attend(q, reads, None, 0.1, query_block=16)
 
     for fn, h, d in ((v4, 64, 512), (v32, 128, 576)):
         args = (
@@ -130,17 +130,17 @@ def test_every_kernel_refuses_a_tpu_by_name():
 
     def select(q, w, keys):
         vis = ce.Visibility(qi, seg, ce.entry_layout(seg, 2))
-        return ce.PallasSelection().select(ce.SelectionProblem.from_queries(q, w, keys, vis), 4)
+        return ce.TritonSelection().select(ce.SelectionProblem.from_queries(q, w, keys, vis), 4)
 
     def attend(q, entries, picks):
         reads = ce.Reads((ce.GatheredRows(entries, picks),))
-        return ce.PallasAttention().attend(q, reads, None, 0.1, query_block=16)
+        return ce.TritonAttention().attend(q, reads, None, 0.1, query_block=16)
 
     def attend_grad(q, entries, picks):
         return jax.grad(lambda q: attend(q, entries, picks).sum())(q)
 
     def scores(q, w, keys):
-        return ce.PallasScorer().scores(q, w, keys)
+        return ce.TritonScorer().scores(q, w, keys)
 
     f32 = jnp.float32
     indexer = (sd((b, s, h, d), f32), sd((b, s, h), f32), sd((b, t, d), f32))
@@ -161,11 +161,11 @@ def test_every_kernel_refuses_a_tpu_by_name():
 
 def test_fields_are_checked():
     with pytest.raises(ValueError, match="key_block must be a power of two"):
-        ce.PallasAttention(key_block=6)
+        ce.TritonAttention(key_block=6)
     with pytest.raises(ValueError, match="query_block must be an int >= 1"):
-        ce.PallasAttention(query_block=0)
+        ce.TritonAttention(query_block=0)
     with pytest.raises(ValueError, match="at least one key set"):
         KERNEL.attend(jnp.zeros((1, 5, 2, 4)), ce.Reads(), None, 1.0, query_block=4)
-    with pytest.raises(ValueError, match="PallasAttention computes the exact softmax"):
+    with pytest.raises(ValueError, match="TritonAttention computes the exact softmax"):
         q = jnp.zeros((1, 5, 2, 4))
         KERNEL.attend(q, ce.Reads(), None, 1.0, query_block=4, numerics=ce.DeepSeekInference())

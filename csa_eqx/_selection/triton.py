@@ -1,9 +1,9 @@
-"""``PallasSelection``: the fused indexer kernel, scoring and exact top-k in one Pallas kernel
+"""``TritonSelection``: the fused indexer kernel, scoring and exact top-k in one Pallas kernel
 that never writes a score to memory (docs/kernels.md, "The fused indexer").
 
 One program per ``query_block`` queries of a batch row. It visits only the key tiles one of
 its queries can see (``key_block_ranges``, as ``StreamingSelection`` does) and scores each
-``[query_block, key_block]`` tile in registers (``csa_eqx._pallas.tile_scores``: per head a
+``[query_block, key_block]`` tile in registers (``csa_eqx._triton.tile_scores``: per head a
 dot, its ReLU times the head weight summed over the heads, bf16-rounded as the problem's
 ``score_dtype`` says). The exact top-k is built from what Triton lowers (compares, sums,
 prefix sums, masked scatters; no sort, no ``top_k``):
@@ -24,7 +24,7 @@ prefix sums, masked scatters; no sort, no ``top_k``):
 
 Given the same scores this is exactly ``select_topk`` (ties to the lower index, picks in
 increasing index order, ``-1`` past the visible count), so the selection equals the XLA paths'
-bitwise wherever the scores do (tests/test_pallas_selection.py). The queries are projected
+bitwise wherever the scores do (tests/test_triton_selection.py). The queries are projected
 ``query_chunk`` rows at a time (``SelectionProblem.project``), one kernel call per chunk, so
 the ``[B, S, H, d]`` queries never exist at once either.
 """
@@ -38,26 +38,26 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Int
 
 from .._blocks import key_block_ranges
-from .._pallas import (
+from .._ops import pad_axis
+from .._topk import _order_keys
+from .._triton import (
     MIN_DOT,
     barrier,
     count,
     feature_parts,
     next_pow2,
-    pad_axis,
     run_kernel,
     tile_scores,
 )
-from .._topk import _order_keys
 from .base import AbstractSelection, SelectionProblem
 from .row_chunks import kernel_row_chunks
 
-__all__ = ["PallasSelection"]
+__all__ = ["TritonSelection"]
 
 _KEY_MAX = 0xFFFFFFFF
 
 
-class PallasSelection(AbstractSelection):
+class TritonSelection(AbstractSelection):
     """The fused indexer (score + exact top-k in one Pallas kernel, see the module
     docstring): Triton on a GPU, interpret mode on the CPU (where it is proven, not fast).
     The selection is the other strategies' bitwise wherever the scores are.
@@ -88,10 +88,10 @@ class PallasSelection(AbstractSelection):
         for name in ("query_block", "key_block"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
-                raise ValueError(f"PallasSelection.{name} must be a power of two (got {v!r})")
+                raise ValueError(f"TritonSelection.{name} must be a power of two (got {v!r})")
         v = self.query_chunk
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"PallasSelection.query_chunk must be an int >= 0 (got {v!r})")
+            raise ValueError(f"TritonSelection.query_chunk must be an int >= 0 (got {v!r})")
 
     def select(self, problem: SelectionProblem, k: int) -> Int[Array, "batch seq {k}"]:
         qb, kb = min(self.query_block, next_pow2(problem.sizes()[1], MIN_DOT)), self.key_block
@@ -103,7 +103,7 @@ class PallasSelection(AbstractSelection):
 
         chunks = dict(block=qb, key_block=kb, per_row=2 * (buffer + kb))
         return kernel_row_chunks(
-            problem, k, kernel, "PallasSelection", **chunks, query_chunk=self.query_chunk
+            problem, k, kernel, "TritonSelection", **chunks, query_chunk=self.query_chunk
         )
 
 

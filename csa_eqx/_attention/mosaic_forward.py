@@ -1,0 +1,164 @@
+"""``MosaicAttention``'s forward kernel (``mosaic.py``; docs/kernels.md, "The Mosaic attention
+kernel (TPU)"): one online softmax over a grid step's ``query_block`` queries x ``head_block``
+heads (``R = Qb * Hb`` rows, query-major: one query's heads are one aligned window of the
+state) and everything they read, the sinks folded into its denominator. Its state is ``[R,
+128]`` lane-broadcast (``m``, ``l``) and ``[R, dv]``. A query that does not live (a non-finite
+row it reads poisons it) gets NaN.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jaxtyping import Array, Int
+
+from .._mosaic import LANES, dot, dot_nt, precision
+from . import mosaic_steps as steps
+from .base import fold_sink
+from .mosaic_layout import BandRead, Config, DenseRead, RowsRead, TilesRead
+
+__all__ = ["forward"]
+
+NAME = "mosaic_sparse_attention"
+
+
+class _Scratch(NamedTuple):
+    """The forward's VMEM: the online softmax state (``m``, ``l``: ``[R, 128]``; ``acc``:
+    ``[R, dv]``), a ``narrow`` kernel's query rows (``steps.narrow_scratch``), each read set's
+    buffers and DMA semaphores (``steps.scratch_of``)."""
+
+    m: object
+    l: object  # noqa: E741
+    acc: object
+    narrow: tuple
+    reads: tuple
+    sems: tuple
+
+
+def _update(state, rows, s, w, values, prec):
+    """One online-softmax step of state rows ``rows`` over logits ``s`` weighted by ``w``
+    (``0``: not read; a count repeats the logit)."""
+    m_ref, l_ref, acc_ref = state
+    m_prev = m_ref[rows, :]
+    s = jnp.where(w > 0, s, -jnp.inf)
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m_prev - shift)
+    p = jnp.where(w > 0, w * jnp.exp(s - shift[:, 0:1]), 0.0)
+    l_ref[rows, :] = alpha * l_ref[rows, :] + jnp.sum(p, axis=1, keepdims=True)
+    pv = dot(p.astype(values.dtype), values, prec)
+    acc_ref[rows, :] = acc_ref[rows, :] * alpha[:, 0:1] + pv
+    m_ref[rows, :] = m_new
+
+
+def _forward_kernel(config: Config, interpret: bool, ntiles_ref, q_ref, sink_ref, qmeta_ref,
+                    ints, tables, out_ref, lse_ref, scratch: _Scratch):  # fmt: skip
+    if config.narrow:
+        stage_ref, rows_ref = scratch.narrow
+        steps.narrow_in(config, q_ref, stage_ref, rows_ref, values=False)
+        q_ref = rows_ref
+    reads = steps.read_refs(config, ints, tables, scratch.reads, scratch.sems)
+    step = steps.Step(config, interpret, pl.program_id(0), pl.program_id(1), ntiles_ref, qmeta_ref)
+    prec, scale, hb = precision(config.dtype), config.scale, config.head_block
+    m_ref, l_ref, acc_ref = state = (scratch.m, scratch.l, scratch.acc)
+    everything = pl.ds(0, config.rows)
+
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    steps.start(step, reads)
+    for s in reads:
+        if isinstance(s.read, RowsRead):
+
+            def consume(qq, cc, words, mask, s=s):
+                keys, values = steps.keys_values(words, 0, config.chunk, s.table, config)
+                rows = pl.ds(pl.multiple_of(qq * hb, hb), hb)
+                logits = dot_nt(q_ref[rows, :], keys, prec) * scale
+                _update(state, rows, logits, mask, values, prec)
+
+            steps.rows_pipeline(step, s, consume)
+        elif isinstance(s.read, TilesRead | DenseRead):
+
+            def consume(t, words, offset, _, s=s):
+                keys, values = steps.keys_values(words, offset, config.tile, s.table, config)
+                logits = dot_nt(q_ref[...], keys, prec) * scale
+                _update(state, everything, logits, steps.tile_weights(step, s, t), values, prec)
+
+            steps.tiles_pipeline(step, s, consume)
+
+    for s in reads:  # the bands last: their slabs' DMAs overlap the other sets' work
+        if isinstance(s.read, BandRead):
+            keys, values = steps.keys_values(
+                steps.band_words(s), 0, config.slab(s.read), s.table, config
+            )
+            w = steps.per_row(steps.band_weights(step, s), config)
+            logits = dot_nt(q_ref[...], keys, prec) * scale
+            _update(state, everything, logits, w, values, prec)
+
+    m, l_sum, acc = m_ref[...], l_ref[...], acc_ref[...]
+    if config.has_sinks:
+        shift, l_sum, alpha = fold_sink(m, l_sum, sink_ref[...])
+        acc = acc * alpha[:, 0:1]
+    else:
+        shift = jnp.where(m == -jnp.inf, 0.0, m)
+    norm = jnp.where(l_sum > 0, l_sum, 1.0)
+    live = steps.per_row(step.meta(3), config) > 0  # [R, 1]: else poisoned, NaN
+    out = jnp.where(live, acc / norm[:, 0:1], jnp.nan)
+    if config.narrow:
+        acc_ref[...] = out
+        steps.narrow_out(config, acc_ref, out_ref, values=True)
+    else:
+        out_ref[...] = out.astype(out_ref.dtype)
+    steps.put_scalars(lse_ref, shift + jnp.log(l_sum))
+
+
+def forward(
+    config: Config,
+    ntiles: Int[Array, " n"],
+    q: Array,
+    sink: Array | None,
+    qmeta: Array,
+    ints: tuple,
+    tables: tuple,
+) -> tuple[Array, Array]:
+    """The forward kernel.
+
+    **Arguments:** the ``config``; the tile counts ``[n_tiled * B * n_q]`` (at least one
+    element); ``q`` (``query_rows`` or ``narrow_rows`` layout, ``query_lanes`` wide); the sink
+    logit of each row of a step ``[n_h, R, 128]`` (or ``None``); the per-query metadata
+    (``query_meta``: row 3 says which queries live); each read set's int arrays (a tuple each,
+    ``steps.read_specs``); each table's words (``pack_rows``).
+
+    **Returns:** ``(out`` (``q``'s layout, the values' ``query_lanes`` wide, ``q``'s
+    dtype; NaN for the queries that do not live), ``lse`` (``row_scalars`` layout, float32,
+    ``-inf`` where a row reads nothing)``)``.
+    """
+    c = config
+    sink_spec = pl.BlockSpec((None, c.rows, LANES), lambda b, i, j, *_: (j, 0, 0))
+    int_specs, table_specs = steps.read_specs(c)
+    in_specs = (
+        steps.query_spec(c, values=False),
+        sink_spec if c.has_sinks else None,
+        steps.meta_spec(c),
+        int_specs,
+        table_specs,
+    )
+    args = (ntiles, q, sink if c.has_sinks else None, qmeta, tuple(ints), tuple(tables))
+    scratch = _Scratch(
+        pltpu.VMEM((c.rows, LANES), jnp.float32),
+        pltpu.VMEM((c.rows, LANES), jnp.float32),
+        pltpu.VMEM((c.rows, c.value_blocks * LANES), jnp.float32),
+        steps.narrow_scratch(c, q.dtype, backward=False),
+        *steps.scratch_of(c, backward=False),
+    )
+    out_shape = (
+        jax.ShapeDtypeStruct(c.query_shape(values=True), q.dtype),
+        jax.ShapeDtypeStruct((c.batch, c.n_h, c.n_q, c.scalar_rows, LANES), jnp.float32),
+    )
+    specs = in_specs, (steps.query_spec(c, values=True), steps.scalar_spec(c))
+    semantics = ("parallel", "parallel", "arbitrary")
+    return steps.run_kernel(_forward_kernel, NAME, c, args, specs, out_shape, (scratch,), semantics)
