@@ -137,7 +137,6 @@ def run_sharded(fn: Callable, mesh: MeshLike, in_specs, out_specs, axes: set, *a
         in_specs=in_specs,
         out_specs=out_specs,
         axis_names=frozenset(axes - {None}),
-        check_vma=False,
     )(*args)
 
 
