@@ -199,12 +199,6 @@ def pallas_calls(jaxpr, name: str) -> int:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the selection kernel's pallas_call stays in the gradient's jaxpr under a"
-    " checkpoint that saves its picks (the XLA path's top-k does not: tests/test_remat.py);"
-    " whether the compiler then runs it is not measured",
-)
 @pytest.mark.parametrize(
     "selection, kernel",
     [(ce.MosaicSelection(), "indexer_topk_mosaic"), (ce.PallasSelection(), "indexer_topk")],
@@ -213,8 +207,10 @@ def pallas_calls(jaxpr, name: str) -> int:
 def test_saved_selection_runs_no_kernel_in_the_backward(selection, kernel):
     """With the selection saved (``compose_selection_policy``), the gradient of a checkpointed
     layer runs the selection kernel as often as the forward does (the forward's calls), not
-    again in the backward; without the policy the backward runs them again."""
-    layer = ce.V4Attention(V4, key=jax.random.key(0), execution=ce.Execution(selection=selection))
+    again in the backward; without the policy the backward runs them again (``launch`` puts
+    each kernel in a jit of its own: Pallas' DCE keeps any unused ``pallas_call``)."""
+    execution = ce.Execution(selection=selection, save_selection=True)
+    layer = ce.V4Attention(V4, key=jax.random.key(0), execution=execution)
     x = inputs(48)
 
     def loss(layer, x, policy):

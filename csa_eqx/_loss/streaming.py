@@ -169,14 +169,18 @@ def _streaming_dense_bwd(project, static, res, g):
 
     def query_block_body(carry, r0, fresh, rows, tile, lo, hi):
         d_consts, d_keys = carry
-        (qx, wx), pull = jax.vjp(lambda *c: project(*rows, *c), *consts)
+        # every input of a pulled-back function typed as varying as the rows (check_vma): its
+        # cotangents stay this device's partial sums, summed over the devices once at the end
+        # (summed_like); a replicated input's would come back summed already, and twice
+        keys = varying_like(index_keys, rows, consts)
+        (qx, wx), pull = jax.vjp(lambda *c: project(*rows, *c), *varying_like(consts, rows, keys))
         lse_b, tot_b = take(lse_i, r0, fresh.shape[0]), take(total, r0, fresh.shape[0])
         live = (fresh & (tot_b > 0))[..., None]
 
         def key_block_body(j, acc):
             d_qx, d_wx, d_keys = acc
             c0, mass, visible = tile(j)
-            scores, tile_pull = jax.vjp(score, qx, wx, take(index_keys, c0, kb))
+            scores, tile_pull = jax.vjp(score, qx, wx, take(keys, c0, kb))
             q_prob = jnp.exp(jnp.where(visible, scores - lse_b[..., None], -jnp.inf))
             p = mass / jnp.where(tot_b > 0, tot_b, 1.0)[..., None]
             d_scores = jnp.where(visible & live, q_prob - p, 0.0) * coef
