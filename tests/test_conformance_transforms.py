@@ -138,10 +138,6 @@ def composed(params, static, x):
 
 # Known gaps (issue 53 left open; docs/composing.md, "What is not typed yet"): each fails today
 KNOWN = {
-    "selection/streaming+loss/streaming": (
-        "StreamingIndexerLoss's custom_vjp: under a user's check_vma shard_map the weights'"
-        " gradient comes out twice the single-device one"
-    ),
     "placement/heads+kernels/mosaic": (
         "HeadParallel inside a user's shard_map with a vmap inside it: an abstract-value"
         " assertion in the placement's own (check_vma=False) shard_map"
