@@ -136,11 +136,12 @@ def composed(params, static, x):
     )(params, x)
 
 
-# Known gaps (issue 53 left open; docs/composing.md, "What is not typed yet"): each fails today
+# Known gaps (issue 53 left open; docs/composing.md, "Known gaps"): each fails today
 KNOWN = {
     "placement/heads+kernels/mosaic": (
-        "HeadParallel inside a user's shard_map with a vmap inside it: an abstract-value"
-        " assertion in the placement's own (check_vma=False) shard_map"
+        "HeadParallel inside a user's shard_map with a vmap inside it: XLA's Shardy verifier"
+        " refuses the vmapped placement shard_map's output sharding ('manual axis \"tensor\""
+        " after free axis \"data\"', JAX 0.10.2)"
     ),
 }
 
