@@ -141,7 +141,7 @@ KNOWN = {
     "placement/heads+kernels/mosaic": (
         "HeadParallel inside a user's shard_map with a vmap inside it: XLA's Shardy verifier"
         " refuses the vmapped placement shard_map's output sharding ('manual axis \"tensor\""
-        " after free axis \"data\"', JAX 0.10.2)"
+        ' after free axis "data"\', JAX 0.10.2)'
     ),
 }
 
