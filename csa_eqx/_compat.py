@@ -3,7 +3,9 @@
 - ``stacked_all_gather``: from JAX 0.11, the transpose of ``lax.all_gather`` (a
   ``psum_scatter``) fails to lower inside a ``shard_map`` whose mesh keeps an ``Explicit`` axis
   ("Length of sharding.spec (5) must be equal to aval's ndim (0)": its reducer's scalar keeps
-  the array's sharding). There the gather gets a backward of ``psum`` and a slice instead.
+  the array's sharding). There the untyped gather (in a ``shard_map`` without the
+  varying-manual-axes check) gets a backward of ``psum`` and a slice instead; the typed one is
+  invariant and has that backward anyway.
 """
 
 from functools import partial
@@ -16,7 +18,15 @@ _PSUM_SCATTER_LOWERS_UNDER_EXPLICIT_AXES = jax.__version_info__ < (0, 11)
 
 def stacked_all_gather(x: Array, axis_name: str) -> Array:
     """``lax.all_gather(x, axis_name)``: ``[N, *x.shape]``, device ``i``'s ``x`` at index ``i``;
-    differentiable under a mesh with ``Explicit`` axes on every supported JAX."""
+    differentiable under a mesh with ``Explicit`` axes on every supported JAX.
+
+    Inside a ``shard_map`` with ``check_vma`` (``x`` typed as varying over the axis) the
+    result is typed invariant over it (equal on every device: ``to="invarying"``, whose
+    backward is the implicit broadcast's ``psum`` and this device's slice, on every version);
+    untyped (a ``shard_map`` without the check) it is JAX's own gather, whose backward sums
+    by itself."""
+    if axis_name in jax.typeof(x).manual_axis_type.varying:
+        return jax.lax.all_gather(x, axis_name, to="invarying")
     if _PSUM_SCATTER_LOWERS_UNDER_EXPLICIT_AXES:
         return jax.lax.all_gather(x, axis_name)
     return _gather_with_psum_backward(x, axis_name)

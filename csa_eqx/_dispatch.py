@@ -62,7 +62,17 @@ def launch(build, mode: Interpret, out_shape, args):
     if mode is True and (varying is not out_shape or _sharded_axes()):
         # interpret mode under check_vma or mesh axes the compiler shards: one device's values
         return interpreted(lambda *a: jax.tree.leaves(build(True, out_shape)(*a)), varying, *args)
-    return build(mode, varying)(*args)
+
+    def kernel_launch(*args):
+        return build(mode, varying)(*args)
+
+    # traced, in a jit of its own: Pallas never removes an unused pallas_call from a jaxpr (its
+    # DCE rule keeps every one), a jit whose outputs are all unused goes; so where a
+    # ``jax.checkpoint`` saves a kernel's outputs (the selection, compose_selection_policy)
+    # the backward holds no second call of it. (Called eagerly, as it is: nothing to remove.)
+    if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(args)):
+        return jax.jit(kernel_launch)(*args)
+    return kernel_launch(*args)
 
 
 def _sharded_axes() -> bool:

@@ -116,14 +116,17 @@ def run_sharded(fn: Callable, mesh: MeshLike, in_specs, out_specs, axes: set, *a
     """``fn(*args)`` in a ``jax.shard_map`` manual over ``axes``, the arguments placed on
     ``in_specs`` first (``place``).
 
-    ``check_vma=False`` for the library's own placements (``HeadParallel``, ``ContextParallel``,
-    ``ShardedSelection``, ``per_device``): their bodies' collectives and outputs are not yet
-    all typed for the varying-manual-axes check (docs/composing.md, "What is not typed yet").
-    Everything they run is (loop carries, kernels' outputs, ``custom_vjp`` cotangents), so
-    they run inside a user's ``shard_map`` with ``check_vma=True``. Every strategy's outputs
-    leave mapped over the manual axes they vary over (partial sums stacked and summed
-    outside), so the transpose's sum of the replicated inputs' cotangents is the exact
-    gradient.
+    JAX's default ``check_vma=True``, for every user (``HeadParallel``, ``ContextParallel``,
+    ``ShardedSelection``, ``per_device``): everything their bodies run is typed for the
+    varying-manual-axes check (loop carries, kernels' outputs, ``custom_vjp`` cotangents,
+    and collectives: what is equal on every device of an axis, e.g. all-gathered entries or
+    top-k rows, is gathered ``to="invarying"``; docs/composing.md). Outputs leave mapped
+    over the manual axes they vary over (partial sums stacked and summed outside, or
+    ``psum``-ed inside) and replicated where they are typed invariant, so the transpose's
+    sum of the replicated inputs' cotangents is the exact gradient. A placement wrapping
+    another takes the inner one's axes into its own ``shard_map`` rather than nesting one
+    (JAX types a nested ``shard_map``'s backward residuals with the enclosing one's manual
+    axes too, and cannot lower that).
 
     **Arguments:** the function, the mesh, ``PartitionSpec`` trees for the arguments and the
     outputs (prefixes allowed), the manual axis names and the arguments.
@@ -137,7 +140,6 @@ def run_sharded(fn: Callable, mesh: MeshLike, in_specs, out_specs, axes: set, *a
         in_specs=in_specs,
         out_specs=out_specs,
         axis_names=frozenset(axes - {None}),
-        check_vma=False,
     )(*args)
 
 

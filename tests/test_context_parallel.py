@@ -110,8 +110,9 @@ def test_data_axis_matches_single_device(kind, options):
     tensor, x sharded over both."""
     check_against_single_device(kind, DATA2_CONTEXT2_TENSOR2, 22, options, True)
     # the batch is split by the context shard_map itself (manual over data), not left to the
-    # compiler; with head parallelism a shard_map nested in it is manual over tensor (context
-    # around heads), and the row-sharded top-k runs its rows inside that one
+    # compiler; with head parallelism the same shard_map is manual over tensor too (context
+    # around heads: one shard_map over both axes), and the row-sharded top-k runs its rows
+    # inside it
     execution = ce.Execution.from_options(context_parallel=True, **options)
     cp = random_layer(kind).with_execution(execution)
     with jax.set_mesh(jax.make_mesh(*DATA2_CONTEXT2_TENSOR2)):
@@ -120,7 +121,7 @@ def test_data_axis_matches_single_device(kind, options):
         e.params["newly_manual_axes"] for e in walk_eqns(jaxpr) if e.primitive.name == "shard_map"
     ]
     assert manual == (
-        [{"data", "context"}, {"tensor"}] if options.get("head_parallel") else [{"data", "context"}]
+        [{"data", "context", "tensor"}] if options.get("head_parallel") else [{"data", "context"}]
     )
 
 

@@ -111,12 +111,12 @@ def _dense_tiles(static, index_keys, fx: _Fixed, init, query_block_body):
 
         return query_block_body(carry, r0, fresh, rows, tile, lo[i], hi[i])
 
-    init = varying_like(init, (index_keys, fx))
     return jax.lax.fori_loop(0, q_starts.shape[0], body, init)
 
 
 def _f32_zeros(x: Array) -> Array:
-    return jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32))
+    """Zeros of ``x``'s shape in at least float32, typed as ``x`` varies (a cotangent's)."""
+    return varying_like(jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)), x)
 
 
 def _block_scores(static):
@@ -141,7 +141,7 @@ def _streaming_dense_fwd(project, static, consts, index_keys, fx: _Fixed):
             c0, mass, visible = tile(j)
             return _online_update(st, score(qx, wx, take(index_keys, c0, kb)), mass, visible)
 
-        st = varying_like(_online_init((b, fresh.shape[0])), (qx, wx, index_keys, rows))
+        st = varying_like(_online_init((b, fresh.shape[0])), (qx, wx, index_keys, rows, fx))
         st = jax.lax.fori_loop(lo, hi, key_block_body, st)
         kl, has, lse_i = _online_kl(st)
         # rows of a pulled-back last block are recomputed alike: overwriting them is harmless
@@ -153,7 +153,7 @@ def _streaming_dense_fwd(project, static, consts, index_keys, fx: _Fixed):
 
     s = fx.visibility.query_index.shape[1]
     zeros = jnp.zeros((b, s), jnp.float32)
-    init = (zeros, jnp.zeros((b, s), bool), zeros, zeros)
+    init = varying_like((zeros, jnp.zeros((b, s), bool), zeros, zeros), (index_keys, fx))
     kl, has, lse_i, total = _dense_tiles(static, index_keys, fx, init, query_block_body)
     count = jnp.maximum(jnp.sum(has), 1).astype(jnp.float32)
     return jnp.sum(kl) / count, (consts, index_keys, fx, lse_i, total, count)
@@ -161,22 +161,35 @@ def _streaming_dense_fwd(project, static, consts, index_keys, fx: _Fixed):
 
 def _streaming_dense_bwd(project, static, res, g):
     """``∂loss/∂I[t, j] = (q_j − p_j) / n`` per visible tile, pulled back through the tile's
-    scores and the query block's projection; nothing larger than a tile is formed."""
+    scores and the query block's projection; nothing larger than a tile is formed.
+
+    Inside a ``shard_map`` with ``check_vma`` every cotangent is typed as its primal (the
+    projection's and the scorer's own transposes sum over the devices what a replicated
+    input owes, so nothing is summed twice): the block's projections are cast to vary as the
+    tiles' targets do (e.g. every head's, under head parallelism), whose transpose sums the
+    extra axes."""
     consts, index_keys, fx, lse_i, total, count = res
     kb = static[3]
     coef = g / count
     score = _block_scores(static)
+    likes = (index_keys, fx, lse_i, total, g)
+    # the keys typed as the tiles vary: each tile's cotangent stays this device's share (a
+    # replicated key block's would come back summed by the scorer's transpose, then again)
+    keys = varying_like(index_keys, likes)
+
+    def projected(rows, *c):
+        return varying_like(project(*rows, *c), (rows, likes))
 
     def query_block_body(carry, r0, fresh, rows, tile, lo, hi):
         d_consts, d_keys = carry
-        (qx, wx), pull = jax.vjp(lambda *c: project(*rows, *c), *consts)
+        (qx, wx), pull = jax.vjp(partial(projected, rows), *consts)
         lse_b, tot_b = take(lse_i, r0, fresh.shape[0]), take(total, r0, fresh.shape[0])
         live = (fresh & (tot_b > 0))[..., None]
 
         def key_block_body(j, acc):
             d_qx, d_wx, d_keys = acc
             c0, mass, visible = tile(j)
-            scores, tile_pull = jax.vjp(score, qx, wx, take(index_keys, c0, kb))
+            scores, tile_pull = jax.vjp(score, qx, wx, take(keys, c0, kb))
             q_prob = jnp.exp(jnp.where(visible, scores - lse_b[..., None], -jnp.inf))
             p = mass / jnp.where(tot_b > 0, tot_b, 1.0)[..., None]
             d_scores = jnp.where(visible & live, q_prob - p, 0.0) * coef
@@ -186,13 +199,15 @@ def _streaming_dense_bwd(project, static, res, g):
             )
             return d_qx + dq, d_wx + dw, d_keys
 
-        acc = varying_like((_f32_zeros(qx), _f32_zeros(wx), d_keys), (qx, wx, d_keys, g))
+        acc = (_f32_zeros(qx), _f32_zeros(wx), d_keys)
         d_qx, d_wx, d_keys = jax.lax.fori_loop(lo, hi, key_block_body, acc)
         d_c = pull((d_qx.astype(qx.dtype), d_wx.astype(wx.dtype)))
         return jax.tree.map(jnp.add, d_consts, d_c), d_keys
 
     # float32 accumulators across blocks, cast back to the primal dtypes at the end
-    init = (jax.tree.map(_f32_zeros, consts), _f32_zeros(index_keys))
+    # the weights' cotangents typed as the weights (each block's pull sums over the devices),
+    # the keys' as the tiles vary (this device's blocks' share, summed once at the end)
+    init = (jax.tree.map(_f32_zeros, consts), _f32_zeros(keys))
     d_consts, d_keys = _dense_tiles(static, index_keys, fx, init, query_block_body)
     cast = lambda d, x: d.astype(x.dtype)  # noqa: E731
     grads = (jax.tree.map(cast, d_consts, consts), cast(d_keys, index_keys))

@@ -168,8 +168,13 @@ class ContextParallel(AbstractPlacement):
             layout = _with_empty_slots(rows.layout, padded.end.shape[1])
         params, static = eqx.partition(layer, eqx.is_array)
         sharded, batch = P(dp, axis), P(dp)
+        # heads inside (HeadParallel): one shard_map over both axes, the layer's heads split
+        # by its specs (JAX types a nested shard_map's backward residuals with the enclosing
+        # one's axes too, which it cannot lower)
+        split = getattr(self.inner, "param_specs", None)
+        inner_axes = set() if split is None else {self.inner.axis}
         specs = (
-            each(params, P()),
+            each(params, P()) if split is None else split(layer, mesh),
             sharded,
             (sharded,) * 3,
             None if own is None else EntryLayout(sharded, sharded, sharded),
@@ -199,7 +204,8 @@ class ContextParallel(AbstractPlacement):
             ex = shard.execution
             tiles = shared_tiles(backend_tiles(ex.tiles), n)
             shard = shard.with_execution(dataclasses.replace(ex, tiles=tiles))
-            y, selection, sums, carried = self.inner.run(body, shard, x, rows, carried)
+            run = self.inner.run if split is None else self.inner.run_split
+            y, selection, sums, carried = run(body, shard, x, rows, carried)
             y, selection, per_row = jax.tree.map(joined, (y, selection, carried.per_row))
             # the chunks' batch rows hold the same whole-sequence state: the first chunk's
             whole = jax.tree.map(lambda a: a[::2], carried.whole)
@@ -209,7 +215,8 @@ class ContextParallel(AbstractPlacement):
         # leaves unmapped over the axis (every device holds it all)
         out_specs = (sharded, sharded, P((axis, dp) if dp else axis), Carried(sharded, batch))
         args = (params, x, ints, own, layout, carried)
-        y, selection, sums, carried = run_sharded(local, mesh, specs, out_specs, {axis, dp}, *args)
+        manual = {axis, dp} | inner_axes
+        y, selection, sums, carried = run_sharded(local, mesh, specs, out_specs, manual, *args)
         if pad:
             y, selection, per_row = jax.tree.map(
                 lambda a: place(a, mesh, P())[:, :s], (y, selection, carried.per_row)

@@ -93,15 +93,12 @@ class HeadParallel(AbstractPlacement):
         comes out whole on every device (split over the batch only): the body computes it from
         what the heads share, equal on every device. See ``AbstractPlacement.run``."""
         mesh = mesh_with_axis(self.axis, "Execution.heads", self.mesh)
-        specs, counts = layer.head_specs(self.axis)
-        self.check(mesh, counts)
         axis = self.axis
         dp = batch_axis(mesh, self.data_axis, x.shape[0])
         params, static = eqx.partition(layer, eqx.is_array)
         ints, fns = eqx.partition(rows, eqx.is_array)
         batch = P(dp)
-        param_specs = specs(params)
-        _check_tiles(params, param_specs, mesh.shape[axis])
+        param_specs = self.param_specs(layer, mesh)
         in_specs = (param_specs, batch, each(ints, batch), each(carried, batch))
 
         def local(params, x, ints, carried):
@@ -120,6 +117,34 @@ class HeadParallel(AbstractPlacement):
             local, mesh, in_specs, out_specs, {axis, dp}, *args
         )
         return sum_partials(y, x.dtype), selection, tuple(jnp.sum(a) for a in sums), carried
+
+    def param_specs(self, layer: eqx.Module, mesh: MeshLike):
+        """**Returns:** a ``PartitionSpec`` for each array of ``layer``: its heads split over
+        ``axis`` (``layer.head_specs``), the rest replicated; a ``ValueError`` where the axis'
+        size does not divide the head counts or a split ``Fp8Weight``'s tiles."""
+        specs, counts = layer.head_specs(self.axis)
+        self.check(mesh, counts)
+        param_specs = specs(eqx.partition(layer, eqx.is_array)[0])
+        _check_tiles(eqx.partition(layer, eqx.is_array)[0], param_specs, mesh.shape[self.axis])
+        return param_specs
+
+    def run_split(
+        self,
+        body: Body,
+        layer: eqx.Module,
+        x: Float[Array, "batch seq hidden"],
+        rows: Rows,
+        carried: Carried,
+    ):
+        """``run`` inside a ``shard_map`` already manual over ``axis`` whose ``layer`` holds
+        this device's heads (split by ``param_specs``: ``ContextParallel`` around these heads
+        takes the axis into its own ``shard_map``, one over both axes). The partial outputs
+        and sums are summed over the axis here (``psum``, in float32 as ``sum_partials``)."""
+        axis = self.axis
+        rows = rows._replace(all_heads=partial(_all_heads, axis_name=axis))
+        y, selection, sums, carried = body(layer, x, rows, carried)
+        y = jax.lax.psum(y.astype(jnp.float32), axis).astype(x.dtype)
+        return y, selection, tuple(jax.lax.psum(a, axis) for a in sums), carried
 
 
 def _all_heads(a: Array, axis: int, *, axis_name: str) -> Array:

@@ -12,7 +12,6 @@ error); a batch the data axis does not divide is replicated.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -90,9 +89,9 @@ class ShardedSelection(AbstractSplitSelection):
             )
             return run(part)
 
-        def local(*args):  # this shard's rows, all-gathered
-            gather = partial(jax.lax.all_gather, axis_name=tensor_axis, axis=1, tiled=True)
-            return tuple(gather(out) for out in shard(*args))
+        def local(*args):  # this shard's rows, all-gathered: equal on every device (typed
+            # invariant over the axis, as check_vma wants of what leaves replicated over it)
+            return tuple(_gathered_rows(out, tensor_axis) for out in shard(*args))
 
         def this_device(per_row, *rest):
             # inside a shard_map already manual over the axis (head parallelism), where every
@@ -124,3 +123,11 @@ class ShardedSelection(AbstractSplitSelection):
         # nothing here is differentiated
         axes = {a for a in mesh.axis_names if not is_manual(jax.sharding.get_abstract_mesh(), a)}
         return run_sharded(local, mesh, specs, P(dp, self.tensor_axis, None), axes, *args)
+
+
+def _gathered_rows(x: Array, axis: str) -> Array:
+    """The shards' rows of ``x`` (axis 1) all-gathered over ``axis``; typed invariant over it
+    where ``x`` is typed varying (``check_vma``): equal on every device, so it may leave a
+    placement replicated over the axis."""
+    to = "invarying" if axis in jax.typeof(x).manual_axis_type.varying else "varying"
+    return jax.lax.all_gather(x, axis, axis=1, tiled=True, to=to)
