@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import statistics
 import time
@@ -41,6 +42,9 @@ def config_of(kind: str, quick: bool):
 
 
 def layer_of(kind: str, execution, quick: bool, dtype=jnp.bfloat16):
+    """A released-size layer (``quick``: a tiny one) whose selection is tagged for
+    ``compose_selection_policy`` to save (``save_selection``: a no-op outside a checkpoint)."""
+    execution = dataclasses.replace(execution, save_selection=True)
     cls = ce.V4Attention if kind == "v4" else ce.V32Attention
     return cls(config_of(kind, quick), key=jax.random.key(0), execution=execution, dtype=dtype)
 

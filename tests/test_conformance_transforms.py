@@ -3,8 +3,9 @@ docs/composing.md): one program per member nests them all, on 8 simulated CPU de
 
 The program: a ``jax.shard_map`` over ``data`` with JAX's default ``check_vma`` (the batch
 split, the weights replicated), inside it ``jax.value_and_grad`` of a ``lax.scan`` over two
-stacked layers whose body is a ``jax.checkpoint`` with ``compose_selection_policy`` around a
-``jax.vmap`` of the layer over unbatched sequences, the loss's ``pmean`` over ``data``;
+stacked layers (their selections tagged, ``save_selection``) whose body is a
+``jax.checkpoint`` with ``compose_selection_policy`` around a ``jax.vmap`` of the layer over
+unbatched sequences, the loss's ``pmean`` over ``data``;
 jitted with the inputs donated and traced under ``jax_enable_checks``; it must carry no
 effect. Its loss (the outputs' mean square and the indexer losses) and every gradient must
 equal the reference: the same two layers called one after the other on the whole batch, on
@@ -77,7 +78,8 @@ def layer_of(name, alone=False):
     config, fields, stage = MEMBERS[name]
     if alone and (fields.get("heads") or isinstance(fields.get("selection"), ce.ShardedSelection)):
         fields = {**fields, **ALONE}
-    execution = ce.Execution(indexer_loss=stage, **fields)
+    # the selection tagged for the policy to save (the reference has no checkpoint)
+    execution = ce.Execution(indexer_loss=stage, save_selection=not alone, **fields)
     kind = ce.V32Attention if isinstance(config, ce.V32AttentionConfig) else ce.V4Attention
     return kind(config, key=jax.random.key(0), execution=execution)
 
