@@ -98,7 +98,7 @@ def varying_like(x, *likes):
     leads = [
         (a.shape[0], spec[0])
         for a in leaves
-        if a.ndim and (spec := jax.typeof(a).sharding.spec) and spec[0] is not None
+        if jnp.ndim(a) and (spec := jax.typeof(a).sharding.spec) and spec[0] is not None
     ]
 
     def cast(a):

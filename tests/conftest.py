@@ -74,46 +74,27 @@ ONE_HALF = {
 }
 
 
-# Modules whose parametrised tests `make test` deals between the halves, case by case: of each
-# test function's cases (in collection order) the first runs on 3.11, the second on 3.12, and
-# so on; a test without parameters, or with one case, runs in both. Every case still runs on
-# one JAX, and each module's code on both; the modules whose cases cost most (interpret-mode
-# kernels, simulated devices, many members). A case that needs torch runs on 3.11 (the 3.12
-# half has no torch), outside the count. docs/testing.md, "Cases dealt between the halves".
-SPLIT_CASES = frozenset(
-    {
-        "test_attention_kernel.py",
-        "test_chunking.py",
-        "test_conformance_attention.py",
-        "test_conformance_selection.py",
-        "test_context_parallel.py",
-        "test_decode.py",
-        "test_extend_sharded.py",
-        "test_head_parallel.py",
-        "test_input_validation.py",
-        "test_loss_v32.py",
-        "test_mosaic_attention.py",
-        "test_nan_isolation.py",
-        "test_numerics.py",
-        "test_v41_parallel.py",
-        "test_v4_behaviour.py",
-        "test_v4_parity.py",
-    }
-)
+# Every other module's tests `make test` deals between the halves, one by one in collection
+# order within each module (each case of a parametrised test counts as one): the first on
+# 3.11, the second on 3.12, and so on. Every test runs once, on one JAX; every module runs on
+# both. A test that needs torch runs on 3.11 (the 3.12 half has no torch), outside the count.
+# docs/testing.md, "Tests dealt between the halves".
 HALVES = ("py311", "py312")
 
 
 def _dealt_halves(items) -> dict:
-    """``{nodeid: half}`` for the cases of ``SPLIT_CASES``' parametrised tests."""
-    cases: dict[tuple, list] = {}
+    """``{nodeid: half}`` for the tests of the modules outside ``ONE_HALF``."""
+    dealt, count = {}, {}
     for item in items:
-        if item.path.name in SPLIT_CASES and hasattr(item, "callspec"):
-            cases.setdefault((item.path.name, item.originalname), []).append(item)
-    dealt = {}
-    for group in cases.values():
-        free = [item for item in group if not _needs_torch(item)]
-        if len(free) > 1:
-            dealt.update((item.nodeid, HALVES[i % 2]) for i, item in enumerate(free))
+        module = item.path.name
+        if module in ONE_HALF:
+            continue
+        if _needs_torch(item):
+            dealt[item.nodeid] = HALVES[0]
+            continue
+        i = count.get(module, 0)
+        count[module] = i + 1
+        dealt[item.nodeid] = HALVES[i % 2]
     return dealt
 
 
@@ -167,8 +148,7 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_line(
             f"CSA_EQX_TEST_HALF={half}: deselected here, run in the other half: "
             + ", ".join(elsewhere)
-            + f"; and every other case of the parametrised tests in {len(SPLIT_CASES)} modules"
-            " (SPLIT_CASES)"
+            + "; and every other test of the other modules (the tests dealt between the halves)"
         )
     if config.getoption("torch_free"):
         terminalreporter.write_line(
