@@ -175,7 +175,10 @@ def float32(quick: bool) -> dict:
     difference of the output, the indexer loss and every gradient, relative to the largest
     value, with the leaf that differs most. Beside it the same XLA path run on the host's CPU
     against the chip's: how far two float32 programs that only sum in another order lie apart,
-    the yardstick for the kernels' difference (docs/benchmarks_tpu.md, "Composition")."""
+    the yardstick for the kernels' difference (docs/benchmarks_tpu.md, "Composition"). And
+    every float32 result against the same weights run in float64 on the host's CPU (the XLA
+    path, ``DenseSelection``): how far each float32 program lies from the exact value, at every
+    leaf and at the leaf where the kernels and the XLA path part most."""
     seq = 64 if quick else 3072
     cpu = jax.devices("cpu")[0]
     xla = eqx.tree_at(lambda e: e.indexer_loss, XLA_TPU, "dense")
@@ -184,6 +187,12 @@ def float32(quick: bool) -> dict:
         ("xla", xla, None),
         ("xla_cpu", xla, cpu),
     )
+    exact = ce.Execution(
+        selection=ce.DenseSelection(),
+        attention=ce.XlaAttention(),
+        indexer_loss="dense",
+        indexer_kl=ce.DenseIndexerLoss(),  # the streaming loss's carries are float32
+    )
     out = {"seq": seq}
     with jax.default_matmul_precision("highest"):
         for kind in ("v4", "v32"):
@@ -191,26 +200,56 @@ def float32(quick: bool) -> dict:
             for path, execution, device in paths:
                 with jax.default_device(device) if device else contextlib.nullcontext():
                     layer = layer_of(kind, execution, quick, dtype=jnp.float32)
-                    x = jax.random.normal(jax.random.key(1), (1, seq, layer.config.hidden_size))
-
-                    def loss(m, x):
-                        y, aux = m(x, return_aux=True)
-                        return jnp.mean(y**2) + aux["indexer_loss"], (y, aux["indexer_loss"])
-
-                    step = jax.jit(jax.value_and_grad(loss, has_aux=True))
-                    (_, (y, kl)), grads = jax.device_get(step(layer, x))
-                results[path] = (y, kl, grads)
+                    results[path] = _value_and_grad(layer, seq)
+            # The same weights and input as the float32 runs (drawn in float32: an x64 draw
+            # differs), cast; the library's own float32 casts, as the indexer's scores, stay
+            with jax.default_device(cpu):
+                layer = layer_of(kind, exact, quick, dtype=jnp.float32)
+            with jax.enable_x64(True), jax.default_device(cpu):
+                layer = jax.tree.map(
+                    lambda a: a.astype(jnp.float64) if eqx.is_inexact_array(a) else a, layer
+                )
+                results["float64_cpu"] = _value_and_grad(layer, seq, jnp.float64)
+            pairs = {f"{a}_vs_{b}": (a, b) for a, b in _PAIRS}
             out[kind] = {
-                f"{a}_vs_{b}": _differences(results[a], results[b])
-                for a, b in (("kernels", "xla"), ("xla_cpu", "xla"), ("kernels", "xla_cpu"))
+                name: _differences(results[a], results[b]) for name, (a, b) in pairs.items()
             }
+            leaf = out[kind]["kernels_vs_xla"]["worst_leaf"]
+            for name, (a, b) in pairs.items():
+                out[kind][name]["at_kernels_vs_xla_leaf"] = _differences(
+                    results[a], results[b], leaf
+                )["worst_gradient"]
             print(kind, out[kind], flush=True)
     return out
 
 
-def _differences(got, want) -> dict:
+_PAIRS = (
+    ("kernels", "xla"),
+    ("xla_cpu", "xla"),
+    ("kernels", "xla_cpu"),
+    ("kernels", "float64_cpu"),
+    ("xla", "float64_cpu"),
+    ("xla_cpu", "float64_cpu"),
+)
+
+
+def _value_and_grad(layer, seq: int, dtype=jnp.float32):
+    """Output, indexer loss and the gradients of ``mean(y**2) + indexer loss`` on the host."""
+    shape = (1, seq, layer.config.hidden_size)
+    x = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(dtype)
+
+    def loss(m, x):
+        y, aux = m(x, return_aux=True)
+        return jnp.mean(y**2) + aux["indexer_loss"], (y, aux["indexer_loss"])
+
+    (_, (y, kl)), grads = jax.device_get(jax.jit(jax.value_and_grad(loss, has_aux=True))(layer, x))
+    return y, kl, grads
+
+
+def _differences(got, want, leaf: str | None = None) -> dict:
     """Largest differences of output, indexer loss and gradients, relative to ``want``'s
-    largest value, and the name of the gradient leaf that differs most."""
+    largest value, and the name of the gradient leaf that differs most (``leaf``: the
+    gradients of that leaf alone)."""
 
     def rel(a, b):
         return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
@@ -220,6 +259,7 @@ def _differences(got, want) -> dict:
     grads = [
         (rel(a, b), jax.tree_util.keystr(path))
         for a, (path, b) in zip(jax.tree.leaves(g0), named, strict=True)
+        if leaf in (None, jax.tree_util.keystr(path))
     ]
     worst, leaf = max(grads)
     return dict(
