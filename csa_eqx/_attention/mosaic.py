@@ -2,7 +2,8 @@
 kernels, forward and backward (docs/kernels.md, "The Mosaic attention kernel (TPU)"): the
 strategy and the ``custom_vjp`` over its kernels. A call is planned in ``mosaic_plan.py`` (the
 block sizes, the read sets, the non-finite masks, what lives in VMEM), laid out as
-``mosaic_layout.py`` says and run by ``mosaic_forward.py`` and ``mosaic_backward.py``.
+``mosaic_layout.py`` says and run by ``mosaic_forward.py`` and ``mosaic_backward.py`` (each
+kind of read set read as ``mosaic_reads.py`` says).
 
 The ``custom_vjp`` takes the natural arrays (queries, tables, sinks); the forward kernel is told
 which queries live (the metadata's row 3) and writes NaN for the others; the non-finite
@@ -31,11 +32,7 @@ from .base import AbstractAttentionKernel, require_exact_softmax, require_keys
 from .mosaic_backward import backward
 from .mosaic_forward import forward
 from .mosaic_layout import (
-    BandRead,
     Config,
-    DenseRead,
-    RowsRead,
-    TilesRead,
     narrow_rows,
     pack_rows,
     query_rows,
@@ -47,6 +44,7 @@ from .mosaic_layout import (
     unrow_scalars,
 )
 from .mosaic_plan import Ints, Static, auto_query_block, check_vmem, value_width
+from .mosaic_reads import BandRead, DenseRead, RowsRead, TilesRead
 from .reads import Reads
 
 __all__ = ["MosaicAttention"]

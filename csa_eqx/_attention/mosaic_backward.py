@@ -23,7 +23,8 @@ from jaxtyping import Array
 
 from .._mosaic import LANES, dot, dot_nt, precision
 from . import mosaic_steps as steps
-from .mosaic_layout import BandRead, Config, DenseRead, RowsRead, Table, TilesRead
+from .mosaic_layout import Config
+from .mosaic_reads import BandRead, ReadRefs, RowsRead, Table
 
 __all__ = ["backward"]
 
@@ -93,16 +94,16 @@ def _backward_kernel(config: Config, interpret: bool, ntiles_ref, q_ref, do_ref,
     gathered, in_vmem = config.grad_tables(), config.vmem_grad_tables()
     grad_out = dict(zip(gathered, grads_out, strict=True))
     band_out = dict(zip(config.slab_bands(), slabs_out, strict=True))
+    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    step = steps.Step(config, interpret, b, i, ntiles_ref, qmeta_ref)
     if config.narrow:
         stage_ref, q_rows, do_rows = scratch.narrow
-        steps.narrow_in(config, q_ref, stage_ref, q_rows, values=False)
-        steps.narrow_in(config, do_ref, stage_ref, do_rows, values=True)
+        step.narrow_in(q_ref, stage_ref, q_rows, values=False)
+        step.narrow_in(do_ref, stage_ref, do_rows, values=True)
         q_ref, do_ref = q_rows, do_rows
     grad_acc = dict(zip(in_vmem, scratch.grads, strict=True))
     in_hbm = {t: grad_out[t] for t in gathered if t not in grad_acc}
-    reads = steps.read_refs(config, ints, tables, scratch.reads, scratch.sems, in_hbm)
-    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    step = steps.Step(config, interpret, b, i, ntiles_ref, qmeta_ref)
+    reads = ReadRefs.of(config, ints, tables, scratch.reads, scratch.sems, in_hbm)
 
     @pl.when((i == 0) & (j == 0))
     def _():
@@ -110,15 +111,16 @@ def _backward_kernel(config: Config, interpret: bool, ntiles_ref, q_ref, do_ref,
             acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
     scratch.dq[...] = jnp.zeros(scratch.dq.shape, jnp.float32)
-    scratch.lse[...] = steps.column(lse_ref, config.rows)
-    scratch.coeff[...] = steps.column(coeff_ref, config.rows)
+    scratch.lse[...] = step.column(lse_ref)
+    scratch.coeff[...] = step.column(coeff_ref)
     ctx = _Cotangents(q_ref, do_ref, scratch.lse, scratch.coeff, scratch.dq)
-    steps.start(step, reads)
+    for s in reads:
+        s.read.start(step, s)
     for s in reads:
         if isinstance(s.read, RowsRead):
-            steps.rows_pipeline(step, s, _rows_grads(step, ctx, s, grad_acc[s.read.table]))
-        elif isinstance(s.read, TilesRead | DenseRead):
-            steps.tiles_pipeline(step, s, _tiles_grads(step, ctx, s, grad_acc.get(s.read.table)))
+            s.read.pipeline(step, s, _rows_grads(step, ctx, s, grad_acc[s.read.table]))
+        elif not isinstance(s.read, BandRead):  # tiles, dense
+            s.read.pipeline(step, s, _tiles_grads(step, ctx, s, grad_acc.get(s.read.table)))
 
     for k, s in enumerate(reads):
         if isinstance(s.read, BandRead):
@@ -135,7 +137,7 @@ def _backward_kernel(config: Config, interpret: bool, ntiles_ref, q_ref, do_ref,
             _band_grads(step, ctx, s, into, at)
 
     if config.narrow:
-        steps.narrow_out(config, scratch.dq, dq_out, values=False)
+        step.narrow_out(scratch.dq, dq_out, values=False)
     else:
         dq_out[...] = scratch.dq[...].astype(dq_out.dtype)
 
@@ -152,14 +154,14 @@ def _backward_kernel(config: Config, interpret: bool, ntiles_ref, q_ref, do_ref,
 
 
 def _rows_grads(step: steps.Step, ctx: _Cotangents, s, acc):
-    """``steps.rows_pipeline``'s ``consume`` of a rows set: the backward of a query's chunk, its
+    """``RowsRead.pipeline``'s ``consume`` of a rows set: the backward of a query's chunk, its
     rows' gradients added row by row into the VMEM table ``acc`` (a ``-1`` read adds to the
     spare row past the table's end)."""
     config, hb, spare = step.config, step.config.head_block, s.table.rows
     gg = config.grad_words(s.table)
 
     def consume(qq, cc, words, mask):
-        keys, values = steps.keys_values(words, 0, config.chunk, s.table, config)
+        keys, values = s.keys_values(words, 0, config.chunk, config)
         rows = pl.ds(pl.multiple_of(qq * hb, hb), hb)
         blocks = _grads(ctx, config, rows, keys, values, mask, s.table)
         contributions = s.bufs["contributions"]
@@ -178,15 +180,15 @@ def _rows_grads(step: steps.Step, ctx: _Cotangents, s, acc):
 
 
 def _tiles_grads(step: steps.Step, ctx: _Cotangents, s, acc):
-    """``steps.tiles_pipeline``'s ``consume`` of a tiles / dense set: the backward of a tile, its
+    """``TilesRead.pipeline``'s ``consume`` of a tiles / dense set: the backward of a tile, its
     rows' gradients added into the VMEM table ``acc`` or into the tile's rows fetched from the
     HBM table."""
     config = step.config
     gg = config.grad_words(s.table)
 
     def consume(t, words, offset, into):
-        keys, values = steps.keys_values(words, offset, config.tile, s.table, config)
-        w = steps.tile_weights(step, s, t)
+        keys, values = s.keys_values(words, offset, config.tile, config)
+        w = s.read.weights(step, s, t)
         blocks = _grads(ctx, config, pl.ds(0, config.rows), keys, values, w, s.table)
         if into is None:  # the VMEM table's rows of tile t
             into, at = acc, pl.multiple_of(t * config.tile * gg, 8)
@@ -202,8 +204,8 @@ def _band_grads(step: steps.Step, ctx: _Cotangents, s, into, at) -> None:
     ``at``."""
     config = step.config
     slab, gg = config.slab(s.read), config.grad_words(s.table)
-    keys, values = steps.keys_values(steps.band_words(s), 0, slab, s.table, config)
-    w = steps.per_row(steps.band_weights(step, s), config)
+    keys, values = s.keys_values(s.read.words(s), 0, slab, config)
+    w = s.read.weights(step, s)
     blocks = _grads(ctx, config, pl.ds(0, config.rows), keys, values, w, s.table)
     _put(into, at, slab, gg, blocks, add=True)
 
@@ -235,7 +237,7 @@ def backward(
     args = (ntiles, q, do, lse, coeff, qmeta, tuple(ints), tuple(tables))
     spans = {t: (c.tables[t].rows + 1) * c.grad_words(c.tables[t]) for t in gathered}
     in_hbm = [t for t in gathered if t not in in_vmem]
-    # the HBM gradient tables are added to in place, tile by tile: they steps.start as zeros
+    # the HBM gradient tables are added to in place, tile by tile: they start as zeros
     zeros = tuple(jnp.zeros((c.batch, spans[t], LANES), jnp.float32) for t in in_hbm)
     first = len(jax.tree.leaves(args))  # the zeros' flat index (the scalar prefetch counted)
     aliases = {first + k: 1 + gathered.index(t) for k, t in enumerate(in_hbm)}

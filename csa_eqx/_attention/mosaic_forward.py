@@ -19,7 +19,8 @@ from jaxtyping import Array, Int
 from .._mosaic import LANES, dot, dot_nt, precision
 from . import mosaic_steps as steps
 from .base import fold_sink
-from .mosaic_layout import BandRead, Config, DenseRead, RowsRead, TilesRead
+from .mosaic_layout import Config
+from .mosaic_reads import BandRead, ReadRefs, RowsRead
 
 __all__ = ["forward"]
 
@@ -39,65 +40,60 @@ class _Scratch(NamedTuple):
     sems: tuple
 
 
-def _update(state, rows, s, w, values, prec):
-    """One online-softmax step of state rows ``rows`` over logits ``s`` weighted by ``w``
-    (``0``: not read; a count repeats the logit)."""
-    m_ref, l_ref, acc_ref = state
-    m_prev = m_ref[rows, :]
-    s = jnp.where(w > 0, s, -jnp.inf)
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp(m_prev - shift)
-    p = jnp.where(w > 0, w * jnp.exp(s - shift[:, 0:1]), 0.0)
-    l_ref[rows, :] = alpha * l_ref[rows, :] + jnp.sum(p, axis=1, keepdims=True)
-    pv = dot(p.astype(values.dtype), values, prec)
-    acc_ref[rows, :] = acc_ref[rows, :] * alpha[:, 0:1] + pv
-    m_ref[rows, :] = m_new
-
-
 def _forward_kernel(config: Config, interpret: bool, ntiles_ref, q_ref, sink_ref, qmeta_ref,
                     ints, tables, out_ref, lse_ref, scratch: _Scratch):  # fmt: skip
+    step = steps.Step(config, interpret, pl.program_id(0), pl.program_id(1), ntiles_ref, qmeta_ref)
     if config.narrow:
         stage_ref, rows_ref = scratch.narrow
-        steps.narrow_in(config, q_ref, stage_ref, rows_ref, values=False)
+        step.narrow_in(q_ref, stage_ref, rows_ref, values=False)
         q_ref = rows_ref
-    reads = steps.read_refs(config, ints, tables, scratch.reads, scratch.sems)
-    step = steps.Step(config, interpret, pl.program_id(0), pl.program_id(1), ntiles_ref, qmeta_ref)
+    reads = ReadRefs.of(config, ints, tables, scratch.reads, scratch.sems)
     prec, scale, hb = precision(config.dtype), config.scale, config.head_block
-    m_ref, l_ref, acc_ref = state = (scratch.m, scratch.l, scratch.acc)
+    m_ref, l_ref, acc_ref = scratch.m, scratch.l, scratch.acc
     everything = pl.ds(0, config.rows)
+
+    def update(rows, logits, w, values):
+        """One online-softmax step of state rows ``rows`` over ``logits`` weighted by ``w``
+        (``0``: not read; a count repeats the logit)."""
+        m_prev = m_ref[rows, :]
+        s = jnp.where(w > 0, logits, -jnp.inf)
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp(m_prev - shift)
+        p = jnp.where(w > 0, w * jnp.exp(s - shift[:, 0:1]), 0.0)
+        l_ref[rows, :] = alpha * l_ref[rows, :] + jnp.sum(p, axis=1, keepdims=True)
+        pv = dot(p.astype(values.dtype), values, prec)
+        acc_ref[rows, :] = acc_ref[rows, :] * alpha[:, 0:1] + pv
+        m_ref[rows, :] = m_new
 
     m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-    steps.start(step, reads)
     for s in reads:
-        if isinstance(s.read, RowsRead):
+        s.read.start(step, s)
+    for s in reads:
+        if isinstance(s.read, RowsRead):  # a query's heads against a chunk of its rows
 
             def consume(qq, cc, words, mask, s=s):
-                keys, values = steps.keys_values(words, 0, config.chunk, s.table, config)
+                keys, values = s.keys_values(words, 0, config.chunk, config)
                 rows = pl.ds(pl.multiple_of(qq * hb, hb), hb)
-                logits = dot_nt(q_ref[rows, :], keys, prec) * scale
-                _update(state, rows, logits, mask, values, prec)
+                update(rows, dot_nt(q_ref[rows, :], keys, prec) * scale, mask, values)
 
-            steps.rows_pipeline(step, s, consume)
-        elif isinstance(s.read, TilesRead | DenseRead):
+            s.read.pipeline(step, s, consume)
+        elif not isinstance(s.read, BandRead):  # tiles, dense: every row against a tile
 
             def consume(t, words, offset, _, s=s):
-                keys, values = steps.keys_values(words, offset, config.tile, s.table, config)
+                keys, values = s.keys_values(words, offset, config.tile, config)
                 logits = dot_nt(q_ref[...], keys, prec) * scale
-                _update(state, everything, logits, steps.tile_weights(step, s, t), values, prec)
+                update(everything, logits, s.read.weights(step, s, t), values)
 
-            steps.tiles_pipeline(step, s, consume)
+            s.read.pipeline(step, s, consume)
 
     for s in reads:  # the bands last: their slabs' DMAs overlap the other sets' work
         if isinstance(s.read, BandRead):
-            keys, values = steps.keys_values(
-                steps.band_words(s), 0, config.slab(s.read), s.table, config
-            )
-            w = steps.per_row(steps.band_weights(step, s), config)
-            logits = dot_nt(q_ref[...], keys, prec) * scale
-            _update(state, everything, logits, w, values, prec)
+            keys, values = s.keys_values(s.read.words(s), 0, config.slab(s.read), config)
+            w = s.read.weights(step, s)
+            update(everything, dot_nt(q_ref[...], keys, prec) * scale, w, values)
 
     m, l_sum, acc = m_ref[...], l_ref[...], acc_ref[...]
     if config.has_sinks:
@@ -106,14 +102,14 @@ def _forward_kernel(config: Config, interpret: bool, ntiles_ref, q_ref, sink_ref
     else:
         shift = jnp.where(m == -jnp.inf, 0.0, m)
     norm = jnp.where(l_sum > 0, l_sum, 1.0)
-    live = steps.per_row(step.meta(3), config) > 0  # [R, 1]: else poisoned, NaN
+    live = step.per_row(step.meta(3)) > 0  # [R, 1]: else poisoned, NaN
     out = jnp.where(live, acc / norm[:, 0:1], jnp.nan)
     if config.narrow:
         acc_ref[...] = out
-        steps.narrow_out(config, acc_ref, out_ref, values=True)
+        step.narrow_out(acc_ref, out_ref, values=True)
     else:
         out_ref[...] = out.astype(out_ref.dtype)
-    steps.put_scalars(lse_ref, shift + jnp.log(l_sum))
+    step.put_scalars(lse_ref, shift + jnp.log(l_sum))
 
 
 def forward(

@@ -1,8 +1,8 @@
 """The records and array layouts of ``MosaicAttention``'s kernels (``mosaic_forward.py``,
-``mosaic_backward.py``; docs/kernels.md, "The Mosaic attention kernel (TPU)"): each key / value
-``Table``, each read set as a record of its kind (``RowsRead``, ``TilesRead``, ``DenseRead``,
-``BandRead``: the kernels dispatch on the type), a call's static ``Config``, and the plain XLA
-layouts the kernels read and write.
+``mosaic_backward.py``; docs/kernels.md, "The Mosaic attention kernel (TPU)"): a call's static
+``Config`` (its ``Table`` and read set records, ``RowsRead``, ``TilesRead``, ``DenseRead``,
+``BandRead``, are ``mosaic_reads``', re-exported here), and the plain XLA layouts the kernels
+read and write.
 
 **Rows as granules.** A TPU DMA moves whole 512-byte granules (one row of 128 32-bit lanes), and
 Mosaic slices a 128-lane array at any row but a wider one only at whole (8, 128) tiles. Every
@@ -21,7 +21,6 @@ Per-row scalars (``lse``, the backward's coefficient) travel as ``[ceil(R / 128)
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -30,6 +29,7 @@ from jaxtyping import Array, Float, Int
 
 from .._mosaic import LANES, round_up
 from .._ops import pad_axis
+from .mosaic_reads import BandRead, DenseRead, Read, RowsRead, Table, TilesRead
 from .reads import DenseKeys
 
 __all__ = [
@@ -58,81 +58,6 @@ __all__ = [
 
 QUERY_PAD = -(2**31)  # the segment of padded query rows: no key row holds it
 KEY_PAD = -(2**31) + 1  # the segment of padded band rows: no query holds it
-
-
-class Table(NamedTuple):
-    """A key / value table as the kernels read it (see the module docstring).
-
-    **Arguments:** its ``rows``; ``key_words`` and ``value_words`` per row (``value_words = 0``:
-    the values are the keys' first value features); ``packed`` (two bfloat16 features per
-    32-bit word, else one float32); ``resident`` (one VMEM block per batch row, else HBM; never
-    a band's); ``hbm_grads`` (the backward adds its gradients tile by tile into HBM, a band's
-    into one slab per query block, overlap-added by the caller; else into a VMEM table).
-    """
-
-    rows: int
-    key_words: int
-    value_words: int
-    packed: bool
-    resident: bool
-    hbm_grads: bool = False
-
-    @property
-    def words(self) -> int:
-        """Word-rows per table row."""
-        return self.key_words + self.value_words
-
-
-# One record per kind of read set (frozen dataclasses: two kinds with equal fields differ, so a
-# Config is a sound cache key).
-
-
-@dataclasses.dataclass(frozen=True)
-class RowsRead:
-    """Gathered rows, each query's by row DMAs (or vector copies from a resident table) in
-    chunks of ``Config.chunk``: its ``table`` (index into ``Config.tables``) and ``width``
-    (index columns per query, a multiple of the chunk). Its int arrays: the indices in SMEM,
-    and again in VMEM a chunk a row (the chunks' masks)."""
-
-    table: int
-    width: int
-
-
-@dataclasses.dataclass(frozen=True)
-class TilesRead:
-    """Gathered rows as a masked pass over the table's tiles, each row weighted per query by how
-    often the query picked it: ``table``, ``width`` (index columns per query), ``slot`` (its row
-    of the tile counts) and ``visible`` (each pick read only where the query sees its entry, by
-    ``DenseRead``'s rule: its second int array the entries' end and segment per tile)."""
-
-    table: int
-    width: int
-    slot: int
-    visible: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class DenseRead:
-    """Dense entries (``DenseKeys``), tile by tile up to the block's last visible one, masked by
-    the visibility rule: ``table`` and ``slot`` (its row of the tile counts). Its int array:
-    the entries' end and segment per tile."""
-
-    table: int
-    slot: int
-
-
-@dataclasses.dataclass(frozen=True)
-class BandRead:
-    """A band (``BandRows``): one slab of ``front + Qb`` token rows per query block, masked to
-    each query's ``window`` and segment; ``table`` and ``front`` (slab rows before the block's
-    own, a multiple of the query block). Its int array: the slab rows' segments."""
-
-    table: int
-    window: int
-    front: int
-
-
-Read = RowsRead | TilesRead | DenseRead | BandRead
 
 
 class Config(NamedTuple):

@@ -6,7 +6,7 @@
   are read, as ``gather`` says or as a cost model measured on a TPU v5e chooses:
   ``gather_seconds``);
 - one builder per kind of read set (``_Builder``): each distinct key / value table, each read
-  set's record (``mosaic_layout``'s ``RowsRead``, ``TilesRead``, ``DenseRead``, ``BandRead``)
+  set's record (``mosaic_reads``' ``RowsRead``, ``TilesRead``, ``DenseRead``, ``BandRead``)
   and int arrays, the per-query metadata;
 - the non-finite masks (``picks_poison``, ``_band_poison``): which queries a non-finite row
   poisons (and a non-finite query), by the reference's rule (``XlaAttention``), formed only
@@ -32,17 +32,13 @@ from .._ops import pad_axis, varying_like
 from .mosaic_layout import (
     KEY_PAD,
     QUERY_PAD,
-    BandRead,
     Config,
-    DenseRead,
-    RowsRead,
-    Table,
-    TilesRead,
     entry_meta,
     query_columns,
     query_meta,
     tiles_ints,
 )
+from .mosaic_reads import BandRead, DenseRead, RowsRead, Table, TilesRead
 from .mosaic_steps import read_scratch, vmem
 from .reads import BandRows, DenseKeys, GatheredRows, Reads, gather_keys, nonfinite_rows, zero_rows
 

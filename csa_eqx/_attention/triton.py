@@ -424,16 +424,7 @@ def _backward(config: _Config, q, sink, floats, ints, out, lse, g_out, g_lse):
     delta = jnp.sum(g_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     qp, padded, dk, dv = _padded(config, q, floats)
     g_out = pad_axis(g_out, 3, dv)
-    # zero tables for the atomic adds: rows a lane without a read adds to lie past the end
-    tables = []
-    for src, (keys, values) in zip(config.sources, padded, strict=True):
-        extra = 0  # a gathered set's lanes that read nothing add past its end; a band's start early
-        if isinstance(src, _Gathered | _Band):
-            extra = src.tile if isinstance(src, _Gathered) else _span(src.window) - 1
-        front = extra if isinstance(src, _Band) else 0
-        rows = keys.shape[1] + extra
-        shapes = [(b, rows, dk)] + ([(b, rows, dv)] if values is not None else [])
-        tables.append((front, [jnp.zeros(shape, jnp.float32) for shape in shapes]))
+    tables = _zero_tables(config, padded, b, dk, dv)
     flat_tables = [jnp.zeros((h,), jnp.float32)] + [t for _, group in tables for t in group]
     inputs = [qp, sink, *_flat_inputs(padded, ints), lse, delta, g_out, g_lse, *flat_tables]
     n_in = len(inputs)
@@ -502,6 +493,30 @@ def _backward(config: _Config, q, sink, floats, ints, out, lse, g_out, g_lse):
         lambda _: kernel, tuple(out_shape), grid, "sparse_attention_bwd", *inputs,
         interpret=config.interpret, aliases=aliases,
     )  # fmt: skip
+    d_floats = _table_grads(config, tables, floats, flat)
+    return dq[..., : config.dk].astype(q.dtype), dsink, d_floats
+
+
+def _zero_tables(config: _Config, padded, b: int, dk: int, dv: int) -> list:
+    """Per read set, ``(front, [keys' (, values')] zero float32 gradient tables)`` for the
+    backward's atomic adds: rows a lane without a read adds to lie past the end (a gathered
+    set's, a tile past it) or, a band's, before its first row (``front`` of them)."""
+    tables = []
+    for src, (keys, values) in zip(config.sources, padded, strict=True):
+        extra = 0  # a gathered set's lanes that read nothing add past its end; a band's start early
+        if isinstance(src, _Gathered | _Band):
+            extra = src.tile if isinstance(src, _Gathered) else _span(src.window) - 1
+        front = extra if isinstance(src, _Band) else 0
+        rows = keys.shape[1] + extra
+        shapes = [(b, rows, dk)] + ([(b, rows, dv)] if values is not None else [])
+        tables.append((front, [jnp.zeros(shape, jnp.float32) for shape in shapes]))
+    return tables
+
+
+def _table_grads(config: _Config, tables, floats, flat: list) -> tuple:
+    """Each read set's ``(d_keys, d_values | None)`` from the kernel's gradient tables
+    (``flat``, in ``_zero_tables``' order): their rows' and features' padding cut, in the
+    inputs' dtypes."""
     d_floats = []
     for (front, _), (k_in, v_in) in zip(tables, floats, strict=True):
         n = k_in.shape[1]
@@ -510,8 +525,7 @@ def _backward(config: _Config, q, sink, floats, ints, out, lse, g_out, g_lse):
         if v_in is not None:
             d_values = flat.pop(0)[:, front : front + n, : config.dv].astype(v_in.dtype)
         d_floats.append((d_keys, d_values))
-    dq = dq[..., : config.dk].astype(q.dtype)
-    return dq, dsink, tuple(d_floats)
+    return tuple(d_floats)
 
 
 def _add_rows(ref, bi, rows, parts, values):

@@ -59,24 +59,14 @@ def kernel_row_chunks(
 
     **Returns:** int32 ``[B, S, k]``, ``-1`` = none.
     """
-    if not isinstance(problem.visibility, Visibility):
-        raise TypeError(
-            f"{name} scores a plain Visibility; a V4.1 consumer's "
-            f"{type(problem.visibility).__name__} needs GatheredSelection (AutoSelection "
-            "chooses it)"
-        )
-    if k <= 0:
-        raise ValueError(f"k must be positive (got {k})")
+    _check(problem, k, name)
     project, rows, keys = problem.project, problem.rows, problem.keys
     visibility = problem.visibility
     b, s, h, d = jax.eval_shape(project, *rows)[0].shape
     if s == 0 or keys.shape[1] == 0:
         return jnp.full((b, s, k), -1, jnp.int32)
     chunk = query_chunk or max(problem.tiles.elements // (b * (h * d + per_row)), block)
-    chunk = min(-(-chunk // block) * block, s)  # whole blocks, or the sequence
-    calls = -(-s // chunk)  # balanced: the fewest calls, each as short as whole blocks allow
-    per_call = -(-s // calls)
-    chunk = min(-(-per_call // block) * block, s)
+    chunk = _balanced(chunk, s, block)
     # Integer output: nothing here is differentiated (closed-over parameters included).
     project, consts = converted_for_blocks(project, rows, chunk)
     rows, consts, keys = jax.lax.stop_gradient((rows, consts, keys))
@@ -106,3 +96,24 @@ def kernel_row_chunks(
 
     out = varying_like(jnp.full((b, s, k), -1, jnp.int32), rows, keys, consts)
     return jax.lax.fori_loop(0, n, call, out)
+
+
+def _check(problem: SelectionProblem, k: int, name: str) -> None:
+    """Refuse a ``CandidateVisibility`` (``TypeError`` naming the strategy) and ``k <= 0``."""
+    if not isinstance(problem.visibility, Visibility):
+        raise TypeError(
+            f"{name} scores a plain Visibility; a V4.1 consumer's "
+            f"{type(problem.visibility).__name__} needs GatheredSelection (AutoSelection "
+            "chooses it)"
+        )
+    if k <= 0:
+        raise ValueError(f"k must be positive (got {k})")
+
+
+def _balanced(chunk: int, s: int, block: int) -> int:
+    """The rows per call for at most ``chunk`` of ``s`` rows: as few calls as that allows, each
+    as short as whole ``block``s allow (or the sequence)."""
+    chunk = min(-(-chunk // block) * block, s)  # whole blocks, or the sequence
+    calls = -(-s // chunk)  # balanced: the fewest calls, each as short as whole blocks allow
+    per_call = -(-s // calls)
+    return min(-(-per_call // block) * block, s)

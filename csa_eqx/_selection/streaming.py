@@ -103,13 +103,8 @@ def stream_topk(
     or with ``blocks = (Nb, bc)`` ``(selection, candidate blocks)`` from the same row buffers
     (``block_top`` on each, merged like the entries: V4.1's candidate source,
     ``csa_eqx._selection.candidate_source``)."""
-    project, rows, keys, visibility = (
-        problem.project,
-        problem.rows,
-        problem.keys,
-        problem.visibility,
-    )
-    sizes, topk = problem.tiles, problem.tiles.topk()
+    project, rows, keys = problem.project, problem.rows, problem.keys
+    visibility, sizes, topk = problem.visibility, problem.tiles, problem.tiles.topk()
     if k <= 0:
         raise ValueError(f"k must be positive (got {k})")
     b, s, h, _ = jax.eval_shape(project, *rows)[0].shape
@@ -137,23 +132,8 @@ def stream_topk(
         newest = None if blocks is None else _newest(seen, (lo[i], hi[i]), kb)
 
         def group_top(g):
-            """Score the needed key tiles of group ``g`` into one row buffer, then its top-k
-            (and its best blocks)."""
-            first = g * tiles_per_group
-
-            def tile(j, buffer):
-                scores = problem.scores(qx, wx, take(keys, j * kb, kb))
-                return jax.lax.dynamic_update_slice_in_dim(buffer, scores, (j - first) * kb, 2)
-
-            tiles = (jnp.maximum(lo[i], first), jnp.minimum(hi[i], first + tiles_per_group))
-            buffer = varying_like(jnp.zeros((b, qb, group), jnp.float32), (qx, keys))
-            buffer = jax.lax.fori_loop(*tiles, tile, buffer)
-            c0 = first * kb
-            visible = seen.tile(c0, group)
-            tops = (_top_of(buffer, visible, c0, k, topk),)
-            if blocks is None:
-                return tops
-            return (*tops, block_top(buffer, visible, newest, c0, *blocks, **topk))
+            block = (qx, wx), seen, newest
+            return _group_top(problem, block, keys, (lo, hi, i), g, (k, kb, group), blocks)
 
         def merge(g, running):
             new = group_top(g)
@@ -174,3 +154,28 @@ def stream_topk(
 
     outs = tuple(varying_like(jnp.full((b, s, w), -1, jnp.int32), rows, keys) for w in widths)
     return jax.lax.fori_loop(0, q_starts.shape[0], query_block_body, outs)
+
+
+def _group_top(problem: SelectionProblem, block, keys, ranges, g, sizes, blocks):
+    """Score the needed key tiles of group ``g`` for one query block into one row buffer ``[B,
+    Qb, group]``, then its top-k (and with ``blocks`` its best blocks): ``block = ((qx, wx),
+    seen, newest)`` (its projected queries, its visibility, each query's newest visible slot),
+    ``ranges = (lo, hi, i)`` (its key tiles ``lo[i] .. hi[i]``), ``sizes = (k, kb, group)``."""
+    ((qx, wx), seen, newest), (lo, hi, i), (k, kb, group) = block, ranges, sizes
+    b, qb = qx.shape[:2]
+    topk = problem.tiles.topk()
+    first = g * (group // kb)
+
+    def tile(j, buffer):
+        scores = problem.scores(qx, wx, take(keys, j * kb, kb))
+        return jax.lax.dynamic_update_slice_in_dim(buffer, scores, (j - first) * kb, 2)
+
+    tiles = (jnp.maximum(lo[i], first), jnp.minimum(hi[i], first + group // kb))
+    buffer = varying_like(jnp.zeros((b, qb, group), jnp.float32), (qx, keys))
+    buffer = jax.lax.fori_loop(*tiles, tile, buffer)
+    c0 = first * kb
+    visible = seen.tile(c0, group)
+    tops = (_top_of(buffer, visible, c0, k, topk),)
+    if blocks is None:
+        return tops
+    return (*tops, block_top(buffer, visible, newest, c0, *blocks, **topk))
