@@ -125,8 +125,8 @@ MUTATIONS = [
     Mutation(
         "visible_tiles_unmasked",
         "Mosaic attention: a DenseKeys' picks read as tiles without the visibility mask",
-        "csa_eqx/_attention/mosaic_steps.py",
-        "    if s.read.visible:\n        counts = counts * _tile_visibility(step, s, t)\n",
+        "csa_eqx/_attention/mosaic_reads.py",
+        "        if self.visible:\n            counts = counts * step.visible(s.ints[-1].at[t])\n",
         "",
         ("tests/test_conformance_attention.py::test_outputs_and_lse",),
     ),
@@ -562,7 +562,7 @@ MUTATIONS = [
     Mutation(
         "rows_mask_ignored",
         "Mosaic attention, rows: a chunk's -1 indices read (row 0) instead of masked",
-        "csa_eqx/_attention/mosaic_steps.py",
+        "csa_eqx/_attention/mosaic_reads.py",
         "mask = jnp.where(chunks[pl.ds(n, 1), :] >= 0, 1.0, 0.0)",
         "mask = jnp.where(chunks[pl.ds(n, 1), :] >= -1, 1.0, 0.0)",
         # (its numpy-checked band+picks/rows case went into the sweep, issue 57)
@@ -657,7 +657,7 @@ MUTATIONS += [
         "packed_feature_block_offset",
         "Mosaic attention, bf16: feature block f of a packed row read from word-row f, not "
         "f // 2 (keys and values wider than 128)",
-        "csa_eqx/_attention/mosaic_steps.py",
+        "csa_eqx/_attention/mosaic_reads.py",
         "start = offset + first + (f // 2 if table.packed else f)",
         "start = offset + first + f",
         (f"{_SWEEP}[band+picks/bf16-wide-own-values/rows]",),
