@@ -22,7 +22,7 @@ import numpy as np
 
 import csa_eqx as ce
 from csa_eqx import presets
-from csa_eqx._layers.cache import cache_bytes
+from csa_eqx._decode.cache import cache_bytes
 
 from . import harness
 

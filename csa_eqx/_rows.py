@@ -8,7 +8,7 @@ gathering per-head arrays over the heads' axis. The layer never asks which place
 
 ``Rows`` is also the forward's *source of the keys seen so far*: a layer writes its pipeline
 once against ``positions`` / ``segment`` / ``query_index`` and four reads, and ``extend`` runs
-the same pipeline over ``csa_eqx._layers.decode.ChunkSource`` (the cache and the chunk):
+the same pipeline over ``csa_eqx._decode.chunks.ChunkSource`` (the cache and the chunk):
 
 * ``window_reads(window, kv, width)``: the sliding window's ``Reads`` over the token keys;
 * ``entries(name, compressor, x, dtype, finish)``: the compressed entries of every slot and

@@ -358,7 +358,7 @@ def test_bf16_layer_with_float32_input_warns_once(monkeypatch):
     and DeepSeek's numerics (which round the input themselves) warn nothing. Traced only."""
     import warnings
 
-    from csa_eqx._layers import checks
+    from csa_eqx import _checks as checks
 
     monkeypatch.setattr(checks, "_WARNED_DTYPES", set())
     config = tiny_v4("sliding", head_dim=72, index_head_dim=32)  # sizes DeepSeek numerics take

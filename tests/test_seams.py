@@ -1,5 +1,5 @@
 """The execution seams hold (issue: architecture steps 2 and 4): every execution-path choice
-lives in a family's chooser (its ``auto.py``) or ``Execution`` (``_layers/execution.py``), every
+lives in a family's chooser (its ``auto.py``) or ``Execution`` (``_execution.py``), every
 backend question in ``_backend.py``. Read from the source with ``ast``: no module elsewhere asks
 for the backend, and none tests a value against a strategy class."""
 
@@ -12,7 +12,7 @@ import equinox as eqx
 import csa_eqx
 
 PACKAGE_ROOT = Path(csa_eqx.__file__).resolve().parent
-CHOOSERS = {"auto.py", "execution.py", "_backend.py"}
+CHOOSERS = {"auto.py", "_execution.py", "_backend.py"}
 BACKEND = "_backend.py"  # the one module that asks jax.default_backend()
 
 

@@ -1,7 +1,5 @@
 """V4 layer behaviour: packing, NaN safety, gradients, jit vs eager, input errors."""
 
-import inspect
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -10,6 +8,7 @@ import pytest
 from jax.test_util import check_grads
 
 import csa_eqx as ce
+from csa_eqx.hf._flags import OPTIONS
 from csa_eqx.presets import tiny_v4
 
 
@@ -38,7 +37,7 @@ call = eqx.filter_jit(lambda m, x, **kw: m(x, **kw))
 def execution_options(over: dict) -> tuple[dict, ce.Execution]:
     """Split keyword overrides into architecture fields and an ``Execution`` (from the
     loaders' execution keywords)."""
-    names = set(inspect.signature(ce.Execution.from_options).parameters)
+    names = OPTIONS
     options = {k: v for k, v in over.items() if k in names}
     return {k: v for k, v in over.items() if k not in names}, ce.Execution.from_options(**options)
 

@@ -413,7 +413,7 @@ MUTATIONS = [
     Mutation(
         "extend_stack_hook_sees_old_caches",
         "extend_stack's hook gets the caches as they were before the chunk",
-        "csa_eqx/_layers/stack.py",
+        "csa_eqx/_stack.py",
         "before(i, x, new, shared)",
         "before(i, x, caches, shared)",
         ("tests/test_v41_layers.py::test_extend_stack_hook_sees_the_caches_so_far",),
@@ -421,7 +421,7 @@ MUTATIONS = [
     Mutation(
         "stale_keys_padded_in_front",
         "the stale-key emulation pads a shorter cache's keys at the front",
-        "csa_eqx/_layers/v41.py",
+        "csa_eqx/_stack.py",
         "keys = jnp.pad(keys, [(0, 0), (0, max(slots - keys.shape[1], 0)), (0, 0)])",
         "keys = jnp.pad(keys, [(0, 0), (max(slots - keys.shape[1], 0), 0), (0, 0)])",
         ("tests/test_v41_layers.py::test_stale_index_keys_by_value",),

@@ -80,7 +80,7 @@ def pool_windows(
 
 class AbstractCompressor(eqx.Module):
     """What a layer's compressor does, for the forward and the decode cache alike
-    (``csa_eqx._layers.decode.compress_chunk`` pools a chunk's closing windows through the same
+    (``csa_eqx._decode.chunks.compress_chunk`` pools a chunk's closing windows through the same
     calls): project each token (``project``), pool the tokens of each slot's window
     (``pool``), then make the entries of the pooled windows (``finish``).
 

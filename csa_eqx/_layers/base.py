@@ -21,14 +21,14 @@ from beartype import beartype
 from equinox import AbstractVar
 from jaxtyping import Array, ArrayLike, Float, Int, TypeCheckError, jaxtyped
 
+from .. import _checks as checks
+from .._decode.cache import AbstractCache
+from .._decode.chunks import ChunkSource, chunk_rows
 from .._indexer.base import AbstractIndexer
 from .._layout import segment_positions, token_rows
 from .._numerics.base import DeepSeekFormats
 from .._placement.base import Carried, SingleDevice
 from .._rows import Rows, whole_rows
-from . import checks
-from .cache import AbstractCache
-from .decode import ChunkSource, chunk_rows
 from .forward import Forward, carried, published
 
 __all__ = ["AbstractIndexedAttention"]
@@ -425,6 +425,12 @@ class AbstractIndexedAttention(eqx.Module):
             return self.execution.indexer_loss
         self.execution.check(self.config.index_n_heads, self.config.num_heads, indexer_loss)
         return indexer_loss
+
+
+def config_sizes(config: Any, *names: str) -> dict[str, int]:
+    """**Returns:** the ``config``'s fields ``names``, by name, in that order (the sizes a
+    layer's ``summary`` shows)."""
+    return {name: getattr(config, name) for name in names}
 
 
 def _body(

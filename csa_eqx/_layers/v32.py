@@ -24,6 +24,8 @@ from .._attention.auto import resolved
 from .._attention.base import AbstractAttentionKernel, LatentUp
 from .._attention.picks import entry_reads
 from .._config import V32AttentionConfig
+from .._decode.cache import V32Cache, check_cache_size, empty_rows
+from .._execution import Execution
 from .._indexer.v32 import V32Indexer
 from .._layout import Visibility
 from .._loss.base import AttentionTarget
@@ -32,9 +34,7 @@ from .._numerics.fp8_weight import Fp8Weight
 from .._ops import init_linear, rms_norm, round_to
 from .._placement.heads import split_specs
 from .._rope import apply_rope_interleaved, yarn_mscale, yarn_table
-from .base import AbstractIndexedAttention
-from .cache import V32Cache, check_cache_size, empty_rows
-from .execution import Execution
+from .base import AbstractIndexedAttention, config_sizes
 from .forward import Forward
 
 __all__ = ["V32Attention"]
@@ -278,14 +278,8 @@ class V32Attention(AbstractIndexedAttention):
     def summary(self) -> tuple[str, dict[str, int]]:
         """See ``AbstractIndexedAttention.summary``: the indexer's ``index_topk`` and heads,
         the MLA's heads, latent rank and the hidden size."""
-        c = self.config
-        return "DSA (MLA + lightning indexer over tokens)", dict(
-            index_topk=c.index_topk,
-            index_n_heads=c.index_n_heads,
-            num_heads=c.num_heads,
-            kv_lora_rank=c.kv_lora_rank,
-            hidden_size=c.hidden_size,
-        )
+        sizes = ("index_topk", "index_n_heads", "num_heads", "kv_lora_rank", "hidden_size")
+        return "DSA (MLA + lightning indexer over tokens)", config_sizes(self.config, *sizes)
 
     @property
     def context_halo(self) -> int:

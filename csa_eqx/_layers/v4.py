@@ -14,10 +14,10 @@ from jaxtyping import Array, Float, Int
 
 from .._config import V4AttentionConfig
 from .._entries.compressor import Compressor
+from .._execution import Execution
 from .._indexer.heads import IndexerHeads
 from .._numerics.base import V4_FORMATS, DeepSeekFormats
 from .block import V4Block
-from .execution import Execution
 from .parts import AbstractEntries, AbstractSelectionSource, AllEntries, OwnEntries, OwnSelection
 from .v4_family import AbstractV4Attention
 
@@ -108,17 +108,9 @@ class V4Attention(AbstractV4Attention):
     def summary(self) -> tuple[str, dict[str, int]]:
         """See ``AbstractIndexedAttention.summary``: the layer type, ``compress_rate``, the
         indexer's ``index_topk`` and heads (CSA), the window and the attention's sizes."""
-        c = self.config
-        kind = _KINDS[c.layer_type]
-        picks = dict(index_topk=c.index_topk, index_n_heads=c.index_n_heads)
-        return kind, dict(
-            compress_rate=c.compress_rate,
-            **(picks if c.layer_type == "csa" else {}),
-            sliding_window=c.sliding_window,
-            num_heads=c.num_heads,
-            head_dim=c.head_dim,
-            hidden_size=c.hidden_size,
-        )
+        csa = self.config.layer_type == "csa"
+        picks = ("index_topk", "index_n_heads") if csa else ()
+        return _KINDS[self.config.layer_type], self._summary_sizes(*picks)
 
     @property
     def context_halo(self) -> int:

@@ -11,7 +11,9 @@ import jax.numpy as jnp
 from equinox import AbstractVar
 from jaxtyping import Array, Float, Int
 
+from .. import _checks as checks
 from .._attention.picks import entry_reads
+from .._decode.cache import V4Cache, check_cache_size, compressor_state, empty_rows
 from .._entries.compressor import AbstractCompressor
 from .._indexer.base import AbstractIndexer
 from .._layout import Visibility, segment_positions, token_rows
@@ -19,10 +21,8 @@ from .._loss.base import AttentionTarget
 from .._loss.kl import attention_target
 from .._placement.heads import split_specs
 from .._rows import whole_rows
-from . import checks
-from .base import AbstractIndexedAttention
+from .base import AbstractIndexedAttention, config_sizes
 from .block import V4Block
-from .cache import V4Cache, check_cache_size, compressor_state, empty_rows
 from .forward import Forward
 from .parts import AbstractEntries, AbstractSelectionSource
 
@@ -54,6 +54,13 @@ class AbstractV4Attention(AbstractIndexedAttention):
         """**Returns:** whether the layer reads through a selection (its own or an inherited
         one)."""
         return self.entry_source is not None and self.selection_source.selects
+
+    def _summary_sizes(self, *selection: str) -> dict[str, int]:
+        """The sizes ``summary`` shows: ``compress_rate``, the config's fields ``selection``
+        names (the indexer's, where the layer reads a selection), the window and the
+        attention's sizes."""
+        window = ("sliding_window", "num_heads", "head_dim", "hidden_size")
+        return dict(compress_rate=self.entry_rate, **config_sizes(self.config, *selection, *window))
 
     def head_specs(self, axis: str) -> tuple:
         """Head parallelism over ``axis``: the block's per-head arrays split

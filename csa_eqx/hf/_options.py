@@ -4,10 +4,10 @@ field of the config; ``numerics="deepseek"`` takes the checkpoint's ``scale_fmt`
 
 from __future__ import annotations
 
-from .._layers.execution import Execution
-from .._layers.options import OPTIONS
+from .._execution import Execution
 from .._numerics.base import DeepSeekFormats
 from .._numerics.deepseek import named_numerics
+from ._flags import OPTIONS
 
 __all__ = ["loader_execution", "split_options"]
 

@@ -14,7 +14,7 @@ from jaxtyping import Array, Float, Int
 
 from ... import StackState
 from ..._config import V4AttentionConfig, V4FamilyConfig, V32AttentionConfig
-from ..._layers.execution import Execution
+from ..._execution import Execution
 from ..._layers.v4 import V4Attention
 from ..._layers.v32 import V32Attention
 from ..._layers.v41 import V41Attention

@@ -8,8 +8,9 @@ strategies themselves.
 The layer configs (``V4AttentionConfig``, ``V32AttentionConfig``) mirror the checkpoint only;
 ``V4Attention(config, key=..., execution=Execution(...))`` decides how it runs. The default is
 automatic for the backend. The loaders' keyword options (``qk_head_chunk_size=``,
-``indexer_sharded_topk=``, …) map onto it with ``Execution.from_options``
-(``csa_eqx._layers.options``).
+``indexer_sharded_topk=``, …) map onto it with ``Execution.from_options``; those flags live
+next to the loaders (``csa_eqx.hf._flags``), above the record, which reads them only when
+that constructor runs or a call mistakes one for a field.
 """
 
 from __future__ import annotations
@@ -21,23 +22,22 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .._attention.auto import AutoAttention, AutoPicks
-from .._attention.base import AbstractAttentionKernel, LatentUp
-from .._attention.picks import AbstractPicks
-from .._attention.window import AbstractWindow, BandWindow
-from .._backend import CPU_TILES, GPU_TILES, TPU_TILES, backend_tiles
-from .._config import V32AttentionConfig
-from .._loss.auto import AutoIndexerLoss
-from .._loss.base import AbstractIndexerLoss
-from .._numerics.base import AbstractNumerics, DeepSeekFormats, ExactNumerics
-from .._placement.base import AbstractPlacement, SingleDevice
-from .._placement.context import ContextParallel
-from .._placement.heads import HeadParallel
-from .._scorer.base import AbstractScorer, XlaScorer
-from .._selection.auto import AutoSelection
-from .._selection.base import AbstractSelection, SelectionProblem
-from .._tiles import TileSizes
-from .options import from_options, refuse_options
+from ._attention.auto import AutoAttention, AutoPicks
+from ._attention.base import AbstractAttentionKernel, LatentUp
+from ._attention.picks import AbstractPicks
+from ._attention.window import AbstractWindow, BandWindow
+from ._backend import CPU_TILES, GPU_TILES, TPU_TILES, backend_tiles
+from ._config import V32AttentionConfig
+from ._loss.auto import AutoIndexerLoss
+from ._loss.base import AbstractIndexerLoss
+from ._numerics.base import AbstractNumerics, DeepSeekFormats, ExactNumerics
+from ._placement.base import AbstractPlacement, SingleDevice
+from ._placement.context import ContextParallel
+from ._placement.heads import HeadParallel
+from ._scorer.base import AbstractScorer, XlaScorer
+from ._selection.auto import AutoSelection
+from ._selection.base import AbstractSelection, SelectionProblem
+from ._tiles import TileSizes
 
 __all__ = ["Execution", "IndexerLossStage", "INDEXER_LOSS_STAGES"]
 
@@ -127,14 +127,51 @@ class Execution(eqx.Module):
     scorer: AbstractScorer = XlaScorer()
     tiles: TileSizes | None = None
 
-    from_options = classmethod(from_options)
+    @classmethod
+    def from_options(cls, **options) -> Execution:
+        """The execution the loaders' keyword options describe (the flags of earlier versions'
+        layer configs; they live next to the loaders, ``csa_eqx.hf._flags``, and are read from
+        there when this runs).
+
+        **Arguments** (keywords only; the default in brackets):
+
+        - ``qk_head_chunk_size`` (0), ``query_block`` (0), ``indexer_loss`` (``"off"``): as the
+            fields of the same name.
+        - ``indexer_key_block`` (0): > 0 forces ``StreamingSelection`` and
+            ``StreamingIndexerLoss`` with this key tile (and ``query_block``); 0 =
+            ``AutoSelection`` and ``AutoIndexerLoss``.
+        - ``indexer_save_selection`` (``False``): ``save_selection``.
+        - ``indexer_sharded_topk`` (``False``): wrap the selection in ``ShardedSelection`` over
+            ``tensor_axis`` (batch over ``data_axis``).
+        - ``shard_indexer_acts`` (``False``): ``indexer_heads_axis=tensor_axis``.
+        - ``data_axis`` (``"data"``), ``tensor_axis`` (``"tensor"``): non-empty mesh axis names.
+        - ``context_parallel`` (``False``): split the sequence over the mesh axis
+            ``context_axis`` (``"context"``) and the batch over ``data_axis``
+            (``context=ContextParallel(context_axis, data_axis)``).
+        - ``head_parallel`` (``False``): split the attention heads over ``tensor_axis`` and the
+            batch over ``data_axis`` (``heads=HeadParallel(tensor_axis, data_axis)``).
+        - ``numerics`` (``"exact"``): ``"exact"`` (``ExactNumerics()``), ``"deepseek"``
+            (``DeepSeekInference()``; the loaders take its ``scale_fmt`` from the
+            checkpoint's config) or a numerics object.
+
+        A field name of ``Execution`` that is not one of these keywords (``save_selection=``,
+        ``context=``, ...) is a ``TypeError`` naming the keyword to use, or ``Execution(...)``.
+
+        **Returns:** an ``Execution``.
+        """
+        from .hf._flags import from_options  # the loaders' flags sit above the record
+
+        return from_options(cls, **options)
 
     def __init__(self, **fields):
-        refuse_options(type(self), fields)
+        names = {field.name for field in dataclasses.fields(self)}
+        if not fields.keys() <= names:
+            from .hf._flags import refuse_options  # a loader's flag given as a field?
+
+            refuse_options(type(self), fields)
+            raise TypeError(f"Execution has no fields {sorted(fields.keys() - names)}")
         for field in dataclasses.fields(self):
             setattr(self, field.name, fields.pop(field.name, field.default))
-        if fields:
-            raise TypeError(f"Execution has no fields {sorted(fields)}")
 
     def __check_init__(self):
         for name in ("qk_head_chunk_size", "query_block"):

@@ -1,5 +1,5 @@
 """Chunk bookkeeping of the incremental forward (prefill, chunked prefill, decode) shared by
-``V4Attention.extend`` and ``V32Attention.extend`` over the caches of ``csa_eqx._layers.cache``.
+``V4Attention.extend`` and ``V32Attention.extend`` over the caches of ``csa_eqx._decode.cache``.
 
 ``extend`` runs a chunk ``x [B, T, D]`` that follows what the cache already holds and returns
 exactly what the full forward over the whole stream returns for those tokens (docs/concepts.md,
@@ -14,7 +14,7 @@ exactly what the full forward over the whole stream returns for those tokens (do
   no token sees another segment's keys or entries, as in the full forward. ``None`` continues
   the last segment. A new document may not reuse the id of a document the cache still holds
   keys or entries of (it would see them).
-* Inputs are checked before any compute (``csa_eqx._layers.checks``): ``x``'s dtype, rank,
+* Inputs are checked before any compute (``csa_eqx._checks``): ``x``'s dtype, rank,
   batch (the cache's) and hidden size, the cache's kind, ``lengths`` and ``segment_ids`` as above.
 * Entry ``j`` of the cache is the ``j``-th window that closed in the row; a window closes at the
   token with ``(position + 1) % m == 0`` and is visible to that token. Its slot order is the
@@ -40,10 +40,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Int
 
+from .._checks import checked_now, require
 from .._entries.compressor import pool_windows
 from .._layout import EntryLayout
 from .cache import AbstractCache, CompressorState
-from .checks import checked_now, require
 
 __all__ = [
     "ChunkRows",

@@ -1,9 +1,10 @@
 """The loaders' keyword options (the flags of earlier versions' layer configs:
 ``qk_head_chunk_size=``, ``indexer_sharded_topk=``, ``context_parallel=``, ...) and the
-``Execution`` they describe: ``Execution.from_options`` is ``from_options`` below, and
+``Execution`` they describe: ``Execution.from_options`` calls ``from_options`` below, and
 ``csa_eqx.hf``'s loaders take their ``execution=`` or these keywords
 (``csa_eqx.hf._options``). Each spelling refuses the other's keywords with a message naming
-the right one."""
+the right one. The record (``csa_eqx._execution``) imports nothing from here at import time:
+these flags are the loaders' vocabulary, not the record's."""
 
 from __future__ import annotations
 
@@ -51,35 +52,8 @@ def from_options(
     numerics: str | AbstractNumerics = "exact",
     **fields,
 ):
-    """The execution the loaders' keyword options describe (the flags of earlier versions'
-    layer configs).
-
-    **Arguments:**
-
-    - ``qk_head_chunk_size``, ``query_block``, ``indexer_loss``: as the fields of the same name.
-    - ``indexer_key_block``: > 0 forces ``StreamingSelection`` and
-        ``StreamingIndexerLoss`` with this key tile (and ``query_block``); 0 =
-        ``AutoSelection`` and ``AutoIndexerLoss``.
-    - ``indexer_save_selection``: ``save_selection``.
-    - ``indexer_sharded_topk``: wrap the selection in ``ShardedSelection`` over
-        ``tensor_axis`` (batch over ``data_axis``).
-    - ``shard_indexer_acts``: ``indexer_heads_axis=tensor_axis``.
-    - ``data_axis``, ``tensor_axis``: non-empty mesh axis names.
-    - ``context_parallel``: split the sequence over the mesh axis ``context_axis`` and the
-        batch over ``data_axis`` (``context=ContextParallel(context_axis, data_axis)``).
-    - ``head_parallel``: split the attention heads over ``tensor_axis`` and the batch over
-        ``data_axis`` (``heads=HeadParallel(tensor_axis, data_axis)``).
-    - ``numerics``: ``"exact"`` (``ExactNumerics()``), ``"deepseek"``
-        (``DeepSeekInference()``; the loaders take its ``scale_fmt`` from the
-        checkpoint's config) or a numerics object.
-
-    A field name of ``Execution`` that is not one of these keywords (``save_selection=``,
-    ``context=``, ...) is a ``TypeError`` naming the keyword to use, or ``Execution(...)``.
-
-    **Returns:**
-
-    An ``Execution``.
-    """
+    """``Execution.from_options`` (``cls``: the record): its keywords and what each means are
+    documented there; a field's name given here is a ``TypeError`` (``refuse_fields``)."""
     refuse_fields(cls, fields)
     for name, axis in (("data_axis", data_axis), ("tensor_axis", tensor_axis)):
         _axis(name, axis)
