@@ -27,6 +27,7 @@ __all__ = [
     "batch_axis",
     "each",
     "run_sharded",
+    "in_manual_context",
     "per_device",
 ]
 
@@ -128,12 +129,24 @@ def run_sharded(fn: Callable, mesh: MeshLike, in_specs, out_specs, axes: set, *a
     (JAX types a nested ``shard_map``'s backward residuals with the enclosing one's manual
     axes too, and cannot lower that).
 
+    Inside a ``shard_map`` of the caller's (``in_manual_context``: the placement nested in
+    it, e.g. ``HeadParallel`` under a user's data-parallel ``shard_map``) ``fn`` runs under a
+    ``jax.checkpoint`` that saves nothing, so that no residual crosses this ``shard_map``'s
+    boundary: JAX (0.10 to 0.12) gives a non-forwarded residual the out spec of every axis it
+    varies over (``ShapedArray.nospec``), the enclosing one's manual axes included, which the
+    lowering refuses ("operates on axis ... already bound by a parent
+    sdy.manual_computation", or under ``vmap`` "manual axis ... after free axis ..."). The
+    residuals that remain are the arguments, passed on with their own specs; the backward
+    recomputes ``fn``'s forward.
+
     **Arguments:** the function, the mesh, ``PartitionSpec`` trees for the arguments and the
     outputs (prefixes allowed), the manual axis names and the arguments.
 
     **Returns:** ``fn``'s outputs, as ``out_specs`` lays them out.
     """
     args = jax.tree.map(lambda a, spec: place(a, mesh, spec), args, in_specs)
+    if in_manual_context():  # no residual leaves it: recomputed in the backward instead
+        fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
     return jax.shard_map(
         fn,
         mesh=mesh,
@@ -141,6 +154,12 @@ def run_sharded(fn: Callable, mesh: MeshLike, in_specs, out_specs, axes: set, *a
         out_specs=out_specs,
         axis_names=frozenset(axes - {None}),
     )(*args)
+
+
+def in_manual_context() -> bool:
+    """**Returns:** whether the mesh in context has ``Manual`` axes: the code runs inside a
+    ``jax.shard_map`` (a caller's, or a placement's)."""
+    return any(t == AxisType.Manual for t in jax.sharding.get_abstract_mesh().axis_types)
 
 
 def per_device(fn: Callable, batched, replicated=(), differentiable: bool = True):

@@ -8,9 +8,14 @@ stacked layers (their selections tagged, ``save_selection``) whose body is a
 unbatched sequences, the loss's ``pmean`` over ``data``;
 jitted with the inputs donated and traced under ``jax_enable_checks``; it must carry no
 effect. Its loss (the outputs' mean square and the indexer losses) and every gradient must
-equal the reference: the same two layers called one after the other on the whole batch, on
-one device, untransformed. Members run forced; the kernels in plain interpret mode.
+equal the reference: the same two layers (the same weights) on the automatic path (XLA on the
+CPU), called one after the other on the whole batch, on one device, untransformed; one
+reference per config and indexer loss stage, shared by the members that have them. Members
+run forced; the kernels in plain interpret mode. Each program is traced once: the checked
+trace is the one compiled and run.
 """
+
+import functools
 
 import equinox as eqx
 import jax
@@ -69,19 +74,17 @@ MEMBERS = {
     "kernels/triton+loss/auto": (V4, TRITON, "dense"),
     "placement/heads+kernels/mosaic": (V4, dict(heads=ce.HeadParallel(), **MOSAIC), "off"),
 }
-# what the reference runs instead (one device: no placement, no sharded rows)
-ALONE = dict(heads=None, selection=ce.DenseSelection())
 
 
-def layer_of(name, alone=False):
-    """The member's layer (``alone``: its reference, on one device)."""
-    config, fields, stage = MEMBERS[name]
-    if alone and (fields.get("heads") or isinstance(fields.get("selection"), ce.ShardedSelection)):
-        fields = {**fields, **ALONE}
-    # the selection tagged for the policy to save (the reference has no checkpoint)
-    execution = ce.Execution(indexer_loss=stage, save_selection=not alone, **fields)
+def make_layer(config, execution):
     kind = ce.V32Attention if isinstance(config, ce.V32AttentionConfig) else ce.V4Attention
     return kind(config, key=jax.random.key(0), execution=execution)
+
+
+def layer_of(name):
+    """The member's layer, its selection tagged for the policy to save."""
+    config, fields, stage = MEMBERS[name]
+    return make_layer(config, ce.Execution(indexer_loss=stage, save_selection=True, **fields))
 
 
 def stacked(layer):
@@ -98,6 +101,17 @@ def inputs(width):
 def indexer_loss(aux):
     loss = aux["indexer_loss"]
     return jnp.zeros(()) if loss is None else jnp.mean(loss)
+
+
+@functools.cache
+def expected(v32: bool, stage: str):
+    """The reference's loss and gradients for the config (``v32``: V3.2's, else V4's) and
+    ``stage``: the automatic path, one device, untransformed, the members' weights (the same
+    key). Computed once per pair in a process and shared by the members."""
+    layer = make_layer(V32 if v32 else V4, ce.Execution(indexer_loss=stage))
+    params, static = stacked(layer)
+    x = inputs(layer.config.hidden_size)
+    return jax.jit(jax.value_and_grad(reference), static_argnums=1)(params, static, x)
 
 
 def reference(params, static, x):
@@ -138,14 +152,9 @@ def composed(params, static, x):
     )(params, x)
 
 
-# Known gaps (issue 53 left open; docs/composing.md, "Known gaps"): each fails today
-KNOWN = {
-    "placement/heads+kernels/mosaic": (
-        "HeadParallel inside a user's shard_map with a vmap inside it: XLA's Shardy verifier"
-        " refuses the vmapped placement shard_map's output sharding ('manual axis \"tensor\""
-        ' after free axis "data"\', JAX 0.10.2)'
-    ),
-}
+# Known gaps (issue 53 left open; docs/composing.md, "Known gaps"): each fails today (a strict
+# xfail with the reason); none at present
+KNOWN: dict[str, str] = {}
 
 
 @pytest.mark.parametrize(
@@ -159,8 +168,8 @@ def test_every_transformation_at_once(name):
     layer = layer_of(name)
     params, static = stacked(layer)
     x = inputs(layer.config.hidden_size)
-    alone = stacked(layer_of(name, alone=True))  # the same weights (the same key)
-    want_value, want_grads = jax.jit(jax.value_and_grad(reference), static_argnums=1)(*alone, x)
+    config, _, stage = MEMBERS[name]
+    want_value, want_grads = expected(config is V32, stage)
     with jax.set_mesh(MESH):
         xs = jax.device_put(x, jax.P("data"))
         ps = jax.device_put(params, jax.P())
@@ -168,7 +177,7 @@ def test_every_transformation_at_once(name):
         with jax.enable_checks(True):
             traced = program.trace(ps, static, xs)
         assert not traced.jaxpr.effects
-        value, grads = program(ps, static, xs)
+        value, grads = traced.lower().compile()(ps, xs)  # the checked trace, run
     np.testing.assert_allclose(value, want_value, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
         scale = float(jnp.max(jnp.abs(want))) or 1.0
@@ -235,11 +244,11 @@ def test_unbatched_layers_and_vmap_fold_into_the_kernel():
     one, one_aux = call(x[1])
     np.testing.assert_allclose(one, want[1], atol=1e-6)
     np.testing.assert_array_equal(one_aux["selection"], aux["selection"][1])
-    mapped = jax.vmap(lambda s: layer(s))
-    np.testing.assert_allclose(jax.jit(mapped)(x), want, atol=1e-6)
+    mapped = jax.jit(jax.vmap(lambda s: layer(s))).trace(x)
+    np.testing.assert_allclose(mapped.lower().compile()(x), want, atol=1e-6)
     from jaxpr_helpers import walk_eqns
 
-    jaxpr = jax.make_jaxpr(mapped)(x).jaxpr
+    jaxpr = mapped.jaxpr.jaxpr
     calls = [e for e in walk_eqns(jaxpr) if e.params.get("name", "").startswith("mosaic_sparse")]
     assert calls and all(e.outvars[0].aval.shape[0] == B for e in calls)
     assert not any(
@@ -264,9 +273,9 @@ def test_kernels_run_per_device_under_jit_sharding():
     want_value, want_grads = jax.jit(jax.value_and_grad(loss))(layer, x)
     with jax.set_mesh(jax.make_mesh((B,), ("data",))):
         xs = jax.device_put(x, jax.P("data"))
-        program = jax.jit(jax.value_and_grad(loss))
-        jaxpr = program.trace(layer, xs).jaxpr
-        value, grads = program(layer, xs)
+        traced = jax.jit(jax.value_and_grad(loss)).trace(layer, xs)
+        jaxpr = traced.jaxpr
+        value, grads = traced.lower().compile()(layer, xs)
     maps = [e for e in walk_eqns(jaxpr.jaxpr) if e.primitive.name == "shard_map"]
     # (under the check_vma shard_map, interpret mode binds a kernel as one primitive:
     # csa_eqx._compat.interpreted)

@@ -256,11 +256,12 @@ def test_two_processes_match_single_process(tmp_path):
                 )
 
 
-@pytest.mark.xfail(strict=True, reason="auto_axes meets weights typed on the Explicit mesh")
 def test_shard_indexer_acts_with_mesh_placed_weights():
-    """Weights replicated on an Explicit mesh (as multi-process runs need global arrays):
-    ``shard_indexer_acts`` fails today with "context mesh ... should match the aval mesh"
-    inside ``tensor_axis_auto``; ``indexer_sharded_topk`` alone works."""
+    """Weights replicated on an Explicit mesh (as multi-process runs need global arrays) with
+    ``shard_indexer_acts``: the indexer's weights, which the selection stage closes over, are
+    recast onto ``tensor_axis_auto``'s mesh (``csa_eqx._indexer.sharding.on_context_mesh``;
+    before, "context mesh ... should match the aval mesh"); the output is the unsharded
+    layer's."""
     from jax.sharding import NamedSharding
 
     mesh = jax.make_mesh((2, 4), ("data", "tensor"))

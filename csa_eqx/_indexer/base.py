@@ -24,7 +24,7 @@ from .._numerics.base import EXACT, AbstractNumerics, DeepSeekFormats
 from .._rows import Rows
 from .._selection.base import SelectionProblem
 from ..remat import tag_selection
-from .sharding import constrain_heads, tensor_axis_auto
+from .sharding import constrain_heads, on_context_mesh, tensor_axis_auto
 
 __all__ = ["AbstractIndexer", "AbstractCandidateRule", "NoCandidates"]
 
@@ -152,8 +152,9 @@ class AbstractIndexer(eqx.Module):
             return a if axis is None else constrain_heads(a, axis)
 
         def project(x, qr, positions):  # a fresh closure: hashable, and row by row
-            q = nx.indexer(self.queries(qr, positions, nx), formats)
-            return on_heads(q), on_heads(self.head_weights(x, nx))
+            indexer = on_context_mesh(self)  # its weights typed as the stage's arrays
+            q = nx.indexer(indexer.queries(qr, positions, nx), formats)
+            return on_heads(q), on_heads(indexer.head_weights(x, nx))
 
         rows = (*jax.lax.stop_gradient((x, qr)), positions)
         chunk, scorer = execution.qk_head_chunk_size, execution.scorer

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import equinox as eqx
 import jax
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from .._mesh import is_explicit, mesh_with_axis, row_spec
 
-__all__ = ["constrain_heads", "tensor_axis_auto"]
+__all__ = ["constrain_heads", "tensor_axis_auto", "on_context_mesh"]
 
 
 def constrain_heads(x: Float[Array, "batch seq heads *rest"], tensor_axis: str) -> Array:
@@ -62,3 +64,45 @@ def tensor_axis_auto(fn: Callable, tensor_axis: str, like: Array) -> Callable:
     if not is_explicit(mesh, tensor_axis):
         return fn
     return jax.sharding.auto_axes(fn, axes=tensor_axis, out_sharding=P(*row_spec(like), None))
+
+
+def on_context_mesh(tree):
+    """``tree``'s arrays typed on the mesh in context where it is theirs with some ``Explicit``
+    axes made ``Auto`` (inside ``tensor_axis_auto``); the rest unchanged.
+
+    ``auto_axes`` recasts the arguments of the function it wraps, not what that function closes
+    over: the indexer's weights, which a ``SelectionProblem``'s ``project`` closes over, keep
+    the ``Explicit`` mesh they were placed on (``jax.device_put`` on a mesh: a multi-process
+    run's global arrays), and an operation that meets them and the stage's own arrays fails
+    ("context mesh ... should match the aval mesh"). Their specs keep the axes that stay
+    ``Explicit`` (a cast of the type: nothing moves).
+
+    **Arguments:** a pytree (e.g. an indexer module).
+
+    **Returns:** the pytree, its arrays recast where that applies.
+    """
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty or AxisType.Auto not in context.axis_types:
+        return tree
+
+    def cast(a):
+        if not eqx.is_array(a):
+            return a
+        sharding = jax.typeof(a).sharding
+        mesh = sharding.mesh
+        if mesh.empty or mesh == context or mesh.axis_names != context.axis_names:
+            return a
+        pairs = zip(mesh.axis_types, context.axis_types, strict=True)
+        if not all(t == u or (t, u) == (AxisType.Explicit, AxisType.Auto) for t, u in pairs):
+            return a
+        explicit = {n for n, t in zip(context.axis_names, context.axis_types, strict=True)
+                    if t == AxisType.Explicit}  # fmt: skip
+
+        def kept(entry):
+            names = entry if isinstance(entry, tuple) else (entry,)
+            names = tuple(n for n in names if n in explicit)
+            return None if not names else names[0] if len(names) == 1 else names
+
+        return jax.reshard(a, P(*(None if e is None else kept(e) for e in sharding.spec)))
+
+    return jax.tree.map(cast, tree)

@@ -14,6 +14,7 @@ runs inside its ``shard_map``: context around heads composes by wrapping.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -22,7 +23,7 @@ from jaxtyping import Array
 
 from .._rows import Rows
 
-__all__ = ["AbstractPlacement", "SingleDevice", "Body", "Carried"]
+__all__ = ["AbstractPlacement", "SingleDevice", "Body", "Carried", "untagged"]
 
 Body = Callable[..., tuple]
 
@@ -76,3 +77,15 @@ class SingleDevice(AbstractPlacement):
 
     def run(self, body: Body, layer: eqx.Module, x: Array, rows: Rows, carried: Carried) -> tuple:
         return body(layer, x, rows, carried)
+
+
+def untagged(layer: eqx.Module) -> eqx.Module:
+    """``layer`` with its selection left unnamed (``save_selection=False``): what a placement's
+    ``shard_map`` runs inside a caller's ``shard_map`` (``csa_eqx._mesh.run_sharded`` recomputes
+    its body in the backward there). A remat policy around it that saved the named selection
+    inside would make it a residual of the placement's ``shard_map``, which JAX types with the
+    caller's manual axes too and cannot lower; the body recomputes the selection instead."""
+    ex = layer.execution
+    if not ex.save_selection:
+        return layer
+    return layer.with_execution(dataclasses.replace(ex, save_selection=False))

@@ -25,6 +25,7 @@ padded rows come after every real row, so no real query sees them, and they are 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import NamedTuple
 
 import equinox as eqx
@@ -37,9 +38,18 @@ from jaxtyping import Array, Float
 from .._backend import backend_tiles, shared_tiles
 from .._compat import stacked_all_gather
 from .._layout import EntryLayout, entry_layout
-from .._mesh import MeshLike, batch_axis, check_axes, each, mesh_with_axis, place, run_sharded
+from .._mesh import (
+    MeshLike,
+    batch_axis,
+    check_axes,
+    each,
+    in_manual_context,
+    mesh_with_axis,
+    place,
+    run_sharded,
+)
 from .._rows import Rows
-from .base import AbstractPlacement, Body, Carried, SingleDevice
+from .base import AbstractPlacement, Body, Carried, SingleDevice, untagged
 
 __all__ = ["ContextParallel"]
 
@@ -123,56 +133,24 @@ class ContextParallel(AbstractPlacement):
         the ``sums`` over each shard's own rows summed."""
         mesh = mesh_with_axis(self.axis, "Execution.context", self.mesh)
         axis, (b, s) = self.axis, x.shape[:2]
-        halo, rate = layer.context_halo, layer.entry_rate
-        positions, segment = rows.positions, rows.segment
         dp = batch_axis(mesh, self.data_axis, b)
-        plan = self.plan(s, halo, rate)
-        n, c = plan.devices, plan.chunk
-        pad = 2 * n * c - s
+        plan = self.plan(s, layer.context_halo, layer.entry_rate)
+        pad = 2 * plan.devices * plan.chunk - s
         if pad:  # padded whole, then split again (Explicit axes cannot pad a sharded axis)
-            x, per_row = jax.tree.map(
-                lambda a: jnp.pad(
-                    place(a, mesh, P()), [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)
-                ),
-                (x, carried.per_row),
-            )
+            x, per_row = _padded((x, carried.per_row), mesh, pad)
             carried = carried._replace(per_row=per_row)
-        segment = jnp.pad(segment, ((0, 0), (0, pad)), mode="edge")
-        positions = jnp.pad(positions, ((0, 0), (0, pad)))
-        index = jnp.broadcast_to(jnp.arange(2 * n * c, dtype=jnp.int32), segment.shape)
-        ext = plan.extended()
-        inside, ext = ext >= 0, np.maximum(ext, 0)
-        # queries are the own real rows only: halo and padding rows see no entry (and count
-        # for no loss); their outputs are dropped
-        own_rows = inside & (np.arange(len(ext)) % (halo + c) >= halo) & (ext < s)
-        ints = tuple(
-            jnp.where(keep, jnp.take(a, ext, axis=1), fill)
-            for a, keep, fill in (
-                (positions, inside, 0),
-                (segment, inside, _NO_SEGMENT),
-                (index, own_rows, -1),
-            )
-        )
-        own = layout = None
-        if rate:
-            padded = entry_layout(segment, rate)  # the slots each chunk compresses
-            per = c // rate
-            slots = (plan.chunks[..., None] * per + np.arange(per)).reshape(-1)
-            offset = np.repeat((plan.chunks * c - halo).reshape(-1), per)
-            end = jnp.take(padded.end, slots, axis=1)
-            own = EntryLayout(
-                jnp.where(end >= 0, end - offset, -1),
-                *(jnp.take(a, slots, axis=1) for a in padded[1:]),
-            )
-            # what the queries see: the sequence's own slots, empty past them
-            layout = _with_empty_slots(rows.layout, padded.end.shape[1])
+        segment = jnp.pad(rows.segment, ((0, 0), (0, pad)), mode="edge")
+        ints = _chunk_ints(rows.positions, segment, plan, s, pad)
+        own, layout = _entry_layouts(segment, rows.layout, plan, layer.entry_rate)
+        if in_manual_context():  # inside a caller's shard_map (base.untagged)
+            layer = untagged(layer)
         params, static = eqx.partition(layer, eqx.is_array)
-        sharded, batch = P(dp, axis), P(dp)
         # heads inside (HeadParallel): one shard_map over both axes, the layer's heads split
         # by its specs (JAX types a nested shard_map's backward residuals with the enclosing
         # one's axes too, which it cannot lower)
         split = getattr(self.inner, "param_specs", None)
         inner_axes = set() if split is None else {self.inner.axis}
+        sharded, batch = P(dp, axis), P(dp)
         specs = (
             each(params, P()) if split is None else split(layer, mesh),
             sharded,
@@ -181,36 +159,8 @@ class ContextParallel(AbstractPlacement):
             None if layout is None else EntryLayout(batch, batch, batch),
             Carried(each(carried.per_row, sharded), each(carried.whole, batch)),
         )
-
-        def chunked(a):  # contiguous rows -> zigzag chunks with their halos
-            return _with_halo(_zigzag(a, plan, axis), plan, axis)
-
-        def joined(a):  # per-chunk rows -> this device's contiguous rows, halos dropped
-            return _unzigzag(_own_rows(a, plan), plan, axis)
-
-        def local(params, x, ints, own, layout, carried):
-            x = chunked(x)
-            carried = Carried(
-                jax.tree.map(chunked, carried.per_row),
-                jax.tree.map(lambda a: jnp.repeat(a, 2, axis=0), carried.whole),
-            )
-            ints = tuple(_chunk_rows(a, 2) for a in ints)
-            if own is not None:
-                own = EntryLayout(*(_chunk_rows(a, 2) for a in own))
-                layout = EntryLayout(*(jnp.repeat(a, 2, axis=0) for a in layout))
-            rows = Rows(*ints, own, layout, lambda e: _gather_entries(e, plan, axis))
-            # each device's working buffers sized for its share of the rows (same results)
-            shard = eqx.combine(params, static)
-            ex = shard.execution
-            tiles = shared_tiles(backend_tiles(ex.tiles), n)
-            shard = shard.with_execution(dataclasses.replace(ex, tiles=tiles))
-            run = self.inner.run if split is None else self.inner.run_split
-            y, selection, sums, carried = run(body, shard, x, rows, carried)
-            y, selection, per_row = jax.tree.map(joined, (y, selection, carried.per_row))
-            # the chunks' batch rows hold the same whole-sequence state: the first chunk's
-            whole = jax.tree.map(lambda a: a[::2], carried.whole)
-            return y, selection, tuple(jnp.reshape(a, (1,)) for a in sums), Carried(per_row, whole)
-
+        run = self.inner.run if split is None else self.inner.run_split
+        local = partial(_shard, body, run, static, plan, axis)
         # the sums leave mapped over every manual axis and are summed outside; the whole state
         # leaves unmapped over the axis (every device holds it all)
         out_specs = (sharded, sharded, P((axis, dp) if dp else axis), Carried(sharded, batch))
@@ -218,14 +168,100 @@ class ContextParallel(AbstractPlacement):
         manual = {axis, dp} | inner_axes
         y, selection, sums, carried = run_sharded(local, mesh, specs, out_specs, manual, *args)
         if pad:
-            y, selection, per_row = jax.tree.map(
-                lambda a: place(a, mesh, P())[:, :s], (y, selection, carried.per_row)
-            )
-            # the whole state is of the entry slots: the sequence's, without the padding's
-            t = 0 if rows.layout is None else rows.layout.end.shape[1]
-            whole = jax.tree.map(lambda a: place(a, mesh, P())[:, :t], carried.whole)
-            carried = Carried(per_row, whole)
+            y, selection, carried = _unpadded(y, selection, carried, rows.layout, mesh, s)
         return y, selection, tuple(jnp.sum(a) for a in sums), carried
+
+
+def _padded(tree, mesh: MeshLike, pad: int):
+    """``tree``'s ``[B, S, ...]`` arrays replicated on the mesh and padded with ``pad`` rows."""
+    return jax.tree.map(
+        lambda a: jnp.pad(place(a, mesh, P()), [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)),
+        tree,
+    )
+
+
+def _unpadded(y, selection, carried: Carried, layout, mesh: MeshLike, s: int):
+    """The shard_map's results without the padding: ``y``, ``selection`` and the per-row state
+    cut to the sequence's ``s`` rows, the whole state to its entry slots (the queries see only
+    the sequence's own slots)."""
+    y, selection, per_row = jax.tree.map(
+        lambda a: place(a, mesh, P())[:, :s], (y, selection, carried.per_row)
+    )
+    t = 0 if layout is None else layout.end.shape[1]
+    whole = jax.tree.map(lambda a: place(a, mesh, P())[:, :t], carried.whole)
+    return y, selection, Carried(per_row, whole)
+
+
+def _chunk_ints(positions: Array, segment: Array, plan: _Plan, s: int, pad: int) -> tuple:
+    """The integer rows of every chunk with its halo, in shard order (``plan.extended``):
+    positions, segments (``_NO_SEGMENT`` for halo rows before the sequence) and the query
+    index, ``-1`` on every row but the chunks' own real rows (halo and padding rows see no
+    entry, count for no loss, and their outputs are dropped). ``segment`` is already padded."""
+    positions = jnp.pad(positions, ((0, 0), (0, pad)))
+    index = jnp.broadcast_to(jnp.arange(s + pad, dtype=jnp.int32), segment.shape)
+    ext = plan.extended()
+    inside, ext = ext >= 0, np.maximum(ext, 0)
+    own_rows = inside & (np.arange(len(ext)) % (plan.halo + plan.chunk) >= plan.halo) & (ext < s)
+    return tuple(
+        jnp.where(keep, jnp.take(a, ext, axis=1), fill)
+        for a, keep, fill in (
+            (positions, inside, 0),
+            (segment, inside, _NO_SEGMENT),
+            (index, own_rows, -1),
+        )
+    )
+
+
+def _entry_layouts(segment: Array, layout: EntryLayout | None, plan: _Plan, rate: int):
+    """``(own, layout)``: the entry slots each chunk compresses (their ends relative to the
+    chunk's first halo row), and what the queries see (``layout``, the sequence's own slots,
+    with empty slots up to the padded sequence's); ``(None, None)`` for a layer without
+    entries (``rate == 0``). ``segment`` is the padded sequence's."""
+    if not rate:
+        return None, None
+    padded = entry_layout(segment, rate)
+    per = plan.chunk // rate
+    slots = (plan.chunks[..., None] * per + np.arange(per)).reshape(-1)
+    offset = np.repeat((plan.chunks * plan.chunk - plan.halo).reshape(-1), per)
+    end = jnp.take(padded.end, slots, axis=1)
+    own = EntryLayout(
+        jnp.where(end >= 0, end - offset, -1),
+        *(jnp.take(a, slots, axis=1) for a in padded[1:]),
+    )
+    return own, _with_empty_slots(layout, padded.end.shape[1])
+
+
+def _shard(body: Body, run, static, plan: _Plan, axis: str, params, x, ints, own, layout, carried):
+    """One device's shard (inside the ``shard_map``): its contiguous rows to zigzag chunks with
+    their halos (one batch row per chunk), the inner placement's ``run`` over them with the
+    layer's tiles shared over the devices, and the results back to its contiguous rows."""
+
+    def chunked(a):  # contiguous rows -> zigzag chunks with their halos
+        return _with_halo(_zigzag(a, plan, axis), plan, axis)
+
+    def joined(a):  # per-chunk rows -> this device's contiguous rows, halos dropped
+        return _unzigzag(_own_rows(a, plan), plan, axis)
+
+    x = chunked(x)
+    carried = Carried(
+        jax.tree.map(chunked, carried.per_row),
+        jax.tree.map(lambda a: jnp.repeat(a, 2, axis=0), carried.whole),
+    )
+    ints = tuple(_chunk_rows(a, 2) for a in ints)
+    if own is not None:
+        own = EntryLayout(*(_chunk_rows(a, 2) for a in own))
+        layout = EntryLayout(*(jnp.repeat(a, 2, axis=0) for a in layout))
+    rows = Rows(*ints, own, layout, lambda e: _gather_entries(e, plan, axis))
+    # each device's working buffers sized for its share of the rows (same results)
+    shard = eqx.combine(params, static)
+    ex = shard.execution
+    tiles = shared_tiles(backend_tiles(ex.tiles), plan.devices)
+    shard = shard.with_execution(dataclasses.replace(ex, tiles=tiles))
+    y, selection, sums, carried = run(body, shard, x, rows, carried)
+    y, selection, per_row = jax.tree.map(joined, (y, selection, carried.per_row))
+    # the chunks' batch rows hold the same whole-sequence state: the first chunk's
+    whole = jax.tree.map(lambda a: a[::2], carried.whole)
+    return y, selection, tuple(jnp.reshape(a, (1,)) for a in sums), Carried(per_row, whole)
 
 
 def _with_empty_slots(layout: EntryLayout, slots: int) -> EntryLayout:

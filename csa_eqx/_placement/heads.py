@@ -26,10 +26,18 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
-from .._mesh import MeshLike, batch_axis, check_axes, each, mesh_with_axis, run_sharded
+from .._mesh import (
+    MeshLike,
+    batch_axis,
+    check_axes,
+    each,
+    in_manual_context,
+    mesh_with_axis,
+    run_sharded,
+)
 from .._numerics.fp8_weight import Fp8Weight
 from .._rows import Rows
-from .base import AbstractPlacement, Body, Carried
+from .base import AbstractPlacement, Body, Carried, untagged
 
 __all__ = ["HeadParallel", "split_specs", "sum_partials"]
 
@@ -95,10 +103,12 @@ class HeadParallel(AbstractPlacement):
         mesh = mesh_with_axis(self.axis, "Execution.heads", self.mesh)
         axis = self.axis
         dp = batch_axis(mesh, self.data_axis, x.shape[0])
+        if in_manual_context():  # inside a caller's shard_map (base.untagged)
+            layer = untagged(layer)
+        param_specs = self.param_specs(layer, mesh)
         params, static = eqx.partition(layer, eqx.is_array)
         ints, fns = eqx.partition(rows, eqx.is_array)
         batch = P(dp)
-        param_specs = self.param_specs(layer, mesh)
         in_specs = (param_specs, batch, each(ints, batch), each(carried, batch))
 
         def local(params, x, ints, carried):
@@ -124,8 +134,9 @@ class HeadParallel(AbstractPlacement):
         size does not divide the head counts or a split ``Fp8Weight``'s tiles."""
         specs, counts = layer.head_specs(self.axis)
         self.check(mesh, counts)
-        param_specs = specs(eqx.partition(layer, eqx.is_array)[0])
-        _check_tiles(eqx.partition(layer, eqx.is_array)[0], param_specs, mesh.shape[self.axis])
+        params = eqx.partition(layer, eqx.is_array)[0]
+        param_specs = specs(params)
+        _check_tiles(params, param_specs, mesh.shape[self.axis])
         return param_specs
 
     def run_split(
