@@ -2,9 +2,10 @@
 "Composition"): the layer under JAX's transformations on the automatic path and with the XLA
 path forced, a checkpointed ``lax.scan`` training step over a stack against an unchecked one
 and the XLA path's (compiled memory and time, one run), and the kernels against the XLA path
-in float32 at ``precision="highest"``.
+in float32 at ``precision="highest"``, and the layer with its batch sharded by ``jit`` over a
+mesh of every device (the kernels per device) against the same step without a mesh.
 
-    python -m benchmarks.composition --out DIR [--part table stack float32] [--quick]
+    python -m benchmarks.composition --out DIR [--part table stack float32 jit] [--quick]
         [--kinds v4 v32]
 
 ``--quick`` shrinks every size (a CPU smoke run; the numbers mean nothing). Writes
@@ -30,6 +31,8 @@ import numpy as np
 import csa_eqx as ce
 from csa_eqx.presets import tiny_v4, tiny_v32, v4_flash, v32
 from csa_eqx.remat import compose_selection_policy
+
+from .accelerator_table import KERNEL_CALLS
 
 XLA = ce.Execution(selection=ce.DenseSelection(), attention=ce.XlaAttention())
 XLA_TPU = ce.Execution(selection=ce.StreamingSelection(), attention=ce.XlaAttention())
@@ -117,6 +120,7 @@ def _uses(execution, quick: bool, seq: int) -> dict:
         "vmap": lambda: jax.jit(jax.vmap(layer))(x),
         "shard_map fwd": lambda: jax.jit(lambda m, x: data_parallel(m, x, False))(layer, x),
         "shard_map grad": lambda: jax.jit(lambda m, x: data_parallel(m, x, True))(layer, x),
+        "jit sharding grad": lambda: sharded_grad(jax.grad(loss), mesh, layer, x),
     }
     out = {}
     for use, run in uses.items():
@@ -127,6 +131,52 @@ def _uses(execution, quick: bool, seq: int) -> dict:
             out[use] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
             traceback.print_exc()
         print(use, out[use], flush=True)
+    return out
+
+
+def sharded_grad(grad, mesh, layer, x):
+    """``grad(layer, x)`` under ``jit`` with ``x``'s batch sharded over the mesh's ``data``
+    axis (no placement: docs/composing.md, "Data parallel with `jit` sharding")."""
+    with jax.set_mesh(mesh):
+        return jax.jit(grad)(layer, jax.device_put(x, jax.P("data")))
+
+
+def jit_sharding(quick: bool) -> dict:
+    """A V4-Flash CSA layer's training step (bf16, the selection saved) with its batch sharded
+    by ``jit`` over a mesh of every device, on the automatic path (the kernels, once per
+    device) and with the XLA path forced, beside the automatic path without a mesh: compiled
+    temporaries, time, and how many kernel calls the program holds (0: the path fell back to
+    XLA's)."""
+    seq = 128 if quick else 8192
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("data",))
+    out = {"seq": seq, "batch": n, "devices": n}
+    for name, execution, sharded in (
+        ("automatic, no mesh", ce.Execution(), False),
+        ("automatic, jit sharding", ce.Execution(), True),
+        ("xla, jit sharding", XLA_TPU, True),
+    ):
+        layer = layer_of("v4", execution, quick)
+        x = jax.random.normal(jax.random.key(1), (n, seq, layer.config.hidden_size), jnp.bfloat16)
+
+        def loss(m, x):
+            return jnp.mean(m(x).astype(jnp.float32) ** 2)
+
+        grad = jax.jit(jax.grad(loss))
+        try:
+            with jax.set_mesh(mesh) if sharded else contextlib.nullcontext():
+                x = jax.device_put(x, jax.P("data")) if sharded else x
+                lowered = grad.lower(layer, x)
+                temp = lowered.compile().memory_analysis().temp_size_in_bytes / 2**30
+                calls = len(KERNEL_CALLS.findall(lowered.as_text()))
+                out[name] = dict(temp_gib=temp, kernel_calls=calls, seconds=timed(grad, layer, x))
+        except Exception as error:
+            out[name] = dict(error=f"{type(error).__name__}: {str(error).splitlines()[0][:300]}")
+        print(name, out[name], flush=True)
+    base = out.get("automatic, no mesh", {}).get("seconds")
+    for row in out.values():
+        if isinstance(row, dict) and base and "seconds" in row:
+            row["time_ratio_to_no_mesh"] = row["seconds"] / base
     return out
 
 
@@ -276,7 +326,7 @@ def _differences(got, want, leaf: str | None = None) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--part", nargs="+", default=["table", "stack", "float32"])
+    p.add_argument("--part", nargs="+", default=["table", "stack", "float32", "jit"])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--kinds", nargs="+", default=["v4", "v32"], help="float32 part's layers")
     args = p.parse_args(argv)
@@ -287,7 +337,7 @@ def main(argv=None) -> None:
         jax=jax.__version__,
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     )
-    parts = dict(table=table, stack=stack, float32=float32)
+    parts = dict(table=table, stack=stack, float32=float32, jit=jit_sharding)
     for part in args.part:
         kinds = dict(kinds=args.kinds) if part == "float32" else {}
         record[part] = parts[part](args.quick, **kinds)

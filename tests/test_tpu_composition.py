@@ -7,7 +7,8 @@ chip as::
 The uses are ``benchmarks.composition``'s table (a V4-Flash CSA layer, bf16, S = 2048:
 ``jax.checkpoint`` with ``compose_selection_policy`` and ``grad``, ``lax.scan`` over a stack
 with and without a checkpointed body, ``vmap``, a ``shard_map`` with ``check_vma`` forward and
-backward), then the docs' remat recipe on the kernels (no effect, finite gradients).
+backward, ``grad`` under ``jit`` with the batch sharded over a mesh), then the docs' remat
+recipe on the kernels (no effect, finite gradients).
 """
 
 import jax
