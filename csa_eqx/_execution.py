@@ -87,7 +87,10 @@ class Execution(eqx.Module):
     - ``query_block``: queries per block of the attention (0 = the kernel's own automatic
         block, ``AbstractAttentionKernel.query_block_for``).
     - ``save_selection``: name the selection ``csa_eqx.SELECTION_NAME`` so that remat policies
-        (``csa_eqx.remat.compose_selection_policy``) can save it.
+        (``csa_eqx.remat.compose_selection_policy``) can save it. A placed layer (``context``
+        or ``heads``) inside a caller's ``shard_map`` leaves it unnamed: its ``shard_map`` there
+        hands no residual to its backward, which recomputes the selection (docs/composing.md,
+        "Placements inside your `shard_map`").
     - ``indexer_heads_axis``: mesh axis to shard the indexer's per-head activations over
         (``None`` = off); its size must divide ``index_n_heads``.
     - ``context``: split the sequence over a mesh axis (``ContextParallel(axis)``; ``None`` =
@@ -159,7 +162,9 @@ class Execution(eqx.Module):
 
         **Returns:** an ``Execution``.
         """
-        from .hf._flags import from_options  # the loaders' flags sit above the record
+        # imported here: importing csa_eqx.hf runs its __init__, whose loaders import the
+        # layer kinds, which import this module (a cycle at import time)
+        from .hf._flags import from_options
 
         return from_options(cls, **options)
 

@@ -76,12 +76,24 @@ def is_manual(mesh: MeshLike, axis: str) -> bool:
     return axis in names and mesh.axis_types[names.index(axis)] == AxisType.Manual
 
 
+def explicit_part(spec: P, mesh: MeshLike) -> P:
+    """**Returns:** ``spec`` keeping only the mesh's ``Explicit`` axis names (of an entry that
+    names several axes, e.g. a batch over ``("data", "fsdp")``, those that are)."""
+
+    def kept(entry):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        names = tuple(n for n in names if n is not None and is_explicit(mesh, n))
+        return None if not names else names[0] if len(names) == 1 else names
+
+    return P(*(kept(e) for e in spec))
+
+
 def place(x: Array, mesh: MeshLike, spec: P) -> Array:
     """**Returns:** ``x`` resharded to the ``Explicit``-axis part of ``spec`` (``shard_map``
     demands an exact match there; for Auto axes it inserts the resharding itself)."""
     if not any(t == AxisType.Explicit for t in mesh.axis_types):
         return x
-    explicit = P(*(a if a is not None and is_explicit(mesh, a) else None for a in spec))
+    explicit = explicit_part(spec, mesh)
     return jax.reshard(x, NamedSharding(mesh, explicit) if isinstance(mesh, Mesh) else explicit)
 
 
@@ -129,15 +141,17 @@ def run_sharded(fn: Callable, mesh: MeshLike, in_specs, out_specs, axes: set, *a
     (JAX types a nested ``shard_map``'s backward residuals with the enclosing one's manual
     axes too, and cannot lower that).
 
-    Inside a ``shard_map`` of the caller's (``in_manual_context``: the placement nested in
-    it, e.g. ``HeadParallel`` under a user's data-parallel ``shard_map``) ``fn`` runs under a
+    Inside any ``shard_map`` already in context (``in_manual_context``: a caller's, e.g.
+    ``HeadParallel`` under a user's data-parallel ``shard_map``, or a placement's around
+    ``ShardedSelection`` or a ``per_device`` kernel call) ``fn`` runs under a
     ``jax.checkpoint`` that saves nothing, so that no residual crosses this ``shard_map``'s
     boundary: JAX (0.10 to 0.12) gives a non-forwarded residual the out spec of every axis it
     varies over (``ShapedArray.nospec``), the enclosing one's manual axes included, which the
     lowering refuses ("operates on axis ... already bound by a parent
     sdy.manual_computation", or under ``vmap`` "manual axis ... after free axis ..."). The
     residuals that remain are the arguments, passed on with their own specs; the backward
-    recomputes ``fn``'s forward.
+    recomputes ``fn``'s forward (a nested placement's layer, a nested ``per_device``
+    kernel's forward; a selection has no backward).
 
     **Arguments:** the function, the mesh, ``PartitionSpec`` trees for the arguments and the
     outputs (prefixes allowed), the manual axis names and the arguments.

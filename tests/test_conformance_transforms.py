@@ -258,9 +258,9 @@ def test_unbatched_layers_and_vmap_fold_into_the_kernel():
 
 
 def test_kernels_run_per_device_under_jit_sharding():
-    """With the batch sharded by ``jit`` over a mesh (no placement), each kernel runs once per
-    device, in a ``shard_map`` over the batch's axis, and the loss and every gradient equal
-    one device's."""
+    """With the batch sharded by ``jit`` over two mesh axes (no placement, as data x FSDP
+    training shards it), each kernel runs once per device, in a ``shard_map`` over both of the
+    batch's axes, and the loss and every gradient equal one device's."""
     from jaxpr_helpers import walk_eqns
 
     layer = layer_of("kernels/mosaic+loss/auto")
@@ -271,8 +271,8 @@ def test_kernels_run_per_device_under_jit_sharding():
         return jnp.mean(y**2) + aux["indexer_loss"]
 
     want_value, want_grads = jax.jit(jax.value_and_grad(loss))(layer, x)
-    with jax.set_mesh(jax.make_mesh((B,), ("data",))):
-        xs = jax.device_put(x, jax.P("data"))
+    with jax.set_mesh(jax.make_mesh((2, B // 2), ("data", "fsdp"))):
+        xs = jax.device_put(x, jax.P(("data", "fsdp")))
         traced = jax.jit(jax.value_and_grad(loss)).trace(layer, xs)
         jaxpr = traced.jaxpr
         value, grads = traced.lower().compile()(layer, xs)
@@ -284,7 +284,7 @@ def test_kernels_run_per_device_under_jit_sharding():
         for m in maps
         if any(k in str(m.params["jaxpr"]) for k in ("pallas_call", "csa_eqx_interpreted_kernel"))
     ]
-    assert kernels and all(m.params["in_specs"][0] == jax.P(("data",)) for m in kernels)
+    assert kernels and all(m.params["in_specs"][0] == jax.P(("data", "fsdp")) for m in kernels)
     np.testing.assert_allclose(value, want_value, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
         scale = float(jnp.max(jnp.abs(want))) or 1.0

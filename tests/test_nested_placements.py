@@ -3,8 +3,9 @@ with ``shard_map``"): ``HeadParallel`` and ``ContextParallel`` nested in a ``che
 ``shard_map`` over ``data``, the layer differentiated under a ``jax.checkpoint`` whose policy
 saves the (tagged) selection. JAX types a nested ``shard_map``'s residuals with the enclosing
 one's manual axes too, which it cannot lower; the placements' ``shard_map`` leaves no residual
-there (``csa_eqx._mesh.run_sharded``). The loss and every gradient equal one device's. The
-kernels and ``vmap`` between the two ``shard_map``s: tests/test_conformance_transforms.py."""
+there (``csa_eqx._mesh.run_sharded``). The loss and every gradient equal one device's.
+``ContextParallel`` also with ``vmap`` of unbatched calls between the two ``shard_map``s;
+``HeadParallel`` so, with the kernels: tests/test_conformance_transforms.py."""
 
 import jax
 import jax.numpy as jnp
@@ -22,17 +23,22 @@ CONFIG = tiny_v4(
 )  # fmt: skip
 
 
-def loss(layer, x):
-    step = jax.checkpoint(lambda m, x: m(x), policy=compose_selection_policy(None))
+def loss(layer, x, vmap=False):
+    call = (lambda m, x: jax.vmap(m)(x)) if vmap else (lambda m, x: m(x))
+    step = jax.checkpoint(call, policy=compose_selection_policy(None))
     return jnp.mean(step(layer, x) ** 2)
 
 
 @pytest.mark.parametrize(
-    "axis, placement",
-    [("tensor", dict(heads=ce.HeadParallel())), ("context", dict(context=ce.ContextParallel()))],
-    ids=["heads", "context"],
+    "axis, placement, vmap",
+    [
+        ("tensor", dict(heads=ce.HeadParallel()), False),
+        ("context", dict(context=ce.ContextParallel()), False),
+        ("context", dict(context=ce.ContextParallel()), True),  # unbatched calls, vmapped
+    ],
+    ids=["heads", "context", "context-vmap"],
 )
-def test_placement_inside_a_user_shard_map(axis, placement):
+def test_placement_inside_a_user_shard_map(axis, placement, vmap):
     mesh = jax.make_mesh((2, 4), ("data", axis), axis_types=(AxisType.Explicit,) * 2)
     execution = ce.Execution(save_selection=True, **placement)
     layer = ce.V4Attention(CONFIG, key=jax.random.key(0), execution=execution)
@@ -41,7 +47,7 @@ def test_placement_inside_a_user_shard_map(axis, placement):
     want_value, want_grads = jax.jit(jax.value_and_grad(loss))(alone, x)
 
     def local(layer, x):
-        return jax.value_and_grad(lambda m, x: jax.lax.pmean(loss(m, x), "data"))(layer, x)
+        return jax.value_and_grad(lambda m, x: jax.lax.pmean(loss(m, x, vmap), "data"))(layer, x)
 
     def program(layer, x):
         specs = (jax.P(), jax.P("data"))

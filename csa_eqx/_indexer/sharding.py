@@ -19,7 +19,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
-from .._mesh import is_explicit, mesh_with_axis, row_spec
+from .._mesh import explicit_part, is_explicit, mesh_with_axis, row_spec
 
 __all__ = ["constrain_heads", "tensor_axis_auto", "on_context_mesh"]
 
@@ -95,14 +95,6 @@ def on_context_mesh(tree):
         pairs = zip(mesh.axis_types, context.axis_types, strict=True)
         if not all(t == u or (t, u) == (AxisType.Explicit, AxisType.Auto) for t, u in pairs):
             return a
-        explicit = {n for n, t in zip(context.axis_names, context.axis_types, strict=True)
-                    if t == AxisType.Explicit}  # fmt: skip
-
-        def kept(entry):
-            names = entry if isinstance(entry, tuple) else (entry,)
-            names = tuple(n for n in names if n in explicit)
-            return None if not names else names[0] if len(names) == 1 else names
-
-        return jax.reshard(a, P(*(None if e is None else kept(e) for e in sharding.spec)))
+        return jax.reshard(a, explicit_part(sharding.spec, context))
 
     return jax.tree.map(cast, tree)

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import equinox as eqx
 from jaxtyping import Array
 
+from .._mesh import in_manual_context
 from .._rows import Rows
 
 __all__ = ["AbstractPlacement", "SingleDevice", "Body", "Carried", "untagged"]
@@ -80,12 +81,13 @@ class SingleDevice(AbstractPlacement):
 
 
 def untagged(layer: eqx.Module) -> eqx.Module:
-    """``layer`` with its selection left unnamed (``save_selection=False``): what a placement's
-    ``shard_map`` runs inside a caller's ``shard_map`` (``csa_eqx._mesh.run_sharded`` recomputes
-    its body in the backward there). A remat policy around it that saved the named selection
-    inside would make it a residual of the placement's ``shard_map``, which JAX types with the
-    caller's manual axes too and cannot lower; the body recomputes the selection instead."""
+    """``layer`` as a placement's ``shard_map`` runs it: inside a caller's ``shard_map``
+    (``in_manual_context``) with its selection left unnamed (``save_selection=False``;
+    ``csa_eqx._mesh.run_sharded`` recomputes the body in the backward there), elsewhere as it
+    is. A remat policy around it that saved the named selection inside would make it a
+    residual of the placement's ``shard_map``, which JAX types with the caller's manual axes
+    too and cannot lower; the body recomputes the selection instead."""
     ex = layer.execution
-    if not ex.save_selection:
+    if not ex.save_selection or not in_manual_context():
         return layer
     return layer.with_execution(dataclasses.replace(ex, save_selection=False))

@@ -43,7 +43,6 @@ from .._mesh import (
     batch_axis,
     check_axes,
     each,
-    in_manual_context,
     mesh_with_axis,
     place,
     run_sharded,
@@ -142,8 +141,7 @@ class ContextParallel(AbstractPlacement):
         segment = jnp.pad(rows.segment, ((0, 0), (0, pad)), mode="edge")
         ints = _chunk_ints(rows.positions, segment, plan, s, pad)
         own, layout = _entry_layouts(segment, rows.layout, plan, layer.entry_rate)
-        if in_manual_context():  # inside a caller's shard_map (base.untagged)
-            layer = untagged(layer)
+        layer = untagged(layer)  # inside a caller's shard_map: its selection unnamed
         params, static = eqx.partition(layer, eqx.is_array)
         # heads inside (HeadParallel): one shard_map over both axes, the layer's heads split
         # by its specs (JAX types a nested shard_map's backward residuals with the enclosing

@@ -31,7 +31,6 @@ from .._mesh import (
     batch_axis,
     check_axes,
     each,
-    in_manual_context,
     mesh_with_axis,
     run_sharded,
 )
@@ -103,8 +102,7 @@ class HeadParallel(AbstractPlacement):
         mesh = mesh_with_axis(self.axis, "Execution.heads", self.mesh)
         axis = self.axis
         dp = batch_axis(mesh, self.data_axis, x.shape[0])
-        if in_manual_context():  # inside a caller's shard_map (base.untagged)
-            layer = untagged(layer)
+        layer = untagged(layer)  # inside a caller's shard_map: its selection unnamed
         param_specs = self.param_specs(layer, mesh)
         params, static = eqx.partition(layer, eqx.is_array)
         ints, fns = eqx.partition(rows, eqx.is_array)

@@ -90,7 +90,7 @@ _SPELLED = {"save_selection": "indexer_save_selection", "indexer_heads_axis": "s
 def refuse_fields(cls, fields: dict) -> None:
     """``TypeError`` for keywords of ``from_options`` that are none of its own: each named with
     its spelling here (``save_selection`` -> ``indexer_save_selection``) or as a field of
-    ``cls(...)`` (``context`` -> ``Execution(context=...)`` or ``context_parallel=True``)."""
+    ``cls(...)`` (``context`` -> ``Execution(context=...)``)."""
     if not fields:
         return
     names = {f.name for f in dataclasses.fields(cls)}
