@@ -128,7 +128,7 @@ def _uses(execution, quick: bool, seq: int) -> dict:
             jax.block_until_ready(run())
             out[use] = "works"
         except Exception as error:  # recorded, not raised: the table is the point
-            out[use] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            out[use] = first_line(error, 200)
             traceback.print_exc()
         print(use, out[use], flush=True)
     return out
@@ -171,13 +171,13 @@ def jit_sharding(quick: bool) -> dict:
                 calls = len(KERNEL_CALLS.findall(lowered.as_text()))
                 out[name] = dict(temp_gib=temp, kernel_calls=calls, seconds=timed(grad, layer, x))
         except Exception as error:
-            out[name] = dict(error=f"{type(error).__name__}: {str(error).splitlines()[0][:300]}")
+            out[name] = dict(error=first_line(error))
         print(name, out[name], flush=True)
-    base = out.get("automatic, no mesh", {}).get("seconds")
-    for row in out.values():
-        if isinstance(row, dict) and base and "seconds" in row:
-            row["time_ratio_to_no_mesh"] = row["seconds"] / base
-    return out
+    return with_ratios(out, "automatic, no mesh", "time_ratio_to_no_mesh")
+
+
+def first_line(error: Exception, width: int = 300) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:width]}"
 
 
 def stack(quick: bool) -> dict:
@@ -192,10 +192,15 @@ def stack(quick: bool) -> dict:
     ):
         out[name] = _step(execution, checkpoint, quick, seq)
         print(name, out[name], flush=True)
-    base = out.get("kernels, checkpointed", {}).get("seconds")
+    return with_ratios(out, "kernels, checkpointed", "time_ratio_to_kernels_checkpointed")
+
+
+def with_ratios(out: dict, base: str, key: str) -> dict:
+    """``out`` with each timed row's time relative to row ``base``'s, as ``key``."""
+    seconds = out.get(base, {}).get("seconds")
     for row in out.values():
-        if isinstance(row, dict) and base and "seconds" in row:
-            row["time_ratio_to_kernels_checkpointed"] = row["seconds"] / base
+        if isinstance(row, dict) and seconds and "seconds" in row:
+            row[key] = row["seconds"] / seconds
     return out
 
 
@@ -218,7 +223,7 @@ def _step(execution, checkpoint: bool, quick: bool, seq: int) -> dict:
         temp = temporaries(jax.grad(loss), params, x)
         return dict(temp_gib=temp, seconds=timed(grad, params, x))
     except Exception as error:
-        return dict(error=f"{type(error).__name__}: {str(error).splitlines()[0][:300]}")
+        return dict(error=first_line(error))
 
 
 def float32(quick: bool, kinds=("v4", "v32")) -> dict:
