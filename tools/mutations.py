@@ -95,6 +95,9 @@ INDEPENDENT = {
         "numpy brute force over numpy scores (bf16 einsum model)"
     ),
     "tests/test_released_formats.py": "numpy FP8 GEMM loop; the releases' scale formats",
+    "tests/test_conformance_transforms.py::test_kernels_run_per_device_under_jit_sharding": (
+        "the same layer's loss and gradients with no mesh"
+    ),
 }
 
 
@@ -700,6 +703,15 @@ MUTATIONS += [
         "return bad if values is None else bad | ~jnp.all(jnp.isfinite(values), axis=-1)",
         "return bad",
         ("tests/test_conformance_attention.py::test_nonfinite_values_reach_only_their_readers",),
+    ),
+    Mutation(
+        "batch_axes_read_as_one",
+        "the kernels under jit sharding: a spec entry naming several axes (a batch over "
+        '("data", "fsdp")) read as one axis name before the per-device shard_map',
+        "csa_eqx/_mesh.py",
+        "names = entry if isinstance(entry, tuple) else (entry,)",
+        "names = (entry,)",
+        ("tests/test_conformance_transforms.py::test_kernels_run_per_device_under_jit_sharding",),
     ),
 ]
 
