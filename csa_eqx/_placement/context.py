@@ -38,15 +38,7 @@ from jaxtyping import Array, Float
 from .._backend import backend_tiles, shared_tiles
 from .._compat import stacked_all_gather
 from .._layout import EntryLayout, entry_layout
-from .._mesh import (
-    MeshLike,
-    batch_axis,
-    check_axes,
-    each,
-    mesh_with_axis,
-    place,
-    run_sharded,
-)
+from .._mesh import MeshLike, batch_axis, check_axes, each, mesh_with_axis, place, run_sharded
 from .._rows import Rows
 from .base import AbstractPlacement, Body, Carried, SingleDevice, untagged
 

@@ -26,14 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
-from .._mesh import (
-    MeshLike,
-    batch_axis,
-    check_axes,
-    each,
-    mesh_with_axis,
-    run_sharded,
-)
+from .._mesh import MeshLike, batch_axis, check_axes, each, mesh_with_axis, run_sharded
 from .._numerics.fp8_weight import Fp8Weight
 from .._rows import Rows
 from .base import AbstractPlacement, Body, Carried, untagged
