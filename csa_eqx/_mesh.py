@@ -181,7 +181,8 @@ def per_device(fn: Callable, batched, replicated=(), differentiable: bool = True
     shards its batch: a Pallas kernel is one device's program, so under a mesh whose axes are
     not all ``Manual`` (``jit`` sharding the batch, no placement) it runs in a ``shard_map``
     manual over the axes that shard the batch, ``batched`` split over them and ``replicated``
-    whole. Elsewhere (no mesh, axes of size 1, inside a ``shard_map`` over them, a batch no
+    whole (an ``Explicit`` axis of size 1 included: the arrays stay typed sharded over it).
+    Elsewhere (no mesh, ``Auto`` axes of size 1, inside a ``shard_map`` over them, a batch no
     axis shards) ``fn`` is called as it is (the compiler replicates a kernel over the other
     axes). Under ``jax.vmap`` the mapped axis folds into the batch first (``_folded``): the
     kernel's grid takes it, not a loop of kernel calls.
@@ -213,9 +214,11 @@ def _with_static(fn: Callable, static, arrays, replicated):
 def _sharded(fn: Callable, batched, replicated):
     """``per_device`` after the fold: the ``shard_map`` over the batch's axes, if any."""
     mesh = jax.sharding.get_abstract_mesh()
+    # an Explicit axis of size 1 counts too: the arrays stay typed sharded over it, which a
+    # kernel's reshapes and refs refuse (one chip, a mesh written for many)
     axes = [
         a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-        if t != AxisType.Manual and mesh.shape[a] > 1
+        if t == AxisType.Explicit or (t != AxisType.Manual and mesh.shape[a] > 1)
     ]  # fmt: skip
     first = jax.tree.leaves(batched)[0]
     spec = tuple(jax.typeof(first).sharding.spec) if axes else ()

@@ -289,3 +289,18 @@ def test_kernels_run_per_device_under_jit_sharding():
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
         scale = float(jnp.max(jnp.abs(want))) or 1.0
         assert float(jnp.max(jnp.abs(got - want))) <= 1e-5 * scale
+
+
+def test_kernels_run_on_a_one_device_mesh():
+    """A batch sharded over an ``Explicit`` mesh axis of size 1 (one chip, code written for
+    many) is still typed sharded, which a kernel's reshapes and refs refuse: the kernels run
+    in a ``shard_map`` over it (the chip's jit-sharding benchmark failed so), and the output
+    and selection equal the call without a mesh."""
+    layer = layer_of("kernels/mosaic+loss/auto")
+    x = inputs(48)
+    call = jax.jit(lambda m, x: m(x, return_aux=True))
+    want, want_aux = call(layer, x)
+    with jax.set_mesh(jax.make_mesh((1,), ("data",))):
+        got, aux = call(layer, jax.device_put(x, jax.P("data")))
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    np.testing.assert_array_equal(aux["selection"], want_aux["selection"])
