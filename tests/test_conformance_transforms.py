@@ -232,16 +232,23 @@ def test_saved_selection_runs_no_kernel_in_the_backward(selection, kernel):
     assert pallas_calls(recomputed(layer, x), kernel) == 2 * forward
 
 
+@functools.cache
+def kernels_forward():
+    """The Mosaic kernels' member, its inputs, its jitted forward ``call(layer, x)`` and that
+    forward's ``(y, aux)`` on one device (one interpreted compile, shared by two tests)."""
+    layer = layer_of("kernels/mosaic+loss/auto")
+    x = inputs(48)
+    call = jax.jit(lambda m, x: m(x, return_aux=True))
+    return layer, x, call, call(layer, x)
+
+
 def test_unbatched_layers_and_vmap_fold_into_the_kernel():
     """A layer takes one ``[S, hidden]`` sequence as ``eqx.nn`` layers do, and ``jax.vmap``
     of it over a batch equals the batched call; the attention kernels take the mapped axis in
     their own batch (one ``pallas_call`` of each, its batch the mapped size), not a loop of
     calls (the selection kernel, whose picks nothing differentiates, JAX maps itself)."""
-    layer = layer_of("kernels/mosaic+loss/auto")
-    x = inputs(48)
-    call = jax.jit(lambda x: layer(x, return_aux=True))
-    want, aux = call(x)
-    one, one_aux = call(x[1])
+    layer, x, call, (want, aux) = kernels_forward()
+    one, one_aux = call(layer, x[1])
     np.testing.assert_allclose(one, want[1], atol=1e-6)
     np.testing.assert_array_equal(one_aux["selection"], aux["selection"][1])
     mapped = jax.jit(jax.vmap(lambda s: layer(s))).trace(x)
@@ -296,10 +303,7 @@ def test_kernels_run_on_a_one_device_mesh():
     many) is still typed sharded, which a kernel's reshapes and refs refuse: the kernels run
     in a ``shard_map`` over it (the chip's jit-sharding benchmark failed so), and the output
     and selection equal the call without a mesh."""
-    layer = layer_of("kernels/mosaic+loss/auto")
-    x = inputs(48)
-    call = jax.jit(lambda m, x: m(x, return_aux=True))
-    want, want_aux = call(layer, x)
+    layer, x, call, (want, want_aux) = kernels_forward()
     with jax.set_mesh(jax.make_mesh((1,), ("data",))):
         got, aux = call(layer, jax.device_put(x, jax.P("data")))
     np.testing.assert_allclose(got, want, atol=1e-6)
