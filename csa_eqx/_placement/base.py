@@ -19,14 +19,15 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import equinox as eqx
-from jaxtyping import Array
+from jaxtyping import Array, Float
 
 from .._mesh import in_manual_context
 from .._rows import Rows
 
-__all__ = ["AbstractPlacement", "SingleDevice", "Body", "Carried", "untagged"]
+__all__ = ["AbstractPlacement", "SingleDevice", "Body", "Carried", "Hidden", "untagged"]
 
 Body = Callable[..., tuple]
+Hidden = Float[Array, "batch seq hidden"]  # a placement's x
 
 
 class Carried(NamedTuple):
@@ -53,7 +54,7 @@ class AbstractPlacement(eqx.Module):
     see the integer inputs whole before the rows are made."""
 
     @abc.abstractmethod
-    def run(self, body: Body, layer: eqx.Module, x: Array, rows: Rows, carried: Carried) -> tuple:
+    def run(self, body: Body, layer: eqx.Module, x: Hidden, rows: Rows, carried: Carried) -> tuple:
         """**Arguments:** the ``body(layer, x, rows, carried)``, the layer (its arrays are what
         a placement splits: ``layer.head_specs``), the hidden states ``x [B, S, hidden]``, the
         whole sequence's ``Rows`` and the state the body takes (a ``Carried``; ``Carried()``:
@@ -76,7 +77,7 @@ class SingleDevice(AbstractPlacement):
     """The forward as written: one call of the body (the compiler may still shard it, e.g.
     the batch over a data axis of the mesh). **Arguments:** none."""
 
-    def run(self, body: Body, layer: eqx.Module, x: Array, rows: Rows, carried: Carried) -> tuple:
+    def run(self, body: Body, layer: eqx.Module, x: Hidden, rows: Rows, carried: Carried) -> tuple:
         return body(layer, x, rows, carried)
 
 

@@ -33,14 +33,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float
+from jaxtyping import Array
 
 from .._backend import backend_tiles, shared_tiles
 from .._compat import stacked_all_gather
 from .._layout import EntryLayout, entry_layout
 from .._mesh import MeshLike, batch_axis, check_axes, each, mesh_with_axis, place, run_sharded
 from .._rows import Rows
-from .base import AbstractPlacement, Body, Carried, SingleDevice, untagged
+from .base import AbstractPlacement, Body, Carried, Hidden, SingleDevice, untagged
 
 __all__ = ["ContextParallel"]
 
@@ -103,14 +103,7 @@ class ContextParallel(AbstractPlacement):
         chunks = np.stack([np.arange(n), 2 * n - 1 - np.arange(n)], axis=1)
         return _Plan(n, chunk, halo, chunks)
 
-    def run(
-        self,
-        body: Body,
-        layer: eqx.Module,
-        x: Float[Array, "batch seq hidden"],
-        rows: Rows,
-        carried: Carried,
-    ):
+    def run(self, body: Body, layer: eqx.Module, x: Hidden, rows: Rows, carried: Carried):
         """The body over this device's zigzag chunks, each with its halo (``layer.context_halo``
         rows) and the entries its rows close (``layer.entry_rate`` rows per entry), gathered
         into every slot's by ``rows.gather``; each chunk's shard runs ``inner``, with the

@@ -29,7 +29,7 @@ from jaxtyping import Array, Float
 from .._mesh import MeshLike, batch_axis, check_axes, each, mesh_with_axis, run_sharded
 from .._numerics.fp8_weight import Fp8Weight
 from .._rows import Rows
-from .base import AbstractPlacement, Body, Carried, untagged
+from .base import AbstractPlacement, Body, Carried, Hidden, untagged
 
 __all__ = ["HeadParallel", "split_specs", "sum_partials"]
 
@@ -79,14 +79,7 @@ class HeadParallel(AbstractPlacement):
                     f"does not divide {name}={count}"
                 )
 
-    def run(
-        self,
-        body: Body,
-        layer: eqx.Module,
-        x: Float[Array, "batch seq hidden"],
-        rows: Rows,
-        carried: Carried,
-    ):
+    def run(self, body: Body, layer: eqx.Module, x: Hidden, rows: Rows, carried: Carried):
         """The body over this device's heads (``layer.head_specs(axis)`` says which arrays
         are split), its ``y`` a partial sum over them, summed over the axis here; per-head
         arrays reach every head through ``rows.all_heads``. The ``carried`` state goes in and
@@ -130,14 +123,7 @@ class HeadParallel(AbstractPlacement):
         _check_tiles(params, param_specs, mesh.shape[self.axis])
         return param_specs
 
-    def run_split(
-        self,
-        body: Body,
-        layer: eqx.Module,
-        x: Float[Array, "batch seq hidden"],
-        rows: Rows,
-        carried: Carried,
-    ):
+    def run_split(self, body: Body, layer: eqx.Module, x: Hidden, rows: Rows, carried: Carried):
         """``run`` inside a ``shard_map`` already manual over ``axis`` whose ``layer`` holds
         this device's heads (split by ``param_specs``: ``ContextParallel`` around these heads
         takes the axis into its own ``shard_map``, one over both axes). The partial outputs
