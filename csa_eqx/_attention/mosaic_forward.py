@@ -143,7 +143,8 @@ def forward(
         int_specs,
         table_specs,
     )
-    args = (ntiles, q, sink if c.has_sinks else None, qmeta, tuple(ints), tuple(tables))
+    sink = sink if c.has_sinks else None
+    args = (ntiles, q, sink, qmeta, steps.kernel_ints(c, ints), tuple(tables))
     scratch = _Scratch(
         pltpu.VMEM((c.rows, LANES), jnp.float32),
         pltpu.VMEM((c.rows, LANES), jnp.float32),

@@ -123,8 +123,8 @@ def _wait(buf, sem):
 class RowsRead:
     """Gathered rows, each query's by row DMAs (or vector copies from a resident table) in
     chunks of ``Config.chunk``: its ``table`` (index into ``Config.tables``) and ``width``
-    (index columns per query, a multiple of the chunk). Its int arrays: the indices in SMEM,
-    and again in VMEM a chunk a row (the chunks' masks)."""
+    (index columns per query, a multiple of the chunk). Its int arrays: the indices in SMEM
+    (flat for a resident table), and again in VMEM a chunk a row (the chunks' masks)."""
 
     table: int
     width: int
@@ -134,15 +134,17 @@ class RowsRead:
 
     def pipeline(self, step, s: ReadRefs, consume) -> None:
         """Per query (the block's queries, not its padding) in chunks of ``chunk`` rows (DMAs,
-        double-buffered, or from a resident table vector copies): ``consume(query, chunk,
-        words_ref, mask [1, chunk])`` for each chunk, the mask read from the indices' VMEM copy
-        (a chunk a row) in one load."""
+        double-buffered, or from a resident table vector copies: ``copies``): ``consume(query,
+        chunk, words_ref, mask [1, chunk])`` for each chunk, the mask read from the indices'
+        VMEM copy (a chunk a row) in one load."""
+        if s.table.resident:
+            self.copies(step, s, consume)
+            return
         c = step.config
         size, g = c.chunk, s.table.words
-        idx, chunks = s.ints
-        buf = s.bufs["rows"]
+        idx, buf = s.ints[0], s.bufs["rows"]
         per_query = self.width // size
-        total = jnp.minimum(c.query_block, c.queries - step.i * c.query_block) * per_query
+        total = self.chunks(step)
 
         def issue(n, slot):
             qq = jax.lax.div(n, per_query)
@@ -151,11 +153,8 @@ class RowsRead:
             def one(jj, carry):
                 r = idx[qq, base + jj]
                 row = s.table_rows(step.b, jnp.maximum(r, 0) * g, g)
-                if s.table.resident:  # a vector copy within VMEM (a local DMA costs ~3x more)
-                    buf[slot, pl.ds(jj * g, g), :] = row[...]
-                else:
-                    dst = buf.at[slot, pl.ds(jj * g, g)]
-                    pltpu.make_async_copy(row, dst, s.sems.at[slot]).start()
+                dst = buf.at[slot, pl.ds(jj * g, g)]
+                pltpu.make_async_copy(row, dst, s.sems.at[slot]).start()
                 return carry
 
             jax.lax.fori_loop(0, size, one, 0, unroll=step.unroll(size))
@@ -169,14 +168,58 @@ class RowsRead:
             def _():
                 issue(n + 1, 1 - slot)
 
-            if not s.table.resident:
-                _wait(buf.at[slot], s.sems.at[slot])
+            _wait(buf.at[slot], s.sems.at[slot])
             qq = jax.lax.div(n, per_query)
-            mask = jnp.where(chunks[pl.ds(n, 1), :] >= 0, 1.0, 0.0)
-            consume(qq, n - qq * per_query, buf.at[slot], mask)
+            consume(qq, n - qq * per_query, buf.at[slot], self.mask(s, n))
             return carry
 
         jax.lax.fori_loop(0, total, body, 0)
+
+    def copies(self, step, s: ReadRefs, consume) -> None:
+        """``pipeline`` from a resident table: each chunk's rows copied into one buffer by
+        vector loads (a local DMA costs ~3x more; ``each_row``), then consumed. The copies
+        are synchronous, so nothing would overlap a second buffer."""
+        g, buf = s.table.words, s.bufs["rows"]
+        per_query = self.width // step.config.chunk
+
+        def copy(jj, r):
+            buf[pl.ds(jj * g, g), :] = s.table_rows(step.b, jnp.maximum(r, 0) * g, g)[...]
+
+        def body(n, carry):
+            self.each_row(step, s, n, copy)
+            qq = jax.lax.div(n, per_query)
+            consume(qq, n - qq * per_query, buf, self.mask(s, n))
+            return carry
+
+        jax.lax.fori_loop(0, self.chunks(step), body, 0)
+
+    def each_row(self, step, s: ReadRefs, n, row) -> None:
+        """``row(jj, index)`` for each row ``jj`` of the step's chunk ``n`` from a resident
+        table, 8 at a time. The scalar slots bound these loops (Mosaic's bundles for a v5e),
+        so the indices are flat in SMEM (``steps.kernel_ints``) and read at constant offsets
+        from each group's first: one add and one load a row, where a 2-D SMEM array (tiled
+        (8, 128)) cost ~6 scalar ops more."""
+        at = n * step.config.chunk
+
+        def group(e, carry):
+            first = pl.multiple_of(e * 8, 8)
+            start = at + first
+            for k in range(8):
+                row(first + k, s.ints[0][start + k])
+            return carry
+
+        jax.lax.fori_loop(0, step.config.chunk // 8, group, 0)
+
+    def chunks(self, step):
+        """The step's chunks: its queries' (not its padding's)."""
+        c = step.config
+        queries = jnp.minimum(c.query_block, c.queries - step.i * c.query_block)
+        return queries * (self.width // c.chunk)
+
+    def mask(self, s: ReadRefs, n):
+        """``[1, chunk]``: which rows of the step's chunk ``n`` were picked (one load from the
+        indices' VMEM copy)."""
+        return jnp.where(s.ints[-1][pl.ds(n, 1), :] >= 0, 1.0, 0.0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,7 @@ __all__ = [
     "query_spec",
     "scalar_spec",
     "meta_spec",
+    "kernel_ints",
     "read_specs",
     "read_scratch",
     "scratch_of",
@@ -111,12 +112,28 @@ def _int_specs(config: Config, read: Read) -> tuple:
     entries = pl.BlockSpec(entries, lambda b, i, j, *_: (b, 0, 0, 0))
     if isinstance(read, DenseRead):
         return (entries,)
-    space = pltpu.SMEM if isinstance(read, RowsRead) else None
-    index = pl.BlockSpec((None, qb, read.width), lambda b, i, j, *_: (b, i, 0), memory_space=space)
     if isinstance(read, RowsRead):  # the same indices in VMEM, a chunk a row: the chunks' masks
+        if config.tables[read.table].resident:  # flat (``kernel_ints``)
+            shape, at = (None, qb * read.width), lambda b, i, j, *_: (b, i)
+        else:
+            shape, at = (None, qb, read.width), lambda b, i, j, *_: (b, i, 0)
         chunks = (None, qb * (read.width // config.chunk), config.chunk)
+        index = pl.BlockSpec(shape, at, memory_space=pltpu.SMEM)
         return index, pl.BlockSpec(chunks, lambda b, i, j, *_: (b, i, 0))
+    index = pl.BlockSpec((None, qb, read.width), lambda b, i, j, *_: (b, i, 0))
     return (index, entries) if read.visible else (index,)
+
+
+def kernel_ints(config: Config, ints) -> tuple:
+    """Each read set's int arrays as its BlockSpecs take them (``_int_specs``): a rows set
+    from a resident table takes its SMEM indices flat, ``[B, seq * width]``
+    (``RowsRead.copies``)."""
+    out = []
+    for read, group in zip(config.sources, ints, strict=True):
+        if isinstance(read, RowsRead) and config.tables[read.table].resident:
+            group = (group[0].reshape(group[0].shape[0], -1), *group[1:])
+        out.append(tuple(group))
+    return tuple(out)
 
 
 def read_specs(config: Config) -> tuple[tuple, tuple]:
@@ -138,11 +155,12 @@ def read_specs(config: Config) -> tuple[tuple, tuple]:
 
 def read_scratch(config: Config, backward: bool) -> list[tuple[dict, int]]:
     """Per read set, its named scratch buffers and the number of DMA semaphores it uses: rows:
-    ``rows`` (two chunks of row words), ``masks`` (theirs) and in the backward ``contributions``
-    (a chunk's gradient rows); tiles: ``counts`` (the block's pick counts); tiles and dense:
-    ``tiles`` (two tiles of words, unless the table is resident; 2 semaphores) and in the
-    backward of an ``hbm_grads`` table ``grads`` (two tiles of gradient words; 4 semaphores:
-    fetches, write-backs); band: ``slab`` (1 semaphore)."""
+    ``rows`` (two chunks of row words, 2 semaphores; from a resident table one chunk, copied
+    then consumed, none) and in the backward ``contributions`` (a chunk's gradient rows);
+    tiles: ``counts`` (the block's pick counts); tiles and dense: ``tiles`` (two tiles of
+    words, unless the table is resident; 2 semaphores) and in the backward of an ``hbm_grads``
+    table ``grads`` (two tiles of gradient words; 4 semaphores: fetches, write-backs); band:
+    ``slab`` (1 semaphore)."""
     out = []
     for read in config.sources:
         table = config.tables[read.table]
@@ -150,10 +168,11 @@ def read_scratch(config: Config, backward: bool) -> list[tuple[dict, int]]:
         g, gg = table.words, config.grad_words(table)
         bufs, sems = {}, 0
         if isinstance(read, RowsRead):
-            bufs["rows"] = pltpu.VMEM((2, config.chunk * g, LANES), word)
+            shape = (config.chunk * g, LANES)
+            bufs["rows"] = pltpu.VMEM(shape if table.resident else (2, *shape), word)
+            sems = 0 if table.resident else 2
             if backward:
                 bufs["contributions"] = pltpu.VMEM((config.chunk * gg, LANES), jnp.float32)
-            sems = 2
         elif isinstance(read, BandRead):
             bufs["slab"] = pltpu.VMEM((config.slab(read) * g, LANES), word)
             sems = 1
