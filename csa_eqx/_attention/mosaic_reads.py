@@ -124,7 +124,8 @@ class RowsRead:
     """Gathered rows, each query's by row DMAs (or vector copies from a resident table) in
     chunks of ``Config.chunk``: its ``table`` (index into ``Config.tables``) and ``width``
     (index columns per query, a multiple of the chunk). Its int arrays: the indices in SMEM
-    (flat for a resident table), and again in VMEM a chunk a row (the chunks' masks)."""
+    (for a resident table, their word-rows: ``steps.kernel_ints``), and again in VMEM a chunk
+    a row (the chunks' masks)."""
 
     table: int
     width: int
@@ -182,8 +183,8 @@ class RowsRead:
         g, buf = s.table.words, s.bufs["rows"]
         per_query = self.width // step.config.chunk
 
-        def copy(jj, r):
-            buf[pl.ds(jj * g, g), :] = s.table_rows(step.b, jnp.maximum(r, 0) * g, g)[...]
+        def copy(jj, first):  # first: the row's first word-row
+            buf[pl.ds(jj * g, g), :] = s.table_rows(step.b, first, g)[...]
 
         def body(n, carry):
             self.each_row(step, s, n, copy)
@@ -193,22 +194,26 @@ class RowsRead:
 
         jax.lax.fori_loop(0, self.chunks(step), body, 0)
 
-    def each_row(self, step, s: ReadRefs, n, row) -> None:
-        """``row(jj, index)`` for each row ``jj`` of the step's chunk ``n`` from a resident
-        table, 8 at a time. The scalar slots bound these loops (Mosaic's bundles for a v5e),
-        so the indices are flat in SMEM (``steps.kernel_ints``) and read at constant offsets
-        from each group's first: one add and one load a row, where a 2-D SMEM array (tiled
-        (8, 128)) cost ~6 scalar ops more."""
-        at = n * step.config.chunk
+    def each_row(self, step, s: ReadRefs, n, row, which: int = 0) -> None:
+        """``row(jj, word)`` for each row ``jj`` of the step's chunk ``n`` from a resident
+        table, ``word`` its first word-row from SMEM array ``which`` (``steps.kernel_ints``:
+        ``0``, the table's; ``1``, the gradient table's). The scalar slots bound these loops
+        (Mosaic's bundles for a v5e), so the word-rows come formed and flat, read at constant
+        offsets from a group's first (one add and one load a row, where indices in a 2-D SMEM
+        array, tiled (8, 128), cost ~8 scalar ops more), 16 rows a group (8 where the chunk is
+        no multiple of 16): a group's rows overlap, and each group drains its own."""
+        size = step.config.chunk
+        per = 16 if size % 16 == 0 else 8
+        at = n * size
 
         def group(e, carry):
-            first = pl.multiple_of(e * 8, 8)
+            first = pl.multiple_of(e * per, per)
             start = at + first
-            for k in range(8):
-                row(first + k, s.ints[0][start + k])
+            for k in range(per):
+                row(first + k, s.ints[which][start + k])
             return carry
 
-        jax.lax.fori_loop(0, step.config.chunk // 8, group, 0)
+        jax.lax.fori_loop(0, size // per, group, 0)
 
     def chunks(self, step):
         """The step's chunks: its queries' (not its padding's)."""
