@@ -166,15 +166,22 @@ def _rows_grads(step: steps.Step, ctx: _Cotangents, s, acc):
         blocks = _grads(ctx, config, rows, keys, values, mask, s.table)
         contributions = s.bufs["contributions"]
         _put(contributions, 0, config.chunk, gg, blocks, add=False)
+
+        def add(jj, at):  # at: the row's first gradient word-row
+            dst = pl.ds(at, gg)
+            acc[dst, :] = acc[dst, :] + contributions[pl.ds(jj * gg, gg), :]
+
+        if s.table.resident:
+            s.read.each_row(step, s, qq * (s.read.width // config.chunk) + cc, add, which=1)
+            return
         base = cc * config.chunk
 
-        def add(jj, carry):
+        def one(jj, carry):
             r = s.ints[0][qq, base + jj]
-            dst = pl.ds(jnp.where(r >= 0, r, spare) * gg, gg)
-            acc[dst, :] = acc[dst, :] + contributions[pl.ds(jj * gg, gg), :]
+            add(jj, jnp.where(r >= 0, r, spare) * gg)
             return carry
 
-        jax.lax.fori_loop(0, config.chunk, add, 0, unroll=step.unroll(config.chunk))
+        jax.lax.fori_loop(0, config.chunk, one, 0, unroll=step.unroll(config.chunk))
 
     return consume
 
@@ -233,8 +240,17 @@ def backward(
     """
     c = config
     gathered, in_vmem, bands = c.grad_tables(), c.vmem_grad_tables(), c.slab_bands()
-    int_specs, table_specs = steps.read_specs(c)
-    args = (ntiles, q, do, lse, coeff, qmeta, tuple(ints), tuple(tables))
+    int_specs, table_specs = steps.read_specs(c, backward=True)
+    args = (
+        ntiles,
+        q,
+        do,
+        lse,
+        coeff,
+        qmeta,
+        steps.kernel_ints(c, ints, backward=True),
+        tuple(tables),
+    )
     spans = {t: (c.tables[t].rows + 1) * c.grad_words(c.tables[t]) for t in gathered}
     in_hbm = [t for t in gathered if t not in in_vmem]
     # the HBM gradient tables are added to in place, tile by tile: they start as zeros

@@ -135,7 +135,7 @@ def forward(
     """
     c = config
     sink_spec = pl.BlockSpec((None, c.rows, LANES), lambda b, i, j, *_: (j, 0, 0))
-    int_specs, table_specs = steps.read_specs(c)
+    int_specs, table_specs = steps.read_specs(c, backward=False)
     in_specs = (
         steps.query_spec(c, values=False),
         sink_spec if c.has_sinks else None,
@@ -143,7 +143,8 @@ def forward(
         int_specs,
         table_specs,
     )
-    args = (ntiles, q, sink if c.has_sinks else None, qmeta, tuple(ints), tuple(tables))
+    sink = sink if c.has_sinks else None
+    args = (ntiles, q, sink, qmeta, steps.kernel_ints(c, ints, backward=False), tuple(tables))
     scratch = _Scratch(
         pltpu.VMEM((c.rows, LANES), jnp.float32),
         pltpu.VMEM((c.rows, LANES), jnp.float32),

@@ -123,8 +123,9 @@ def _wait(buf, sem):
 class RowsRead:
     """Gathered rows, each query's by row DMAs (or vector copies from a resident table) in
     chunks of ``Config.chunk``: its ``table`` (index into ``Config.tables``) and ``width``
-    (index columns per query, a multiple of the chunk). Its int arrays: the indices in SMEM,
-    and again in VMEM a chunk a row (the chunks' masks)."""
+    (index columns per query, a multiple of the chunk). Its int arrays: the indices in SMEM
+    (for a resident table, their word-rows: ``steps.kernel_ints``), and again in VMEM a chunk
+    a row (the chunks' masks)."""
 
     table: int
     width: int
@@ -134,15 +135,17 @@ class RowsRead:
 
     def pipeline(self, step, s: ReadRefs, consume) -> None:
         """Per query (the block's queries, not its padding) in chunks of ``chunk`` rows (DMAs,
-        double-buffered, or from a resident table vector copies): ``consume(query, chunk,
-        words_ref, mask [1, chunk])`` for each chunk, the mask read from the indices' VMEM copy
-        (a chunk a row) in one load."""
+        double-buffered, or from a resident table vector copies: ``copies``): ``consume(query,
+        chunk, words_ref, mask [1, chunk])`` for each chunk, the mask read from the indices'
+        VMEM copy (a chunk a row) in one load."""
+        if s.table.resident:
+            self.copies(step, s, consume)
+            return
         c = step.config
         size, g = c.chunk, s.table.words
-        idx, chunks = s.ints
-        buf = s.bufs["rows"]
+        idx, buf = s.ints[0], s.bufs["rows"]
         per_query = self.width // size
-        total = jnp.minimum(c.query_block, c.queries - step.i * c.query_block) * per_query
+        total = self.chunks(step)
 
         def issue(n, slot):
             qq = jax.lax.div(n, per_query)
@@ -151,11 +154,8 @@ class RowsRead:
             def one(jj, carry):
                 r = idx[qq, base + jj]
                 row = s.table_rows(step.b, jnp.maximum(r, 0) * g, g)
-                if s.table.resident:  # a vector copy within VMEM (a local DMA costs ~3x more)
-                    buf[slot, pl.ds(jj * g, g), :] = row[...]
-                else:
-                    dst = buf.at[slot, pl.ds(jj * g, g)]
-                    pltpu.make_async_copy(row, dst, s.sems.at[slot]).start()
+                dst = buf.at[slot, pl.ds(jj * g, g)]
+                pltpu.make_async_copy(row, dst, s.sems.at[slot]).start()
                 return carry
 
             jax.lax.fori_loop(0, size, one, 0, unroll=step.unroll(size))
@@ -169,14 +169,62 @@ class RowsRead:
             def _():
                 issue(n + 1, 1 - slot)
 
-            if not s.table.resident:
-                _wait(buf.at[slot], s.sems.at[slot])
+            _wait(buf.at[slot], s.sems.at[slot])
             qq = jax.lax.div(n, per_query)
-            mask = jnp.where(chunks[pl.ds(n, 1), :] >= 0, 1.0, 0.0)
-            consume(qq, n - qq * per_query, buf.at[slot], mask)
+            consume(qq, n - qq * per_query, buf.at[slot], self.mask(s, n))
             return carry
 
         jax.lax.fori_loop(0, total, body, 0)
+
+    def copies(self, step, s: ReadRefs, consume) -> None:
+        """``pipeline`` from a resident table: each chunk's rows copied into one buffer by
+        vector loads (a local DMA costs ~3x more; ``each_row``), then consumed. The copies
+        are synchronous, so nothing would overlap a second buffer."""
+        g, buf = s.table.words, s.bufs["rows"]
+        per_query = self.width // step.config.chunk
+
+        def copy(jj, first):  # first: the row's first word-row
+            buf[pl.ds(jj * g, g), :] = s.table_rows(step.b, first, g)[...]
+
+        def body(n, carry):
+            self.each_row(step, s, n, copy)
+            qq = jax.lax.div(n, per_query)
+            consume(qq, n - qq * per_query, buf, self.mask(s, n))
+            return carry
+
+        jax.lax.fori_loop(0, self.chunks(step), body, 0)
+
+    def each_row(self, step, s: ReadRefs, n, row, which: int = 0) -> None:
+        """``row(jj, word)`` for each row ``jj`` of the step's chunk ``n`` from a resident
+        table, ``word`` its first word-row from SMEM array ``which`` (``steps.kernel_ints``:
+        ``0``, the table's; ``1``, the gradient table's). The scalar slots bound these loops
+        (Mosaic's bundles for a v5e), so the word-rows come formed and flat, read at constant
+        offsets from a group's first (one add and one load a row, where indices in a 2-D SMEM
+        array, tiled (8, 128), cost ~8 scalar ops more), 16 rows a group (8 where the chunk is
+        no multiple of 16): a group's rows overlap, and each group drains its own."""
+        size = step.config.chunk
+        per = 16 if size % 16 == 0 else 8
+        at = n * size
+
+        def group(e, carry):
+            first = pl.multiple_of(e * per, per)
+            start = at + first
+            for k in range(per):
+                row(first + k, s.ints[which][start + k])
+            return carry
+
+        jax.lax.fori_loop(0, size // per, group, 0)
+
+    def chunks(self, step):
+        """The step's chunks: its queries' (not its padding's)."""
+        c = step.config
+        queries = jnp.minimum(c.query_block, c.queries - step.i * c.query_block)
+        return queries * (self.width // c.chunk)
+
+    def mask(self, s: ReadRefs, n):
+        """``[1, chunk]``: which rows of the step's chunk ``n`` were picked (one load from the
+        indices' VMEM copy)."""
+        return jnp.where(s.ints[-1][pl.ds(n, 1), :] >= 0, 1.0, 0.0)
 
 
 @dataclasses.dataclass(frozen=True)

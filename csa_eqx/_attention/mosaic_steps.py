@@ -26,6 +26,7 @@ __all__ = [
     "query_spec",
     "scalar_spec",
     "meta_spec",
+    "kernel_ints",
     "read_specs",
     "read_scratch",
     "scratch_of",
@@ -98,12 +99,13 @@ def meta_spec(config: Config):
     return pl.BlockSpec(shape, lambda b, i, j, *_: (b, i, 0, 0))
 
 
-def _int_specs(config: Config, read: Read) -> tuple:
+def _int_specs(config: Config, read: Read, backward: bool) -> tuple:
     """The BlockSpecs of a read set's int arrays: rows, its indices ``[B, seq, width]`` in
-    SMEM, then the same in VMEM as ``[B, seq * width / chunk, chunk]``; tiles, the indices in
-    VMEM (and, ``visible``, the entries' end and segment per tile as a dense set's); dense, the
-    entries' end and segment per tile ``[B, rows / tile, 8, tile]``; band, the slab rows'
-    segments ``[B, n_q, 1, slab]``."""
+    SMEM (from a resident table, the flat word-rows of ``kernel_ints``: one array, two in the
+    ``backward``), then the same in VMEM as ``[B, seq * width / chunk, chunk]``; tiles, the
+    indices in VMEM (and, ``visible``, the entries' end and segment per tile as a dense
+    set's); dense, the entries' end and segment per tile ``[B, rows / tile, 8, tile]``; band,
+    the slab rows' segments ``[B, n_q, 1, slab]``."""
     qb = config.query_block
     if isinstance(read, BandRead):
         return (pl.BlockSpec((None, None, 1, config.slab(read)), lambda b, i, j, *_: (b, i, 0, 0)),)
@@ -111,16 +113,43 @@ def _int_specs(config: Config, read: Read) -> tuple:
     entries = pl.BlockSpec(entries, lambda b, i, j, *_: (b, 0, 0, 0))
     if isinstance(read, DenseRead):
         return (entries,)
-    space = pltpu.SMEM if isinstance(read, RowsRead) else None
-    index = pl.BlockSpec((None, qb, read.width), lambda b, i, j, *_: (b, i, 0), memory_space=space)
     if isinstance(read, RowsRead):  # the same indices in VMEM, a chunk a row: the chunks' masks
         chunks = (None, qb * (read.width // config.chunk), config.chunk)
-        return index, pl.BlockSpec(chunks, lambda b, i, j, *_: (b, i, 0))
+        chunks = pl.BlockSpec(chunks, lambda b, i, j, *_: (b, i, 0))
+        if config.tables[read.table].resident:
+            flat = (None, qb * read.width)
+            flat = pl.BlockSpec(flat, lambda b, i, j, *_: (b, i), memory_space=pltpu.SMEM)
+            return (flat, flat, chunks) if backward else (flat, chunks)
+        index = (None, qb, read.width)
+        index = pl.BlockSpec(index, lambda b, i, j, *_: (b, i, 0), memory_space=pltpu.SMEM)
+        return index, chunks
+    index = pl.BlockSpec((None, qb, read.width), lambda b, i, j, *_: (b, i, 0))
     return (index, entries) if read.visible else (index,)
 
 
-def read_specs(config: Config) -> tuple[tuple, tuple]:
-    """The BlockSpecs of each read set's int arrays (``_int_specs``), then of each table (HBM,
+def kernel_ints(config: Config, ints, backward: bool) -> tuple:
+    """Each read set's int arrays as its BlockSpecs take them (``_int_specs``). A rows set from
+    a resident table takes, instead of its SMEM indices, each pick's first word-row in the
+    table (``max(index, 0) * words``) and in the backward its first gradient word-row (a
+    ``-1``'s the spare row past the table's), flat ``[B, seq * width]``: formed here, they
+    cost the kernel's row loops, bound by their scalar slots, one load a row
+    (``RowsRead.each_row``)."""
+    out = []
+    for read, group in zip(config.sources, ints, strict=True):
+        table = config.tables[read.table]
+        if isinstance(read, RowsRead) and table.resident:
+            idx = group[0].reshape(group[0].shape[0], -1)
+            words = [jnp.maximum(idx, 0) * table.words]
+            if backward:
+                words.append(jnp.where(idx >= 0, idx, table.rows) * config.grad_words(table))
+            group = (*words, group[-1])
+        out.append(tuple(group))
+    return tuple(out)
+
+
+def read_specs(config: Config, backward: bool) -> tuple[tuple, tuple]:
+    """The BlockSpecs of each read set's int arrays (``_int_specs``; the ``backward`` kernel's
+    or the forward's), then of each table (HBM,
     or a single-buffered VMEM block per batch row, its batch dimension kept: a DMA from a block
     whose batch dimension is squeezed is lowered with too few indices, which Mosaic's verifier
     rejects)."""
@@ -133,16 +162,18 @@ def read_specs(config: Config) -> tuple[tuple, tuple]:
             )
         else:
             tables.append(pl.BlockSpec(memory_space=pl.ANY))
-    return tuple(_int_specs(config, read) for read in config.sources), tuple(tables)
+    ints = tuple(_int_specs(config, read, backward) for read in config.sources)
+    return ints, tuple(tables)
 
 
 def read_scratch(config: Config, backward: bool) -> list[tuple[dict, int]]:
     """Per read set, its named scratch buffers and the number of DMA semaphores it uses: rows:
-    ``rows`` (two chunks of row words), ``masks`` (theirs) and in the backward ``contributions``
-    (a chunk's gradient rows); tiles: ``counts`` (the block's pick counts); tiles and dense:
-    ``tiles`` (two tiles of words, unless the table is resident; 2 semaphores) and in the
-    backward of an ``hbm_grads`` table ``grads`` (two tiles of gradient words; 4 semaphores:
-    fetches, write-backs); band: ``slab`` (1 semaphore)."""
+    ``rows`` (two chunks of row words, 2 semaphores; from a resident table one chunk, copied
+    then consumed, none) and in the backward ``contributions`` (a chunk's gradient rows);
+    tiles: ``counts`` (the block's pick counts); tiles and dense: ``tiles`` (two tiles of
+    words, unless the table is resident; 2 semaphores) and in the backward of an ``hbm_grads``
+    table ``grads`` (two tiles of gradient words; 4 semaphores: fetches, write-backs); band:
+    ``slab`` (1 semaphore)."""
     out = []
     for read in config.sources:
         table = config.tables[read.table]
@@ -150,10 +181,11 @@ def read_scratch(config: Config, backward: bool) -> list[tuple[dict, int]]:
         g, gg = table.words, config.grad_words(table)
         bufs, sems = {}, 0
         if isinstance(read, RowsRead):
-            bufs["rows"] = pltpu.VMEM((2, config.chunk * g, LANES), word)
+            shape = (config.chunk * g, LANES)
+            bufs["rows"] = pltpu.VMEM(shape if table.resident else (2, *shape), word)
+            sems = 0 if table.resident else 2
             if backward:
                 bufs["contributions"] = pltpu.VMEM((config.chunk * gg, LANES), jnp.float32)
-            sems = 2
         elif isinstance(read, BandRead):
             bufs["slab"] = pltpu.VMEM((config.slab(read) * g, LANES), word)
             sems = 1
