@@ -5,7 +5,8 @@ Writes ``OUT/anchor_<label>.json``: the tree's ``label``, the strategy, the comp
 times, and a checksum of the picks (two trees that select alike print the same one).
 ``--quick``: a tiny shape, a CPU smoke run (interpreted).
 
-    python -m benchmarks.anchor --out DIR --label NAME [--seq 32768] [--reps 5] [--quick]
+    python -m benchmarks.anchor --out DIR --label NAME [--seq 32768] [--reps 5] \\
+        [--head-group G] [--quick]
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import time
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import numpy as np
 
@@ -36,6 +38,7 @@ def main(argv=None) -> None:
     p.add_argument("--label", required=True, help="the tree's name in the record")
     p.add_argument("--seq", type=int, help="tokens (default: the anchor's 32768)")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--head-group", type=int, help="MosaicSelection's heads per matmul")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -44,6 +47,8 @@ def main(argv=None) -> None:
     q, w, keys = anchor_inputs(shape["seq"], shape["heads"], shape["dim"])
     execution = platform_execution(ce.Execution())
     strategy = automatic_selection(execution.selection, anchor_problem(q, w, keys))
+    if args.head_group:
+        strategy = eqx.tree_at(lambda s: s.head_group, strategy, args.head_group)
     select = jax.jit(anchor_select, static_argnums=(3, 4))
     start = time.perf_counter()
     compiled = select.lower(q, w, keys, shape["k"], strategy).compile()
