@@ -146,10 +146,15 @@ def _tile_scores(q_ref, w_ref, keys, scoring: Scoring) -> Float[Array, "qb kt"]:
             acc = acc + _round_mantissa(jnp.maximum(logit, 0.0) * w[:, h : h + 1], bits)
         return acc
 
-    def chunk_sum(c, total):
-        return total + jax.lax.fori_loop(c * per_chunk, (c + 1) * per_chunk, heads_of, zeros)
-
-    return _round_mantissa(jax.lax.fori_loop(0, heads // chunk, chunk_sum, zeros), bits)
+    # the head groups unrolled (a few per tile): the scheduler may then run one group's
+    # matmul under the previous group's head sum on the VPU
+    total = zeros
+    for c in range(heads // chunk):
+        acc = zeros
+        for g in range(c * per_chunk, (c + 1) * per_chunk):
+            acc = heads_of(g, acc)
+        total = total + acc
+    return _round_mantissa(total, bits)
 
 
 def _ceil_mid(lo: Array, hi: Array) -> Array:
