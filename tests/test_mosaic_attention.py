@@ -482,20 +482,23 @@ KINDS = {RowsRead: "rows", TilesRead: "tiles", DenseRead: "dense", BandRead: "ba
 # query block, narrow query-side arrays
 AUTOMATIC = {
     ("v4", 8192, 0): ("tiles", 64, True, False, 16, False),
-    ("v4", 65536, 0): ("tiles", 64, True, False, 16, False),
-    ("v4", 1, 8192): ("rows", 64, False, False, 16, False),  # decoding one token at 32k
+    ("v4", 32768, 0): ("rows", 64, True, False, 16, False),  # copies from a resident table
+    ("v4", 65536, 0): ("rows", 64, True, False, 16, False),
+    ("v4", 1, 8192): ("rows", 64, False, False, 16, False),  # decoding one token at 32k: DMAs
     ("v32", 8192, 0): ("tiles", 64, True, False, 16, False),
+    # V3.2 from 16k: the model takes resident rows, which do not fit VMEM: planned again
     ("v32", 16384, 0): ("tiles", 64, False, False, 16, False),  # 40 MiB gradients, not both
     ("v32", 32768, 0): ("tiles", 64, False, True, 16, False),  # its 80 MiB gradients: HBM
     ("v32", 65536, 0): ("rows", 128, False, True, 16, False),  # rows beat tiles; bwd: tiles
     ("few", 32768, 0): ("tiles", 16, True, False, 64, True),
     ("few", 65536, 0): ("tiles", 16, True, False, 64, True),
-    ("few", 1, 8192): ("rows", 16, False, False, 64, True),
+    ("few", 1, 8192): ("rows", 16, True, False, 64, True),  # its 4 MiB table loads first
 }
 
 # the band's gradient: slabs in HBM (True) or a VMEM table (False; where it fits)
 BAND_SLABS = {
     ("v4", 8192, 0): [False],
+    ("v4", 32768, 0): [True],
     ("v4", 65536, 0): [True],  # its 128 MiB gradient table does not fit
     ("v4", 1, 8192): [False],
     ("few", 32768, 0): [False],
@@ -505,8 +508,10 @@ BAND_SLABS = {
 
 
 def test_automatic_choices_fit_vmem_at_released_sizes():
-    """The automatic configuration at released sizes and the benchmark layer's up to 64k:
-    tiles for prefill, row DMAs for decoding and for V3.2 at 64k (the cost model), 1024
+    """The automatic configuration at released sizes and the benchmark layer's up to 64k (the
+    cost model): tiles for short prefill; rows copied from a resident table for V4-Flash
+    prefill from 32k (and the few-head layer's decoding), where V3.2's tables do not fit; row
+    DMAs for V4-Flash decoding and for V3.2 at 64k; 1024
     softmax rows a step for tiles (16 queries x 64 heads at released sizes, 64 queries x 16
     padded heads for 4 heads), resident tables and VMEM gradient tables where the estimate
     fits, a band's gradient table in VMEM where it fits (else per-block slabs in HBM), the
@@ -646,15 +651,44 @@ def test_what_cannot_fit_vmem_is_refused_clearly():
 
 
 def test_cost_model_of_the_gather():
-    """The measured cost model (20.5 ns a row DMA, 136 TFLOP/s of tiles work) reproduces the
-    chip's V4-Flash CSA forward timings within 2x (8k: tiles 17.7 ms, rows 84.1 ms; 32k: 141.6 /
-    332 ms) and their order."""
+    """The measured cost model (20.5 ns a row DMA, 136 TFLOP/s of tiles work; rows copied from
+    a resident table at 2.3 ns each and 96 TFLOP/s of their arithmetic) reproduces the chip's
+    V4-Flash CSA forward timings within 2x (8k: tiles 17.7 ms, rows 84.1 ms; 32k: 141.6 /
+    332 ms, resident rows 71.4 ms with the band's ~10) and their order; decoding one token at
+    32k, the resident table's load (16 MiB) costs more than its 512 row DMAs."""
     v4 = dict(sets=[(8192 // 4, 512)], heads=64, width=1024, tile=512, qb=16)
-    for s, tiles, rows in ((8192, 17.7e-3, 84.1e-3), (32768, 141.6e-3, 332e-3)):
+    ways = ("tiles", "rows", "resident")
+    for s, want in ((8192, (17.7e-3, 84.1e-3, None)), (32768, (141.6e-3, 332e-3, 71.4e-3))):
         v4["sets"] = [(s // 4, 512)]
-        got = {way: mosaic_plan.gather_seconds(way, s, **v4) for way in ("tiles", "rows")}
-        assert tiles / 2 < got["tiles"] < 2 * tiles and rows / 2 < got["rows"] < 2 * rows
-        assert got["tiles"] < got["rows"]
+        got = {way: mosaic_plan.gather_seconds(way, s, **v4) for way in ways}
+        for way, seconds in zip(ways, want, strict=True):
+            assert seconds is None or seconds / 2 < got[way] < 2 * seconds, (s, way)
+        order = ["tiles", "resident", "rows"] if s == 8192 else ["resident", "tiles", "rows"]
+        assert sorted(ways, key=got.get) == order, (s, got)
+    v4["sets"] = [(8192, 512)]
+    assert mosaic_plan.gather_seconds("rows", 1, **v4) < mosaic_plan.gather_seconds(
+        "resident", 1, **v4
+    )
+
+
+def test_resident_rows_are_offered_for_gathered_sets_only():
+    """At 16k (V4-Flash's 512 picks of 4096 entries) the cost model takes rows copied from a
+    resident table for gathered rows, but not for a ``DenseKeys``' masked picks (read as rows
+    they would take XLA's gathers of their entries' ends first: tiles) nor where the kernel
+    says ``resident=False`` (row DMAs cost more than tiles there)."""
+    s, t = 16384, 4096
+    q = jax.ShapeDtypeStruct((1, s, 64, 512), jnp.bfloat16)  # only its shape is read
+    ints = jnp.zeros((1, s), jnp.int32)
+    keys, picks = jnp.zeros((1, t, 512), jnp.bfloat16), jnp.zeros((1, s, 512), jnp.int32)
+    layout = ce.entry_layout(ints, 4)
+    masked = ce.Reads(dense=ce.DenseKeys(keys, layout, ints, ints, None, picks))
+    gathered = ce.Reads((ce.GatheredRows(keys, picks),))
+    cases = ((MosaicAttention(), gathered, ("rows", True)),
+             (MosaicAttention(), masked, ("tiles", False)),
+             (MosaicAttention(resident=False), gathered, ("tiles", False)))  # fmt: skip
+    for kernel, reads, want in cases:
+        sizes = mosaic_plan.block_sizes(kernel, q, reads)
+        assert (sizes.gather, sizes.resident) == want
 
 
 def test_a_gpu_is_refused_by_name():

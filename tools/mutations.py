@@ -713,6 +713,33 @@ MUTATIONS += [
         "names = (entry,)",
         ("tests/test_conformance_transforms.py::test_kernels_run_per_device_under_jit_sharding",),
     ),
+    Mutation(
+        "size_one_axis_left_typed",
+        "the kernels under jit sharding: an Explicit mesh axis of size 1 that shards the batch "
+        "skipped, so the kernels run with their inputs still typed sharded",
+        "csa_eqx/_mesh.py",
+        "if t == AxisType.Explicit or (t != AxisType.Manual and mesh.shape[a] > 1)",
+        "if t != AxisType.Manual and mesh.shape[a] > 1",
+        ("tests/test_conformance_transforms.py::test_kernels_run_on_a_one_device_mesh",),
+    ),
+    Mutation(
+        "resident_rows_for_masked_picks",
+        "the attention's cost model offers rows copied from a resident table for a DenseKeys' "
+        "masked picks too",
+        "csa_eqx/_attention/mosaic_plan.py",
+        "if resident_rows and picked is None and kernel.resident is not False:",
+        "if resident_rows and kernel.resident is not False:",
+        ("tests/test_mosaic_attention.py::test_resident_rows_are_offered_for_gathered_sets_only",),
+    ),
+    Mutation(
+        "resident_rows_kept_past_vmem",
+        "rows copied from resident tables kept where they do not fit VMEM (the leanest "
+        "configuration taken instead of planning again)",
+        "csa_eqx/_attention/mosaic_plan.py",
+        "    if sizes.resident:\n        return None\n",
+        "",
+        ("tests/test_mosaic_attention.py::test_automatic_choices_fit_vmem_at_released_sizes",),
+    ),
 ]
 
 

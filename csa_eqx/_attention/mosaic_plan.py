@@ -61,9 +61,13 @@ __all__ = [
 
 # The cost model of the automatic gather (TPU v5e, JAX 0.10.2; docs/kernels.md): a row DMA
 # costs ~20.5 ns whatever its size, the tiles pass runs at ~136 TFLOP/s of its own (masked,
-# dense) work.
+# dense) work; rows copied from a resident table cost ~2.3 ns a row and their per-query
+# arithmetic runs at ~96 TFLOP/s, after the table's one load at the HBM's ~820 GB/s.
 ROW_SECONDS = 20.5e-9
 TILE_FLOPS = 136e12
+COPY_SECONDS = 2.3e-9
+ROWS_FLOPS = 96e12
+HBM_BYTES_PER_SECOND = 820e9
 STEP_ROWS = 1024  # softmax rows per grid step of the automatic tiles blocks (chip-compiled)
 QUERY_BLOCKS = (16, 64)  # the automatic query block's range (see ``auto_query_block``)
 MAX_CHUNK = 512  # the automatic rows chunk's largest (see ``auto_key_block``)
@@ -109,14 +113,17 @@ class Plan(NamedTuple):
 
 class BlockSizes(NamedTuple):
     """Every automatic size of a call, resolved once (``block_sizes``): the ``query_block``, the
-    ``head_block``, the rows ``chunk``, the ``tile`` and how gathered rows (and masked picks)
-    are read, ``gather``: ``"rows"`` or ``"tiles"``."""
+    ``head_block``, the rows ``chunk``, the ``tile``, how gathered rows (and masked picks) are
+    read, ``gather``: ``"rows"`` or ``"tiles"``, and whether the cost model took rows for their
+    copies from ``resident`` tables (the VMEM search then holds them resident, or the call is
+    planned again without that choice: ``plan``)."""
 
     query_block: int
     head_block: int
     chunk: int
     tile: int
     gather: str
+    resident: bool = False
 
 
 def _sublanes(dtype) -> int:
@@ -124,9 +131,10 @@ def _sublanes(dtype) -> int:
     return 16 if dtype == jnp.bfloat16 else 8
 
 
-def block_sizes(kernel, q, reads: Reads) -> BlockSizes:
+def block_sizes(kernel, q, reads: Reads, resident_rows: bool = True) -> BlockSizes:
     """The ``MosaicAttention`` ``kernel``'s fields where set, else the automatic sizes (see
-    the module docstring); a ``ValueError`` for a head block off the queries' sublane tile."""
+    the module docstring; ``resident_rows=False``: the cost model leaves out rows copied from
+    resident tables); a ``ValueError`` for a head block off the queries' sublane tile."""
     _, s, h, d = q.shape
     sublanes = _sublanes(q.dtype)
     qb, tile = kernel.query_block_for(q.shape[0], h, reads, None), kernel.tile_block
@@ -135,14 +143,17 @@ def block_sizes(kernel, q, reads: Reads) -> BlockSizes:
     sets = [(g.keys.shape[1], g.indices.shape[-1]) for g in reads.gathered]
     if picked is not None:
         sets.append((picked.keys.shape[1], picked.picks.shape[-1]))
-    gather = kernel.gather
+    gather, resident = kernel.gather, False
     if gather == "auto":
         blocks = -(-d // LANES) + -(-value_width(reads, d) // LANES)
-        rows, tiles = (
-            gather_seconds(way, s, sets, heads, blocks * LANES, tile, qb)
-            for way in ("rows", "tiles")
-        )
-        gather = "rows" if sets and rows < tiles else "tiles"
+        # copies from a resident table for gathered sets only (masked picks as rows take XLA
+        # gathers of their entries' ends first) and where the table may be resident
+        ways = ["rows", "tiles"]
+        if resident_rows and picked is None and kernel.resident is not False:
+            ways.append("resident")
+        costs = {w: gather_seconds(w, s, sets, heads, blocks * LANES, tile, qb) for w in ways}
+        best = min(costs, key=costs.get) if sets else "tiles"
+        gather, resident = ("tiles", False) if best == "tiles" else ("rows", best == "resident")
     hb = kernel.head_block
     if not hb:  # rows: every head reads a fetched row; tiles: STEP_ROWS softmax rows a step
         hb = (
@@ -159,7 +170,7 @@ def block_sizes(kernel, q, reads: Reads) -> BlockSizes:
     if picked is not None and gather == "rows":  # the visible picks, read as gathered rows
         widths.append(picked.picks.shape[-1])
     chunk = kernel.key_block or auto_key_block(max((max(w, 1) for w in widths), default=1))
-    return BlockSizes(qb, hb, chunk, tile, gather)
+    return BlockSizes(qb, hb, chunk, tile, gather, resident)
 
 
 class _Table(NamedTuple):
@@ -293,9 +304,17 @@ class _Builder:
 
 def plan(kernel, q, reads: Reads, has_sinks: bool, scale: float) -> Plan:
     """The ``MosaicAttention`` ``kernel``'s read sets, tables, int arrays and configurations
-    for ``reads`` (see the module docstring)."""
+    for ``reads`` (see the module docstring); planned again without rows from resident tables
+    where the cost model took them but they do not fit VMEM."""
+    args = (kernel, q, reads, has_sinks, scale)
+    return _plan_with(*args, resident_rows=True) or _plan_with(*args, resident_rows=False)
+
+
+def _plan_with(kernel, q, reads: Reads, has_sinks: bool, scale: float, resident_rows: bool):
+    """``plan``, the cost model offered rows from resident tables or not (``resident_rows``);
+    ``None`` where it took them and they do not fit."""
     b, s, h, d = q.shape
-    sizes = block_sizes(kernel, q, reads)
+    sizes = block_sizes(kernel, q, reads, resident_rows)
     built = _Builder(q, sizes)
     dense = reads.dense
     picked = dense if dense is not None and dense.picks is not None else None
@@ -326,7 +345,9 @@ def plan(kernel, q, reads: Reads, has_sinks: bool, scale: float) -> Plan:
     width = value_width(reads, d)
     tabled = bool(gathered) or (dense is not None and picked is None)
     config_of = _config_of(kernel, q, sizes, built, width, has_sinks, scale)
-    config = _configs(kernel, config_of, sizes.gather, tabled, reads.band is not None)
+    config = _configs(kernel, config_of, sizes, tabled, reads.band is not None)
+    if config is None:
+        return None
     check_vmem(config[0], False)
     static = Static(
         *config,
@@ -431,13 +452,17 @@ def _band_poison(bad, key_segment, segment, window: int, before: int) -> Array:
 
 def gather_seconds(gather: str, seq: int, sets, heads: int, width: int, tile: int, qb: int):
     """The cost model of a call's gathered sets (module constants; docs/kernels.md): row DMAs
-    cost ``ROW_SECONDS`` each (one per query and index column); the tiles pass computes every
+    cost ``ROW_SECONDS`` each (one per query and index column); rows copied from a
+    ``"resident"`` table ``COPY_SECONDS`` each and their arithmetic (every head against the
+    row) at ``ROWS_FLOPS``, after the table's load (its rows ``width`` bfloat16 wide) at
+    ``HBM_BYTES_PER_SECOND``; the tiles pass computes every
     row of the tiles a query block visits for all its queries and heads at ``TILE_FLOPS``, a
     block visiting the rows up to its largest pick: ``T - min(S, T) / 2`` rows on average (half
     the table when the queries span it, as in a prefill; all of it for a few queries at its
     end, as in decoding).
 
-    **Arguments:** ``gather`` (``"rows"`` or ``"tiles"``), the queries ``seq``, the ``sets``
+    **Arguments:** ``gather`` (``"rows"``, ``"resident"`` or ``"tiles"``), the queries
+    ``seq``, the ``sets``
     (``(table rows T, index columns k)`` each), the (padded) ``heads``, the keys' and values'
     (padded) ``width`` summed, the ``tile`` and the query block ``qb``.
 
@@ -445,6 +470,9 @@ def gather_seconds(gather: str, seq: int, sets, heads: int, width: int, tile: in
     """
     if gather == "rows":
         return sum(ROW_SECONDS * seq * k for _, k in sets)
+    if gather == "resident":
+        per_row = COPY_SECONDS + heads * width * 2 / ROWS_FLOPS
+        return sum(seq * k * per_row + rows * width * 2 / HBM_BYTES_PER_SECOND for rows, k in sets)
     blocks = -(-seq // qb)
     total = 0.0
     for rows, _ in sets:
@@ -490,19 +518,24 @@ def as_tiles(config: Config) -> Config:
     return config._replace(tables=tuple(tables), sources=tuple(sources))
 
 
-def _configs(kernel, config, gather: str, tabled: bool, banded: bool):
+def _configs(kernel, config, sizes: BlockSizes, tabled: bool, banded: bool):
     """The forward's and the backward's kernel configurations: the first of the candidate
     (``resident``, HBM gradients, band slabs) whose kernels fit ``AUTO_SHARE`` of the VMEM
     limit (VMEM gradient tables first, the measured path, unless ``kernel.gradients`` says;
     within each, a band's gradient table in VMEM before slabs in HBM (only slabs for
     ``"hbm"``), and resident tables before fetched ones, for tiles and where
     ``kernel.resident`` allows), else the leanest; the backward's rows sources read as tiles
-    when their gradients go to HBM."""
-    if kernel.resident is not None:
-        residents = [kernel.resident]
+    when their gradients go to HBM. Rows the cost model took for their copies from resident
+    tables (``sizes.resident``) are only those with VMEM gradient tables (the chip's measured
+    path): ``None`` where they do not fit."""
+    if sizes.resident:
+        residents, grads = [True], [False]
     else:
-        residents = [True, False] if tabled and gather == "tiles" else [False]
-    grads = {"vmem": [False], "hbm": [True], "auto": [False, True]}[kernel.gradients]
+        if kernel.resident is not None:
+            residents = [kernel.resident]
+        else:
+            residents = [True, False] if tabled and sizes.gather == "tiles" else [False]
+        grads = {"vmem": [False], "hbm": [True], "auto": [False, True]}[kernel.gradients]
     slabs = [True] if kernel.gradients == "hbm" or not banded else [False, True]
     budget = AUTO_SHARE * kernel.vmem_limit_bytes
     candidates = [(res, hbm, slab) for hbm in grads for slab in slabs for res in residents]
@@ -511,6 +544,8 @@ def _configs(kernel, config, gather: str, tabled: bool, banded: bool):
         backward = as_tiles(forward) if hbm else forward
         if vmem_bytes(forward, False) <= budget and vmem_bytes(backward, True) <= budget:
             return forward, backward
+    if sizes.resident:
+        return None
     forward = config(*candidates[-1])
     return forward, as_tiles(forward) if candidates[-1][1] else forward
 

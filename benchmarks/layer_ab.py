@@ -1,0 +1,126 @@
+"""A/B of a layer at released sizes on an accelerator (issue 54): one layer (``--kind``, random
+bf16 weights, B = 1) at ``--seq`` tokens, its training step (``harness.fwd_bwd``) under each
+``--variants`` execution, each compiled first (its compiled memory recorded, and run only where
+it fits the device's free memory), a first call each, then ``--reps`` rounds of one call per
+variant, alternating. Model-FLOP utilisation by ``benchmarks/flops.py``'s count (the page's
+convention) of ``--peak-tflops``. Writes ``OUT/layer_ab.json``; ``--quick``: the tiny V4 layer
+with the kernels forced (a CPU smoke run, interpreted).
+
+    python -m benchmarks.layer_ab --out DIR [--kind v4_flash_csa] [--seq 32768] [--reps 3] \\
+        [--variants automatic rows] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import csa_eqx as ce
+from csa_eqx import presets
+
+from . import flops, harness
+from .accelerator_table import Program, describe_error, jax_free_bytes, needed_bytes, released_layer
+from .harness import forward
+
+# the executions compared, by name (what each forces beside the automatic choice)
+VARIANTS = {
+    "automatic": ce.Execution(),
+    "tiles": ce.Execution(attention=ce.MosaicAttention(gather="tiles")),
+    "rows": ce.Execution(attention=ce.MosaicAttention(gather="rows", resident=True)),
+}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--kind", default="v4_flash_csa", choices=("v4_flash_csa", "v32_dsa"))
+    p.add_argument("--seq", type=int, default=32768)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["automatic", "rows"])
+    p.add_argument("--peak-tflops", type=float, default=197.0)
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.quick:
+        config, seq = presets.tiny_v4("csa"), 64
+
+        def build(key):
+            return ce.V4Attention(config, key=key, dtype=jnp.bfloat16)
+
+    else:
+        config, build = released_layer(args.kind, "full")
+        seq = args.seq
+    layer = eqx.filter_jit(build)(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (1, seq, config.hidden_size), jnp.bfloat16)
+    model = flops.layer_costs(layer, seq, jnp.dtype(jnp.bfloat16).itemsize)["fwd_bwd"]
+    res: dict = dict(
+        device=str(jax.devices()[0].device_kind),
+        kind="tiny_v4" if args.quick else args.kind,
+        seq=seq,
+        model_tflop=model / 1e12,
+        peak_tflops=args.peak_tflops,
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        variants={},
+    )
+    path = args.out / "layer_ab.json"
+
+    def save():
+        path.write_text(json.dumps(res, indent=1, default=str) + "\n")
+
+    runs = {}
+    for name in args.variants:
+        execution = VARIANTS[name]
+        if args.quick and name == "automatic":  # the kernels, interpreted
+            execution = ce.Execution(selection=ce.MosaicSelection(), attention=ce.MosaicAttention())
+        variant = layer.with_execution(execution)
+        rec = res["variants"][name] = dict(execution=repr(execution))
+        t0 = time.perf_counter()
+        try:
+            program = Program(harness.fwd_bwd(forward), (variant, x)).compile()
+        except Exception as err:  # noqa: BLE001 - recorded, the other variants go on
+            rec["error"] = describe_error(err)
+            save()
+            continue
+        rec.update(memory=program.memory, kernel_calls=program.kernel_calls)
+        rec["compile_s"] = time.perf_counter() - t0
+        need, free = needed_bytes(program.memory, resident=True), jax_free_bytes()
+        if need > free:
+            rec["skipped"] = f"memory ({need / 2**30:.2f} GiB > {free / 2**30:.2f} GiB free)"
+            save()
+            continue
+        run = program.caller((variant, x))
+        t0 = time.perf_counter()
+        try:
+            out = run()
+        except Exception as err:  # noqa: BLE001
+            rec["error"] = describe_error(err)
+            save()
+            continue
+        rec["first_s"], rec["times_s"] = time.perf_counter() - t0, []
+        rec["checksum"] = float(
+            sum(jnp.sum(jnp.abs(a.astype(jnp.float32))) for a in jax.tree.leaves(out))
+        )
+        runs[name] = run
+        save()
+    for _ in range(args.reps):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            res["variants"][name]["times_s"].append(time.perf_counter() - t0)
+    for name in runs:
+        rec = res["variants"][name]
+        rec["median_ms"] = 1e3 * float(np.median(rec["times_s"]))
+        rec["mfu"] = model / (rec["median_ms"] / 1e3) / (args.peak_tflops * 1e12)
+        print(f"{name}: {rec['median_ms']:.1f} ms, MFU {100 * rec['mfu']:.1f} %", flush=True)
+    save()
+
+
+if __name__ == "__main__":
+    main()
