@@ -343,6 +343,54 @@ class Program:
         return lambda: jax.block_until_ready(self.compiled(dynamic))
 
 
+def first_call(fn: Callable, args: tuple, rec: dict) -> tuple[Callable[[], Any], Any] | None:
+    """``fn(*args)`` compiled (``Program``) and called once where it fits the device's free
+    memory (its arguments resident), for the A/B scripts: its compiled ``memory``,
+    ``kernel_calls``, ``compile_s``, ``first_s`` and an empty ``times_s`` recorded in ``rec``.
+
+    **Returns:** ``(run, outputs)``, ``run`` the blocking call; ``None`` with ``rec``'s
+    ``error`` or ``skipped`` saying why."""
+    t0 = time.perf_counter()
+    try:
+        program = Program(fn, args).compile()
+    except Exception as err:  # noqa: BLE001 - recorded, the caller goes on
+        rec["error"] = describe_error(err) if "RESOURCE" not in str(err) else str(err)[:300]
+        return None
+    rec.update(memory=program.memory, kernel_calls=program.kernel_calls)
+    rec["compile_s"] = time.perf_counter() - t0
+    need, free = needed_bytes(program.memory, resident=True), jax_free_bytes()
+    if need > free:
+        rec["skipped"] = f"memory ({need / 2**30:.2f} GiB > {free / 2**30:.2f} GiB free)"
+        return None
+    run = program.caller(args)
+    out = called_once(run, rec)
+    return None if out is None else (run, out)
+
+
+def called_once(run: Callable[[], Any], rec: dict) -> Any:
+    """``run()`` once: its ``first_s`` and an empty ``times_s`` in ``rec``. **Returns:** its
+    outputs, or ``None`` with ``rec["error"]`` saying why."""
+    t0 = time.perf_counter()
+    try:
+        out = run()
+    except Exception as err:  # noqa: BLE001 - recorded, the caller goes on
+        rec["error"] = describe_error(err)
+        return None
+    rec["first_s"], rec["times_s"] = time.perf_counter() - t0, []
+    return out
+
+
+def alternating_rounds(runs: dict, records: dict, reps: int, save: Callable = lambda: None):
+    """``reps`` rounds of one call of each of ``runs`` (by name) in turn, each call's seconds
+    appended to ``records[name]["times_s"]``, ``save()`` after each round."""
+    for _ in range(reps):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            records[name]["times_s"].append(time.perf_counter() - t0)
+        save()
+
+
 # --- the anchor: V3.2-style indexer alone ------------------------------------------------------
 
 

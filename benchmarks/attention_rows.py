@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import csa_eqx as ce
 from csa_eqx._attention import mosaic_plan
 
-from .accelerator_table import Program, describe_error, jax_free_bytes, needed_bytes
+from .accelerator_table import Program, called_once, describe_error, jax_free_bytes, needed_bytes
 
 DESIGNS = {  # in the order they compile, each pass's (forward first)
     "rows": ce.MosaicAttention(gather="rows", resident=True),
@@ -210,15 +210,10 @@ class Bench:
                 rec = results[f"{pattern} {name} {kind}"] = {}
                 args = (*(arrays[k] for k in ARRAYS), idx)
                 run = program.caller(args)
-                t0 = time.perf_counter()
-                try:
-                    out = run()
-                except Exception as err:  # noqa: BLE001
-                    rec["error"] = describe_error(err)
+                out = called_once(run, rec)
+                if out is None:
                     continue
-                rec["first_s"] = time.perf_counter() - t0
                 rec["checksum"] = [[float(v) for v in s] for s in checksum(out)]
-                rec["times_s"] = []
                 del out
                 runs[pattern, name, kind] = run
                 self.save()

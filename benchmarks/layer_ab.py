@@ -26,7 +26,7 @@ import csa_eqx as ce
 from csa_eqx import presets
 
 from . import flops, harness
-from .accelerator_table import Program, describe_error, jax_free_bytes, needed_bytes, released_layer
+from .accelerator_table import alternating_rounds, first_call, released_layer
 from .harness import forward
 
 # the executions compared, by name (what each forces beside the automatic choice)
@@ -81,39 +81,13 @@ def main(argv=None) -> None:
             execution = ce.Execution(selection=ce.MosaicSelection(), attention=ce.MosaicAttention())
         variant = layer.with_execution(execution)
         rec = res["variants"][name] = dict(execution=repr(execution))
-        t0 = time.perf_counter()
-        try:
-            program = Program(harness.fwd_bwd(forward), (variant, x)).compile()
-        except Exception as err:  # noqa: BLE001 - recorded, the other variants go on
-            rec["error"] = describe_error(err)
-            save()
-            continue
-        rec.update(memory=program.memory, kernel_calls=program.kernel_calls)
-        rec["compile_s"] = time.perf_counter() - t0
-        need, free = needed_bytes(program.memory, resident=True), jax_free_bytes()
-        if need > free:
-            rec["skipped"] = f"memory ({need / 2**30:.2f} GiB > {free / 2**30:.2f} GiB free)"
-            save()
-            continue
-        run = program.caller((variant, x))
-        t0 = time.perf_counter()
-        try:
-            out = run()
-        except Exception as err:  # noqa: BLE001
-            rec["error"] = describe_error(err)
-            save()
-            continue
-        rec["first_s"], rec["times_s"] = time.perf_counter() - t0, []
-        rec["checksum"] = float(
-            sum(jnp.sum(jnp.abs(a.astype(jnp.float32))) for a in jax.tree.leaves(out))
-        )
-        runs[name] = run
+        called = first_call(harness.fwd_bwd(forward), (variant, x), rec)
+        if called is not None:
+            runs[name], out = called
+            leaves = jax.tree.leaves(out)
+            rec["checksum"] = float(sum(jnp.sum(jnp.abs(a.astype(jnp.float32))) for a in leaves))
         save()
-    for _ in range(args.reps):
-        for name, run in runs.items():
-            t0 = time.perf_counter()
-            run()
-            res["variants"][name]["times_s"].append(time.perf_counter() - t0)
+    alternating_rounds(runs, res["variants"], args.reps, save)
     for name in runs:
         rec = res["variants"][name]
         rec["median_ms"] = 1e3 * float(np.median(rec["times_s"]))

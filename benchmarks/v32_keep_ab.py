@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import equinox as eqx
@@ -27,7 +26,7 @@ from csa_eqx import presets
 from csa_eqx._layers import v32
 
 from . import harness
-from .accelerator_table import Program, describe_error, jax_free_bytes, needed_bytes, released_layer
+from .accelerator_table import alternating_rounds, first_call, released_layer
 from .harness import forward
 
 
@@ -71,37 +70,11 @@ def main(argv=None) -> None:
         rec = res["variants"][name] = dict(
             KEEP=keep, groups=groups, keep=v32.kept_groups(shape, groups, config.kv_lora_rank)
         )
-        t0 = time.perf_counter()
-        try:
-            program = Program(harness.fwd_bwd(forward), (layer, x)).compile()
-        except Exception as err:  # noqa: BLE001 - recorded, the other variant goes on
-            rec["error"] = describe_error(err) if "RESOURCE" not in str(err) else str(err)[:300]
-            save()
-            continue
-        rec.update(memory=program.memory, kernel_calls=program.kernel_calls)
-        rec["compile_s"] = time.perf_counter() - t0
-        need, free = needed_bytes(program.memory, resident=True), jax_free_bytes()
-        if need > free:
-            rec["skipped"] = f"memory ({need / 2**30:.2f} GiB > {free / 2**30:.2f} GiB free)"
-            save()
-            continue
-        run = program.caller((layer, x))
-        t0 = time.perf_counter()
-        try:
-            run()
-        except Exception as err:  # noqa: BLE001
-            rec["error"] = describe_error(err)
-            save()
-            continue
-        rec["first_s"], rec["times_s"] = time.perf_counter() - t0, []
-        runs[name] = run
+        called = first_call(harness.fwd_bwd(forward), (layer, x), rec)
+        if called is not None:
+            runs[name] = called[0]
         save()
-    for _ in range(args.reps):
-        for name, run in runs.items():
-            t0 = time.perf_counter()
-            run()
-            res["variants"][name]["times_s"].append(time.perf_counter() - t0)
-            save()
+    alternating_rounds(runs, res["variants"], args.reps, save)
     print(json.dumps(res, indent=1, default=str), flush=True)
 
 
