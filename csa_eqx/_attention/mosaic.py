@@ -63,10 +63,11 @@ class MosaicAttention(AbstractAttentionKernel):
     attention (``DeepSeekInference``) are refused with a ``ValueError``. The ``query_block``
     that ``Execution`` passes (sized for XLA's buffers) is ignored.
 
-    The defaults are ``AutoAttention``'s choice on a TPU: gathered rows as tiles unless the
-    measured cost model says row DMAs are cheaper (decoding, very long sequences), tables
-    resident in VMEM and the backward's gradient tables in VMEM where they fit (docs/kernels.md,
-    "The Mosaic attention kernel (TPU)").
+    The defaults are ``AutoAttention``'s choice on a TPU: gathered rows read as the measured
+    cost model says is cheapest: as tiles (short prefill), copied from a table resident in VMEM
+    (V4-Flash prefill past 16k tokens, where the table and its gradients fit VMEM) or by DMA
+    (decoding, very long sequences); tables resident in VMEM and the backward's gradient tables
+    in VMEM where they fit (docs/kernels.md, "The automatic configuration").
 
     **Arguments:**
 
@@ -81,8 +82,9 @@ class MosaicAttention(AbstractAttentionKernel):
         chunks of ``key_block``), ``"tiles"`` (the table's tiles up to the query block's
         largest index, masked to each query's picks) or ``"auto"``.
     - ``resident``: hold each gathered / dense table in VMEM for a whole batch row (rows copied
-        by vector loads, tiles read in place) instead of fetching from HBM (``None``: where it fits,
-        for tiles).
+        by vector loads, tiles read in place) instead of fetching from HBM (``None``: where it
+        fits, for tiles, and for rows where the cost model took their copies; ``False`` also
+        keeps the cost model from taking them).
     - ``gradients``: where the backward accumulates the tables' float32 gradients: ``"vmem"``,
         ``"hbm"`` (tile by tile; a rows source's backward then reads its rows as tiles; a
         band's as one slab per query block) or ``"auto"`` (VMEM where it fits; a band's
