@@ -3,14 +3,15 @@ CPU in float32 on the same inputs: outputs, ``lse`` and the gradients of the que
 tables and the sinks, on V4-Flash CSA reads (64 heads x 512: picks among compressed entries
 and a 128-token window over two packed documents, sinks), the same reads with the benchmark
 layer's 4 heads x 64, and V3.2 DSA reads (128 heads over a 576-wide latent whose first 512
-features are the values), for the automatic configuration (the
-one ``AutoAttention`` takes on a TPU: tiles, prefill and decoding) and the forced designs it
-does not take (rows copied by vector loads from a resident table, gradients added in HBM, a
-rows backward read as tiles). Tolerances, relative to the reference's largest magnitude:
-bfloat16 inputs 3e-2, float32 under ``jax.default_matmul_precision("highest")`` 2e-4. The
-randomised sweep of ``test_mosaic_attention.py`` (tests/mosaic_sweep.py, issue 57) runs here
-too, compiled by Mosaic: its settings with row chunks of 128, 40 drawn examples each, against
-the numpy formula (and its ``jnp`` autodiff on the CPU device).
+features are the values), for the automatic configuration (the one ``AutoAttention`` takes on a
+TPU at these short lengths: tiles for prefill, row DMAs or, for the few-head layer, rows copied
+from a resident table for decoding) and forced designs (rows copied by vector loads from a
+resident table, as V4-Flash prefill past 16k takes them; gradients added in HBM; a rows
+backward read as tiles). Tolerances, relative to the reference's largest magnitude: bfloat16
+inputs 3e-2, float32 under ``jax.default_matmul_precision("highest")`` 2e-4. The randomised
+sweep of ``test_mosaic_attention.py`` (tests/mosaic_sweep.py, issue 57) runs here too, compiled
+by Mosaic: its settings with row chunks of 128, 40 drawn examples each, against the numpy
+formula (and its ``jnp`` autodiff on the CPU device).
 
 Collected everywhere; skipped unless a TPU is present. Run on a TPU machine (both backends,
 the CPU's for the reference)::
@@ -143,8 +144,9 @@ AUTOMATIC = MosaicAttention()
 @pytest.mark.parametrize("problem", [V4, V32, V4_DECODE, FEW, FEW_DECODE], ids=lambda p: p.name)
 def test_the_automatic_kernel_on_the_chip(problem, dtype):
     """``AutoAttention``'s kernel on a TPU: tiles for the prefills (V3.2 in two head blocks),
-    row DMAs for decoding; for 4 heads x 64, 64 queries a step with the query-side arrays
-    unpadded in HBM and the band's gradient table in VMEM."""
+    row DMAs for V4-Flash's decoding and rows copied from a resident table for the few-head
+    layer's (its table loads faster than its row DMAs); for 4 heads x 64, 64 queries a step
+    with the query-side arrays unpadded in HBM and the band's gradient table in VMEM."""
     compare(AUTOMATIC, problem, dtype)
 
 
