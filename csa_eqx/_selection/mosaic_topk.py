@@ -333,7 +333,10 @@ def _compact(step: _Step, lo, last, pend, out_ref) -> None:
     for t in range(n_out):
         pend[t] = jnp.full((qb, lanes), _EMPTY, jnp.int32)
     row, col = (jax.lax.broadcasted_iota(jnp.int32, (lanes, lanes), a) for a in (0, 1))
+    # ranks (an upper triangle) and each row's pick count on every lane (all ones): the
+    # per-row values stay lane-replicated, no lane broadcast per chunk
     upper = jnp.where(row <= col, 1.0, 0.0).astype(jnp.bfloat16)
+    both = jnp.concatenate([upper, jnp.ones_like(upper)], axis=1)
 
     def flush(tile, full, slot):
         """Write ``tile``'s rows where ``full`` to their output tile ``slot`` (visiting only
@@ -343,8 +346,8 @@ def _compact(step: _Step, lo, last, pend, out_ref) -> None:
             pend[u] = jnp.where(full & (slot == u), tile, pend[u])
             return 0
 
-        first = jnp.maximum(jnp.min(jnp.where(full, slot, n_out)), 0)
-        stop = jnp.minimum(jnp.max(jnp.where(full, slot + 1, 0)), n_out)
+        first = jnp.maximum(jnp.min(jnp.where(full, slot, n_out)[:, :1]), 0)
+        stop = jnp.minimum(jnp.max(jnp.where(full, slot + 1, 0)[:, :1]), n_out)
         jax.lax.fori_loop(first, stop, put, 0)
 
     def chunk_of(keys, first, carry):
@@ -352,8 +355,8 @@ def _compact(step: _Step, lo, last, pend, out_ref) -> None:
         index = first + lane
         pick = (keys > lo_b) | ((keys == lo_b) & (index <= last_b))
         ones = jnp.where(pick, 1.0, 0.0).astype(jnp.bfloat16)
-        rank = dot(ones, upper, precision(ones.dtype)).astype(jnp.int32)
-        n = rank[:, lanes - 1 : lanes]
+        counts = dot(ones, both, precision(ones.dtype)).astype(jnp.int32)
+        rank, n = counts[:, :lanes], counts[:, lanes:]
         v = jnp.where(pick, ((lane + 1 - rank) << _INDEX_BITS) | index, _EMPTY)
         for b in range(steps):  # each pick left by its displacement, bit b
             y = pltpu.roll(v, lanes - (1 << b), 1)  # y[p] = v[p + 2^b]
@@ -361,7 +364,7 @@ def _compact(step: _Step, lo, last, pend, out_ref) -> None:
             v = jnp.where((y << (7 - b)) < 0, y, jnp.where(moves, _EMPTY, v))
         v = v & _EMPTY
         for b in range(steps):  # rotate right by the row's fill level
-            v = jnp.where(((fill >> b) & 1) == 1, pltpu.roll(v, 1 << b, 1), v)
+            v = jnp.where((fill << (31 - b)) < 0, pltpu.roll(v, 1 << b, 1), v)
         merged = jnp.where(lane >= fill, v, held)
         full = fill + n >= lanes
         flush(merged, full, slot)
@@ -373,7 +376,7 @@ def _compact(step: _Step, lo, last, pend, out_ref) -> None:
             carry = chunk_of(step.buf[j, :, pl.ds(c * lanes, lanes)], j * kt + c * lanes, carry)
         return carry
 
-    zero = jnp.zeros((qb, 1), jnp.int32)
+    zero = jnp.zeros((qb, lanes), jnp.int32)
     carry = (jnp.full((qb, lanes), _EMPTY, jnp.int32), zero, zero)
     held, fill, slot = jax.lax.fori_loop(step.t0, step.t1, compact, carry)
     flush(held, fill > 0, slot)
