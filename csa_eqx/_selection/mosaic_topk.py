@@ -68,8 +68,10 @@ NAME = "indexer_topk_mosaic"
 SEARCHES = ("bisect", "early", "secant")
 MIN_QUERY_BLOCK = 16  # Mosaic's sublane tile for bf16 (8 for float32): the smallest TPU block
 INVALID = np.iinfo(np.int32).min  # the key of an invisible entry (below every score's key)
-_INDEX_BITS = 24  # a packed pick: entry index in bits 0..23, its displacement in bits 24..30
-_EMPTY = (1 << _INDEX_BITS) - 1  # a lane without a pick (displacement 0: it never moves)
+_INDEX_BITS = 24  # entry indices below 2^24 (exact in float32; _EMPTY above them all)
+_EMPTY = (1 << _INDEX_BITS) - 1  # a lane without a pick
+_VALID = 128  # a packed pick's byte: this bit, and its displacement (below 128) in bits 0..6
+_BYTES = 0x01010101
 _MAX_STEPS = 64  # "secant": at most 32 halvings, one every other step
 _VMEM_CAP = 96 << 20  # a step's estimate (vmem_bytes), of a v5e's 128 MiB
 _VMEM_LIMIT = 120 << 20  # the limit asked of Mosaic: the estimate with room for its temporaries
@@ -324,11 +326,61 @@ def _last_tie(step: _Step, k: int, lo, c_lo, c_hi):
     return jax.lax.while_loop(ties_left, tie_step, (0, bounds))[1][0]
 
 
+def _byte_mask(x: Array, bit: int) -> Array:
+    """Per byte of ``x``, all ones where the byte's ``bit`` is set (no carry crosses a byte:
+    each byte of ``t`` is 0 or 1, and ``255 t`` is ``(t << 8) - t``)."""
+    t = (x >> bit) & _BYTES
+    return (t << 8) - t
+
+
+def _pack_rows(x: Array, pack: int) -> Array:
+    """``[R, L]`` bytes as ``[R / pack, L]`` int32: row slab ``i`` in byte ``i``."""
+    h = x.shape[0] // pack
+    out = x[:h]
+    for i in range(1, pack):
+        out = out | (x[i * h : (i + 1) * h] << (8 * i))
+    return out
+
+
+def _unpack_rows(x: Array, pack: int) -> Array:
+    """``_pack_rows`` undone."""
+    return jnp.concatenate([(x >> (8 * i)) & 255 for i in range(pack)], axis=0)
+
+
+def _moved(packed: Array, fill: Array, lanes: int) -> Array:
+    """The compaction's moves on packed bytes (``_VALID`` and a pick's displacement; 0 where
+    none): each pick left by its displacement, one bit per ``roll`` from the least significant
+    (collision-free: displacements do not decrease along the picks), then all right by the
+    row's ``fill`` (packed alike), one ``roll`` per bit. Four rows' bytes share a lane, so a
+    ``roll`` (the XLU's, the phase's bottleneck) moves four rows at once."""
+    steps = lanes.bit_length() - 1
+    for b in range(steps):
+        moving = packed & _byte_mask(packed, b)  # the bytes moving 2^b lanes left
+        packed = pltpu.roll(moving, lanes - (1 << b), 1) | (packed ^ moving)
+    for b in range(steps):
+        moving = packed & _byte_mask(fill, b)
+        packed = pltpu.roll(moving, 1 << b, 1) | (packed ^ moving)
+    return packed
+
+
+def _small_int(x: Array) -> Array:
+    """Exact integers ``0 <= x < 2^23`` (float32) as int32: ``x + 2^23``'s mantissa bits (an add
+    and a subtract, where a cast rounds toward zero with four operations)."""
+    return jax.lax.bitcast_convert_type(x + 2.0**23, jnp.int32) - 0x4B000000
+
+
+def _row_pack(qb: int) -> int:
+    """The row slabs packed into one int32 lane by ``_compact``: 4 where each slab is whole
+    sublane tiles (8 rows; a TPU's query blocks are multiples of 16), fewer otherwise (small
+    blocks, interpreted, pack single rows)."""
+    return next(p for p in (4, 2, 1) if qb % (8 * p) == 0 or (qb < MIN_QUERY_BLOCK and qb % p == 0))
+
+
 def _compact(step: _Step, lo, last, pend, out_ref) -> None:
     """Phase 4: the picks (keys above ``lo``, and ties at it up to index ``last``) compacted
     into the output tiles in increasing index order."""
     qb, kt, lanes, n_out = step.blocks
-    steps, lane = lanes.bit_length() - 1, step.lane()
+    lane, pack = step.lane(), _row_pack(qb)
     lo_b, last_b = (jnp.broadcast_to(x, (qb, lanes)) for x in (lo, last))
     for t in range(n_out):
         pend[t] = jnp.full((qb, lanes), _EMPTY, jnp.int32)
@@ -355,16 +407,14 @@ def _compact(step: _Step, lo, last, pend, out_ref) -> None:
         index = first + lane
         pick = (keys > lo_b) | ((keys == lo_b) & (index <= last_b))
         ones = jnp.where(pick, 1.0, 0.0).astype(jnp.bfloat16)
-        counts = dot(ones, both, precision(ones.dtype)).astype(jnp.int32)
+        counts = _small_int(dot(ones, both, precision(ones.dtype)))
         rank, n = counts[:, :lanes], counts[:, lanes:]
-        v = jnp.where(pick, ((lane + 1 - rank) << _INDEX_BITS) | index, _EMPTY)
-        for b in range(steps):  # each pick left by its displacement, bit b
-            y = pltpu.roll(v, lanes - (1 << b), 1)  # y[p] = v[p + 2^b]
-            moves = (v << (7 - b)) < 0
-            v = jnp.where((y << (7 - b)) < 0, y, jnp.where(moves, _EMPTY, v))
-        v = v & _EMPTY
-        for b in range(steps):  # rotate right by the row's fill level
-            v = jnp.where((fill << (31 - b)) < 0, pltpu.roll(v, 1 << b, 1), v)
+        byte = jnp.where(pick, _VALID | (lane + 1 - rank), 0)  # its displacement
+        byte = _unpack_rows(_moved(_pack_rows(byte, pack), _pack_rows(fill, pack), lanes), pack)
+        # a pick's lane before the moves: its place among the chunk's picks (the lane less the
+        # fill) plus its displacement
+        at = first + ((lane - fill) & (lanes - 1)) + (byte & (_VALID - 1))
+        v = jnp.where(byte >= _VALID, at, _EMPTY)
         merged = jnp.where(lane >= fill, v, held)
         full = fill + n >= lanes
         flush(merged, full, slot)
