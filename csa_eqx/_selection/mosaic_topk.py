@@ -417,13 +417,20 @@ def _compact(step: _Step, lo, last, pend, out_ref) -> None:
         v = jnp.where(byte >= _VALID, at, _EMPTY)
         merged = jnp.where(lane >= fill, v, held)
         full = fill + n >= lanes
-        flush(merged, full, slot)
         held = jnp.where(full, jnp.where(lane < fill, v, _EMPTY), merged)
-        return held, fill + n - jnp.where(full, lanes, 0), slot + jnp.where(full, 1, 0)
+        carry = held, fill + n - jnp.where(full, lanes, 0), slot + jnp.where(full, 1, 0)
+        return carry, (merged, full, slot)
 
     def compact(j, carry):
+        flushes = []
         for c in range(kt // lanes):
-            carry = chunk_of(step.buf[j, :, pl.ds(c * lanes, lanes)], j * kt + c * lanes, carry)
+            first = j * kt + c * lanes
+            carry, flushed = chunk_of(step.buf[j, :, pl.ds(c * lanes, lanes)], first, carry)
+            flushes.append(flushed)
+        # the tile's flushes (loops, which the scheduler does not cross) after all its chunks,
+        # whose moves may then overlap: a row fills at most one tile a chunk
+        for flushed in flushes:
+            flush(*flushed)
         return carry
 
     zero = jnp.zeros((qb, lanes), jnp.int32)
