@@ -347,19 +347,14 @@ def _unpack_rows(x: Array, pack: int) -> Array:
     return jnp.concatenate([(x >> (8 * i)) & 255 for i in range(pack)], axis=0)
 
 
-def _moved(packed: Array, fill: Array, lanes: int) -> Array:
+def _moved(packed: Array, lanes: int) -> Array:
     """The compaction's moves on packed bytes (``_VALID`` and a pick's displacement; 0 where
     none): each pick left by its displacement, one bit per ``roll`` from the least significant
-    (collision-free: displacements do not decrease along the picks), then all right by the
-    row's ``fill`` (packed alike), one ``roll`` per bit. Four rows' bytes share a lane, so a
-    ``roll`` (the XLU's, the phase's bottleneck) moves four rows at once."""
-    steps = lanes.bit_length() - 1
-    for b in range(steps):
+    (collision-free: displacements do not decrease along the picks). Four rows' bytes share a
+    lane, so a ``roll`` (the XLU's, the phase's bottleneck) moves four rows at once."""
+    for b in range(lanes.bit_length() - 1):
         moving = packed & _byte_mask(packed, b)  # the bytes moving 2^b lanes left
         packed = pltpu.roll(moving, lanes - (1 << b), 1) | (packed ^ moving)
-    for b in range(steps):
-        moving = packed & _byte_mask(fill, b)
-        packed = pltpu.roll(moving, 1 << b, 1) | (packed ^ moving)
     return packed
 
 
@@ -410,10 +405,13 @@ def _compact(step: _Step, lo, last, pend, out_ref) -> None:
         counts = _small_int(dot(ones, both, precision(ones.dtype)))
         rank, n = counts[:, :lanes], counts[:, lanes:]
         byte = jnp.where(pick, _VALID | (lane + 1 - rank), 0)  # its displacement
-        byte = _unpack_rows(_moved(_pack_rows(byte, pack), _pack_rows(fill, pack), lanes), pack)
+        byte = _unpack_rows(_moved(_pack_rows(byte, pack), lanes), pack)
+        # right by the row's fill: one lane gather (seven rolls of the packed bytes before)
+        place = (lane - fill) & (lanes - 1)
+        byte = jnp.take_along_axis(byte, place, axis=1, mode="promise_in_bounds")
         # a pick's lane before the moves: its place among the chunk's picks (the lane less the
         # fill) plus its displacement
-        at = first + ((lane - fill) & (lanes - 1)) + (byte & (_VALID - 1))
+        at = first + place + (byte & (_VALID - 1))
         v = jnp.where(byte >= _VALID, at, _EMPTY)
         merged = jnp.where(lane >= fill, v, held)
         full = fill + n >= lanes
