@@ -72,6 +72,7 @@ _INDEX_BITS = 24  # entry indices below 2^24 (exact in float32; _EMPTY above the
 _EMPTY = (1 << _INDEX_BITS) - 1  # a lane without a pick
 _VALID = 128  # a packed pick's byte: this bit, and its displacement (below 128) in bits 0..6
 _BYTES = 0x01010101
+_COUNT_ROWS = 64  # the rows of a counting pass's slab (Step.count)
 _MAX_STEPS = 64  # "secant": at most 32 halvings, one every other step
 _VMEM_CAP = 96 << 20  # a step's estimate (vmem_bytes), of a v5e's 128 MiB
 _VMEM_LIMIT = 120 << 20  # the limit asked of Mosaic: the estimate with room for its temporaries
@@ -198,20 +199,34 @@ class _Step(NamedTuple):
     def lane(self) -> Array:
         return jax.lax.broadcasted_iota(jnp.int32, (self.blocks.query_block, self.blocks.lanes), 1)
 
-    def count(self, pred, stop=None) -> Array:
-        """Per row, how many entries of the visible tiles satisfy ``pred(keys, first index)``,
-        float32 ``[Qb, 1]``: accumulated vreg-wise, one cross-lane sum."""
+    def count(self, pred, operands, stop=None) -> Array:
+        """Per row, how many entries of the visible tiles satisfy ``pred(keys, first index,
+        *operands)`` (``operands``: ``[Qb, lanes]`` arrays, sliced to the rows of ``keys``),
+        float32 ``[Qb, 1]``: accumulated vreg-wise, one cross-lane sum. A slab of rows at a
+        time, its operands carried through the loop: the whole block's running counts and
+        operands (64 vregs at 256 rows) filled the register file and spilled, and operands
+        left to the loop were broadcast again in every iteration."""
         qb, kt, lanes = self.blocks.query_block, self.blocks.tile, self.blocks.lanes
-
-        def body(j, acc):
-            for c in range(kt // lanes):
-                cols = pl.ds(c * lanes, lanes)
-                acc = acc + jnp.where(pred(self.buf[j, :, cols], j * kt + c * lanes), 1.0, 0.0)
-            return acc
-
+        slab = _COUNT_ROWS if qb % _COUNT_ROWS == 0 else qb
         end = self.t1 if stop is None else jnp.minimum(self.t1, stop)
-        acc = jax.lax.fori_loop(self.t0, end, body, jnp.zeros((qb, lanes), jnp.float32))
-        return jnp.sum(acc, axis=1, keepdims=True)
+
+        def rows_count(rows: slice) -> Array:
+            def body(j, carry):
+                acc, ops = carry
+                ones = []
+                for c in range(kt // lanes):
+                    keys = self.buf[j, rows, pl.ds(c * lanes, lanes)]
+                    ones.append(jnp.where(pred(keys, j * kt + c * lanes, *ops), 1.0, 0.0))
+                while len(ones) > 1:  # summed as a tree: a shorter chain of adds
+                    ones = [a + b for a, b in zip(ones[::2], ones[1::2], strict=True)]
+                return acc + ones[0], ops
+
+            init = jnp.zeros((slab, lanes), jnp.float32), tuple(x[rows] for x in operands)
+            acc = jax.lax.fori_loop(self.t0, end, body, init)[0]
+            return jnp.sum(acc, axis=1, keepdims=True)
+
+        sums = [rows_count(slice(r, r + slab)) for r in range(0, qb, slab)]
+        return jnp.concatenate(sums, axis=0)
 
 
 def _any_row(mask: Array) -> Array:
@@ -261,7 +276,7 @@ def _threshold(step: _Step, k: int, search: str, valid, low, high):
         lo, hi, c_lo, c_hi = state
         x = jnp.where(active(state), guess, lo)
         x_b = jnp.broadcast_to(x, (qb, lanes))
-        c = step.count(lambda keys, _: keys >= x_b)
+        c = step.count(lambda keys, _, x: keys >= x, (x_b,))
         up = c >= kf
         lo, c_lo = jnp.where(up, x, lo), jnp.where(up, c, c_lo)
         return lo, jnp.where(up, hi, x - 1), c_lo, jnp.where(up, c_hi, c)
@@ -308,12 +323,15 @@ def _last_tie(step: _Step, k: int, lo, c_lo, c_hi):
     lo_b = jnp.broadcast_to(lo, (qb, lanes))
     none = jnp.full((qb, 1), step.buf.shape[0] * kt, jnp.int32)  # above every index
 
+    def tied(keys, first, lo, bound):  # bound: the index tried, less the lane
+        return (keys == lo) & (first <= bound)
+
     def tie_step(carry):
         n, (j_lo, j_hi) = carry
         mid = (j_lo + j_hi) >> 1
         mid_b = jnp.broadcast_to(mid, (qb, lanes))
         stop = (jnp.max(jnp.where(j_lo < j_hi, mid, 0)) >> tile_bits) + 1
-        c = step.count(lambda keys, first: (keys == lo_b) & (first + lane <= mid_b), stop)
+        c = step.count(tied, (lo_b, mid_b - lane), stop)
         enough = (c >= room) | (j_lo >= j_hi)
         return n + 1, (jnp.where(enough, j_lo, mid + 1), jnp.where(enough, mid, j_hi))
 
