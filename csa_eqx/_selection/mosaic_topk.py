@@ -16,18 +16,20 @@ tile range scalar-prefetched into SMEM) and works in VMEM:
    range in a ``[tiles, Qb, Kt]`` buffer.
 2. **Threshold** (``_threshold``). Per query, the largest key ``x`` with at least ``k`` keys
    ``>= x``, by a search over the integer keys whose every step is one counting pass over the
-   buffer (compare and add, accumulated vreg-wise, one cross-lane sum per pass): ``"bisect"``
+   buffer (compare and add, accumulated vreg-wise a slab of 64 rows at a time, one cross-lane
+   sum per pass): ``"bisect"``
    (32 halvings), ``"early"`` (halvings from the row's score range, stopping when a count is
    exactly ``k``) or ``"secant"`` (interpolated guesses alternating with halvings).
 3. **Ties** (``_last_tie``). Where more than ``k`` keys reach the threshold, the lowest-index
    ``room`` of the tied ones: a second search over the entry index (the count of tied entries
    with an index ``<= j``), no prefix sum.
 4. **Compaction** (``_compact``). The picks in increasing index order, 128 lanes at a time:
-   ranks by a matmul with a triangular 0/1 matrix; each pick moves left by its displacement, one
+   ranks by a matmul with a triangular 0/1 matrix; a pick's displacement and a valid bit as a
+   byte, four row slabs' bytes to an int32 lane; each pick moves left by its displacement, one
    bit of it per ``pltpu.roll`` step from the least significant (collision-free: displacements
-   do not decrease along the picks); the compacted lanes are rotated to the row's fill level
-   (one ``roll`` per bit) into a pending 128-lane tile, which is written to the row's next
-   output tile once full.
+   do not decrease along the picks); the bytes unpacked, rotated to the row's fill level by
+   one lane gather and the picks' indices recovered (their place plus their displacement) into
+   a pending 128-lane tile, which is written to the row's next output tile once full.
 
 Given the same scores this is ``select_topk`` exactly (ties to the lower index, picks in
 increasing index order, ``-1`` past the visible count). It runs where ``run_mosaic`` says:
