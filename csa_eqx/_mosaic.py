@@ -12,9 +12,19 @@ import jax.numpy as jnp
 from ._backend import Interpret, kernel_interpret
 from ._dispatch import launch
 
-__all__ = ["LANES", "MOSAIC_REFUSED", "run_mosaic", "round_up", "precision", "dot", "dot_nt"]
+__all__ = [
+    "LANES",
+    "MIN_QUERY_BLOCK",
+    "MOSAIC_REFUSED",
+    "run_mosaic",
+    "round_up",
+    "precision",
+    "dot",
+    "dot_nt",
+]
 
 LANES = 128  # a vreg's lanes: the last dimension of Mosaic's (8, 128) tiles
+MIN_QUERY_BLOCK = 16  # Mosaic's sublane tile for bf16 (8 for float32): the smallest TPU block
 MOSAIC_REFUSED = (
     "csa_eqx's Pallas kernel {name!r} is a Mosaic (TPU) kernel and runs only on a TPU (and "
     "interpreted on the CPU): the automatic choices take it on a TPU only; force another "

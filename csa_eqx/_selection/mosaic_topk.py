@@ -17,19 +17,14 @@ tile range scalar-prefetched into SMEM) and works in VMEM:
 2. **Threshold** (``_threshold``). Per query, the largest key ``x`` with at least ``k`` keys
    ``>= x``, by a search over the integer keys whose every step is one counting pass over the
    buffer (compare and add, accumulated vreg-wise a slab of 64 rows at a time, one cross-lane
-   sum per pass): ``"bisect"``
-   (32 halvings), ``"early"`` (halvings from the row's score range, stopping when a count is
-   exactly ``k``) or ``"secant"`` (interpolated guesses alternating with halvings).
+   sum per pass): ``"bisect"`` (32 halvings), ``"early"`` (halvings from the row's score
+   range, stopping when a count is exactly ``k``) or ``"secant"`` (interpolated guesses
+   alternating with halvings).
 3. **Ties** (``_last_tie``). Where more than ``k`` keys reach the threshold, the lowest-index
    ``room`` of the tied ones: a second search over the entry index (the count of tied entries
    with an index ``<= j``), no prefix sum.
-4. **Compaction** (``_compact``). The picks in increasing index order, 128 lanes at a time:
-   ranks by a matmul with a triangular 0/1 matrix; a pick's displacement and a valid bit as a
-   byte, four row slabs' bytes to an int32 lane; each pick moves left by its displacement, one
-   bit of it per ``pltpu.roll`` step from the least significant (collision-free: displacements
-   do not decrease along the picks); the bytes unpacked, rotated to the row's fill level by
-   one lane gather and the picks' indices recovered (their place plus their displacement) into
-   a pending 128-lane tile, which is written to the row's next output tile once full.
+4. **Compaction** (``mosaic_compact.compact``). The picks in increasing index order, into
+   the output tiles 128 lanes at a time (that module's docstring says how).
 
 Given the same scores this is ``select_topk`` exactly (ties to the lower index, picks in
 increasing index order, ``-1`` past the visible count). It runs where ``run_mosaic`` says:
@@ -51,9 +46,10 @@ from jaxtyping import Array, Float, Int
 
 from .._blocks import key_block_ranges, padded_keys
 from .._layout import EntryLayout
-from .._mosaic import LANES, dot, dot_nt, precision, round_up, run_mosaic
+from .._mosaic import LANES, MIN_QUERY_BLOCK, dot_nt, precision, round_up, run_mosaic
 from .._ops import pad_axis
 from .._topk import signed_keys
+from .mosaic_compact import EMPTY, INDEX_BITS, compact
 
 __all__ = [
     "SEARCHES",
@@ -68,12 +64,7 @@ __all__ = [
 
 NAME = "indexer_topk_mosaic"
 SEARCHES = ("bisect", "early", "secant")
-MIN_QUERY_BLOCK = 16  # Mosaic's sublane tile for bf16 (8 for float32): the smallest TPU block
 INVALID = np.iinfo(np.int32).min  # the key of an invisible entry (below every score's key)
-_INDEX_BITS = 24  # entry indices below 2^24 (exact in float32; _EMPTY above them all)
-_EMPTY = (1 << _INDEX_BITS) - 1  # a lane without a pick
-_VALID = 128  # a packed pick's byte: this bit, and its displacement (below 128) in bits 0..6
-_BYTES = 0x01010101
 _COUNT_ROWS = 64  # the rows of a counting pass's slab (Step.count)
 _MAX_STEPS = 64  # "secant": at most 32 halvings, one every other step
 _VMEM_CAP = 96 << 20  # a step's estimate (vmem_bytes), of a v5e's 128 MiB
@@ -339,125 +330,11 @@ def _last_tie(step: _Step, k: int, lo, c_lo, c_hi):
 
     def ties_left(carry):
         n, (j_lo, j_hi) = carry
-        return (n < _INDEX_BITS + 2) & _any_row(j_lo < j_hi)
+        return (n < INDEX_BITS + 2) & _any_row(j_lo < j_hi)
 
     tied_rows = c_lo > float(k)
     bounds = (jnp.where(tied_rows, 0, none), jnp.where(tied_rows, none - 1, none))
     return jax.lax.while_loop(ties_left, tie_step, (0, bounds))[1][0]
-
-
-def _byte_mask(x: Array, bit: int) -> Array:
-    """Per byte of ``x``, all ones where the byte's ``bit`` is set (no carry crosses a byte:
-    each byte of ``t`` is 0 or 1, and ``255 t`` is ``(t << 8) - t``)."""
-    t = (x >> bit) & _BYTES
-    return (t << 8) - t
-
-
-def _pack_rows(x: Array, pack: int) -> Array:
-    """``[R, L]`` bytes as ``[R / pack, L]`` int32: row slab ``i`` in byte ``i``."""
-    h = x.shape[0] // pack
-    out = x[:h]
-    for i in range(1, pack):
-        out = out | (x[i * h : (i + 1) * h] << (8 * i))
-    return out
-
-
-def _unpack_rows(x: Array, pack: int) -> Array:
-    """``_pack_rows`` undone."""
-    return jnp.concatenate([(x >> (8 * i)) & 255 for i in range(pack)], axis=0)
-
-
-def _moved(packed: Array, lanes: int) -> Array:
-    """The compaction's moves on packed bytes (``_VALID`` and a pick's displacement; 0 where
-    none): each pick left by its displacement, one bit per ``roll`` from the least significant
-    (collision-free: displacements do not decrease along the picks). Four rows' bytes share a
-    lane, so a ``roll`` (the XLU's, the phase's bottleneck) moves four rows at once."""
-    for b in range(lanes.bit_length() - 1):
-        moving = packed & _byte_mask(packed, b)  # the bytes moving 2^b lanes left
-        packed = pltpu.roll(moving, lanes - (1 << b), 1) | (packed ^ moving)
-    return packed
-
-
-def _small_int(x: Array) -> Array:
-    """Exact integers ``0 <= x < 2^23`` (float32) as int32: ``x + 2^23``'s mantissa bits (an add
-    and a subtract, where a cast rounds toward zero with four operations)."""
-    return jax.lax.bitcast_convert_type(x + 2.0**23, jnp.int32) - 0x4B000000
-
-
-def _row_pack(qb: int) -> int:
-    """The row slabs packed into one int32 lane by ``_compact``: 4 where each slab is whole
-    sublane tiles (8 rows; a TPU's query blocks are multiples of 16), fewer otherwise (small
-    blocks, interpreted, pack single rows)."""
-    return next(p for p in (4, 2, 1) if qb % (8 * p) == 0 or (qb < MIN_QUERY_BLOCK and qb % p == 0))
-
-
-def _compact(step: _Step, lo, last, pend, out_ref) -> None:
-    """Phase 4: the picks (keys above ``lo``, and ties at it up to index ``last``) compacted
-    into the output tiles in increasing index order."""
-    qb, kt, lanes, n_out = step.blocks
-    lane, pack = step.lane(), _row_pack(qb)
-    lo_b, last_b = (jnp.broadcast_to(x, (qb, lanes)) for x in (lo, last))
-    for t in range(n_out):
-        pend[t] = jnp.full((qb, lanes), _EMPTY, jnp.int32)
-    row, col = (jax.lax.broadcasted_iota(jnp.int32, (lanes, lanes), a) for a in (0, 1))
-    # ranks (an upper triangle) and each row's pick count on every lane (all ones): the
-    # per-row values stay lane-replicated, no lane broadcast per chunk
-    upper = jnp.where(row <= col, 1.0, 0.0).astype(jnp.bfloat16)
-    both = jnp.concatenate([upper, jnp.ones_like(upper)], axis=1)
-
-    def flush(tile, full, slot):
-        """Write ``tile``'s rows where ``full`` to their output tile ``slot`` (visiting only
-        the tiles some row writes)."""
-
-        def put(u, _):
-            pend[u] = jnp.where(full & (slot == u), tile, pend[u])
-            return 0
-
-        first = jnp.maximum(jnp.min(jnp.where(full, slot, n_out)[:, :1]), 0)
-        stop = jnp.minimum(jnp.max(jnp.where(full, slot + 1, 0)[:, :1]), n_out)
-        jax.lax.fori_loop(first, stop, put, 0)
-
-    def chunk_of(keys, first, carry):
-        held, fill, slot = carry
-        index = first + lane
-        pick = (keys > lo_b) | ((keys == lo_b) & (index <= last_b))
-        ones = jnp.where(pick, 1.0, 0.0).astype(jnp.bfloat16)
-        counts = _small_int(dot(ones, both, precision(ones.dtype)))
-        rank, n = counts[:, :lanes], counts[:, lanes:]
-        byte = jnp.where(pick, _VALID | (lane + 1 - rank), 0)  # its displacement
-        byte = _unpack_rows(_moved(_pack_rows(byte, pack), lanes), pack)
-        # right by the row's fill: one lane gather (seven rolls of the packed bytes before)
-        place = (lane - fill) & (lanes - 1)
-        byte = jnp.take_along_axis(byte, place, axis=1, mode="promise_in_bounds")
-        # a pick's lane before the moves: its place among the chunk's picks (the lane less the
-        # fill) plus its displacement
-        at = first + place + (byte & (_VALID - 1))
-        v = jnp.where(byte >= _VALID, at, _EMPTY)
-        merged = jnp.where(lane >= fill, v, held)
-        full = fill + n >= lanes
-        held = jnp.where(full, jnp.where(lane < fill, v, _EMPTY), merged)
-        carry = held, fill + n - jnp.where(full, lanes, 0), slot + jnp.where(full, 1, 0)
-        return carry, (merged, full, slot)
-
-    def compact(j, carry):
-        flushes = []
-        for c in range(kt // lanes):
-            first = j * kt + c * lanes
-            carry, flushed = chunk_of(step.buf[j, :, pl.ds(c * lanes, lanes)], first, carry)
-            flushes.append(flushed)
-        # the tile's flushes (loops, which the scheduler does not cross) after all its chunks,
-        # whose moves may then overlap: a row fills at most one tile a chunk
-        for flushed in flushes:
-            flush(*flushed)
-        return carry
-
-    zero = jnp.zeros((qb, lanes), jnp.int32)
-    carry = (jnp.full((qb, lanes), _EMPTY, jnp.int32), zero, zero)
-    held, fill, slot = jax.lax.fori_loop(step.t0, step.t1, compact, carry)
-    flush(held, fill > 0, slot)
-    for t in range(n_out):
-        tile = pend[t]
-        out_ref[:, t * lanes : (t + 1) * lanes] = jnp.where(tile == _EMPTY, -1, tile)
 
 
 def _make_kernel(k: int, search: str, scoring: Scoring, blocks: Blocks):
@@ -469,7 +346,7 @@ def _make_kernel(k: int, search: str, scoring: Scoring, blocks: Blocks):
         valid, low, high = _score(step, (rows_ref, q_ref, w_ref, ends_ref, keys_ref), scoring)
         lo, c_lo, c_hi = _threshold(step, k, search, valid, low, high)
         last = _last_tie(step, k, lo, c_lo, c_hi)
-        _compact(step, lo, last, pend, out_ref)
+        compact(step, lo, last, pend, out_ref)
 
     return kernel
 
@@ -594,8 +471,8 @@ def mosaic_topk(
         raise ValueError(f"key_block must be a power of two (got {kt})")
     keys, layout = padded_keys(keys.astype(dtype), layout, kt)
     t_pad = keys.shape[1]
-    if t_pad >= _EMPTY:
-        raise ValueError(f"the Mosaic indexer takes fewer than {_EMPTY} entries (got {t_pad})")
+    if t_pad >= EMPTY:
+        raise ValueError(f"the Mosaic indexer takes fewer than {EMPTY} entries (got {t_pad})")
     lanes = min(LANES, kt)
     n_out = -(-k // lanes)
     itemsize = jnp.dtype(dtype).itemsize
