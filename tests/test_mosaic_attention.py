@@ -38,7 +38,7 @@ from mosaic_sweep import AttentionSetting, attention_data, check_attention, swee
 
 import csa_eqx as ce
 from csa_eqx import MosaicAttention, presets
-from csa_eqx._attention import mosaic_plan
+from csa_eqx._attention import mosaic_cost, mosaic_plan
 from csa_eqx._attention.mosaic_layout import BandRead, DenseRead, RowsRead, TilesRead
 
 S, D, W, T, K_PICKS = 11, 8, 4, 150, 10
@@ -660,13 +660,13 @@ def test_cost_model_of_the_gather():
     ways = ("tiles", "rows", "resident")
     for s, want in ((8192, (17.7e-3, 84.1e-3, None)), (32768, (141.6e-3, 332e-3, 71.4e-3))):
         v4["sets"] = [(s // 4, 512)]
-        got = {way: mosaic_plan.gather_seconds(way, s, **v4) for way in ways}
+        got = {way: mosaic_cost.gather_seconds(way, s, **v4) for way in ways}
         for way, seconds in zip(ways, want, strict=True):
             assert seconds is None or seconds / 2 < got[way] < 2 * seconds, (s, way)
         order = ["tiles", "resident", "rows"] if s == 8192 else ["resident", "tiles", "rows"]
         assert sorted(ways, key=got.get) == order, (s, got)
     v4["sets"] = [(8192, 512)]
-    assert mosaic_plan.gather_seconds("rows", 1, **v4) < mosaic_plan.gather_seconds(
+    assert mosaic_cost.gather_seconds("rows", 1, **v4) < mosaic_cost.gather_seconds(
         "resident", 1, **v4
     )
 

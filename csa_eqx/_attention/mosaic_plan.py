@@ -4,7 +4,7 @@
 - ``block_sizes``: every automatic size, resolved once (the query block from the heads:
   ``auto_query_block``; the head block; the rows chunk: ``auto_key_block``; how gathered rows
   are read, as ``gather`` says or as a cost model measured on a TPU v5e chooses:
-  ``gather_seconds``);
+  ``mosaic_cost.gather_seconds``);
 - one builder per kind of read set (``_Builder``): each distinct key / value table, each read
   set's record (``mosaic_reads``' ``RowsRead``, ``TilesRead``, ``DenseRead``, ``BandRead``)
   and int arrays, the per-query metadata;
@@ -29,6 +29,7 @@ from jaxtyping import Array
 from .._layout import entry_visibility
 from .._mosaic import LANES, round_up
 from .._ops import pad_axis, varying_like
+from .mosaic_cost import gather_seconds
 from .mosaic_layout import (
     KEY_PAD,
     QUERY_PAD,
@@ -51,7 +52,6 @@ __all__ = [
     "plan",
     "value_width",
     "picks_poison",
-    "gather_seconds",
     "auto_query_block",
     "auto_key_block",
     "as_tiles",
@@ -59,15 +59,6 @@ __all__ = [
     "vmem_bytes",
 ]
 
-# The cost model of the automatic gather (TPU v5e, JAX 0.10.2; docs/kernels.md): a row DMA
-# costs ~20.5 ns whatever its size, the tiles pass runs at ~136 TFLOP/s of its own (masked,
-# dense) work; rows copied from a resident table cost ~2.3 ns a row and their per-query
-# arithmetic runs at ~96 TFLOP/s, after the table's one load at the HBM's ~820 GB/s.
-ROW_SECONDS = 20.5e-9
-TILE_FLOPS = 136e12
-COPY_SECONDS = 2.3e-9
-ROWS_FLOPS = 96e12
-HBM_BYTES_PER_SECOND = 820e9
 STEP_ROWS = 1024  # softmax rows per grid step of the automatic tiles blocks (chip-compiled)
 QUERY_BLOCKS = (16, 64)  # the automatic query block's range (see ``auto_query_block``)
 MAX_CHUNK = 512  # the automatic rows chunk's largest (see ``auto_key_block``)
@@ -448,37 +439,6 @@ def _band_poison(bad, key_segment, segment, window: int, before: int) -> Array:
 
     acc = varying_like(jnp.zeros((b, s), bool), bad, key_segment, segment)
     return jax.lax.fori_loop(0, window, lag, acc)
-
-
-def gather_seconds(gather: str, seq: int, sets, heads: int, width: int, tile: int, qb: int):
-    """The cost model of a call's gathered sets (module constants; docs/kernels.md): row DMAs
-    cost ``ROW_SECONDS`` each (one per query and index column); rows copied from a
-    ``"resident"`` table ``COPY_SECONDS`` each and their arithmetic (every head against the
-    row) at ``ROWS_FLOPS``, after the table's load (its rows ``width`` bfloat16 wide) at
-    ``HBM_BYTES_PER_SECOND``; the tiles pass computes every
-    row of the tiles a query block visits for all its queries and heads at ``TILE_FLOPS``, a
-    block visiting the rows up to its largest pick: ``T - min(S, T) / 2`` rows on average (half
-    the table when the queries span it, as in a prefill; all of it for a few queries at its
-    end, as in decoding).
-
-    **Arguments:** ``gather`` (``"rows"``, ``"resident"`` or ``"tiles"``), the queries
-    ``seq``, the ``sets``
-    (``(table rows T, index columns k)`` each), the (padded) ``heads``, the keys' and values'
-    (padded) ``width`` summed, the ``tile`` and the query block ``qb``.
-
-    **Returns:** the modelled seconds of the forward.
-    """
-    if gather == "rows":
-        return sum(ROW_SECONDS * seq * k for _, k in sets)
-    if gather == "resident":
-        per_row = COPY_SECONDS + heads * width * 2 / ROWS_FLOPS
-        return sum(seq * k * per_row + rows * width * 2 / HBM_BYTES_PER_SECOND for rows, k in sets)
-    blocks = -(-seq // qb)
-    total = 0.0
-    for rows, _ in sets:
-        visited = (rows - min(seq, rows) / 2) / tile + 0.5  # tiles, the last one partly
-        total += blocks * visited * qb * heads * tile * width * 2 / TILE_FLOPS
-    return total
 
 
 def auto_query_block(heads: int) -> int:
