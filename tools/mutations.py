@@ -575,8 +575,8 @@ MUTATIONS = [
         "rows_mask_ignored",
         "Mosaic attention, rows: a chunk's -1 indices read (row 0) instead of masked",
         "csa_eqx/_attention/mosaic_reads.py",
-        "mask = jnp.where(chunks[pl.ds(n, 1), :] >= 0, 1.0, 0.0)",
-        "mask = jnp.where(chunks[pl.ds(n, 1), :] >= -1, 1.0, 0.0)",
+        "return jnp.where(s.ints[-1][pl.ds(n, 1), :] >= 0, 1.0, 0.0)",
+        "return jnp.where(s.ints[-1][pl.ds(n, 1), :] >= -1, 1.0, 0.0)",
         # (its numpy-checked band+picks/rows case went into the sweep, issue 57)
         (
             "tests/test_mosaic_attention.py::test_randomised_sweep_against_numpy"
