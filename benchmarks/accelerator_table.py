@@ -282,8 +282,9 @@ def recomputed_groups(layer, choice, groups: int) -> int:
 
 
 def mosaic_config(choice):
-    """The forward kernel's configuration (``mosaic_layout.Config``) of a ``resolve``d choice
-    whose attention is ``MosaicAttention`` (one call: a V3.2 head group's), else ``None``."""
+    """The forward and the backward kernel's configurations (``mosaic_layout.Config``) of a
+    ``resolve``d choice whose attention is ``MosaicAttention`` (one call: a V3.2 head group's),
+    else ``None``."""
     kernel = choice.attention
     if not isinstance(kernel, ce.MosaicAttention):
         return None
@@ -293,9 +294,8 @@ def mosaic_config(choice):
     scale, seen = choice.call[0], []
 
     def plan(q, reads):
-        seen.append(
-            mosaic_plan.plan(kernel, q, reads, sinks is not None, float(scale)).static.config
-        )
+        static = mosaic_plan.plan(kernel, q, reads, sinks is not None, float(scale)).static
+        seen.append((static.config, static.backward))
         return 0
 
     jax.eval_shape(plan, q, reads)
@@ -912,15 +912,18 @@ class Bench:
         runs = rec["runs"]
         groups = config.num_heads // choice.inputs[0].shape[2]
         try:  # the kernels' dense work, from the Mosaic attention's configuration
-            kernel_config = mosaic_config(choice)
-            if kernel_config is not None:
+            kernel_configs = mosaic_config(choice)
+            if kernel_configs is not None:
                 recomputed = recomputed_groups(layer, choice, groups)
                 rec["hardware"] = dict(
-                    calls=groups, recomputed=recomputed, config=repr(kernel_config)
+                    calls=groups,
+                    recomputed=recomputed,
+                    config=repr(kernel_configs[0]),
+                    backward=repr(kernel_configs[1]),
                 )
                 rec["costs"].update(
                     flops.hardware_costs(
-                        layer, seq, rec["costs"], kernel_config, groups, recomputed
+                        layer, seq, rec["costs"], kernel_configs, groups, recomputed
                     )
                 )
         except Exception as err:  # noqa: BLE001 - a figure fewer, recorded

@@ -33,7 +33,8 @@ by the heads) over the picks and the window.
 **Hardware FLOPs** (``hardware_costs``, beside the model FLOPs where the attention is the Mosaic
 kernel): what the chip's matmul units are given. The projections and the scoring as counted
 above (their backward's two matmuls per matmul that gets gradients), and the attention
-kernels' dense work from their configuration (``mosaic_layout.Config``): heads padded to the
+kernels' dense work from their configurations (``mosaic_layout.Config``, the forward's and the
+backward's: a rows source whose gradients go to HBM is read as tiles backward): heads padded to the
 kernel's (16 for bfloat16), key and value widths padded to 128 lanes (``key_blocks``,
 ``value_blocks``: V3.2's 576-wide keys as 640); per read set, forward
 ``2 R (K + V)`` and backward ``2 R (3 K + 2 V)`` (logits again, ``dO V``, ``dq``, ``dk``,
@@ -177,9 +178,12 @@ def kernel_pairs(config: Config, visible: np.ndarray) -> float:
     return pairs
 
 
-def hardware_costs(layer, seq: int, costs: dict, config: Config, calls: int, recomputed: int):
-    """**Arguments:** the layer, ``seq``, its ``layer_costs``, its Mosaic attention's
-    ``config`` (``kernel_pairs``), the attention ``calls`` per forward (V3.2's head groups) and
+def hardware_costs(
+    layer, seq: int, costs: dict, configs: tuple[Config, Config], calls: int, recomputed: int
+):
+    """**Arguments:** the layer, ``seq``, its ``layer_costs``, its Mosaic attention's forward
+    and backward ``configs`` (``kernel_pairs``; a rows source's backward may read tiles), the
+    attention ``calls`` per forward (V3.2's head groups) and
     how many of them the backward runs again (``recomputed``: V3.2's head groups that keep no
     output, ``csa_eqx._layers.v32.kept_groups``).
 
@@ -187,9 +191,11 @@ def hardware_costs(layer, seq: int, costs: dict, config: Config, calls: int, rec
     (``hardware_attention_fwd``, ``hardware_attention_bwd``) and the recomputed
     (``hardware_recompute``) (module docstring, "Hardware FLOPs")."""
     c = layer.config
+    config, backward = configs
     kp, vp = config.key_blocks * LANES, config.value_blocks * LANES
-    pairs = kernel_pairs(config, reads_per_query(c, seq)[0])
-    fwd, bwd = 2 * pairs * (kp + vp), 2 * pairs * (3 * kp + 2 * vp)
+    visible = reads_per_query(c, seq)[0]
+    fwd = 2 * kernel_pairs(config, visible) * (kp + vp)
+    bwd = 2 * kernel_pairs(backward, visible) * (3 * kp + 2 * vp)
     again = recomputed * fwd
     fwd, bwd = calls * fwd, calls * bwd
     if isinstance(c, V4AttentionConfig):  # the queries recomputed: q_b_proj once more

@@ -35,7 +35,7 @@ VARIANTS = {
     "tiles": ce.Execution(attention=ce.MosaicAttention(gather="tiles")),
     "rows": ce.Execution(attention=ce.MosaicAttention(gather="rows", resident=True)),
     # the forward's rows copied from a resident table, the backward's read as tiles from HBM
-    # (V3.2's table and its gradients do not fit VMEM together)
+    # (V3.2's table and its gradients do not fit VMEM together: its automatic choice from 16k)
     "rows-forward": ce.Execution(
         attention=ce.MosaicAttention(gather="rows", resident=True, gradients="hbm")
     ),

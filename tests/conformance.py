@@ -13,7 +13,9 @@ import pytest
 
 # --- every private name the suites use: the one place to retarget when modules move --------
 from csa_eqx import _backend as choosers  # the module whose jax.default_backend the choosers ask
+from csa_eqx._attention import mosaic_plan
 from csa_eqx._attention.base import attention_query_block
+from csa_eqx._attention.mosaic_reads import RowsRead
 from csa_eqx._numerics.base import V4_FORMATS, V32_FORMATS, V41_FORMATS
 from csa_eqx._numerics.fp8_linear import fp8_product
 from csa_eqx._selection.auto import candidate_source, filter_bites
@@ -21,6 +23,8 @@ from csa_eqx._selection.candidates import block_top
 
 __all__ = [
     "choosers",
+    "mosaic_plan",
+    "RowsRead",
     "attention_query_block",
     "filter_bites",
     "candidate_source",

@@ -339,9 +339,10 @@ def test_hardware_flops_are_the_kernels_dense_work():
     """``benchmarks.flops.hardware_costs`` against a hand count at a tiny shape, on the
     configurations ``MosaicAttention``'s plan gives (``mosaic_config`` of a resolved layer,
     float32: heads padded to 8, 128-lane key and value blocks, query blocks of 8, S = 40):
-    V3.2 reading its 5 picks by rows (one chunk of 8 rows per query), V4 CSA its picks as
-    tiles (one 128-row tile per query block: the causal frontier's 2..10 entries) and its
-    window as a band (a 16 + 8 row slab per block); forward ``2 R (K + V)``, backward
+    V3.2 reading its 5 picks by rows (one chunk of 8 rows per query), forward and backward or
+    (gradients in HBM) the backward as tiles (one 128-row tile per query block), V4 CSA its
+    picks as tiles (one 128-row tile per query block: the causal frontier's 2..10 entries) and
+    its window as a band (a 16 + 8 row slab per block); forward ``2 R (K + V)``, backward
     ``2 R (3 K + 2 V)`` over the pairs ``R``; V4's ``q_b_proj`` recomputed; V3.2's head groups
     that recompute (one of two here) add their forward once more. And the FLOP convention is
     stated."""
@@ -358,24 +359,27 @@ def test_hardware_flops_are_the_kernels_dense_work():
 
     seq, heads, lanes = 40, 8, 128
     blocks = seq // 8
-    cases = (
-        (ce.V32Attention, presets.tiny_v32(index_topk=5), "rows", seq * 8),
-        (ce.V4Attention, presets.tiny_v4("csa", index_topk=3), "tiles", blocks * 8 * (128 + 24)),
+    v32, v4, tiles = presets.tiny_v32(index_topk=5), presets.tiny_v4("csa", index_topk=3), 128
+    cases = (  # (layer, config, gather, gradients, pairs per head forward, backward)
+        (ce.V32Attention, v32, "rows", "auto", seq * 8, seq * 8),
+        (ce.V32Attention, v32, "rows", "hbm", seq * 8, blocks * 8 * tiles),
+        (ce.V4Attention, v4, "tiles", "auto", *[blocks * 8 * (tiles + 24)] * 2),
     )
-    for cls, c, gather, per_head in cases:
+    for cls, c, gather, gradients, per_head, per_head_bwd in cases:
         layer = eqx.filter_eval_shape(cls, c, key=jax.random.key(0))
-        kernel = ce.MosaicAttention(8, 0, 8, 128, gather)
+        kernel = ce.MosaicAttention(8, 0, 8, tiles, gather, gradients=gradients)
         layer = layer.with_execution(ce.Execution(attention=kernel))
-        config = mosaic_config(
+        configs = mosaic_config(
             resolve(layer, jax.ShapeDtypeStruct((1, seq, c.hidden_size), jnp.float32))
         )
+        config = configs[0]
         assert (config.heads, config.key_blocks, config.value_blocks) == (heads, 1, 1)
-        pairs = heads * per_head
-        fwd, bwd = 2 * pairs * 2 * lanes, 2 * pairs * 5 * lanes
+        fwd = 2 * heads * per_head * 2 * lanes
+        bwd = 2 * heads * per_head_bwd * 5 * lanes
         costs = flops.layer_costs(layer, seq, 4)
         again = 2 * seq * np.prod(layer.block.q_b_proj.shape) if cls is ce.V4Attention else 0
         for calls, recompute in ((1, 0), (2, 1)):
-            hw = flops.hardware_costs(layer, seq, costs, config, calls, recompute)
+            hw = flops.hardware_costs(layer, seq, costs, configs, calls, recompute)
             rest = costs["projections"] + costs["indexer_projections"] + costs["scoring"]
             assert hw["hardware_attention_fwd"] == calls * fwd
             assert hw["hardware_attention_bwd"] == calls * bwd

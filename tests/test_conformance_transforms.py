@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conformance import RowsRead, mosaic_plan
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AxisType
 
@@ -182,6 +183,28 @@ def test_every_transformation_at_once(name):
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
         scale = float(jnp.max(jnp.abs(want))) or 1.0
         assert float(jnp.max(jnp.abs(got - want))) <= 1e-5 * scale, name
+
+
+def test_the_v32_kernels_member_reads_resident_rows():
+    """The V3.2 kernels member is the suite's case of rows copied from a table resident in
+    VMEM (the automatic choice for its 24-entry table, V3.2's from 16k on a chip; V4's picks
+    here are read as tiles): its kernels, forward and backward, read the gathered rows so,
+    with the gradient table in VMEM. The plan of its layer's call, traced at the suite's
+    sizes (nothing compiled)."""
+    plans, plan = [], mosaic_plan.plan
+
+    def spy(*args):
+        plans.append(plan(*args))
+        return plans[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mosaic_plan, "plan", spy)
+        layer = layer_of("kernels/mosaic/v32")
+        jax.eval_shape(layer, inputs(layer.config.hidden_size))
+    assert plans
+    for config in [c for p in plans for c in (p.static.config, p.static.backward)]:
+        rows = [config.tables[s.table] for s in config.sources if isinstance(s, RowsRead)]
+        assert rows and all(t.resident and not t.hbm_grads for t in rows), config
 
 
 def test_the_tpu_interpreter_is_the_only_effectful_choice():

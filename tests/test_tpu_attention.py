@@ -154,6 +154,11 @@ FORCED = {
     "rows-resident": (MosaicAttention(gather="rows", resident=True), V4),
     "tiles-hbm-gradients": (MosaicAttention(gather="tiles", gradients="hbm"), V32),
     "rows-backward-as-tiles": (MosaicAttention(gather="rows", gradients="hbm"), V4),
+    # V3.2's automatic choice from 16k: rows copied from a resident table, the backward's tiles
+    "rows-resident-backward-as-tiles": (
+        MosaicAttention(gather="rows", resident=True, gradients="hbm"),
+        V32,
+    ),
 }
 
 
@@ -161,7 +166,8 @@ FORCED = {
 def test_forced_designs_on_the_chip(design):
     """Rows copied by vector loads from a resident table (as row DMAs within VMEM its first
     chip run failed Mosaic's verifier), gradients added tile by tile in HBM, a rows source's
-    backward read as tiles: bfloat16."""
+    backward read as tiles (its forward's rows by DMA, or copied from a resident table: V3.2's
+    automatic choice from 16k): bfloat16."""
     kernel, problem = FORCED[design]
     compare(kernel, problem, "bfloat16")
 

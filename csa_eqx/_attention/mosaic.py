@@ -65,9 +65,10 @@ class MosaicAttention(AbstractAttentionKernel):
 
     The defaults are ``AutoAttention``'s choice on a TPU: gathered rows read as the measured
     cost model says is cheapest: as tiles (short prefill), copied from a table resident in VMEM
-    (V4-Flash prefill past 16k tokens, where the table and its gradients fit VMEM) or by DMA
-    (decoding, very long sequences); tables resident in VMEM and the backward's gradient tables
-    in VMEM where they fit (docs/kernels.md, "The automatic configuration").
+    (V4-Flash prefill past 16k tokens; V3.2 prefill at 16k and 32k, whose backward, its
+    gradients not fitting VMEM beside the table, reads tiles) or by DMA (decoding, very long
+    sequences); tables resident in VMEM and the backward's gradient tables in VMEM where they
+    fit (docs/kernels.md, "The automatic configuration").
 
     **Arguments:**
 

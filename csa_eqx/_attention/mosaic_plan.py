@@ -486,16 +486,17 @@ def _configs(kernel, config, sizes: BlockSizes, tabled: bool, banded: bool):
     ``"hbm"``), and resident tables before fetched ones, for tiles and where
     ``kernel.resident`` allows), else the leanest; the backward's rows sources read as tiles
     when their gradients go to HBM. Rows the cost model took for their copies from resident
-    tables (``sizes.resident``) are only those with VMEM gradient tables (the chip's measured
-    path): ``None`` where they do not fit."""
+    tables (``sizes.resident``) keep the table resident, their gradients in VMEM where they
+    fit beside it (V4-Flash), else in HBM with the backward read as tiles (V3.2 from 16k: the
+    chip's forward is faster, the backward is the tiles one either way): ``None`` where even
+    that does not fit."""
     if sizes.resident:
-        residents, grads = [True], [False]
+        residents = [True]
+    elif kernel.resident is not None:
+        residents = [kernel.resident]
     else:
-        if kernel.resident is not None:
-            residents = [kernel.resident]
-        else:
-            residents = [True, False] if tabled and sizes.gather == "tiles" else [False]
-        grads = {"vmem": [False], "hbm": [True], "auto": [False, True]}[kernel.gradients]
+        residents = [True, False] if tabled and sizes.gather == "tiles" else [False]
+    grads = {"vmem": [False], "hbm": [True], "auto": [False, True]}[kernel.gradients]
     slabs = [True] if kernel.gradients == "hbm" or not banded else [False, True]
     budget = AUTO_SHARE * kernel.vmem_limit_bytes
     candidates = [(res, hbm, slab) for hbm in grads for slab in slabs for res in residents]
