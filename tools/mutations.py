@@ -107,6 +107,9 @@ INDEPENDENT = {
     "tests/test_mosaic_attention.py::test_automatic_choices_fit_vmem_at_released_sizes": (
         "the choices written out, each kernel's VMEM estimate against the limit"
     ),
+    "tests/test_benchmarks.py::test_hardware_flops_are_the_kernels_dense_work": (
+        "a hand count of the pairs at a tiny shape"
+    ),
 }
 
 
@@ -748,6 +751,24 @@ MUTATIONS += [
         "    if sizes.resident:\n        return None\n",
         "",
         ("tests/test_mosaic_attention.py::test_automatic_choices_fit_vmem_at_released_sizes",),
+    ),
+    Mutation(
+        "resident_rows_vmem_gradients_only",
+        "rows copied from resident tables only with their gradients in VMEM (V3.2 planned again "
+        "as tiles instead of its forward's rows with the backward's tiles)",
+        "csa_eqx/_attention/mosaic_plan.py",
+        "[kernel.gradients]\n    slabs = ",
+        "[kernel.gradients]\n    grads = [False] if sizes.resident else grads\n    slabs = ",
+        ("tests/test_mosaic_attention.py::test_automatic_choices_fit_vmem_at_released_sizes",),
+    ),
+    Mutation(
+        "hardware_backward_as_forward",
+        "the hardware FLOPs count the backward over the forward's configuration (a rows "
+        "forward's tiles backward counted as rows)",
+        "benchmarks/flops.py",
+        "    config, backward = configs\n",
+        "    config, backward = configs[0], configs[0]\n",
+        ("tests/test_benchmarks.py::test_hardware_flops_are_the_kernels_dense_work",),
     ),
 ]
 
