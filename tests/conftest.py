@@ -108,9 +108,10 @@ def _other_half(item, half: str | None, dealt: dict) -> bool:
     return ONE_HALF.get(item.path.name, dealt.get(item.nodeid, half)) != half
 
 
-# Each module's share of a run (seconds of test time on the 2-core machine, measured: the 3.11
-# half of a fresh-clone `bash .ci/run` of 71c37b4;
-# `python tools/test_timing.py build/test/py311.xml --write-weights tests/module_seconds.json`
+# Each module's share of a run (seconds of test time on the 2-core machine, measured: a
+# fresh-clone `bash .ci/run` of a51b920, the 3.11 half, then the 3.12 half's own modules;
+# `python tools/test_timing.py build/test/py311.xml build/test/py312.xml --write-weights
+# tests/module_seconds.json`
 # refreshes them from a run's JUnit XML). `make test` hands whole modules to its two workers
 # in this order, slowest first (xdist's `--no-loadscope-reorder` keeps the collection order),
 # so that no long module starts last and runs alone while the other worker idles. A module
