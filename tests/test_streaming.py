@@ -357,3 +357,54 @@ def test_v4_layer_small_blocks_match_dense():
     np.testing.assert_array_equal(sel, aux_ref["selection"])
     assert (sel >= 0).any() and (sel == -1).any()
     np.testing.assert_allclose(y, y_ref, 1e-5, 1e-6)
+
+
+def test_streaming_strategies_take_float64_inputs():
+    """Under ``jax_enable_x64``, a float64 indexer (a float64 layer's) goes through the
+    streaming selection and the streaming indexer loss: their buffers and online sums stay
+    float32, as every selection orders scores and the dense loss sums them (they failed on
+    their float32 carries before). The selection equals the dense one bitwise; the loss and
+    its gradients through the projections and the keys equal the dense loss's."""
+    rng = np.random.default_rng(64)
+    b, s, hidden, heads, d, m = 1, 21, 6, 2, 5, 2
+    seg = np.zeros((b, s), np.int32)
+    seg[0, 13:] = 1
+    with jax.enable_x64(True):
+        layout = entry_layout(jnp.asarray(seg), m)
+        t = layout.end.shape[1]
+        f64 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float64)  # noqa: E731
+        params = {"wq": f64(heads * d, hidden), "ww": f64(heads, hidden), "keys": f64(b, t, d)}
+        x = f64(b, s, hidden)
+        target = ce.AttentionTarget(f64(b, s, 2, 3), f64(b, t, 3), f64(b, s, 2) + 2.0, 0.3)
+        qidx = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        vis = ce.Visibility(qidx, jnp.asarray(seg), layout)
+
+        def problem_of(p):
+            def project(x):
+                q = jnp.einsum("bsi,oi->bso", x, p["wq"]).reshape(*x.shape[:2], heads, d)
+                return q, jnp.einsum("bsi,hi->bsh", x, p["ww"])
+
+            return ce.SelectionProblem(project, (x,), p["keys"], vis)
+
+        @functools.partial(jax.jit, static_argnums=0)
+        def run(streaming, params):
+            sel, kl = (
+                (
+                    ce.StreamingSelection(key_block=4, query_block=8),
+                    ce.StreamingIndexerLoss(key_block=3, query_block=5),
+                )
+                if streaming
+                else (ce.DenseSelection(), ce.DenseIndexerLoss())
+            )
+            loss = jax.value_and_grad(lambda p: kl.loss(problem_of(p), target, None))
+            return sel.select(problem_of(params), 3), loss(params)
+
+        picks_ref, (loss_ref, g_ref) = run(False, params)
+        picks, (loss, g) = run(True, params)
+    assert (np.asarray(picks) >= 0).any() and (np.asarray(picks) == -1).any()
+    np.testing.assert_array_equal(picks, picks_ref)
+    assert loss_ref > 0.05
+    np.testing.assert_allclose(loss, loss_ref, rtol=1e-5)
+    for name, r in g_ref.items():
+        assert np.abs(r).max() > 0, name
+        np.testing.assert_allclose(g[name], r, rtol=0, atol=2e-5 * np.abs(r).max(), err_msg=name)
