@@ -5,7 +5,8 @@ they never form.
 
 References: the dense ``select_topk(indexer_scores(...), entry_visibility(...), k)`` (itself
 checked against transformers in test_v4_parity.py), a numpy brute force for block skipping,
-the window gathered by index.
+the window gathered by index, the float64 formulas of tests/conformance.py for a float64
+indexer.
 """
 
 import functools
@@ -15,6 +16,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conformance import brute_topk, kl_np, scores_np, target_mass_np, visible_np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jaxpr_helpers import primitives, walk_avals
@@ -363,48 +365,58 @@ def test_streaming_strategies_take_float64_inputs():
     """Under ``jax_enable_x64``, a float64 indexer (a float64 layer's) goes through the
     streaming selection and the streaming indexer loss: their buffers and online sums stay
     float32, as every selection orders scores and the dense loss sums them (they failed on
-    their float32 carries before). The selection equals the dense one bitwise; the loss and
-    its gradients through the projections and the keys equal the dense loss's."""
+    their float32 carries before). Against the float64 formulas: the picks are the brute-force
+    top-k of the scores, the loss and its gradients through the projections and the keys those
+    of the KL formula (float32 rounding)."""
     rng = np.random.default_rng(64)
-    b, s, hidden, heads, d, m = 1, 21, 6, 2, 5, 2
+    b, s, hidden, heads, d, m, k = 1, 21, 6, 2, 5, 2, 3
     seg = np.zeros((b, s), np.int32)
     seg[0, 13:] = 1
+    qidx = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
     with jax.enable_x64(True):
         layout = entry_layout(jnp.asarray(seg), m)
         t = layout.end.shape[1]
-        f64 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float64)  # noqa: E731
+        f64 = lambda *shape: rng.normal(size=shape)  # noqa: E731
         params = {"wq": f64(heads * d, hidden), "ww": f64(heads, hidden), "keys": f64(b, t, d)}
-        x = f64(b, s, hidden)
-        target = ce.AttentionTarget(f64(b, s, 2, 3), f64(b, t, 3), f64(b, s, 2) + 2.0, 0.3)
-        qidx = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        vis = ce.Visibility(qidx, jnp.asarray(seg), layout)
+        x, target = f64(b, s, hidden), (f64(b, s, 2, 3), f64(b, t, 3), f64(b, s, 2) + 2.0, 0.3)
+        vis = ce.Visibility(jnp.asarray(qidx), jnp.asarray(seg), layout)
+        visible = visible_np(qidx, seg, layout.end, layout.segment)
+        mass = target_mass_np(*target)
+
+        def project(p, x):
+            q = jnp.einsum("bsi,oi->bso", x, p["wq"]).reshape(*x.shape[:2], heads, d)
+            return q, jnp.einsum("bsi,hi->bsh", x, p["ww"])
 
         def problem_of(p):
-            def project(x):
-                q = jnp.einsum("bsi,oi->bso", x, p["wq"]).reshape(*x.shape[:2], heads, d)
-                return q, jnp.einsum("bsi,hi->bsh", x, p["ww"])
-
-            return ce.SelectionProblem(project, (x,), p["keys"], vis)
-
-        @functools.partial(jax.jit, static_argnums=0)
-        def run(streaming, params):
-            sel, kl = (
-                (
-                    ce.StreamingSelection(key_block=4, query_block=8),
-                    ce.StreamingIndexerLoss(key_block=3, query_block=5),
-                )
-                if streaming
-                else (ce.DenseSelection(), ce.DenseIndexerLoss())
+            return ce.SelectionProblem(
+                functools.partial(project, p), (jnp.asarray(x),), p["keys"], vis
             )
-            loss = jax.value_and_grad(lambda p: kl.loss(problem_of(p), target, None))
-            return sel.select(problem_of(params), 3), loss(params)
 
-        picks_ref, (loss_ref, g_ref) = run(False, params)
-        picks, (loss, g) = run(True, params)
-    assert (np.asarray(picks) >= 0).any() and (np.asarray(picks) == -1).any()
-    np.testing.assert_array_equal(picks, picks_ref)
-    assert loss_ref > 0.05
-    np.testing.assert_allclose(loss, loss_ref, rtol=1e-5)
-    for name, r in g_ref.items():
+        @jax.jit
+        def run(params):
+            kl = ce.StreamingIndexerLoss(key_block=3, query_block=5)
+            target_ = ce.AttentionTarget(*map(jnp.asarray, target[:3]), target[3])
+            loss = jax.value_and_grad(lambda p: kl.loss(problem_of(p), target_, None))
+            selection = ce.StreamingSelection(key_block=4, query_block=8)
+            return selection.select(problem_of(params), k), loss(params)
+
+        def reference(p):  # the KL formula over the float64 scores
+            q, w = project(p, jnp.asarray(x))
+            logits = jnp.einsum("bshd,btd->bsht", q, p["keys"])
+            scores = jnp.einsum("bsh,bsht->bst", w, jnp.maximum(logits, 0.0)) * d**-0.5
+            return kl_np(jnp, scores, mass, visible)
+
+        picks, (loss, grads) = run(params)
+        want_grads = jax.grad(reference)(params)
+        q, w = map(np.asarray, project(params, x))
+    want = brute_topk(scores_np(q, w, params["keys"]), visible, k)
+    assert (want >= 0).any() and (want == -1).any()
+    np.testing.assert_array_equal(picks, want)
+    want_loss = kl_np(np, scores_np(q, w, params["keys"]), mass, visible)
+    assert want_loss > 0.05
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for name, r in want_grads.items():
         assert np.abs(r).max() > 0, name
-        np.testing.assert_allclose(g[name], r, rtol=0, atol=2e-5 * np.abs(r).max(), err_msg=name)
+        np.testing.assert_allclose(
+            grads[name], r, rtol=0, atol=2e-5 * np.abs(r).max(), err_msg=name
+        )

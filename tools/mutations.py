@@ -67,6 +67,9 @@ INDEPENDENT = {
     "tests/test_conformance_scorer.py": "numpy formula of the scores (float64, bf16 model)",
     "tests/test_conformance_selection.py": "numpy brute force",
     "tests/test_conformance_loss.py": "numpy KL formula (float64)",
+    "tests/test_streaming.py::test_streaming_strategies_take_float64_inputs": (
+        "numpy brute force and KL formula (float64)"
+    ),
     "tests/test_conformance_attention.py": "numpy softmax attention (float64)",
     "tests/test_conformance_numerics.py": "numpy models of DeepSeek's arithmetic",
     "tests/test_v41_layers.py::test_extend_stack_hook_sees_the_caches_so_far": (

@@ -90,8 +90,9 @@ def in_head_groups(
 ):
     """``attend(q_nope, q_rope, weight, keys, saved) -> ((out, lse or None), kept)`` over
     ``groups`` groups of consecutive heads in turn (``lax.map``; ``weight`` is ``kv_b_proj``,
-    head-major rows), and its backward group by group, in the same order (a ``custom_vjp``: a
-    kernel's effects rule out ``jax.checkpoint``): one group's absorbed queries and kernel
+    head-major rows), and its backward group by group, in the same order (a ``custom_vjp``: it keeps
+    the first groups' kernel outputs and recomputes the others', which no ``jax.checkpoint``
+    policy over one ``lax.map`` says): one group's absorbed queries and kernel
     buffers are live at a time. ``attend`` is called with ``saved=None`` in the forward;
     ``kept`` is what it keeps of a group for the backward (``V32Attention`` with a kernel that
     can ``replay``: the kernel's latent output and ``lse``), or ``None``. The first ``keep``
