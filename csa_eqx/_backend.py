@@ -24,6 +24,7 @@ __all__ = [
     "kernel_platform",
     "target_platform",
     "kernel_interpret",
+    "kernel_dtypes",
     "Interpret",
 ]
 
@@ -117,6 +118,13 @@ def kernel_platform(backend: str | None = None) -> str | None:
 # program is built for), ``True`` / ``False``, or Pallas' TPU interpreter's parameters
 # (``pltpu.InterpretParams``: simulated memories; it carries IO effects, for kernel-alone tests).
 Interpret = Any
+
+
+def kernel_dtypes(*dtypes) -> bool:
+    """**Returns:** whether the Pallas kernels take arrays of these ``dtypes``: 32 bits or
+    fewer (Mosaic and Triton compute in float32 at most; a float64 layer under
+    ``jax_enable_x64`` takes the XLA strategies)."""
+    return all(jax.numpy.dtype(d).itemsize <= 4 for d in dtypes)
 
 
 def kernel_interpret(interpret: Interpret, platform: str, refused: str) -> Interpret:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import AxisType
 
-from ._backend import Interpret
+from ._backend import Interpret, kernel_dtypes
 from ._compat import interpreted
 
 __all__ = ["launch", "typed", "converted_for_blocks"]
@@ -54,17 +54,33 @@ def converted_for_blocks(project, rows, n: int):
     return jax.closure_convert(project, *block)
 
 
-def launch(build, mode: Interpret, out_shape, args):
+def launch(build, mode: Interpret, out_shape, args, name: str):
     """``build(mode, out_shape)(*args)``: a ``pallas_call`` built for ``mode`` (as
     ``kernel_interpret`` decides it) and the kernel's ``out_shape``, its outputs typed for the
-    manual axes its ``args`` vary over (``typed``)."""
+    manual axes its ``args`` vary over (``typed``). A kernel is a 32-bit program (Mosaic and
+    Triton have no float64): its body is traced with ``jax_enable_x64`` off, and a 64-bit
+    argument is a ``TypeError`` naming the kernel (``name``)."""
+    dtypes = {jax.numpy.dtype(a.dtype) for a in jax.tree.leaves(args)}
+    if not kernel_dtypes(*dtypes):
+        wide = sorted(str(d) for d in dtypes if not kernel_dtypes(d))
+        raise TypeError(
+            f"csa_eqx's Pallas kernel {name!r} computes in 32 bits or fewer, got {wide} inputs "
+            "(a float64 layer under jax_enable_x64): run the layer in float32 or bfloat16, or "
+            "force the XLA strategies (DenseSelection / StreamingSelection, XlaAttention)"
+        )
     varying = typed(out_shape, args)
     if mode is True and (varying is not out_shape or _sharded_axes()):
         # interpret mode under check_vma or mesh axes the compiler shards: one device's values
-        return interpreted(lambda *a: jax.tree.leaves(build(True, out_shape)(*a)), varying, *args)
+        def one_device(*a):
+            with jax.enable_x64(False):
+                return jax.tree.leaves(build(True, out_shape)(*a))
+
+        return interpreted(one_device, varying, *args)
 
     def kernel_launch(*args):
-        return build(mode, varying)(*args)
+        # Python scalars and loop indices in the body stay 32-bit under jax_enable_x64
+        with jax.enable_x64(False):
+            return build(mode, varying)(*args)
 
     # traced, in a jit of its own: Pallas never removes an unused pallas_call from a jaxpr (its
     # DCE rule keeps every one), a jit whose outputs are all unused goes; so where a

@@ -302,7 +302,8 @@ class Execution(eqx.Module):
         - ``shape``: the input's ``(batch, seq, hidden)``.
         - ``backend``: ``"cpu"``, ``"gpu"`` or ``"tpu"`` (``None``: ``jax.default_backend()``),
             on one device (under a mesh the compiler shards, the XLA paths run).
-        - ``dtype``: the input's dtype (the fused indexer's VMEM bound depends on it).
+        - ``dtype``: the input's dtype (the fused indexer's VMEM bound depends on it; a 64-bit
+            one takes the XLA strategies).
 
         **Returns:** a dict: ``"selection"`` (the top-k strategy, ``None`` for a layer that
         runs no indexer of its own), ``"picks"`` (how the attention reads the picks, ``None``
@@ -327,7 +328,7 @@ class Execution(eqx.Module):
             up = LatentUp(None, c.qk_nope_head_dim, c.v_head_dim, expanded)
         attention = self.attention
         if isinstance(attention, AutoAttention):
-            attention = attention.choose(self.numerics, up, backend)
+            attention = attention.choose(self.numerics, up, backend, dtype)
         window = None if mla else self.window  # MLA has no sliding window
         out = dict(selection=None, picks=None, window=window, attention=attention)
         if layer.indexer is not None:

@@ -54,7 +54,7 @@ def run_mosaic(
     mode = kernel_interpret(interpret, "tpu", MOSAIC_REFUSED.format(name=name))
     if mode is False and tpu_refusal is not None:
         raise NotImplementedError(tpu_refusal)
-    return launch(build, mode, out_shape, args)
+    return launch(build, mode, out_shape, args, name)
 
 
 def round_up(n: int, multiple: int) -> int:

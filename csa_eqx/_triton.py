@@ -85,7 +85,8 @@ def run_kernel(make_kernel, out_shape, grid, name: str, *args, interpret, aliase
             compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         )
 
-    return launch(build, bool(kernel_interpret(interpret, "gpu", refused)), out_shape, args)
+    mode = bool(kernel_interpret(interpret, "gpu", refused))
+    return launch(build, mode, out_shape, args, name)
 
 
 def barrier(interpret: bool) -> None:

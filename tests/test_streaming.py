@@ -361,13 +361,24 @@ def test_v4_layer_small_blocks_match_dense():
     np.testing.assert_allclose(y, y_ref, 1e-5, 1e-6)
 
 
-def test_streaming_strategies_take_float64_inputs():
+FLOAT64_MEMBERS = {
+    "streaming": (
+        ce.StreamingSelection(key_block=4, query_block=8),
+        ce.StreamingIndexerLoss(key_block=3, query_block=5),
+    ),
+    "gathered": (ce.GatheredSelection(query_block=8), ce.GatheredIndexerLoss(query_block=5)),
+}
+
+
+@pytest.mark.parametrize("name", FLOAT64_MEMBERS)
+def test_selections_and_losses_take_float64_inputs(name):
     """Under ``jax_enable_x64``, a float64 indexer (a float64 layer's) goes through the
-    streaming selection and the streaming indexer loss: their buffers and online sums stay
-    float32, as every selection orders scores and the dense loss sums them (they failed on
-    their float32 carries before). Against the float64 formulas: the picks are the brute-force
-    top-k of the scores, the loss and its gradients through the projections and the keys those
-    of the KL formula (float32 rounding)."""
+    streaming and the gathered selection and indexer loss: their buffers, online sums and
+    counts stay float32 / int32, as every selection orders scores and the dense loss sums them
+    (they failed on their carries before: float64 scores, a 64-bit count of queries). Against
+    the float64 formulas: the picks are the brute-force top-k of the scores, the loss and its
+    gradients through the projections and the keys those of the KL formula (float32
+    rounding)."""
     rng = np.random.default_rng(64)
     b, s, hidden, heads, d, m, k = 1, 21, 6, 2, 5, 2, 3
     seg = np.zeros((b, s), np.int32)
@@ -394,10 +405,9 @@ def test_streaming_strategies_take_float64_inputs():
 
         @jax.jit
         def run(params):
-            kl = ce.StreamingIndexerLoss(key_block=3, query_block=5)
+            selection, kl = FLOAT64_MEMBERS[name]
             target_ = ce.AttentionTarget(*map(jnp.asarray, target[:3]), target[3])
             loss = jax.value_and_grad(lambda p: kl.loss(problem_of(p), target_, None))
-            selection = ce.StreamingSelection(key_block=4, query_block=8)
             return selection.select(problem_of(params), k), loss(params)
 
         def reference(p):  # the KL formula over the float64 scores

@@ -67,7 +67,8 @@ INDEPENDENT = {
     "tests/test_conformance_scorer.py": "numpy formula of the scores (float64, bf16 model)",
     "tests/test_conformance_selection.py": "numpy brute force",
     "tests/test_conformance_loss.py": "numpy KL formula (float64)",
-    "tests/test_streaming.py::test_streaming_strategies_take_float64_inputs": (
+    "tests/test_x64.py": "the kernels' jaxpr dtypes and the documented automatic choices",
+    "tests/test_streaming.py::test_selections_and_losses_take_float64_inputs": (
         "numpy brute force and KL formula (float64)"
     ),
     "tests/test_conformance_attention.py": "numpy softmax attention (float64)",
@@ -772,6 +773,32 @@ MUTATIONS += [
         "    config, backward = configs\n",
         "    config, backward = configs[0], configs[0]\n",
         ("tests/test_benchmarks.py::test_hardware_flops_are_the_kernels_dense_work",),
+    ),
+    Mutation(
+        "kernels_traced_in_x64",
+        "a kernel's body traced in 64-bit mode when jax_enable_x64 is on (its loop carries "
+        "and lax.rem turn 64-bit)",
+        "csa_eqx/_dispatch.py",
+        "        with jax.enable_x64(False):\n            return build(mode, varying)(*args)",
+        "        if True:\n            return build(mode, varying)(*args)",
+        ("tests/test_x64.py",),
+    ),
+    Mutation(
+        "gathered_count_64_bit",
+        "the gathered indexer loss counts its queries in the default integer (64-bit under "
+        "jax_enable_x64)",
+        "csa_eqx/_loss/kl.py",
+        "carry[1] + jnp.sum(has, dtype=jnp.int32),",
+        "carry[1] + jnp.sum(has),",
+        ("tests/test_streaming.py::test_selections_and_losses_take_float64_inputs",),
+    ),
+    Mutation(
+        "float64_attention_takes_kernels",
+        "the automatic attention takes the Mosaic kernel on a TPU for float64 queries",
+        "csa_eqx/_attention/auto.py",
+        "        if dtype is not None and not kernel_dtypes(dtype):",
+        "        if False:",
+        ("tests/test_x64.py",),
     ),
 ]
 

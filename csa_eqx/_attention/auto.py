@@ -7,7 +7,7 @@ blocks (``AbstractAttentionKernel.query_block_for``; ``Execution(query_block=...
 
 from __future__ import annotations
 
-from .._backend import kernel_platform
+from .._backend import kernel_dtypes, kernel_platform
 from .base import AbstractAttentionKernel, LatentUp
 from .expanded import ExpandedAttention
 from .mosaic import MosaicAttention
@@ -52,33 +52,45 @@ class AutoAttention(AbstractAttentionKernel):
     the numerics' own for the expanded one). **Arguments:** none."""
 
     def choose(
-        self, numerics=None, up: LatentUp | None = None, backend: str | None = None
+        self,
+        numerics=None,
+        up: LatentUp | None = None,
+        backend: str | None = None,
+        dtype=None,
     ) -> AbstractAttentionKernel:
-        """**Arguments:** the layer's numerics (``None``: exact), for MLA its up-projection, and
-        the ``backend`` to choose for (``None``: the one it is traced for).
+        """**Arguments:** the layer's numerics (``None``: exact), for MLA its up-projection, the
+        ``backend`` to choose for (``None``: the one it is traced for) and the queries'
+        ``dtype`` (``None``: 32 bits or fewer).
 
         **Returns:** ``ExpandedAttention()`` for an expanded MLA, else under exact-softmax
-        numerics ``MosaicAttention()`` on a TPU, else ``XlaAttention()``."""
+        numerics and for 32-bit queries (``kernel_dtypes``) ``MosaicAttention()`` on a TPU,
+        else ``XlaAttention()``."""
         if up is not None and up.expanded:
             return ExpandedAttention()
         if numerics is not None and not numerics.exact_softmax:
             return XlaAttention()
+        if dtype is not None and not kernel_dtypes(dtype):
+            return XlaAttention()
         return MosaicAttention() if kernel_platform(backend) == "tpu" else XlaAttention()
 
     def __call__(self, q, reads, sinks, scale, *, return_lse=False, numerics=None, **blocks):
-        kernel = self.choose(numerics)
+        kernel = self.choose(numerics, dtype=q.dtype)
         return kernel(q, reads, sinks, scale, return_lse=return_lse, numerics=numerics, **blocks)
 
     def attend(self, q, reads, sinks, scale, *, return_lse=False, query_block, numerics=None):
         kw = dict(return_lse=return_lse, query_block=query_block, numerics=numerics)
-        return self.choose(numerics).attend(q, reads, sinks, scale, **kw)
+        return self.choose(numerics, dtype=q.dtype).attend(q, reads, sinks, scale, **kw)
 
     def latent(self, q_nope, q_rope, reads, up, scale, *, numerics=None, **kw):
-        kernel = self.choose(numerics, up)
+        kernel = self.choose(numerics, up, dtype=q_nope.dtype)
         return kernel.latent(q_nope, q_rope, reads, up, scale, numerics=numerics, **kw)
 
 
-def resolved(attention: AbstractAttentionKernel, numerics=None, up=None) -> AbstractAttentionKernel:
-    """**Returns:** the kernel ``attention`` runs: ``AutoAttention``'s choice for ``numerics``
-    and the MLA ``up``, any other kernel itself."""
-    return attention.choose(numerics, up) if isinstance(attention, AutoAttention) else attention
+def resolved(
+    attention: AbstractAttentionKernel, numerics=None, up=None, dtype=None
+) -> AbstractAttentionKernel:
+    """**Returns:** the kernel ``attention`` runs: ``AutoAttention``'s choice for ``numerics``,
+    the MLA ``up`` and the queries' ``dtype``, any other kernel itself."""
+    if isinstance(attention, AutoAttention):
+        return attention.choose(numerics, up, dtype=dtype)
+    return attention

@@ -162,12 +162,12 @@ def in_head_groups(
     return run(q_nope, q_rope, weight, keys)
 
 
-def replaying(attention, numerics, up: LatentUp):
+def replaying(attention, numerics, up: LatentUp, dtype):
     """**Returns:** the kernel ``attention`` runs the MLA ``up`` with (``AutoAttention``'s
-    choice) where it can ``replay`` (its forward's outputs kept, its backward run on them:
-    ``MosaicAttention.replay``) and computes ``latent`` as ``AbstractAttentionKernel``'s
-    absorbed form does; else ``None``."""
-    kernel = resolved(attention, numerics, up)
+    choice for queries of ``dtype``) where it can ``replay`` (its forward's outputs kept, its
+    backward run on them: ``MosaicAttention.replay``) and computes ``latent`` as
+    ``AbstractAttentionKernel``'s absorbed form does; else ``None``."""
+    kernel = resolved(attention, numerics, up, dtype)
     if hasattr(kernel, "replay") and type(kernel).latent is AbstractAttentionKernel.latent:
         return kernel
     return None
@@ -323,7 +323,7 @@ class V32Attention(AbstractIndexedAttention):
 
         width = keys.shape[-1]
         groups = 1 if isinstance(self.kv_b_proj, Fp8Weight) else head_groups(q_nope.shape, width)
-        replays = replaying(ex.attention, nx, up)
+        replays = replaying(ex.attention, nx, up, q_nope.dtype)
 
         def attend_group(q_nope, q_rope, weight, keys, saved):
             """A head group's ``((out, lse or None), kept)`` (``in_head_groups``): with a

@@ -214,7 +214,11 @@ def gathered_kl(
             "bshd,bskd->bshk",
         )
         kl, has = row_kl(mass, scores, candidates)
-        return (carry[0] + jnp.sum(kl), carry[1] + jnp.sum(has)), None
+        # the sums' dtypes stay the carry's under jax_enable_x64
+        return (
+            carry[0] + jnp.sum(kl).astype(jnp.float32),
+            carry[1] + jnp.sum(has, dtype=jnp.int32),
+        ), None
 
     init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
     init = varying_like(init, (q, entries, lse))

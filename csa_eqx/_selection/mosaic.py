@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
-from .._backend import Interpret
+from .._backend import Interpret, kernel_dtypes
 from .base import AbstractSelection, SelectionProblem
 from .mosaic_topk import SEARCHES, fits_vmem, mosaic_topk
 from .row_chunks import kernel_row_chunks
@@ -79,12 +79,13 @@ class MosaicSelection(AbstractSelection):
     def fits(self, problem: SelectionProblem) -> bool:
         """**Arguments:** a ``problem``.
 
-        **Returns:** whether the kernel runs it on a TPU: every key of a batch row stays
-        resident in VMEM, which past a few hundred thousand entries it cannot (lowered for a
-        TPU such a problem is refused, naming ``StreamingSelection``)."""
+        **Returns:** whether the kernel runs it on a TPU: its inputs have 32 bits or fewer
+        (``kernel_dtypes``) and every key of a batch row stays resident in VMEM, which past a
+        few hundred thousand entries it cannot (lowered for a TPU such a problem is refused,
+        naming ``StreamingSelection``)."""
         q = jax.eval_shape(problem.project, *problem.rows)[0]
         dtype = jnp.promote_types(q.dtype, problem.keys.dtype)
-        return fits_vmem(
+        return kernel_dtypes(dtype) and fits_vmem(
             problem.keys.shape[1], *q.shape[2:], dtype.itemsize, self.key_block, self.head_group
         )
 
