@@ -8,6 +8,8 @@ the Pallas kernels are 32-bit programs, traced so whatever the mode (``csa_eqx._
   (it failed to trace before) and none for a float64 one (the XLA strategies: the kernels
   compute in 32 bits or fewer).
 - A float64 layer with a kernel forced: a ``TypeError`` naming the kernel.
+- A decode cache keeps its dtypes through ``extend``; float64 indexer scores are float32
+  (the numpy formula's).
 The XLA selections and indexer losses on float64 inputs, against the float64 formulas:
 tests/test_streaming.py.
 """
@@ -18,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conformance import scores_np
 from jax.extend.core import jaxprs_in_params
 from jaxpr_helpers import tpu_lowering, walk_avals, walk_eqns
 
@@ -115,3 +118,32 @@ def test_a_kernel_refuses_a_float64_layer(fields, kernel):
         layer = layer_of(V4, jnp.float64, **fields)
         with pytest.raises(TypeError, match=f"'{kernel}[a-z_]*' computes in 32 bits or fewer"):
             jax.eval_shape(layer, x.astype(jnp.float64))
+
+
+def test_decode_caches_keep_their_dtypes_under_x64():
+    """A decode cache leaves ``extend`` in the dtypes it came in (under x64 the entry count
+    turned 64-bit: a jitted decode loop traced twice, a ``lax.scan`` over steps failed)."""
+    layers = [layer_of(tiny_v4(kind)) for kind in ("csa", "hca", "sliding")] + [layer_of(V32)]
+    for layer in layers:
+        cache = layer.init_cache(2, 16)
+        x = jnp.zeros((2, 3, layer.config.hidden_size))
+        with jax.enable_x64(True):
+            _, new = jax.eval_shape(layer.extend, x, cache)
+        assert [a.dtype for a in jax.tree.leaves(new)] == [a.dtype for a in jax.tree.leaves(cache)]
+
+
+@pytest.mark.parametrize("head_chunk", [0, 2])
+def test_float64_indexer_scores_are_float32(head_chunk):
+    """``indexer_scores`` of float64 inputs: float32 scores as documented, head-chunked or not
+    (the chunked sum's float32 carry took float64 chunks), the float64 formula's to float32
+    rounding."""
+    rng = np.random.default_rng(6)
+    q, w, keys = (
+        rng.normal(size=(1, 5, 4, 8)),
+        rng.normal(size=(1, 5, 4)),
+        rng.normal(size=(1, 7, 8)),
+    )
+    with jax.enable_x64(True):
+        scores = ce.indexer_scores(*map(jnp.asarray, (q, w, keys)), head_chunk=head_chunk)
+    assert scores.dtype == jnp.float32
+    np.testing.assert_allclose(scores, scores_np(q, w, keys), rtol=1e-6, atol=1e-6)

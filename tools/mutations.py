@@ -793,6 +793,15 @@ MUTATIONS += [
         ("tests/test_streaming.py::test_selections_and_losses_take_float64_inputs",),
     ),
     Mutation(
+        "decode_entry_count_64_bit",
+        "a decode chunk counts its closing windows in the default integer (the cache's entry "
+        "count 64-bit under jax_enable_x64)",
+        "csa_eqx/_decode/chunks.py",
+        "jnp.sum(closes, 1, dtype=jnp.int32)",
+        "jnp.sum(closes, 1)",
+        ("tests/test_x64.py",),
+    ),
+    Mutation(
         "float64_attention_takes_kernels",
         "the automatic attention takes the Mosaic kernel on a TPU for float64 queries",
         "csa_eqx/_attention/auto.py",

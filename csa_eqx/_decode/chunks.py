@@ -148,7 +148,7 @@ def closing_layout(rows: ChunkRows, ring: int, m: int) -> tuple[EntryLayout, Arr
     b, seq = rows.valid.shape
     slots = -(-seq // m)
     closes = rows.valid & ((rows.position + 1) % m == 0)
-    rank = jnp.where(closes, jnp.cumsum(closes, axis=1) - 1, slots)
+    rank = jnp.where(closes, jnp.cumsum(closes, axis=1, dtype=jnp.int32) - 1, slots)
     batch = jnp.arange(b)[:, None]
 
     def scatter(values: Array) -> Array:
@@ -156,7 +156,8 @@ def closing_layout(rows: ChunkRows, ring: int, m: int) -> tuple[EntryLayout, Arr
 
     end = scatter(ring + jnp.arange(seq, dtype=jnp.int32))
     has_prior = (end >= 0) & (scatter(rows.position) >= 2 * m - 1)
-    return EntryLayout(end, scatter(rows.segment), has_prior), jnp.sum(closes, axis=1)
+    # int32 counts, the cache's, under jax_enable_x64 too
+    return EntryLayout(end, scatter(rows.segment), has_prior), jnp.sum(closes, 1, dtype=jnp.int32)
 
 
 def compress_chunk(

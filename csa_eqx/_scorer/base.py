@@ -66,7 +66,7 @@ def sum_head_chunks(fn: Callable[..., Array], head_chunk: int, shape, *per_head:
 
     def body(acc, i):
         chunk = (jax.lax.dynamic_slice_in_dim(a, i * head_chunk, head_chunk, 2) for a in per_head)
-        return acc + fn(*chunk), None
+        return acc + fn(*chunk).astype(acc.dtype), None  # float32 for float64 inputs too
 
     init = varying_like(jnp.zeros(shape, jnp.float32), per_head)
     return jax.lax.scan(jax.checkpoint(body), init, jnp.arange(heads // head_chunk))[0]
@@ -107,7 +107,7 @@ def indexer_scores(
         return _score_heads(q, w, keys, score_dtype)
 
     if not head_chunk:
-        scores = score(q, w)
+        scores = score(q, w).astype(jnp.float32)  # as documented, for float64 inputs too
     else:
         shape = (q.shape[0], q.shape[1], keys.shape[1])
         scores = sum_head_chunks(score, head_chunk, shape, q, w)
