@@ -67,7 +67,9 @@ INDEPENDENT = {
     "tests/test_conformance_scorer.py": "numpy formula of the scores (float64, bf16 model)",
     "tests/test_conformance_selection.py": "numpy brute force",
     "tests/test_conformance_loss.py": "numpy KL formula (float64)",
-    "tests/test_x64.py": "the kernels' jaxpr dtypes and the documented automatic choices",
+    "tests/test_x64.py": (
+        "the kernels' jaxpr dtypes, the caches' dtypes, the documented choices, numpy scores"
+    ),
     "tests/test_streaming.py::test_selections_and_losses_take_float64_inputs": (
         "numpy brute force and KL formula (float64)"
     ),
