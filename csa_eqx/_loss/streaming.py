@@ -122,8 +122,7 @@ def _f32_zeros(x: Array) -> Array:
 def _block_scores(static):
     """The tile scorer of ``static = (scale, head_chunk, qb, kb, scorer)``: float32 scores."""
     head_chunk, scorer = static[1], static[4]
-    # float32 as the online sums (a float64 layer's scores too, as the dense loss sums them)
-    return lambda q, w, k: scorer.scores(q, w, k, head_chunk=head_chunk).astype(jnp.float32)
+    return lambda q, w, k: scorer.scores(q, w, k, head_chunk=head_chunk)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))

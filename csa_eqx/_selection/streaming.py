@@ -168,10 +168,7 @@ def _group_top(problem: SelectionProblem, block, keys, ranges, g, sizes, blocks)
 
     def tile(j, buffer):
         scores = problem.scores(qx, wx, take(keys, j * kb, kb))
-        # float32 as every selection orders scores (a float64 layer's too: `_topk._order_keys`)
-        return jax.lax.dynamic_update_slice_in_dim(
-            buffer, scores.astype(buffer.dtype), (j - first) * kb, 2
-        )
+        return jax.lax.dynamic_update_slice_in_dim(buffer, scores, (j - first) * kb, 2)
 
     tiles = (jnp.maximum(lo[i], first), jnp.minimum(hi[i], first + group // kb))
     buffer = varying_like(jnp.zeros((b, qb, group), jnp.float32), (qx, keys))
