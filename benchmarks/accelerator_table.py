@@ -990,11 +990,11 @@ class Bench:
         self.time_runs(runs, rec["runs"], "bfloat16")
 
 
-def plan(part: str, seqs, dtypes, released_seqs, tiles: bool) -> list[tuple]:
+def plan(part: str, seqs, dtypes, released_seqs, tiles: bool, kinds=tuple(RELEASED)) -> list:
     """Steps in priority order. Part 1: GEMM; every dtype at the shortest S; the first dtype
     at the other S up to ``LARGEST_MAIN_SEQ``; the anchor; the other dtypes there; longer S
-    last. Part 2: the released-size layers, both at each of ``released_seqs`` in turn. All:
-    both parts, then the key-tile sweep when asked for."""
+    last. Part 2: the released-size layers ``kinds`` (both by default), each at each of
+    ``released_seqs`` in turn. All: both parts, then the key-tile sweep when asked for."""
     main = sorted(s for s in seqs if s <= LARGEST_MAIN_SEQ)
     extra = sorted(s for s in seqs if s > LARGEST_MAIN_SEQ)
     first: list[tuple] = [("gemm",)]
@@ -1003,7 +1003,7 @@ def plan(part: str, seqs, dtypes, released_seqs, tiles: bool) -> list[tuple]:
     first += [("anchor",)]
     first += [("layer", d, s) for s in main[1:] for d in dtypes[1:]]
     first += [("layer", d, s) for s in extra for d in dtypes]
-    second = [("released", kind, s) for s in released_seqs for kind in RELEASED]
+    second = [("released", kind, s) for s in released_seqs for kind in RELEASED if kind in kinds]
     steps = {"1": first, "2": second, "all": first + second}[part]
     return steps + ([("tiles",)] if tiles and part != "2" else [])
 
@@ -1030,6 +1030,8 @@ def parse(argv=None):
     parser.add_argument("--slow", type=float, default=1.0, help=slow)
     parser.add_argument("--seqs", type=int, nargs="+", help="benchmark layer's S")
     parser.add_argument("--released-seqs", type=int, nargs="+", help="released sizes' S")
+    kinds = "released-size layers (default: all; one alone has the device to itself)"
+    parser.add_argument("--released-kinds", nargs="+", choices=list(RELEASED), help=kinds)
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     parser.add_argument("--gemm-n", type=int, help="GEMM matrix side (default 8192)")
     parser.add_argument("--peak-tflops", type=float, help="the chip's bf16 peak (for MFU)")
@@ -1070,7 +1072,8 @@ def main() -> None:
     if meta["backend"] == "cpu" and not (args.quick or args.allow_cpu):
         log("JAX found no accelerator: stopping (use --quick, or --allow-cpu to insist)")
         raise SystemExit(2)
-    steps = plan(args.part, mode["seqs"], args.dtypes, mode["released_seqs"], args.tiles)
+    kinds = args.released_kinds or tuple(RELEASED)
+    steps = plan(args.part, mode["seqs"], args.dtypes, mode["released_seqs"], args.tiles, kinds)
     torch_layer = hf_config = layer = None
     for step in steps:
         what = " ".join(map(str, step))

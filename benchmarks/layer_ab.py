@@ -40,7 +40,7 @@ VARIANTS = {
         attention=ce.MosaicAttention(gather="rows", resident=True, gradients="hbm")
     ),
     # rows from a resident table both ways, the gradients in VMEM under a 124 MiB scoped limit
-    # (of the v5e's 128): V3.2 at 16k compiles so for a v5e (tools/tpu_compile.py), not yet timed
+    # (of the v5e's 128): V3.2 at 16k 931 -> 710 ms on the chip, its automatic choice since
     "rows-124": ce.Execution(
         attention=ce.MosaicAttention(gather="rows", resident=True, vmem_limit_bytes=124 * 2**20)
     ),

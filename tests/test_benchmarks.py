@@ -420,6 +420,9 @@ def test_accelerator_table_plan_puts_the_key_rows_first():
     assert plan("all", (4096,), dtypes, (8192,), tiles=False) == (
         plan("1", (4096,), dtypes, (8192,), tiles=False) + second[2:]
     )
+    # one kind alone (``--released-kinds``): the device to itself
+    alone = plan("2", (4096,), dtypes, (65536, 8192), tiles=False, kinds=("v32_dsa",))
+    assert alone == [("released", "v32_dsa", 65536), ("released", "v32_dsa", 8192)]
 
 
 def test_trace_summary_counts_device_kernels_per_program(tmp_path):

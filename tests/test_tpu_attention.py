@@ -159,6 +159,11 @@ FORCED = {
         MosaicAttention(gather="rows", resident=True, gradients="hbm"),
         V32,
     ),
+    # at 16k: rows copied both ways, the gradient table in VMEM (under a raised limit there)
+    "rows-resident-v32": (
+        MosaicAttention(gather="rows", resident=True, gradients="vmem", vmem_limit_bytes=124 << 20),
+        V32,
+    ),
 }
 
 
@@ -167,7 +172,8 @@ def test_forced_designs_on_the_chip(design):
     """Rows copied by vector loads from a resident table (as row DMAs within VMEM its first
     chip run failed Mosaic's verifier), gradients added tile by tile in HBM, a rows source's
     backward read as tiles (its forward's rows by DMA, or copied from a resident table: V3.2's
-    automatic choice from 16k): bfloat16."""
+    automatic choice at 32k), V3.2's rows copied both ways (its automatic choice at 16k):
+    bfloat16."""
     kernel, problem = FORCED[design]
     compare(kernel, problem, "bfloat16")
 

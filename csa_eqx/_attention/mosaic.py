@@ -65,10 +65,11 @@ class MosaicAttention(AbstractAttentionKernel):
 
     The defaults are ``AutoAttention``'s choice on a TPU: gathered rows read as the measured
     cost model says is cheapest: as tiles (short prefill), copied from a table resident in VMEM
-    (V4-Flash prefill past 16k tokens; V3.2 prefill at 16k and 32k, whose backward, its
-    gradients not fitting VMEM beside the table, reads tiles) or by DMA (decoding, very long
-    sequences); tables resident in VMEM and the backward's gradient tables in VMEM where they
-    fit (docs/kernels.md, "The automatic configuration").
+    (V4-Flash prefill past 16k tokens; V3.2 prefill at 16k, its backward's gradients in VMEM
+    under a raised limit, and at 32k, whose backward, its gradients not fitting VMEM beside the
+    table, reads tiles) or by DMA (decoding, very long sequences); tables resident in VMEM and
+    the backward's gradient tables in VMEM where they fit (docs/kernels.md, "The automatic
+    configuration").
 
     **Arguments:**
 
@@ -90,7 +91,9 @@ class MosaicAttention(AbstractAttentionKernel):
         ``"hbm"`` (tile by tile; a rows source's backward then reads its rows as tiles; a
         band's as one slab per query block) or ``"auto"`` (VMEM where it fits; a band's
         gradient table in VMEM where it fits but for ``"hbm"``).
-    - ``vmem_limit_bytes``: Mosaic's scoped VMEM limit (the v5e has 128 MiB).
+    - ``vmem_limit_bytes``: Mosaic's scoped VMEM limit (the v5e has 128 MiB; ``None``: 100
+        MiB, raised to 124 MiB where rows copied from a resident table keep their backward's
+        gradient table in VMEM only under it: V3.2 at 16k).
     - ``interpret``: ``None`` (compiled on a TPU, interpreted on the CPU: decided when the
         program is traced), ``True``, ``False`` or a ``pltpu.InterpretParams`` (Pallas' TPU
         interpreter: simulated memories, out-of-bounds reads raising; it carries IO effects,
@@ -104,7 +107,7 @@ class MosaicAttention(AbstractAttentionKernel):
     gather: str = eqx.field(static=True, default="auto")
     resident: bool | None = eqx.field(static=True, default=None)
     gradients: str = eqx.field(static=True, default="auto")
-    vmem_limit_bytes: int = eqx.field(static=True, default=100 * 2**20)
+    vmem_limit_bytes: int | None = eqx.field(static=True, default=None)
     interpret: Interpret = eqx.field(static=True, default=None)
 
     is_kernel = True
@@ -113,8 +116,13 @@ class MosaicAttention(AbstractAttentionKernel):
     def __check_init__(self):
         for name, least in (("key_block", 0), ("tile_block", 1), ("vmem_limit_bytes", 1)):
             v = getattr(self, name)
+            if v is None and name == "vmem_limit_bytes":
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < least:
-                raise ValueError(f"MosaicAttention.{name} must be an int >= {least} (got {v!r})")
+                either = " or None" if name == "vmem_limit_bytes" else ""
+                raise ValueError(
+                    f"MosaicAttention.{name} must be an int >= {least}{either} (got {v!r})"
+                )
         for name, multiple in (("key_block", 8), ("tile_block", LANES)):
             if getattr(self, name) % multiple:
                 raise ValueError(

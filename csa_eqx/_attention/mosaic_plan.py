@@ -64,6 +64,11 @@ QUERY_BLOCKS = (16, 64)  # the automatic query block's range (see ``auto_query_b
 MAX_CHUNK = 512  # the automatic rows chunk's largest (see ``auto_key_block``)
 POISON_ELEMENTS = 2**20  # picks per block of the non-finite check (``picks_poison``)
 AUTO_SHARE = 0.8  # of the VMEM limit, for the automatic choices (the estimate is not exact)
+VMEM_LIMIT = 100 * 2**20  # the scoped VMEM limit of ``vmem_limit_bytes=None`` (the v5e has 128)
+# ... raised for rows copied from a resident table whose backward keeps its gradient table in
+# VMEM only under it: that backward beats the tiles one (V3.2 at 16k on the chip: the layer's
+# fwd+bwd 931 -> 710 ms; Mosaic compiles it for a v5e under this limit, not under 100 MiB)
+RAISED_VMEM_LIMIT = 124 * 2**20
 
 
 class Static(NamedTuple):
@@ -355,8 +360,9 @@ def _plan_with(kernel, q, reads: Reads, has_sinks: bool, scale: float, resident_
 
 def _config_of(kernel, q, sizes: BlockSizes, built: _Builder, width: int, has_sinks: bool,
                scale: float):  # fmt: skip
-    """``config(resident, hbm, slabs)``: the kernels' ``Config`` with tables resident (not a
-    band's), HBM gradient tables for tiles, a band's gradients as slabs, as asked."""
+    """``config(resident, hbm, slabs, limit)``: the kernels' ``Config`` with tables resident
+    (not a band's), HBM gradient tables for tiles, a band's gradients as slabs, as asked, under
+    the scoped VMEM ``limit``."""
     _, s, h, d = q.shape
     packed = q.dtype == jnp.bfloat16
     per = 2 if packed else 1
@@ -368,7 +374,7 @@ def _config_of(kernel, q, sizes: BlockSizes, built: _Builder, width: int, has_si
     padded = heads * LANES * (key_blocks + value_blocks) >= 2 * h * (d + width)
     narrow = (h, d, width) if sizes.head_block >= heads and padded else ()
 
-    def config(resident: bool, hbm: bool, slabs: bool) -> Config:
+    def config(resident: bool, hbm: bool, slabs: bool, limit: int) -> Config:
         tables = []
         for t in built.tables:
             rows = round_up(t.rows, sizes.tile) if t.tiled and not t.band else t.rows
@@ -382,7 +388,7 @@ def _config_of(kernel, q, sizes: BlockSizes, built: _Builder, width: int, has_si
             seq=built.seq, heads=round_up(h, sizes.head_block), head_block=sizes.head_block,
             query_block=sizes.query_block, key_blocks=key_blocks, value_blocks=value_blocks,
             chunk=sizes.chunk, tile=sizes.tile, scale=scale, has_sinks=has_sinks,
-            dtype=jnp.dtype(q.dtype).name, vmem_limit=kernel.vmem_limit_bytes, narrow=narrow,
+            dtype=jnp.dtype(q.dtype).name, vmem_limit=limit, narrow=narrow,
             interpret=kernel.interpret,
         )  # fmt: skip
 
@@ -487,9 +493,9 @@ def _configs(kernel, config, sizes: BlockSizes, tabled: bool, banded: bool):
     ``kernel.resident`` allows), else the leanest; the backward's rows sources read as tiles
     when their gradients go to HBM. Rows the cost model took for their copies from resident
     tables (``sizes.resident``) keep the table resident, their gradients in VMEM where they
-    fit beside it (V4-Flash), else in HBM with the backward read as tiles (V3.2 from 16k: the
-    chip's forward is faster, the backward is the tiles one either way): ``None`` where even
-    that does not fit."""
+    fit beside it (V4-Flash; V3.2 at 16k only under ``RAISED_VMEM_LIMIT``, taken where
+    ``kernel.vmem_limit_bytes`` is ``None``), else in HBM with the backward read as tiles
+    (V3.2 at 32k): ``None`` where even that does not fit."""
     if sizes.resident:
         residents = [True]
     elif kernel.resident is not None:
@@ -498,11 +504,15 @@ def _configs(kernel, config, sizes: BlockSizes, tabled: bool, banded: bool):
         residents = [True, False] if tabled and sizes.gather == "tiles" else [False]
     grads = {"vmem": [False], "hbm": [True], "auto": [False, True]}[kernel.gradients]
     slabs = [True] if kernel.gradients == "hbm" or not banded else [False, True]
-    budget = AUTO_SHARE * kernel.vmem_limit_bytes
-    candidates = [(res, hbm, slab) for hbm in grads for slab in slabs for res in residents]
-    for res, hbm, slab in candidates:
-        forward = config(res, hbm, slab)
+    limit = kernel.vmem_limit_bytes or VMEM_LIMIT
+    candidates = [(res, hbm, slab, limit) for hbm in grads for slab in slabs for res in residents]
+    if sizes.resident and kernel.vmem_limit_bytes is None and False in grads:
+        at = len(slabs) * len(residents) if True in grads else len(candidates)
+        candidates[at:at] = [(True, False, slab, RAISED_VMEM_LIMIT) for slab in slabs]
+    for res, hbm, slab, lim in candidates:
+        forward = config(res, hbm, slab, lim)
         backward = as_tiles(forward) if hbm else forward
+        budget = AUTO_SHARE * lim
         if vmem_bytes(forward, False) <= budget and vmem_bytes(backward, True) <= budget:
             return forward, backward
     if sizes.resident:
