@@ -811,6 +811,15 @@ MUTATIONS += [
         "        if False:",
         ("tests/test_x64.py",),
     ),
+    # --- issue 54: V3.2's rows backward at 16k under the raised VMEM limit ---
+    Mutation(
+        "raised_vmem_limit_not_tried",
+        "rows copied from a resident table never try their VMEM gradients under the raised limit",
+        "csa_eqx/_attention/mosaic_plan.py",
+        "    if sizes.resident and kernel.vmem_limit_bytes is None and False in grads:",
+        "    if False:",
+        ("tests/test_mosaic_attention.py::test_automatic_choices_fit_vmem_at_released_sizes",),
+    ),
 ]
 
 
