@@ -229,6 +229,20 @@ def _table_words(config: Config, static: Static, floats) -> tuple:
     return tuple(words)
 
 
+def _row_dots(x: Array, y: Array, static: Static) -> Array:
+    """``sum(x * y)`` over each row's features in float32, ``[B, S, H]``, of two arrays in the
+    kernels' layout (``_query_words``). Summed there, not in ``[B, S, H, w]``: XLA on a TPU
+    met the output's cotangent in another layout there (a dot's, heads major) and wrote a
+    float32 transposed copy of the output for it (4 GiB for V3.2 at 16k)."""
+    c = static.config
+    if c.narrow:
+        x, y = (a.reshape(*a.shape[:2], c.narrow[0], -1) for a in (x, y))
+    dots = jnp.sum(x.astype(jnp.float32) * y.astype(jnp.float32), axis=-1)
+    if not c.narrow:
+        dots = unquery_rows(dots[..., None], c)[..., 0]
+    return dots[:, : static.seq, : static.heads]
+
+
 def _sink_rows(sink: Array, static: Static) -> Array:
     """The sink logit of every softmax row of a grid step, ``[n_h, R, 128]``."""
     c = static.config
@@ -300,8 +314,9 @@ def _attention_bwd(static: Static, residuals, cotangents):
     c = static.backward
     check_vmem(c, True)
     g_out = jnp.where(ints.live[:, :, None, None], g_out, 0)
-    coeff = g_lse.astype(jnp.float32) - jnp.sum(
-        g_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1
+    do = _query_words(g_out.astype(qk.dtype), static, c.value_blocks)
+    coeff = g_lse.astype(jnp.float32) - _row_dots(
+        do, _query_words(out, static, c.value_blocks), static
     )
     coeff = jnp.where(ints.live[:, :, None], coeff, 0.0)  # a poisoned query's output is NaN
     back = _backward_ints(static, ints)
@@ -309,7 +324,7 @@ def _attention_bwd(static: Static, residuals, cotangents):
         c,
         back.ntiles,
         qk,
-        _query_words(g_out.astype(qk.dtype), static, c.value_blocks),
+        do,
         _scalars(lse, static),
         _scalars(coeff, static),
         back.qmeta,
