@@ -35,12 +35,12 @@ VARIANTS = {
     "tiles": ce.Execution(attention=ce.MosaicAttention(gather="tiles")),
     "rows": ce.Execution(attention=ce.MosaicAttention(gather="rows", resident=True)),
     # the forward's rows copied from a resident table, the backward's read as tiles from HBM
-    # (V3.2's table and its gradients do not fit VMEM together: its automatic choice from 16k)
+    # (V3.2's table and its gradients do not fit VMEM together: its automatic choice at 32k)
     "rows-forward": ce.Execution(
         attention=ce.MosaicAttention(gather="rows", resident=True, gradients="hbm")
     ),
     # rows from a resident table both ways, the gradients in VMEM under a 124 MiB scoped limit
-    # (of the v5e's 128): V3.2 at 16k 931 -> 710 ms on the chip, its automatic choice since
+    # (of the v5e's 128): V3.2 at 16k 931 -> 710 ms on the chip, its automatic choice there
     "rows-124": ce.Execution(
         attention=ce.MosaicAttention(gather="rows", resident=True, vmem_limit_bytes=124 * 2**20)
     ),
