@@ -507,7 +507,7 @@ def _configs(kernel, config, sizes: BlockSizes, tabled: bool, banded: bool):
     limit = kernel.vmem_limit_bytes or VMEM_LIMIT
     candidates = [(res, hbm, slab, limit) for hbm in grads for slab in slabs for res in residents]
     if sizes.resident and kernel.vmem_limit_bytes is None and False in grads:
-        at = len(slabs) * len(residents) if True in grads else len(candidates)
+        at = len(slabs) * len(residents)  # after the VMEM gradients under the default limit
         candidates[at:at] = [(True, False, slab, RAISED_VMEM_LIMIT) for slab in slabs]
     for res, hbm, slab, lim in candidates:
         forward = config(res, hbm, slab, lim)
