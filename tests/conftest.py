@@ -74,17 +74,33 @@ ONE_HALF = {
 }
 
 
-# Every other module's tests `make test` deals between the halves, one by one in collection
-# order within each module (each case of a parametrised test counts as one): the first on
-# 3.11, the second on 3.12, and so on. Every test runs once, on one JAX; every module runs on
-# both. A test that needs torch runs on 3.11 (the 3.12 half has no torch), outside the count.
-# docs/testing.md, "Tests dealt between the halves".
+# Every other module's tests `make test` deals between the halves, one unit at a time in
+# collection order within each module: the first unit on 3.11, the second on 3.12, and so on.
+# A unit is one test (each case of a parametrised test counts as one), or, where the module
+# names a parameter or a fixture in ``DEALT_TOGETHER``, every test with the same value of that
+# parameter or using that fixture: they share a result the module computes once (a conformance
+# member's one program, a single-device reference), which dealt apart each half computed again.
+# Every test runs once, on one JAX; every module runs on both. A test that needs torch runs on
+# 3.11 (the 3.12 half has no torch), outside the count. docs/testing.md, "Tests dealt between
+# the halves".
 HALVES = ("py311", "py312")
+
+
+def _unit(item) -> object:
+    """The unit ``item`` is dealt in: its module's first ``DEALT_TOGETHER`` name that is one
+    of its parameters (with the value) or fixtures, else the test alone."""
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    for name in getattr(item.module, "DEALT_TOGETHER", ()):
+        if name in params:
+            return name, str(params[name])
+        if name in item.fixturenames:
+            return name
+    return item.nodeid
 
 
 def _dealt_halves(items) -> dict:
     """``{nodeid: half}`` for the tests of the modules outside ``ONE_HALF``."""
-    dealt, count = {}, {}
+    dealt, units = {}, {}
     for item in items:
         module = item.path.name
         if module in ONE_HALF:
@@ -92,8 +108,8 @@ def _dealt_halves(items) -> dict:
         if _needs_torch(item):
             dealt[item.nodeid] = HALVES[0]
             continue
-        i = count.get(module, 0)
-        count[module] = i + 1
+        seen = units.setdefault(module, {})
+        i = seen.setdefault(_unit(item), len(seen))
         dealt[item.nodeid] = HALVES[i % 2]
     return dealt
 

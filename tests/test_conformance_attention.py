@@ -35,6 +35,9 @@ from conformance import attention_np, attention_query_block, bf16, choosers, mem
 
 import csa_eqx as ce
 
+# each member's results come from one program (``member_results``): its tests run in one half
+# of `make test` (tests/conftest.py, ``_unit``)
+DEALT_TOGETHER = ("name",)
 MEMBERS = {
     "xla": ce.XlaAttention(),  # blocks of 4 of the 11 queries (the last one padded)
     "triton": ce.TritonAttention(query_block=4, key_block=2),  # interpret mode: partial tiles

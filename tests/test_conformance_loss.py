@@ -57,6 +57,9 @@ def _functional(problem, target, selection):
     )
 
 
+# each member's results come from one program (``member_results``): its tests run in one half
+# of `make test` (tests/conftest.py, ``_unit``)
+DEALT_TOGETHER = ("name",)
 MEMBERS = {
     "dense": ce.DenseIndexerLoss().loss,
     "streaming": ce.StreamingIndexerLoss(key_block=3, query_block=5).loss,

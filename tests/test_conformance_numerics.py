@@ -31,6 +31,9 @@ from test_formats import FP8, _fwht, _reference, _reference_quant
 
 import csa_eqx as ce
 
+# each member's results come from one program (``member_results``): its tests run in one half
+# of `make test` (tests/conftest.py, ``_unit``)
+DEALT_TOGETHER = ("name",)
 MEMBERS = {
     "exact": ce.ExactNumerics(),
     "deepseek": ce.DeepSeekInference(),  # scale_fmt "ue8m0", V4-Flash's KV through bf16

@@ -31,6 +31,9 @@ from conformance import bf16, member_results, scores_np
 
 import csa_eqx as ce
 
+# each member's results come from one program (``member_results``): its tests run in one half
+# of `make test` (tests/conftest.py, ``_unit``)
+DEALT_TOGETHER = ("name",)
 MEMBERS = {
     "xla": ce.XlaScorer(),
     "blocked": ce.BlockedScorer(5),  # 13 keys: two blocks and a padded one

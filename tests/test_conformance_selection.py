@@ -53,6 +53,9 @@ from conformance import (
 
 import csa_eqx as ce
 
+# each member's results come from one program (``member_results``): its tests run in one half
+# of `make test` (tests/conftest.py, ``_unit``)
+DEALT_TOGETHER = ("name",)
 MEMBERS = {
     "dense": ce.DenseSelection(),
     "streaming": ce.StreamingSelection(key_block=3, query_block=5, topk_block=6),

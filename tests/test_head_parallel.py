@@ -28,6 +28,9 @@ from csa_eqx.presets import tiny_v32, v4_flash
 TENSOR2 = ((2,), ("tensor",))
 TENSOR4 = ((4,), ("tensor",))
 DATA2_TENSOR2 = ((2, 2), ("data", "tensor"))
+# the tests of a kind share its single-device reference (``single_device``): one half of
+# `make test` runs them (tests/conftest.py, ``_unit``)
+DEALT_TOGETHER = ("kind",)
 HEAD_SPLIT = {"q_b_proj": 0, "sinks": 0, "o_a_proj": 0, "o_b_proj": 1}  # name -> split dim
 
 
