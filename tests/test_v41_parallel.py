@@ -6,6 +6,8 @@ gradients (parameters and x) within 1e-5, every published selection and candidat
 bitwise, published entries and keys bitwise (head parallel) or within float rounding (context
 parallel), packed documents in row 0; the errors and the loader's execution keywords."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,9 +23,6 @@ from csa_eqx.hf import load_v41_attention, v41_parameter_names
 
 SEQ = 24
 SEGMENTS = jnp.asarray(np.repeat([[0, 1], [0, 0]], [11, 13], axis=1), jnp.int32)
-# the tests against the single-device stack share it: one half of `make test` runs them
-# (tests/conftest.py, ``_unit``)
-DEALT_TOGETHER = ("single_device",)
 
 
 def objective(layers, x, published=True):
@@ -43,7 +42,7 @@ grad = jax.jit(
 )
 
 
-@pytest.fixture(scope="module")
+@functools.cache
 def single_device():
     """The stack, its input and its single-device outputs, published state and gradients."""
     layers = _stack()
@@ -52,11 +51,10 @@ def single_device():
     return layers, x, (ys, losses), published, grads
 
 
-def assert_matches_single_device(got, single_device, entries_exact):
-    """``got`` is ``((ys, losses), published, grads)``, ``single_device`` the fixture;
-    selections and candidates (and, when ``entries_exact``, entries and keys) bitwise, the rest
-    within 1e-5."""
-    *_, (want_ys, want_losses), want_published, want_grads = single_device
+def assert_matches_single_device(got, entries_exact):
+    """``got`` is ``((ys, losses), published, grads)``; selections and candidates (and, when
+    ``entries_exact``, entries and keys) bitwise, the rest within 1e-5."""
+    *_, (want_ys, want_losses), want_published, want_grads = single_device()
     (ys, losses), published, grads = got
     for i, (y, want_y) in enumerate(zip(ys, want_ys, strict=True)):
         assert relative_error(y, want_y) < 1e-5, i
@@ -87,18 +85,18 @@ def assert_matches_single_device(got, single_device, entries_exact):
         assert relative_error(leaf, want_leaf) < 1e-5
 
 
-def test_head_parallel_stack_matches_single_device(single_device):
+def test_head_parallel_stack_matches_single_device():
     """Every layer head-parallel on a (data 2, tensor 2) mesh (x split over data): one
     shard_map per layer, manual over both axes; what the heads share (compressor, indexer,
     top-k, candidates) is computed on every device, so the published state is bitwise."""
-    layers, x, *_ = single_device
+    layers, x, *_ = single_device()
     hp = [layer.with_execution(ce.Execution.from_options(head_parallel=True)) for layer in layers]
     mesh = jax.make_mesh((2, 2), ("data", "tensor"))
     with jax.set_mesh(mesh):
         x = jax.device_put(x, NamedSharding(mesh, P("data")))
         (_, (ys, losses, published)), grads = grad(hp, x)
         jaxpr = jax.make_jaxpr(objective)(hp, x)
-    assert_matches_single_device(((ys, losses), published, grads), single_device, True)
+    assert_matches_single_device(((ys, losses), published, grads), entries_exact=True)
     manual = [e.params["newly_manual_axes"] for e in jaxpr.eqns if e.primitive.name == "shard_map"]
     assert manual == [{"data", "tensor"}] * CONFIG.num_layers
 
@@ -108,14 +106,14 @@ def test_head_parallel_stack_matches_single_device(single_device):
     [(((4,), ("context",)), False), (((2, 2, 2), ("data", "context", "tensor")), True)],
     ids=["context4", "data2xcontext2xtensor2-heads"],
 )
-def test_context_parallel_stack_matches_single_device(single_device, mesh_shape, heads):
+def test_context_parallel_stack_matches_single_device(mesh_shape, heads):
     """Every layer context-parallel, x split along the sequence: 2N zigzag chunks (context 4:
     chunks of 4 rows at ratio 2, the sequence padded to 32, and 3 rows at ratio 1) with 3-row
     halos; each device makes the entries its chunks close and all-gathers them, and the
     published entries are the whole sequence's. With ``heads``, the batch is split over data
     too, the heads over tensor inside each context shard and each shard's top-k rows over
     tensor too (``indexer_sharded_topk``)."""
-    layers, x, *_ = single_device
+    layers, x, *_ = single_device()
     execution = ce.Execution.from_options(
         context_parallel=True, head_parallel=heads, indexer_sharded_topk=heads
     )
@@ -129,7 +127,7 @@ def test_context_parallel_stack_matches_single_device(single_device, mesh_shape,
         (_, (ys, losses, published)), grads = grad(cp, x, published=not heads)
         if heads:
             _, published = jax.jit(ce.run_v41_stack)(cp, x, segment_ids=SEGMENTS)
-    assert_matches_single_device(((ys, losses), published, grads), single_device, False)
+    assert_matches_single_device(((ys, losses), published, grads), entries_exact=False)
 
 
 def test_errors_name_axis_and_sizes():
