@@ -28,9 +28,9 @@ import csa_eqx as ce
 from csa_eqx.hf import load_v41_attention, v41_config_from_hf, v41_parameter_names
 
 FIXTURE = Path(__file__).parent / "fixtures" / "deepseek" / "v41_stack.npz"
-# the tests of the decoded streams and of the quantised stack share those fixtures: each group
-# runs in one half of `make test` (tests/conftest.py, ``_unit``)
-DEALT_TOGETHER = ("streams", "quantised")
+# the tests of the decoded streams share that fixture: one half of `make test` runs them
+# (tests/conftest.py, ``_unit``)
+DEALT_TOGETHER = ("streams",)
 # the stack runs jitted: eagerly, every primitive would be compiled as a program of its own
 run_stack = eqx.filter_jit(ce.run_v41_stack)
 
