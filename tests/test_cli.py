@@ -17,8 +17,8 @@ from csa_eqx.demo.train import TrainConfig, targets_met, train
 
 def test_train_smoke_resume_and_controls(tmp_path):
     # one CSA layer (the layer kinds' training is tested in the layer tests): the main run's
-    # programs are those of test_demo_seeds and test_train_faults' in-process runs, which the
-    # run's compilation cache then serves; both controls
+    # programs (8 devices) are those of test_train_faults' uninterrupted `csa-eqx train
+    # --devices=8` run, which `make test`'s compilation cache then serves; both controls
     cfg = tiny_config("--layers=csa", name="smoke")
     run = tmp_path / "smoke"
     partial = train(cfg, run, io.StringIO(), stop_after=4)

@@ -1,22 +1,26 @@
 """Training runs that cannot be lost: SIGKILL at any instant resumes to the same result; unusable
 checkpoints, non-finite losses and unwritable folders give one clear error.
 
-The kill test runs ``csa-eqx train`` in real subprocesses. The trainer's fault hook
+The kill test runs ``csa-eqx train`` in real processes. The trainer's fault hook
 (``CSA_EQX_DEMO_KILL_AT=STEP:SITE``, see ``csa_eqx.demo.checkpoint.kill_point``) makes a process
 SIGKILL itself at a chosen instant: after a step, half-way through writing a file, after the
 file is complete but before its rename, after the rename, while writing the report and after the
 plots. Each process dies at one instant and the next resumes from what is on disk; two chains
 of kills follow an uninterrupted run side by side, and each chain's final checkpoint (model and
 optimizer state) and history must equal the uninterrupted run's bitwise. A persistent
-compilation cache, filled by the uninterrupted run as it goes, keeps a resumed process at ~4-7 s
+compilation cache, filled by the uninterrupted run as it goes, keeps a resumed process at ~3-7 s
 of CPU instead of ~35 s with its compiles (measured on a 2-core CPU): the run's own cache when
-``make test`` gives one (``JAX_COMPILATION_CACHE_DIR``: the CLI and seed-sweep tests train the
-same programs), else one in ``tmp_path``.
+``make test`` gives one (``JAX_COMPILATION_CACHE_DIR``), else one in ``tmp_path``. The
+uninterrupted run is ``python -m csa_eqx.demo.cli train``; a chain's processes are forked, one
+at a time, from a process of the chain's own that imported the trainer once (``FORKER``): each
+is a new process whose JAX backend starts in it, running the same ``csa_eqx.demo.cli.main``,
+without the ~1.4 s of CPU that importing csa_eqx costs every new interpreter (24 times).
 """
 
 import dataclasses
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -72,8 +76,14 @@ CHAINS = (
 )
 
 
-def start(runs: Path, name: str, cache: Path, kill: tuple[int, str] | None) -> subprocess.Popen:
-    """``csa-eqx train`` (4 simulated CPU devices, the demo's default) in a subprocess."""
+def train_argv(runs: Path, name: str) -> list[str]:
+    """``csa-eqx train``'s arguments: 8 simulated CPU devices (the demo's default is 4), as in
+    ``tests/conftest.py``, so that the uninterrupted run compiles the programs of
+    ``test_cli``'s in-process smoke run, which ``make test``'s compilation cache then serves."""
+    return ["train", f"--runs={runs}", f"--name={name}", "--devices=8", *FLAGS]
+
+
+def environment(cache: Path) -> dict[str, str]:
     env = child_env(
         JAX_PLATFORMS="cpu",
         JAX_COMPILATION_CACHE_DIR=str(cache),
@@ -81,18 +91,84 @@ def start(runs: Path, name: str, cache: Path, kill: tuple[int, str] | None) -> s
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     )
     env.pop(KILL_AT, None)
-    if kill:
-        env[KILL_AT] = f"{kill[0]}:{kill[1]}"
-    cmd = [sys.executable, "-m", "csa_eqx.demo.cli", "train", f"--runs={runs}", f"--name={name}"]
+    return env
+
+
+def start_uninterrupted(runs: Path, cache: Path) -> subprocess.Popen:
+    """``python -m csa_eqx.demo.cli train`` in a subprocess, to its end."""
+    cmd = [sys.executable, "-m", "csa_eqx.demo.cli", *train_argv(runs, "reference")]
     return subprocess.Popen(
-        [*cmd, *FLAGS], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd, env=environment(cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
 
 
-def finish(proc: subprocess.Popen, kill: tuple[int, str] | None) -> None:
-    out, _ = proc.communicate(timeout=600)
+# A chain's server: imports the trainer (not JAX's backend: no XLA threads yet), then for each
+# request line forks a process that runs ``csa_eqx.demo.cli.main`` (killing itself at the
+# request's instant, if any) with its output in a log file, waits for it and answers with its
+# exit status (negative: the signal that ended it, as ``Popen.returncode``).
+FORKER = f"""
+import json, os, sys, traceback
+from csa_eqx.demo import cli, train  # what every run imports, imported once
+
+for line in sys.stdin:
+    argv, kill, log = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            if kill:
+                os.environ[{KILL_AT!r}] = kill
+            out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(out, 1)
+            os.dup2(out, 2)
+            code = cli.main(argv)
+        except SystemExit as err:
+            code = err.code if isinstance(err.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+"""
+
+
+class Chain:
+    """One chain's processes, one at a time, forked by the chain's ``FORKER``."""
+
+    def __init__(self, runs: Path, name: str, cache: Path):
+        self.argv, self.log = train_argv(runs, name), runs.parent / f"{name}.log"
+        self.server = subprocess.Popen(
+            [sys.executable, "-c", FORKER],
+            env=environment(cache),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.kill: tuple[int, str] | None = None
+        self.started = 0.0
+
+    def start(self, kill: tuple[int, str] | None) -> None:
+        self.kill, self.started = kill, time.monotonic()
+        instant = f"{kill[0]}:{kill[1]}" if kill else None
+        self.server.stdin.write(json.dumps([self.argv, instant, str(self.log)]) + "\n")
+        self.server.stdin.flush()
+
+    def done(self) -> bool:
+        """Whether the process has ended (its exit status is waiting)."""
+        assert time.monotonic() - self.started < 600, f"kill at {self.kill}: still running"
+        return bool(select.select([self.server.stdout], [], [], 0)[0])
+
+    def finish(self) -> None:
+        answer = self.server.stdout.readline()
+        assert answer, f"the chain's server ended (exit {self.server.wait()})"
+        check_exit(int(answer), self.kill, self.log.read_text())
+
+
+def check_exit(code: int, kill: tuple[int, str] | None, out: str) -> None:
     expected = -signal.SIGKILL if kill else 0
-    assert proc.returncode == expected, f"kill at {kill}: exit {proc.returncode}\n{out}"
+    assert code == expected, f"kill at {kill}: exit {code}\n{out}"
 
 
 def saved_step(run: Path) -> int:
@@ -134,20 +210,18 @@ def ready(kill: tuple[int, str] | None, reference: subprocess.Popen, ref_run: Pa
     return kill is not None and kill[0] < STEPS and saved_step(ref_run) >= kill[0]
 
 
-@pytest.mark.slow
-def test_sigkill_at_any_instant_resumes_to_the_uninterrupted_result(tmp_path):
-    cache = Path(os.environ.get("JAX_COMPILATION_CACHE_DIR") or tmp_path / "jax-cache")
-    runs = tmp_path / "runs"
-    reference = start(runs, "reference", cache, None)
-    plans = {f"chain{i}": [*chain, None] for i, chain in enumerate(CHAINS)}  # None: finish
-    running: dict[str, tuple] = {}
+def follow(chains: dict, plans: dict, reference: subprocess.Popen, runs: Path) -> int:
+    """Run each chain's plan, one process at a time per chain, each once the uninterrupted run
+    is ``ready`` for it, and check what each kill leaves on disk; **returns** the kills."""
+    running: set[str] = set()
     kills = 0
     while plans or running:  # the chains follow the uninterrupted run, one process each
-        for name, (proc, kill) in list(running.items()):
-            if proc.poll() is None:
+        for name in list(running):
+            if not chains[name].done():
                 continue
-            finish(proc, kill)
-            del running[name]
+            chains[name].finish()
+            running.remove(name)
+            kill = chains[name].kill
             if kill:
                 kills += 1
                 assert saved_step(runs / name) == expected_step(kill), kill
@@ -157,12 +231,30 @@ def test_sigkill_at_any_instant_resumes_to_the_uninterrupted_result(tmp_path):
                     json.loads((runs / name / H).read_text())
         for name, plan in list(plans.items()):
             if name not in running and ready(plan[0], reference, runs / "reference"):
-                kill = plan.pop(0)
-                running[name] = (start(runs, name, cache, kill), kill)
+                chains[name].start(plan.pop(0))
+                running.add(name)
                 if not plan:
                     del plans[name]
         time.sleep(0.1)
-    finish(reference, None)
+    return kills
+
+
+@pytest.mark.slow
+def test_sigkill_at_any_instant_resumes_to_the_uninterrupted_result(tmp_path):
+    cache = Path(os.environ.get("JAX_COMPILATION_CACHE_DIR") or tmp_path / "jax-cache")
+    runs = tmp_path / "runs"
+    reference = start_uninterrupted(runs, cache)
+    plans = {f"chain{i}": [*chain, None] for i, chain in enumerate(CHAINS)}  # None: finish
+    chains = {name: Chain(runs, name, cache) for name in plans}
+    try:
+        kills = follow(chains, plans, reference, runs)
+    finally:  # a server ends once its input does (after the process it is waiting for)
+        for chain in chains.values():
+            chain.server.stdin.close()
+    for chain in chains.values():
+        assert chain.server.wait(timeout=60) == 0
+    out, _ = reference.communicate(timeout=600)
+    check_exit(reference.returncode, None, out)
     assert kills >= 20
     expected = outcome(runs / "reference")
     assert expected[2]["step"] == STEPS and expected[2]["finished"]
