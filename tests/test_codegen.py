@@ -13,7 +13,11 @@ import codegen_worker
 import numpy as np
 from child_env import child_env
 
-CODEGEN_FLAGS = ("--xla_backend_optimization_level", "--xla_cpu_parallel_codegen_split_count")
+CODEGEN_FLAGS = (
+    "--xla_backend_optimization_level",
+    "--xla_cpu_parallel_codegen_split_count",
+    "--xla_cpu_use_fusion_emitters",
+)
 
 
 def default_codegen_env() -> dict[str, str]:
