@@ -109,6 +109,10 @@ def _round_trip(fmt, x, block, mode):
 
 
 MODES = ["eager", "jit"]
+# jaxlib 0.10.2's CPU loop emitters (the 3.11 half of `make test` compiles with them,
+# docs/testing.md, "Code generation") round these e4m3-scaled FP4 blocks otherwise than XLA's
+# default emitters: `make test` runs them in the 3.12 half (tests/conftest.py)
+FUSION_EMITTERS = pytest.mark.xla_fusion_emitters
 
 
 def test_tables_are_the_formats():
@@ -151,7 +155,9 @@ def _random_blocks(fmt, seed):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize(
+    "fmt", [pytest.param(f, marks=FUSION_EMITTERS) if f == "fp4_e4m3" else f for f in FORMATS]
+)
 def test_round_trips_match_the_numpy_reference(fmt, mode):
     x, block = _random_blocks(fmt, len(fmt))
     got = _round_trip(fmt, x, block, mode)
@@ -259,7 +265,7 @@ def _beside_midpoints(fmt, amax, block, rng):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("fmt", ["fp8_amax", "fp4_e4m3"])
+@pytest.mark.parametrize("fmt", ["fp8_amax", pytest.param("fp4_e4m3", marks=FUSION_EMITTERS)])
 def test_quotients_beside_midpoints_are_the_exact_ones(fmt, mode):
     """Block scales that are not powers of two, values a few float32 steps from a midpoint of
     the format times the scale (not exact multiples: ``test_midpoints_round_to_even``'s are,
