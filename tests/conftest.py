@@ -129,7 +129,7 @@ def _other_half(item, half: str | None, dealt: dict) -> bool:
 
 
 # Each module's share of a run (seconds of test time on the 2-core machine, measured: a
-# fresh-clone `bash .ci/run` of 69854a5, the 3.11 half, then the 3.12 half's own modules;
+# fresh-clone `bash .ci/run` of c7c4d4d: the 3.11 half, then the 3.12 half's own modules;
 # `python tools/test_timing.py build/test/py311.xml build/test/py312.xml --write-weights
 # tests/module_seconds.json`
 # refreshes them from a run's JUnit XML). `make test` hands whole modules to its two workers
