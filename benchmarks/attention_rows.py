@@ -1,13 +1,18 @@
-"""V4-Flash CSA's attention alone on a TPU (issue 54, item 1: "Row copies at the isolated probe's
-cost"; docs/kernels.md, "What a gathered row costs"): ``MosaicAttention()`` (the automatic
-choice: tiles, resident) against ``MosaicAttention(gather="rows", resident=True)`` (rows copied
-by vector loads from a VMEM-resident table), forward and forward + backward, on synthetic reads
-at released sizes: B = 1, 64 heads x 512 (the values the keys' first features), ``k`` = 512
-picks per query among the ``S / 4`` compressed entries it sees (an entry is seen once its 4
-tokens are), a 128-token band, sinks, bfloat16. Two patterns of picks: ``uniform`` (uniform
-among the visible entries, with repeats) and ``local`` (the 256 most recent visible entries and
-four heavy regions of 64 entries, the first at entry 0, as trained indexers pick; what a query
-does not see yet is ``-1``).
+"""V4-Flash CSA's or V3.2 DSA's attention alone on a TPU (issue 54, item 1: "Row copies at the
+isolated probe's cost"; item 4: tile skipping; docs/kernels.md, "What a gathered row costs",
+"Tile skipping"): designs of ``MosaicAttention`` (``DESIGNS``: ``rows``, rows copied by vector
+loads from a VMEM-resident table; ``auto``, the automatic choice; ``tiles``, the masked tiles
+pass, skipping the tiles no query of a block picked; ``tiles-all`` and ``auto-all``, the same
+without skipping), forward and forward + backward, on synthetic reads at released sizes
+(``--layer``): ``v4``, B = 1, 64 heads x 512 (the values the keys' first features), ``k`` =
+512 picks per query among the ``S / 4`` compressed entries it sees (an entry is seen once its
+4 tokens are), a 128-token band, sinks; ``v32``, 128 heads (``--heads``: fewer, e.g. 32, one
+of the layer's four head groups at 32k, whose 128 heads' arrays do not fit the chip's HBM),
+576-wide latent keys whose first 512 features are the values, ``k`` = 2048 picks among the
+tokens it sees, no band, no sinks; bfloat16. Two patterns of picks: ``uniform`` (uniform
+among the visible entries, with repeats) and ``local`` (the most recent visible entries, 256
+for V4 and 1024 for V3.2, and four heavy regions sharing the rest, the first at entry 0, as
+trained indexers pick; what a query does not see yet is ``-1``).
 
 Each program (design x pass; the patterns share them) is compiled first, with its compiled
 memory and kernel calls recorded, then run once per pattern (a checksum of its outputs: sum
@@ -18,9 +23,9 @@ estimate) and rounds past it are skipped, so ``timeout`` is rarely needed. Write
 ``OUT/attention_rows.json`` after every step; one line per result. ``--quick``: tiny sizes in
 Pallas' interpreter (a CPU smoke run; the numbers mean nothing).
 
-    python -m benchmarks.attention_rows --out DIR [--seqs 32768] [--patterns uniform local]
-        [--designs rows auto] [--passes fwd fwdbwd] [--rounds 3] [--calls 2] [--budget 220]
-        [--quick]
+    python -m benchmarks.attention_rows --out DIR [--layer v4] [--heads H] [--seqs 32768]
+        [--patterns uniform local] [--designs rows auto] [--passes fwd fwdbwd] [--rounds 3]
+        [--calls 2] [--budget 220] [--quick]
 """
 
 from __future__ import annotations
@@ -44,30 +49,36 @@ from .accelerator_table import Program, called_once, describe_error, jax_free_by
 DESIGNS = {  # in the order they compile, each pass's (forward first)
     "rows": ce.MosaicAttention(gather="rows", resident=True),
     "auto": ce.MosaicAttention(),
+    "tiles": ce.MosaicAttention(gather="tiles"),
+    "tiles-all": ce.MosaicAttention(gather="tiles", skip_tiles=False),  # every tile visited
+    "auto-all": ce.MosaicAttention(skip_tiles=False),
 }
 PATTERNS = ("uniform", "local")
 PASSES = ("fwd", "fwdbwd")
 ARRAYS = ("q", "kv", "entries", "sinks", "weights")  # the programs' arguments, then the picks
-COMPRESS = 4  # tokens per compressed entry (V4-Flash CSA)
 GIB = 2**30
 
 
 class Size(NamedTuple):
     heads: int
-    width: int
+    width: int  # of the queries and keys
     picks: int
-    window: int
+    window: int  # the band's (0: none, and no sinks)
     recent: int  # the local pattern's most recent entries; the rest: 4 heavy regions
+    compress: int = 4  # tokens per entry (V4-Flash CSA: 4; V3.2: 1, its tokens)
+    values: int = 0  # the values' width: the keys' first features (0: all of them)
 
 
-FULL = Size(64, 512, 512, 128, 256)
-QUICK = Size(16, 128, 16, 8, 8)
+LAYERS = {
+    "v4": (Size(64, 512, 512, 128, 256), Size(16, 128, 16, 8, 8)),  # full, --quick
+    "v32": (Size(128, 576, 2048, 0, 1024, 1, 512), Size(16, 144, 16, 0, 8, 1, 128)),
+}
 
 
 def picks_of(pattern: str, seq: int, size: Size, key) -> jax.Array:
     """int32 ``[1, S, k]``: each query's picks among the entries it sees (``-1``: none)."""
-    entries, k = seq // COMPRESS, size.picks
-    visible = ((jnp.arange(seq, dtype=jnp.int32) + 1) // COMPRESS)[:, None]
+    entries, k = seq // size.compress, size.picks
+    visible = ((jnp.arange(seq, dtype=jnp.int32) + 1) // size.compress)[:, None]
     col = jnp.arange(k, dtype=jnp.int32)[None, :]
     if pattern == "uniform":
         picks = jnp.floor(jax.random.uniform(key, (seq, k)) * visible).astype(jnp.int32)
@@ -82,24 +93,34 @@ def picks_of(pattern: str, seq: int, size: Size, key) -> jax.Array:
 
 
 def inputs(seq: int, size: Size) -> dict:
-    """bfloat16 queries ``[1, S, heads, width]``, band token rows ``[1, S, width]``, entries
-    ``[1, S / 4, width]``; float32 sinks and the loss's weights ``[heads, width]``."""
+    """bfloat16 queries ``[1, S, heads, width]``, band token rows ``[1, S, width]`` (V3.2: a
+    row, unread), entries ``[1, S / compress, width]``; float32 sinks and the loss's weights
+    ``[heads, value width]``."""
     keys = jax.random.split(jax.random.key(0), 5)
     normal = lambda k, *shape: jax.random.normal(k, shape, jnp.bfloat16)  # noqa: E731
     h, d = size.heads, size.width
     return dict(
         q=normal(keys[0], 1, seq, h, d),
-        kv=normal(keys[1], 1, seq, d),
-        entries=normal(keys[2], 1, seq // COMPRESS, d),
+        kv=normal(keys[1], 1, seq if size.window else 1, d),
+        entries=normal(keys[2], 1, seq // size.compress, d),
         sinks=jax.random.normal(keys[3], (h,), jnp.float32),
-        weights=jax.random.normal(keys[4], (h, d), jnp.float32),
+        weights=jax.random.normal(keys[4], (h, size.values or d), jnp.float32),
     )
 
 
-def attend(kernel, size: Size, q, kv, entries, sinks, picks):
+def reads_of(size: Size, q, kv, entries, picks) -> ce.Reads:
+    """The picks among the entries (V3.2: their first ``values`` features the values) and V4's
+    band."""
+    gathered = (ce.GatheredRows(entries, picks, value_width=size.values or None),)
+    if not size.window:
+        return ce.Reads(gathered)
     segment = jnp.zeros(q.shape[:2], jnp.int32)
-    band = ce.BandRows(kv, segment, size.window)
-    reads = ce.Reads((ce.GatheredRows(entries, picks),), band=band)
+    return ce.Reads(gathered, band=ce.BandRows(kv, segment, size.window))
+
+
+def attend(kernel, size: Size, q, kv, entries, sinks, picks):
+    sinks = sinks if size.window else None
+    reads = reads_of(size, q, kv, entries, picks)
     return kernel.attend(q, reads, sinks, size.width**-0.5, query_block=16)
 
 
@@ -132,21 +153,23 @@ def configuration(kernel, size: Size, args: tuple) -> str:
 
     def plan(q, kv, entries, sinks, weights, picks):
         del weights
-        segment = jnp.zeros(q.shape[:2], jnp.int32)
-        reads = ce.Reads(
-            (ce.GatheredRows(entries, picks),), band=ce.BandRows(kv, segment, size.window)
-        )
-        seen.append(mosaic_plan.plan(kernel, q, reads, True, 1.0).static.config)
+        reads = reads_of(size, q, kv, entries, picks)
+        static = mosaic_plan.plan(kernel, q, reads, bool(size.window), 1.0).static
+        seen.extend([static.config, static.backward])
         return 0
+
+    def kinds(c) -> str:
+        return " + ".join(
+            f"{type(r).__name__}({'resident' if c.tables[r.table].resident else 'hbm'}"
+            f"{', skip' if getattr(r, 'skip', False) else ''})"
+            for r in c.sources
+        )
 
     seen: list = []
     jax.eval_shape(plan, *args)
-    c = seen[0]
-    kinds = [
-        f"{type(r).__name__}({'resident' if c.tables[r.table].resident else 'hbm'})"
-        for r in c.sources
-    ]
-    return f"{' + '.join(kinds)}; {c.query_block} x {c.head_block}; chunk {c.chunk}, tile {c.tile}"
+    c, back = seen
+    return (f"{kinds(c)} (backward: {kinds(back)}); {c.query_block} x {c.head_block}; "
+            f"chunk {c.chunk}, tile {c.tile}")  # fmt: skip
 
 
 def commit() -> str | None:
@@ -198,7 +221,7 @@ class Bench:
                     continue
                 out[name, kind] = program
                 temp, took = program.memory["temp"] / GIB, seen[kind]
-                print(f"S {seq} {name:4} {kind:6} compiled in {took:.1f} s, temp {temp:.3f} GiB: "
+                print(f"S {seq} {name:9} {kind:6} compiled in {took:.1f} s, temp {temp:.3f} GiB: "
                       f"{rec['config']}", flush=True)  # fmt: skip
         return out
 
@@ -238,7 +261,7 @@ class Bench:
             rec["median_ms"], rec["min_ms"] = 1e3 * statistics.median(times), 1e3 * min(times)
             pattern, name, kind = key
             temp = self.res["seqs"][str(seq)]["programs"][f"{name} {kind}"]["memory"]["temp"]
-            print(f"S {seq} {pattern:7} {name:4} {kind:6} median {rec['median_ms']:9.2f} ms "
+            print(f"S {seq} {pattern:7} {name:9} {kind:6} median {rec['median_ms']:9.2f} ms "
                   f"min {rec['min_ms']:9.2f} ms  temp {temp / GIB:.3f} GiB  "
                   f"checksum {rec['checksum'][0][0]:.6g}", flush=True)  # fmt: skip
         self.save()
@@ -247,6 +270,8 @@ class Bench:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--layer", choices=list(LAYERS), default="v4")
+    p.add_argument("--heads", type=int, help="fewer heads than the layer's (V3.2 at 32k: 32)")
     p.add_argument("--seqs", type=int, nargs="+", default=[32768])
     p.add_argument("--patterns", nargs="+", choices=PATTERNS, default=list(PATTERNS))
     p.add_argument("--designs", nargs="+", choices=list(DESIGNS), default=list(DESIGNS))
@@ -257,10 +282,14 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    size, seqs = (QUICK, [64]) if args.quick else (FULL, args.seqs)
+    full, quick = LAYERS[args.layer]
+    size, seqs = (quick, [64]) if args.quick else (full, args.seqs)
+    if args.heads:
+        size = size._replace(heads=args.heads)
     res: dict = dict(
         device=str(jax.devices()[0].device_kind), commit=commit(), quick=args.quick,
-        size=size._asdict(), designs={n: repr(DESIGNS[n]) for n in args.designs}, seqs={},
+        layer=args.layer, size=size._asdict(), designs={n: repr(DESIGNS[n]) for n in args.designs},
+        seqs={},
     )  # fmt: skip
     bench = Bench(args, res)
     for seq in seqs:

@@ -25,9 +25,12 @@ Tiny sizes: 11 queries in blocks of 8 (64 for the automatic configuration: 3 hea
 tiles, the second skipped by the first block).
 """
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import mosaic_sweep as sweep
 import numpy as np
 import pytest
 from attention_helpers import assert_close
@@ -39,6 +42,7 @@ from mosaic_sweep import AttentionSetting, attention_data, check_attention, swee
 import csa_eqx as ce
 from csa_eqx import MosaicAttention, presets
 from csa_eqx._attention import mosaic_cost, mosaic_plan
+from csa_eqx._attention import mosaic_layout as layout
 from csa_eqx._attention.mosaic_layout import BandRead, DenseRead, RowsRead, TilesRead
 
 S, D, W, T, K_PICKS = 11, 8, 4, 150, 10
@@ -211,6 +215,109 @@ def test_randomised_sweep_against_numpy(name, data):
     autodiff, on drawn data (tests/mosaic_sweep.py)."""
     setting = SWEEP[name]
     check_attention(setting, attention_data(data.draw, setting))
+
+
+# --- tile skipping (issue 54, item 4) ---------------------------------------------------------
+
+# 5 tiles of 128 over 600 entries; 4 blocks of 8 queries, each block's picks in a few tiles:
+# block 1 skips tile 1 and reads tile 2, block 2 reads only the last tile, block 3 tiles 1 and 3
+# (a pick at 384, a tile's first row); a block's last tile is its first query's alone
+LOCAL_TILES = ((0,), (0, 2), (4,), (1, 3))
+SKIPPING = {
+    # two tiles sets (gathered picks, a DenseKeys' masked picks), tiles fetched by DMA, the
+    # backward's gradient table in VMEM
+    "picks+masked/tiles": AttentionSetting(
+        "skip-tiles", MosaicAttention(8, 0, 8, 128, "tiles", False, "vmem"), "picks+masked",
+        heads=3, s=32, t=600,
+    ),
+    # rows forward, the backward's tiles from rows (tiles and their gradient rows in HBM)
+    "picks/rows/backward-as-tiles": AttentionSetting(
+        "skip-rows", MosaicAttention(8, 0, 8, 128, "rows", False, "hbm"), "picks", heads=3,
+        s=32, t=600,
+    ),
+}  # fmt: skip
+
+
+def local_data(c: AttentionSetting) -> dict:
+    """``attention_data``'s arrays with local picks (``LOCAL_TILES``, distinct; query 0 picks
+    nothing), two documents, entries closing in order (entry ``j`` at query ``j * 32 // 600 -
+    1``: some picks unseen)."""
+    r = np.random.default_rng(7)
+    b, s, t, k = c.batch, c.s, c.t, c.k
+    # a block's first query picks from its last tile alone, the others from its first tile
+    tiles = np.asarray([LOCAL_TILES[q // 8][-1 if q % 8 == 0 else 0] for q in range(s)])
+    rows = np.stack([r.permutation(127)[:k] + 1 for _ in range(s)])  # distinct, not row 0
+    picks = np.minimum(tiles[:, None] * 128 + rows, t - 1)
+    picks = np.where(np.arange(k) < r.integers(1, k + 1, (s, 1)), picks, -1)
+    picks[0], picks[24, 0] = -1, 384
+    segment = (np.arange(s) >= 20).astype(np.int32)[None].repeat(b, 0)
+    end = np.broadcast_to(np.arange(t) * s // t - 1, (b, t)).astype(np.int32)
+    data = dict(
+        q=r.normal(size=(b, s, c.heads, c.d)), kv=r.normal(size=(b, s, c.d)),
+        entries=r.normal(size=(b, t, c.d)), sinks=r.normal(size=c.heads), segment=segment,
+        end=end, entry_segment=np.take_along_axis(segment, np.clip(end, 0, s - 1), axis=1),
+        picks=np.broadcast_to(picks, (b, s, k)).astype(np.int32),
+        cotangent=r.normal(size=(b, s, c.heads, c.width)),
+    )  # fmt: skip
+    return {key: v.astype(np.float32) if v.dtype == np.float64 else v for key, v in data.items()}
+
+
+def test_picked_tiles_against_brute_force():
+    """Each block's picked tiles (``mosaic_layout.picked_tiles``: OR-reduced bit words, 70
+    tiles in three words, tiles 31, 32, 63 and 64 at the words' edges) against a numpy loop;
+    ``tiles_ints``' visit lists (the picked tiles in order first) and counts; the SMEM bound
+    (``MAX_SKIP_TILES``) and what the released sizes skip."""
+    r = np.random.default_rng(11)
+    b, nq, qb, width, tile, tiles = 2, 3, 4, 5, 2, 70
+    idx = r.integers(-1, tiles * tile, (b, nq * qb, width)).astype(np.int32)
+    idx[0, :qb] = -1  # block 0 of row 0: the four word-edge tiles only
+    idx[0, 0, :4] = [31 * tile, 32 * tile + 1, 63 * tile, 64 * tile + 1]
+    idx[1, qb : 2 * qb] = -1  # block 1 of row 1 picks nothing
+    want = np.zeros((b, nq, tiles), bool)
+    for i, q, j in zip(*np.nonzero(idx >= 0), strict=True):
+        want[i, q // qb, idx[i, q, j] // tile] = True
+    got = layout.picked_tiles(jnp.asarray(idx), nq, qb, tile, tiles)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert np.nonzero(want[0, 0])[0].tolist() == [31, 32, 63, 64]
+    (_, visits), counts = layout.tiles_ints(jnp.asarray(idx), nq, qb, tile, tiles)
+    np.testing.assert_array_equal(np.asarray(counts), want.sum(-1))
+    visits = np.asarray(visits).reshape(b, nq, 128)  # each block's padded to 128
+    for i in range(b):
+        for q in range(nq):
+            assert sorted(visits[i, q, :tiles].tolist()) == list(range(tiles))
+            assert visits[i, q, : want[i, q].sum()].tolist() == np.nonzero(want[i, q])[0].tolist()
+    assert mosaic_plan.skips(True, 256 * 512, 512) and not mosaic_plan.skips(True, 257 * 512, 1)
+    assert not mosaic_plan.skips(True, 256 * 512 + 1, 512) and not mosaic_plan.skips(False, 1, 1)
+    # V3.2 at 32k: the backward's tiles (64 of 512) skip
+    assert configs("v32", MosaicAttention(), 32768)[1].sources[0].skip
+
+
+@pytest.mark.parametrize("name", list(SKIPPING))
+def test_tile_skipping_with_local_picks(name):
+    """Local picks (``LOCAL_TILES``: blocks that leave tiles unpicked, one in the middle of
+    those they read): the plan skips (``TilesRead.skip``; its visit counts below the tiles up
+    to each block's largest pick); outputs, ``lse`` and every gradient bitwise those of the
+    same kernel visiting every tile (``skip_tiles=False``) and within 1e-5 of the numpy
+    formula (``mosaic_sweep.check_attention``)."""
+    c = SKIPPING[name]
+    data = local_data(c)
+    a = {key: jnp.asarray(data[key]) for key in ("q", "kv", "entries", "sinks")}
+    ints = {key: jnp.asarray(data[key]) for key in ("segment", "end", "entry_segment", "picks")}
+    cotangent = jnp.asarray(data["cotangent"])
+    plan = mosaic_plan.plan(c.kernel, a["q"], sweep._reads(c, a, ints), True, 0.3)
+    static = plan.static
+    tiles = [s for s in (*static.config.sources, *static.backward.sources)
+             if isinstance(s, TilesRead)]  # fmt: skip
+    assert tiles and all(s.skip for s in tiles)
+    if isinstance(static.config.sources[0], TilesRead):  # the gathered picks' visits a block
+        visits = np.asarray(plan.ints.ntiles).reshape(len(static.config.sources), -1)
+        np.testing.assert_array_equal(visits[0], [len(t) for t in LOCAL_TILES])
+    check_attention(c, data)  # (first: the independent reference)
+    got = sweep.kernel_outputs(c, a, ints, cotangent)
+    dense = dataclasses.replace(c, kernel=dataclasses.replace(c.kernel, skip_tiles=False))
+    want = sweep.kernel_outputs(dense, a, ints, cotangent)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def test_nonfinite_rows_reach_only_their_readers():
@@ -741,6 +848,8 @@ def test_fields_and_numerics_are_checked():
         MosaicAttention(gradients="smem")
     with pytest.raises(ValueError, match="vmem_limit_bytes must be an int >= 1 or None"):
         MosaicAttention(vmem_limit_bytes=0)
+    with pytest.raises((TypeError, ValueError), match="skip_tiles"):  # (or jaxtyping's check)
+        MosaicAttention(skip_tiles=1)
     q = jnp.zeros((1, 5, 2, 4))
     with pytest.raises(ValueError, match="at least one key set"):
         MosaicAttention().attend(q, ce.Reads(), None, 1.0, query_block=4)

@@ -116,6 +116,9 @@ INDEPENDENT = {
     "tests/test_benchmarks.py::test_hardware_flops_are_the_kernels_dense_work": (
         "a hand count of the pairs at a tiny shape"
     ),
+    "tests/test_mosaic_attention.py::test_tile_skipping_with_local_picks": (
+        "numpy softmax attention (float64; jnp autodiff of the formula)"
+    ),
 }
 
 
@@ -819,6 +822,24 @@ MUTATIONS += [
         "    if sizes.resident and kernel.vmem_limit_bytes is None and False in grads:",
         "    if False:",
         ("tests/test_mosaic_attention.py::test_automatic_choices_fit_vmem_at_released_sizes",),
+    ),
+    # --- issue 54, item 4: tile skipping ---
+    Mutation(
+        "picked_tile_bit_off_by_one",
+        "Mosaic attention, tile skipping: a pick marks the next tile's bit (a block visits a "
+        "tile it did not pick and skips one it did)",
+        "csa_eqx/_attention/mosaic_layout.py",
+        "bit = jnp.left_shift(np.int32(1), jnp.bitwise_and(t, 31))",
+        "bit = jnp.left_shift(np.int32(1), jnp.bitwise_and(t + 1, 31))",
+        ("tests/test_mosaic_attention.py::test_tile_skipping_with_local_picks",),
+    ),
+    Mutation(
+        "visit_list_ignored",
+        "Mosaic attention, tile skipping: a step visits tiles 0 .. count - 1, not its visit list's",
+        "csa_eqx/_attention/mosaic_reads.py",
+        "return s.ints[1][0, n] if self.skip else n",
+        "return n",
+        ("tests/test_mosaic_attention.py::test_tile_skipping_with_local_picks",),
     ),
 ]
 

@@ -98,6 +98,9 @@ class MosaicAttention(AbstractAttentionKernel):
         program is traced), ``True``, ``False`` or a ``pltpu.InterpretParams`` (Pallas' TPU
         interpreter: simulated memories, out-of-bounds reads raising; it carries IO effects,
         so only for the kernel alone: no ``jax.checkpoint`` or ``vmap`` around it).
+    - ``skip_tiles``: tiles read only where some query of the grid step's block picked a row
+        of them (tables of up to ``mosaic_plan.MAX_SKIP_TILES`` tiles; outputs and gradients
+        bitwise those of visiting every tile up to the block's largest pick: ``False``).
     """
 
     query_block: int = eqx.field(static=True, default=0)
@@ -109,6 +112,7 @@ class MosaicAttention(AbstractAttentionKernel):
     gradients: str = eqx.field(static=True, default="auto")
     vmem_limit_bytes: int | None = eqx.field(static=True, default=None)
     interpret: Interpret = eqx.field(static=True, default=None)
+    skip_tiles: bool = eqx.field(static=True, default=True)
 
     is_kernel = True
     exact_softmax_only = True
@@ -146,6 +150,8 @@ class MosaicAttention(AbstractAttentionKernel):
             raise ValueError(
                 f"MosaicAttention.resident must be None or a bool (got {self.resident!r})"
             )
+        if not isinstance(self.skip_tiles, bool):
+            raise ValueError(f"MosaicAttention.skip_tiles must be a bool (got {self.skip_tiles!r})")
 
     def query_block_for(self, batch, heads, reads, tiles) -> int:
         """**Returns:** the queries the kernel's grid steps take (``query_block``, or
@@ -269,7 +275,8 @@ def _backward_ints(static: Static, ints: Ints) -> Ints:
     counts, sources = [ints.ntiles], []
     for src, back, group in zip(c.sources, bc.sources, ints.sources, strict=True):
         if isinstance(src, RowsRead) and isinstance(back, TilesRead):
-            group, block_counts = tiles_ints(group[0], c.n_q, c.query_block, c.tile)
+            tiles = bc.tables[back.table].rows // bc.tile if back.skip else 0
+            group, block_counts = tiles_ints(group[0], c.n_q, c.query_block, c.tile, tiles)
             counts.append(block_counts.reshape(-1).astype(jnp.int32))
         sources.append(group)
     if len(counts) > 1 and not any(isinstance(s, TilesRead | DenseRead) for s in c.sources):

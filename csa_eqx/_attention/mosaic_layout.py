@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from .._mosaic import LANES, round_up
@@ -50,6 +51,8 @@ __all__ = [
     "row_scalars",
     "unrow_scalars",
     "tiles_ints",
+    "picked_tiles",
+    "visit_lanes",
     "entry_meta",
     "query_columns",
     "QUERY_PAD",
@@ -263,12 +266,58 @@ def unrow_scalars(x: Array, config: Config) -> Array:
 # --- the read sets' int arrays (plain XLA) -------------------------------------------------
 
 
-def tiles_ints(idx: Array, nq: int, qb: int, tile: int):
-    """A tiles source's int arrays (its indices ``[B, seq, width]``; the kernel transposes
-    each block itself) and its tile counts ``[B, n_q]`` (up to the block's largest index)."""
+def tiles_ints(idx: Array, nq: int, qb: int, tile: int, tiles: int = 0):
+    """A tiles source's int arrays and its tile counts ``[B, n_q]``.
+
+    **Arguments:** its indices ``idx [B, seq, width]`` (``-1``: none), the query blocks ``nq``
+    of ``qb`` queries, the ``tile``; ``tiles``: the table's tiles where the source skips the
+    tiles no query of a block picked (``TilesRead.skip``), else ``0``.
+
+    **Returns:** ``((idx,), counts)``, the counts up to the block's largest index (the kernel
+    transposes each block of ``idx`` itself); skipping, ``((idx, visits), counts)``: each
+    block's picked tiles in order, then the others (``picked_tiles``), ``visit_lanes(tiles)``
+    a block (the rest zeros), as ``[B, 1, n_q * visit_lanes]`` (a grid step's block ``[1,
+    visit_lanes]``: Mosaic's block rule takes the last two dimensions whole or in (8, 128)
+    tiles, and its rule for 1-D blocks asks for the chip it lowers for, which a compile-only
+    TPU has not), the counts how many it picked.
+    """
     b, _, width = idx.shape
-    counts = (jnp.max(idx.reshape(b, nq, qb * width), axis=-1) + tile) // tile
-    return (idx,), counts
+    if not tiles:
+        counts = (jnp.max(idx.reshape(b, nq, qb * width), axis=-1) + tile) // tile
+        return (idx,), counts
+    picked = picked_tiles(idx, nq, qb, tile, tiles)
+    visits = jnp.argsort(~picked, axis=-1, stable=True).astype(jnp.int32)
+    visits = pad_axis(visits, 2, visit_lanes(tiles)).reshape(b, 1, -1)
+    return (idx, visits), jnp.sum(picked, axis=-1, dtype=jnp.int32)
+
+
+def visit_lanes(tiles: int) -> int:
+    """A grid step's visit list's length for a table of ``tiles`` tiles: whole 128s (Mosaic's
+    block rule for the last dimension)."""
+    return round_up(tiles, LANES)
+
+
+def picked_tiles(idx: Array, nq: int, qb: int, tile: int, tiles: int) -> Array:
+    """bool ``[B, n_q, tiles]``: some query of the block picked a row of the tile (``idx [B,
+    seq, width]``, ``-1``: none). Formed as 32 tiles a word, each word one OR-reduction over
+    the block's picks (bit ``t % 32`` of word ``t // 32``: tile ``t``), then unpacked: no
+    one-hot ``[..., width, tiles]`` (V3.2 at 32k: 2048 blocks x 32768 picks, 64 tiles, two
+    passes over the picks)."""
+    b, _, width = idx.shape
+    idx = idx.reshape(b, nq, qb * width)
+    # lax.div, not //: jnp's integer floor division keeps sign corrections XLA may form as
+    # arrays of the picks' size (V3.2 at 32k: 0.5 GiB more temporaries, hoisted out of the
+    # head groups' loop)
+    t = jax.lax.div(jnp.maximum(idx, 0), np.int32(tile))
+    word = jnp.where(idx >= 0, jnp.right_shift(t, 5), -1)  # -1: in no word
+    bit = jnp.left_shift(np.int32(1), jnp.bitwise_and(t, 31))
+    words = []
+    for w in range(-(-tiles // 32)):
+        hit = jnp.where(word == w, bit, 0)
+        words.append(jax.lax.reduce(hit, np.int32(0), jax.lax.bitwise_or, (2,)))
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    bits = jnp.right_shift(jnp.stack(words, axis=-1)[..., None], shifts) & 1
+    return bits.reshape(b, nq, -1)[..., :tiles] > 0
 
 
 def entry_meta(dense: DenseKeys, tile: int) -> Array:

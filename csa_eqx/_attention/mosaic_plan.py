@@ -55,6 +55,7 @@ __all__ = [
     "auto_query_block",
     "auto_key_block",
     "as_tiles",
+    "skips",
     "check_vmem",
     "vmem_bytes",
 ]
@@ -63,6 +64,10 @@ STEP_ROWS = 1024  # softmax rows per grid step of the automatic tiles blocks (ch
 QUERY_BLOCKS = (16, 64)  # the automatic query block's range (see ``auto_query_block``)
 MAX_CHUNK = 512  # the automatic rows chunk's largest (see ``auto_key_block``)
 POISON_ELEMENTS = 2**20  # picks per block of the non-finite check (``picks_poison``)
+# the most tiles a tiles set skips over (``skips``): its visit list is 4 bytes a tile in SMEM
+# per step (double-buffered), and XLA forms it in one pass over the picks per 32 tiles (256:
+# V3.2's 128k tokens in tiles of 512)
+MAX_SKIP_TILES = 256
 AUTO_SHARE = 0.8  # of the VMEM limit, for the automatic choices (the estimate is not exact)
 VMEM_LIMIT = 100 * 2**20  # the scoped VMEM limit of ``vmem_limit_bytes=None`` (the v5e has 128)
 # ... raised for rows copied from a resident table whose backward keeps its gradient table in
@@ -110,9 +115,10 @@ class Plan(NamedTuple):
 class BlockSizes(NamedTuple):
     """Every automatic size of a call, resolved once (``block_sizes``): the ``query_block``, the
     ``head_block``, the rows ``chunk``, the ``tile``, how gathered rows (and masked picks) are
-    read, ``gather``: ``"rows"`` or ``"tiles"``, and whether the cost model took rows for their
+    read, ``gather``: ``"rows"`` or ``"tiles"``, whether the cost model took rows for their
     copies from ``resident`` tables (the VMEM search then holds them resident, or the call is
-    planned again without that choice: ``plan``)."""
+    planned again without that choice: ``plan``) and whether tiles sets may ``skip`` the tiles
+    no query of a block picked (``MosaicAttention.skip_tiles``; per set: ``skips``)."""
 
     query_block: int
     head_block: int
@@ -120,6 +126,7 @@ class BlockSizes(NamedTuple):
     tile: int
     gather: str
     resident: bool = False
+    skip: bool = True
 
 
 def _sublanes(dtype) -> int:
@@ -166,7 +173,14 @@ def block_sizes(kernel, q, reads: Reads, resident_rows: bool = True) -> BlockSiz
     if picked is not None and gather == "rows":  # the visible picks, read as gathered rows
         widths.append(picked.picks.shape[-1])
     chunk = kernel.key_block or auto_key_block(max((max(w, 1) for w in widths), default=1))
-    return BlockSizes(qb, hb, chunk, tile, gather, resident)
+    return BlockSizes(qb, hb, chunk, tile, gather, resident, kernel.skip_tiles)
+
+
+def skips(skip: bool, rows: int, tile: int) -> bool:
+    """Whether a tiles set of a table of ``rows`` skips the tiles no query of a block picked
+    (``TilesRead.skip``): where ``skip`` allows and the table has at most ``MAX_SKIP_TILES``
+    tiles (beyond that every tile up to the block's largest pick is visited)."""
+    return skip and -(-rows // tile) <= MAX_SKIP_TILES
 
 
 class _Table(NamedTuple):
@@ -223,11 +237,14 @@ class _Builder:
         """A tiles set of indices ``idx`` (padded to ``width`` columns and the padded queries)
         and its tile counts."""
         idx = pad_axis(pad_axis(idx, 2, width, -1), 1, self.seq, -1)
-        qb = self.sizes.query_block
-        own, counts = tiles_ints(idx, self.seq // qb, qb, self.sizes.tile)
+        qb, tile, rows = self.sizes.query_block, self.sizes.tile, self.tables[t].rows
+        skip = skips(self.sizes.skip, rows, tile)
+        tiles = -(-rows // tile) if skip else 0
+        own, counts = tiles_ints(idx, self.seq // qb, qb, tile, tiles)
         self.counts.append(counts)
         self.ints.append((*own, *extra))
-        self.reads.append(TilesRead(t, width, slot=len(self.counts) - 1, visible=visible))
+        slot = len(self.counts) - 1
+        self.reads.append(TilesRead(t, width, slot=slot, visible=visible, skip=skip))
 
     def rows(self, g: GatheredRows) -> None:
         t = self.table(g.keys, g.values, g.value_width)
@@ -467,9 +484,10 @@ def auto_key_block(width: int) -> int:
     return round_up(-(-width // n), LANES)
 
 
-def as_tiles(config: Config) -> Config:
+def as_tiles(config: Config, skip: bool = True) -> Config:
     """``config`` with its rows sources read as tiles (their tables tiled, in HBM, with HBM
-    gradient tables): the backward of rows sources whose VMEM gradient table does not fit."""
+    gradient tables; skipping the tiles no query of a block picked where ``skip`` allows:
+    ``skips``): the backward of rows sources whose VMEM gradient table does not fit."""
     tables, sources = list(config.tables), []
     slots = sum(isinstance(src, TilesRead | DenseRead) for src in config.sources)
     for src in config.sources:
@@ -478,7 +496,7 @@ def as_tiles(config: Config) -> Config:
             tables[src.table] = tables[src.table]._replace(
                 rows=rows, resident=False, hbm_grads=True
             )
-            src = TilesRead(src.table, src.width, slots)
+            src = TilesRead(src.table, src.width, slots, skip=skips(skip, rows, config.tile))
             slots += 1
         sources.append(src)
     return config._replace(tables=tuple(tables), sources=tuple(sources))
@@ -511,14 +529,14 @@ def _configs(kernel, config, sizes: BlockSizes, tabled: bool, banded: bool):
         candidates[at:at] = [(True, False, slab, RAISED_VMEM_LIMIT) for slab in slabs]
     for res, hbm, slab, lim in candidates:
         forward = config(res, hbm, slab, lim)
-        backward = as_tiles(forward) if hbm else forward
+        backward = as_tiles(forward, sizes.skip) if hbm else forward
         budget = AUTO_SHARE * lim
         if vmem_bytes(forward, False) <= budget and vmem_bytes(backward, True) <= budget:
             return forward, backward
     if sizes.resident:
         return None
     forward = config(*candidates[-1])
-    return forward, as_tiles(forward) if candidates[-1][1] else forward
+    return forward, as_tiles(forward, sizes.skip) if candidates[-1][1] else forward
 
 
 def check_vmem(config: Config, backward: bool) -> None:

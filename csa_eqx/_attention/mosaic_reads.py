@@ -231,13 +231,41 @@ class RowsRead:
 class TilesRead:
     """Gathered rows as a masked pass over the table's tiles, each row weighted per query by how
     often the query picked it: ``table``, ``width`` (index columns per query), ``slot`` (its row
-    of the tile counts) and ``visible`` (each pick read only where the query sees its entry, by
-    ``DenseRead``'s rule: its second int array the entries' end and segment per tile)."""
+    of the tile counts), ``visible`` (each pick read only where the query sees its entry, by
+    ``DenseRead``'s rule: its last int array the entries' end and segment per tile) and
+    ``skip`` (tile skipping: the step visits only the tiles some query of its block picked).
+
+    Its int arrays: the indices ``[B, seq, width]`` in VMEM; skipping, the block's visit list
+    in SMEM (``[1, lanes]`` a step: its picked tiles in order, their number the step's tile
+    count; ``mosaic_layout.tiles_ints``); ``visible``, the entries' end and segment per tile.
+
+    **Tile skipping.** Without it a step visits every tile up to its block's largest pick,
+    though picks with locality (a recent window and a few heavy regions, as trained indexers
+    pick) leave most of them unpicked by the block. A tile no query of the block picked has
+    zero weights in every row: in the forward's online softmax it changes nothing (logits
+    ``-inf``: ``m`` kept, ``p = 0``, ``alpha`` 1, or 0 on a state still empty), in the
+    backward it adds zeros (``P = 0``, so ``dS = 0``) to ``dq`` and to gradient rows, which
+    start at ``+0`` and so never hold ``-0``, and the tables' non-finite rows are zeros by then
+    (the poisoning is decided outside, from the picks): skipping it gives the same outputs,
+    ``lse`` and gradients bitwise (but for the sign of an output that underflowed to ``-0``,
+    which a visited empty tile would turn to ``+0``). Skipped
+    tiles are not fetched either (nor, in the backward of an ``hbm_grads`` table, their
+    gradient rows fetched and written back): a visit list, not a ``pl.when`` around the dense
+    work, because on a v5e (V3.2, tiles of 512) a tile's fetch costs ~1/9 of its forward work
+    and its fetch and gradients' round trip ~1/5 of its backward work, which a pass over
+    mostly unpicked tiles would still pay. The list costs SMEM (4 bytes a tile a step) and
+    XLA one pass over the picks per 32 tiles, so only tables of up to
+    ``mosaic_plan.MAX_SKIP_TILES`` tiles skip (``mosaic_plan.skips``)."""
 
     table: int
     width: int
     slot: int
     visible: bool = False
+    skip: bool = False
+
+    def tile(self, s: ReadRefs, n):
+        """The step's ``n``-th visited tile: its visit list's (``skip``), else tile ``n``."""
+        return s.ints[1][0, n] if self.skip else n
 
     def start(self, step, s: ReadRefs) -> None:
         """Fill the counts scratch ``[rows / 128 * Qb, 128]``: row ``h * Qb + q``, lane ``l``
@@ -265,14 +293,15 @@ class TilesRead:
             counts[pl.ds(qq, high, stride=c.query_block), :] = dot(hi_hot, lo_hot, exact)
 
     def pipeline(self, step, s: ReadRefs, consume) -> None:
-        """The table's first ``count`` tiles (double-buffered DMAs, or read in place from a
-        resident table): ``consume(t, words_ref, word_offset, grads_ref)`` for each, where
-        ``grads_ref`` is ``None``, or (the backward of an ``hbm_grads`` table) tile ``t``'s
-        gradient words fetched from HBM, to add to: they are written back after ``consume``. A
-        buffer is refilled only once its write-back is done, and the pass ends when every
-        write-back is."""
+        """The step's ``count`` tiles, ``tile(s, 0 .. count - 1)`` (double-buffered DMAs, or
+        read in place from a resident table): ``consume(t, words_ref, word_offset, grads_ref)``
+        for each, where ``grads_ref`` is ``None``, or (the backward of an ``hbm_grads`` table)
+        tile ``t``'s gradient words fetched from HBM, to add to: they are written back after
+        ``consume``. A buffer is refilled only once its write-back is done, and the pass ends
+        when every write-back is."""
         c = step.config
         n = step.count(self)
+        tile = lambda k: self.tile(s, k)  # noqa: E731
         span = c.tile * s.table.words
         keys = s.bufs.get("tiles")
         grads = s.bufs.get("grads")
@@ -294,20 +323,20 @@ class TilesRead:
 
         @pl.when(n > 0)
         def _():
-            fetch(0, 0)
+            fetch(tile(0), 0)
 
-        def body(t, carry):
-            slot = jax.lax.rem(t, 2)
+        def body(k, carry):
+            slot, t = jax.lax.rem(k, 2), tile(k)
 
-            @pl.when(t + 1 < n)
+            @pl.when(k + 1 < n)
             def _():
                 if grads is not None:
 
-                    @pl.when(t > 0)
+                    @pl.when(k > 0)
                     def _():
-                        write_back(t - 1, 1 - slot).wait()
+                        write_back(tile(k - 1), 1 - slot).wait()
 
-                fetch(t + 1, 1 - slot)
+                fetch(tile(k + 1), 1 - slot)
 
             if keys is None:
                 words, offset = s.tab.at[0], pl.multiple_of(t * span, 8)
@@ -323,12 +352,12 @@ class TilesRead:
             return carry
 
         jax.lax.fori_loop(0, n, body, 0)
-        if grads is not None:  # the write-backs not yet waited for: tiles n - 2 and n - 1
+        if grads is not None:  # the write-backs not yet waited for: visits n - 2 and n - 1
             for back in (2, 1):
 
                 @pl.when(n >= back)
                 def _(back=back):
-                    write_back(n - back, jax.lax.rem(n - back, 2)).wait()
+                    write_back(tile(n - back), jax.lax.rem(n - back, 2)).wait()
 
     def weights(self, step, s: ReadRefs, t):
         """``[R, tile]``: tile ``t``'s pick counts, each query's (``visible``: of the entries it
@@ -356,6 +385,11 @@ class DenseRead:
 
     def start(self, step, s: ReadRefs) -> None:
         """Nothing: its tiles' DMAs are issued by the pipeline."""
+
+    def tile(self, s: ReadRefs, n):
+        """The step's ``n``-th tile: tile ``n`` (every tile up to the block's last visible
+        one)."""
+        return n
 
     pipeline = TilesRead.pipeline  # read as the tiles are
 

@@ -18,7 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array
 
 from .._mosaic import LANES, run_mosaic
-from .mosaic_layout import Config
+from .mosaic_layout import Config, visit_lanes
 from .mosaic_reads import BandRead, DenseRead, Read, RowsRead, TilesRead
 
 __all__ = [
@@ -103,9 +103,10 @@ def _int_specs(config: Config, read: Read, backward: bool) -> tuple:
     """The BlockSpecs of a read set's int arrays: rows, its indices ``[B, seq, width]`` in
     SMEM (from a resident table, the flat word-rows of ``kernel_ints``: one array, two in the
     ``backward``), then the same in VMEM as ``[B, seq * width / chunk, chunk]``; tiles, the
-    indices in VMEM (and, ``visible``, the entries' end and segment per tile as a dense
-    set's); dense, the entries' end and segment per tile ``[B, rows / tile, 8, tile]``; band,
-    the slab rows' segments ``[B, n_q, 1, slab]``."""
+    indices in VMEM (``skip``: then the block's visit list in SMEM, ``[B, 1, n_q * lanes]``:
+    ``mosaic_layout.tiles_ints``; and, ``visible``, the entries' end and segment per tile as a
+    dense set's); dense, the entries' end and segment per tile ``[B, rows / tile, 8,
+    tile]``; band, the slab rows' segments ``[B, n_q, 1, slab]``."""
     qb = config.query_block
     if isinstance(read, BandRead):
         return (pl.BlockSpec((None, None, 1, config.slab(read)), lambda b, i, j, *_: (b, i, 0, 0)),)
@@ -124,7 +125,12 @@ def _int_specs(config: Config, read: Read, backward: bool) -> tuple:
         index = pl.BlockSpec(index, lambda b, i, j, *_: (b, i, 0), memory_space=pltpu.SMEM)
         return index, chunks
     index = pl.BlockSpec((None, qb, read.width), lambda b, i, j, *_: (b, i, 0))
-    return (index, entries) if read.visible else (index,)
+    own = (index,)
+    if read.skip:  # the block's visit list: scalars, a step's own block
+        lanes = visit_lanes(config.tables[read.table].rows // config.tile)
+        visits = (None, 1, lanes)
+        own += (pl.BlockSpec(visits, lambda b, i, j, *_: (b, 0, i), memory_space=pltpu.SMEM),)
+    return (*own, entries) if read.visible else own
 
 
 def kernel_ints(config: Config, ints, backward: bool) -> tuple:
