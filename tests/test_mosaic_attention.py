@@ -194,6 +194,12 @@ SWEEP = {
         "everything", MosaicAttention(8, 0, 8, 128, "tiles", True), "band+picks+dense",
         batch=2, heads=3, s=11,
     ),
+    # rows copied from a resident table over two batch rows (each step's word-rows at its own
+    # row's offset in one flat array), the backward's VMEM gradient table
+    "band+picks/rows/resident/two-batch-rows": AttentionSetting(
+        "rows-resident", MosaicAttention(8, 0, 8, 128, "rows", True), "band+picks",
+        batch=2, heads=3, s=11,
+    ),
     # a DenseKeys' picks masked by visibility read as row DMAs, values of their own, gradients
     # in HBM (the rows' backward reads them as tiles)
     "band+masked/rows/hbm/own-values": AttentionSetting(
@@ -483,14 +489,14 @@ def test_v32_head_groups_keep_the_kernel_outputs(monkeypatch):
         assert_close(g, r, what="grad")
 
 
-def released(kind: str, kernel: MosaicAttention, s: int = 256, entries: int = 0):
+def released(kind: str, kernel: MosaicAttention, s: int = 256, entries: int = 0, b: int = 1):
     """A loss over the kernel's attention with released-size reads (bf16), and its abstract
     arguments: V4-Flash CSA (64 heads x 512, 512 picks of ``s / 4`` entries, window 128, sinks)
     or V3.2 DSA (128 heads, 576-wide latents whose first 512 features are the values, 2048
     picks of the ``s`` tokens); ``entries`` other than the prefill's: decoding. ``"few"``: the
-    benchmark layer's reads (V4 CSA's with 4 heads x 64)."""
+    benchmark layer's reads (V4 CSA's with 4 heads x 64). ``b``: batch rows."""
     sd = jax.ShapeDtypeStruct
-    seg = jnp.zeros((1, s), jnp.int32)
+    seg = jnp.zeros((b, s), jnp.int32)
     if kind == "v4":
         heads, width, rows, k = 64, 512, entries or s // 4, 512
     elif kind == "few":
@@ -508,8 +514,8 @@ def released(kind: str, kernel: MosaicAttention, s: int = 256, entries: int = 0)
         return out.astype(jnp.float32).sum()
 
     args = (
-        sd((1, s, heads, width), jnp.bfloat16), sd((1, s, width), jnp.bfloat16),
-        sd((1, rows, width), jnp.bfloat16), sd((heads,), jnp.float32), sd((1, s, k), jnp.int32),
+        sd((b, s, heads, width), jnp.bfloat16), sd((b, s, width), jnp.bfloat16),
+        sd((b, rows, width), jnp.bfloat16), sd((heads,), jnp.float32), sd((b, s, k), jnp.int32),
     )  # fmt: skip
     return loss, args
 
@@ -520,18 +526,20 @@ def test_forward_and_backward_lower_for_a_tpu(kind):
     query-side arrays) the forward and the backward lower through Pallas' Mosaic backend for a
     TPU (one kernel each): the automatic configuration (prefill: tiles; decoding: row DMAs),
     rows from HBM and from a resident table (the design whose squeezed batch dimension
-    Mosaic's verifier rejected on the chip: the same verifier runs here), tiles with the
-    gradients in HBM, head blocks that split the heads, a rows backward read as tiles."""
+    Mosaic's verifier rejected on the chip: the same verifier runs here; and with two batch
+    rows, whose flat word-rows Pallas' block rule rejected), tiles with the gradients in HBM,
+    head blocks that split the heads, a rows backward read as tiles."""
     kernels = (
-        (MosaicAttention(), 256, 0),
-        (MosaicAttention(), 1, 8192),
-        (MosaicAttention(gather="rows"), 256, 0),
-        (MosaicAttention(gather="rows", resident=True), 256, 0),
-        (MosaicAttention(8, 32, 128, 512, "tiles", False, "hbm"), 256, 0),
-        (MosaicAttention(gather="rows", gradients="hbm"), 256, 0),
+        (MosaicAttention(), 256, 0, 1),
+        (MosaicAttention(), 1, 8192, 1),
+        (MosaicAttention(gather="rows"), 256, 0, 1),
+        (MosaicAttention(gather="rows", resident=True), 256, 0, 1),
+        (MosaicAttention(gather="rows", resident=True), 256, 0, 2),
+        (MosaicAttention(8, 32, 128, 512, "tiles", False, "hbm"), 256, 0, 1),
+        (MosaicAttention(gather="rows", gradients="hbm"), 256, 0, 1),
     )
-    for kernel, s, entries in kernels:
-        loss, args = released(kind, kernel, s, entries)
+    for kernel, s, entries, b in kernels:
+        loss, args = released(kind, kernel, s, entries, b)
         forward = tpu_lowering(loss, *args).as_text()
         backward = tpu_lowering(jax.grad(loss, argnums=(0, 1, 2)), *args).as_text()
         assert forward.count("tpu_custom_call") == 1

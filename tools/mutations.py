@@ -841,6 +841,15 @@ MUTATIONS += [
         "return n",
         ("tests/test_mosaic_attention.py::test_tile_skipping_with_local_picks",),
     ),
+    Mutation(
+        "resident_rows_batch_row_ignored",
+        "Mosaic attention, rows from a resident table: every batch row's steps read the first "
+        "row's word-rows",
+        "csa_eqx/_attention/mosaic_steps.py",
+        "lambda b, i, j, *_: (0, b * n_q + i)",
+        "lambda b, i, j, *_: (0, i)",
+        ("tests/test_mosaic_attention.py::test_randomised_sweep_against_numpy",),
+    ),
 ]
 
 

@@ -117,9 +117,10 @@ def _int_specs(config: Config, read: Read, backward: bool) -> tuple:
     if isinstance(read, RowsRead):  # the same indices in VMEM, a chunk a row: the chunks' masks
         chunks = (None, qb * (read.width // config.chunk), config.chunk)
         chunks = pl.BlockSpec(chunks, lambda b, i, j, *_: (b, i, 0))
-        if config.tables[read.table].resident:
+        if config.tables[read.table].resident:  # one row: batch row b's blocks from b * n_q
+            n_q = config.n_q
             flat = (None, qb * read.width)
-            flat = pl.BlockSpec(flat, lambda b, i, j, *_: (b, i), memory_space=pltpu.SMEM)
+            flat = pl.BlockSpec(flat, lambda b, i, j, *_: (0, b * n_q + i), memory_space=pltpu.SMEM)
             return (flat, flat, chunks) if backward else (flat, chunks)
         index = (None, qb, read.width)
         index = pl.BlockSpec(index, lambda b, i, j, *_: (b, i, 0), memory_space=pltpu.SMEM)
@@ -137,14 +138,17 @@ def kernel_ints(config: Config, ints, backward: bool) -> tuple:
     """Each read set's int arrays as its BlockSpecs take them (``_int_specs``). A rows set from
     a resident table takes, instead of its SMEM indices, each pick's first word-row in the
     table (``max(index, 0) * words``) and in the backward its first gradient word-row (a
-    ``-1``'s the spare row past the table's), flat ``[B, seq * width]``: formed here, they
+    ``-1``'s the spare row past the table's), flat ``[1, B * seq * width]``: formed here, they
     cost the kernel's row loops, bound by their scalar slots, one load a row
-    (``RowsRead.each_row``)."""
+    (``RowsRead.each_row``). One row for every batch row: a step's block is then 1-D in the
+    kernel with its second-minor dimension whole (Pallas' block rule; ``[B, seq * width]``
+    blocks broke it for ``B > 1``), where a ``[B, 1, ...]`` array's 2-D blocks would cost the
+    row loops a tiled SMEM address a row."""
     out = []
     for read, group in zip(config.sources, ints, strict=True):
         table = config.tables[read.table]
         if isinstance(read, RowsRead) and table.resident:
-            idx = group[0].reshape(group[0].shape[0], -1)
+            idx = group[0].reshape(1, -1)
             words = [jnp.maximum(idx, 0) * table.words]
             if backward:
                 words.append(jnp.where(idx >= 0, idx, table.rows) * config.grad_words(table))
