@@ -275,7 +275,7 @@ def _backward_ints(static: Static, ints: Ints) -> Ints:
     counts, sources = [ints.ntiles], []
     for src, back, group in zip(c.sources, bc.sources, ints.sources, strict=True):
         if isinstance(src, RowsRead) and isinstance(back, TilesRead):
-            tiles = bc.tables[back.table].rows // bc.tile if back.skip else 0
+            tiles = bc.visited_tiles(back)
             group, block_counts = tiles_ints(group[0], c.n_q, c.query_block, c.tile, tiles)
             counts.append(block_counts.reshape(-1).astype(jnp.int32))
         sources.append(group)

@@ -137,6 +137,11 @@ class Config(NamedTuple):
         """Float32 word-rows per row of a table's gradient."""
         return self.key_blocks + (self.value_blocks if table.value_words else 0)
 
+    def visited_tiles(self, read: TilesRead) -> int:
+        """The tiles a skipping tiles set's visit lists choose among (its table's), or ``0``
+        where it does not skip (``mosaic_layout.tiles_ints``' ``tiles``)."""
+        return self.tables[read.table].rows // self.tile if read.skip else 0
+
     def grad_tables(self) -> tuple[int, ...]:
         """The tables the backward returns a gradient table of: those a non-band source reads,
         and the bands whose gradients it adds in VMEM."""

@@ -128,7 +128,7 @@ def _int_specs(config: Config, read: Read, backward: bool) -> tuple:
     index = pl.BlockSpec((None, qb, read.width), lambda b, i, j, *_: (b, i, 0))
     own = (index,)
     if read.skip:  # the block's visit list: scalars, a step's own block
-        lanes = visit_lanes(config.tables[read.table].rows // config.tile)
+        lanes = visit_lanes(config.visited_tiles(read))
         visits = (None, 1, lanes)
         own += (pl.BlockSpec(visits, lambda b, i, j, *_: (b, 0, i), memory_space=pltpu.SMEM),)
     return (*own, entries) if read.visible else own
