@@ -270,14 +270,14 @@ def needed_bytes(mem: dict, resident: bool) -> int:
 
 def recomputed_groups(layer, choice, groups: int) -> int:
     """The attention calls (V3.2's head groups) whose forward the backward runs again: those
-    that keep no output (``csa_eqx._layers.v32.kept_groups``; none with one call)."""
+    that keep no output (``csa_eqx._layers.v32.kept_parts``; none with one call)."""
     if groups == 1:
         return 0
     from csa_eqx._layers import v32
 
     q = choice.inputs[0]
     shape = (*q.shape[:2], q.shape[2] * groups, q.shape[3])
-    kept = v32.kept_groups(shape, groups, layer.config.kv_lora_rank)
+    kept = v32.kept_parts(shape, groups, layer.config.kv_lora_rank)
     return groups - (kept if hasattr(choice.attention, "replay") else 0)
 
 

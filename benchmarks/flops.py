@@ -45,7 +45,7 @@ the block: an upper bound, which picks spread over the whole prefix, as random w
 reach; the kernel skips tiles no query of the block picks), a band's slab (``window - 1`` rows
 before the block's ``Qb``, rounded to the block). Recomputation: V4's queries (``q_b_proj``
 again in the backward) and the forward of the V3.2 head groups that keep no output
-(``v32.kept_groups``; all of them with a kernel that cannot ``replay``) once more.
+(``v32.kept_parts``; all of them with a kernel that cannot ``replay``) once more.
 
 The attention's bytes (``attention_bytes``): each query's read rows (its picks and window, one
 row of keys, which are the values or hold them), its queries read and its output written,
@@ -185,7 +185,7 @@ def hardware_costs(
     and backward ``configs`` (``kernel_pairs``; a rows source's backward may read tiles), the
     attention ``calls`` per forward (V3.2's head groups) and
     how many of them the backward runs again (``recomputed``: V3.2's head groups that keep no
-    output, ``csa_eqx._layers.v32.kept_groups``).
+    output, ``csa_eqx._layers.v32.kept_parts``).
 
     **Returns:** ``hardware_fwd`` and ``hardware_fwd_bwd`` FLOPs, the kernels' own
     (``hardware_attention_fwd``, ``hardware_attention_bwd``) and the recomputed

@@ -16,6 +16,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from unittest import mock
 
 import equinox as eqx
 import jax
@@ -24,11 +25,15 @@ import numpy as np
 
 import csa_eqx as ce
 from csa_eqx import presets
+from csa_eqx._layers import v32
 
 from . import flops, harness
 from .accelerator_table import alternating_rounds, first_call, released_layer
 from .harness import forward
 
+_ROWS_DMA = ce.MosaicAttention(
+    gather="rows", resident=False, gradients="vmem", vmem_limit_bytes=124 * 2**20
+)
 # the executions compared, by name (what each forces beside the automatic choice)
 VARIANTS = {
     "automatic": ce.Execution(),
@@ -44,7 +49,16 @@ VARIANTS = {
     "rows-124": ce.Execution(
         attention=ce.MosaicAttention(gather="rows", resident=True, vmem_limit_bytes=124 * 2**20)
     ),
+    # rows by DMA both ways, the backward's float32 gradient table in VMEM (at 32k, 84 MB: it
+    # fits where the table is not resident beside it) under a 124 MiB scoped limit
+    "rows-dma": ce.Execution(attention=_ROWS_DMA),
+    # V3.2 past 16k in query chunks with every head (``csa_eqx._layers.v32.SPLIT``): a query's
+    # picked rows fetched once for its 128 heads rather than once per head group
+    "query-chunks": ce.Execution(),
+    "query-chunks-dma": ce.Execution(attention=_ROWS_DMA),
 }
+# the variants that run V3.2's long calls in query chunks (``v32.SPLIT`` while they compile)
+QUERY_CHUNKS = ("query-chunks", "query-chunks-dma")
 
 
 def main(argv=None) -> None:
@@ -91,7 +105,10 @@ def main(argv=None) -> None:
             execution = ce.Execution(selection=ce.MosaicSelection(), attention=ce.MosaicAttention())
         variant = layer.with_execution(execution)
         rec = res["variants"][name] = dict(execution=repr(execution))
-        called = first_call(harness.fwd_bwd(forward), (variant, x), rec)
+        split = "queries" if name in QUERY_CHUNKS else v32.SPLIT
+        rec["v32_split"] = split
+        with mock.patch.object(v32, "SPLIT", split):  # read while the program is traced
+            called = first_call(harness.fwd_bwd(forward), (variant, x), rec)
         if called is not None:
             runs[name], out = called
             leaves = jax.tree.leaves(out)

@@ -68,7 +68,7 @@ def main(argv=None) -> None:
         v32.KEEP = keep
         shape = (1, seq, heads, config.qk_nope_head_dim)
         rec = res["variants"][name] = dict(
-            KEEP=keep, groups=groups, keep=v32.kept_groups(shape, groups, config.kv_lora_rank)
+            KEEP=keep, groups=groups, keep=v32.kept_parts(shape, groups, config.kv_lora_rank)
         )
         called = first_call(harness.fwd_bwd(forward), (layer, x), rec)
         if called is not None:

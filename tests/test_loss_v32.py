@@ -102,14 +102,22 @@ def _run(layer, x, seg=None):
     return jax.jit(lambda m, x, s: m(x, segment_ids=s, return_aux=True))(layer, x, seg)
 
 
+@pytest.mark.parametrize("split", [None, "queries"])
 @pytest.mark.parametrize("stage", ["dense", "sparse"])
-def test_loss_and_output_match_numpy(stage):
+def test_loss_and_output_match_numpy(stage, split, monkeypatch):
     """Packed rows: loss == mean_t KL(Σ_h P_h / mass ‖ softmax I) from float64 definitions;
-    the dense stage is plain causal MLA, the sparse one attends to the selected tokens."""
-    b, s, k = 2, 13, 4
+    the dense stage is plain causal MLA, the sparse one attends to the selected tokens. With
+    ``split``, the attention in 3 query chunks (forced; ``csa_eqx._layers.v32.SPLIT``): each
+    chunk's rows, picks and ``lse`` (which the loss reads) joined back in order."""
+    b, s, k = 2, 13 if split is None else 12, 4
+    if split:
+        from csa_eqx._layers import v32
+
+        monkeypatch.setattr(v32, "SPLIT", split)
+        monkeypatch.setattr(v32, "query_chunks", lambda *a: 3)
     _, _, layer = _layer(stage, topk=k)
     x = np.random.default_rng(0).normal(size=(b, s, 64)).astype(np.float32)
-    seg = np.stack([np.zeros(s), np.repeat([0, 1], [5, 8])]).astype(np.int32)
+    seg = np.stack([np.zeros(s), np.repeat([0, 1], [5, s - 5])]).astype(np.int32)
     y, aux = _run(layer, x, seg)
     vis = visible_np(seg)
     sel = np.asarray(aux["selection"])

@@ -442,14 +442,15 @@ def kernel_calls(jaxpr) -> dict[str, int]:
     return calls
 
 
-def test_v32_head_groups_keep_the_kernel_outputs(monkeypatch):
-    """V3.2 in head groups (forced: 2 groups of 2 heads, documents packed) with
-    ``MosaicAttention``: the groups that fit ``KEEP`` keep their kernel's latent output and
-    ``lse`` for the backward (``MosaicAttention.replay``), so the gradient's program runs the
-    forward kernel once per group call site, not twice (the recomputed forward of before:
-    ``replaying`` patched to ``None``); with one group of two kept, the kept group's call
-    sites run it once, the other's twice. Outputs and every gradient bitwise those of the
-    recompute (the keys' gradient summed in the same group order), and within 1e-5 of
+@pytest.mark.parametrize("split", ["heads", "queries"])
+def test_v32_head_groups_keep_the_kernel_outputs(monkeypatch, split):
+    """V3.2 split (forced: 2 groups of 2 heads, or 2 chunks of 12 queries with every head;
+    documents packed) with ``MosaicAttention``: the parts that fit ``KEEP`` keep their kernel's
+    latent output and ``lse`` for the backward (``MosaicAttention.replay``), so the gradient's
+    program runs the forward kernel once per part call site, not twice (the recomputed forward
+    of before: ``replaying`` patched to ``None``); with one part of two kept, the kept part's
+    call sites run it once, the other's twice. Outputs and every gradient bitwise those of the
+    recompute (the shared gradients summed in the same part order), and within 1e-5 of
     ``XlaAttention``'s in one call."""
     from csa_eqx._layers import v32
 
@@ -464,12 +465,13 @@ def test_v32_head_groups_keep_the_kernel_outputs(monkeypatch):
 
     grad = eqx.filter_grad(loss, has_aux=True)
     want = eqx.filter_jit(grad)(base.with_execution(ce.Execution(attention=ce.XlaAttention())))
-    monkeypatch.setattr(v32, "head_groups", lambda shape, width: 2)
-    monkeypatch.setattr(v32, "KEEP", 2 * (2 * 24 * 2 * 32))  # both groups' [2, 24, 2, 32]
+    monkeypatch.setattr(v32, "SPLIT", split)
+    monkeypatch.setattr(v32, "head_groups" if split == "heads" else "query_chunks", lambda *a: 2)
+    monkeypatch.setattr(v32, "KEEP", 2 * (2 * 24 * 2 * 32))  # both parts' [2, 24, 2, 32] (heads)
     kept = kernel_calls(eqx.filter_make_jaxpr(grad)(layer)[0].jaxpr)
     got = eqx.filter_jit(grad)(layer)
     with monkeypatch.context() as m:
-        m.setattr(v32, "KEEP", 2 * (2 * 24 * 2 * 32) - 1)  # the first group's only
+        m.setattr(v32, "KEEP", 2 * (2 * 24 * 2 * 32) - 1)  # the first part's only
         one_kept = kernel_calls(eqx.filter_make_jaxpr(grad)(layer)[0].jaxpr)
         partly = eqx.filter_jit(grad)(layer)
     with monkeypatch.context() as m:

@@ -191,14 +191,17 @@ def test_singleton_segments_attend_to_themselves_only():
     np.testing.assert_allclose(np.asarray(y)[:, :1], alone, rtol=1e-5, atol=1e-6)
 
 
-def test_attention_in_head_groups_matches_hf(monkeypatch):
-    """A long sequence's MLA in head groups (``head_groups``; forced here by small budgets on a
-    32-head layer, two groups of 16): the output matches HF's; it equals the one call's, and
-    the gradients (the keys' summed over the groups in float32) are within float32 rounding
-    of the one call's."""
+@pytest.mark.parametrize("split", ["heads", "queries"])
+def test_attention_in_head_groups_matches_hf(monkeypatch, split):
+    """A long sequence's MLA split (forced here by small budgets on a 32-head layer): in head
+    groups (``head_groups``: two groups of 16) or in query chunks (``SPLIT = "queries"``,
+    ``query_chunks``: four chunks of 5 queries, every head). The output matches HF's; it and
+    the gradients (the keys' and, for chunks, ``kv_b_proj``'s summed over the parts in float32)
+    are within float32 rounding of the one call's (the head groups' output bitwise)."""
     from csa_eqx._layers import v32
 
     assert [v32.head_groups((1, s, 128, 128), 576) for s in (16384, 32768, 65536)] == [1, 4, 8]
+    assert [v32.query_chunks((1, s, 128, 128), 576) for s in (16384, 32768, 65536)] == [1, 4, 8]
     arch = tiny_v32(index_topk=6, v_head_dim=12, num_heads=32)
     cfg = hf_v32_config(arch)
     hf_layer = random_hf_v32_layer(cfg, seed=3)
@@ -213,11 +216,21 @@ def test_attention_in_head_groups_matches_hf(monkeypatch):
     one_y, one_grads = run()
     monkeypatch.setattr(v32, "ONE_CALL", 0)
     monkeypatch.setattr(v32, "GROUP", 16 * 20 * 40)  # 16 heads of 20 queries x 40 wide
-    assert v32.head_groups((2, 20, 32, 16), 40) == 2
+    monkeypatch.setattr(v32, "SPLIT", split)
+    assert v32.head_groups((2, 20, 32, 16), 40) == 2 and v32.query_chunks((2, 20, 32, 16), 40) == 4
+    assert v32.split_of((2, 20, 32, 16), 40) == (split, 2 if split == "heads" else 4)
+    # 18 queries do not split into chunks of at most 5 x 32 heads (9 is odd): head groups
+    assert v32.query_chunks((2, 18, 32, 16), 40) == 0
+    assert v32.split_of((2, 18, 32, 16), 40) == ("heads", 2)
     y, grads = run()
     assert_close(np.asarray(y), want, untied_rows(scores, 6, 1, rel_gap=1e-5))
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(one_y))
-    for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(one_grads), strict=True):
+    # the head groups' per-head arithmetic is the one call's; the chunks' matmuls take fewer
+    # query rows (XLA's CPU blocking: float32 rounding)
+    if split == "heads":
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(one_y))
+    for got, ref in zip(
+        jax.tree.leaves((y, grads)), jax.tree.leaves((one_y, one_grads)), strict=True
+    ):
         scale = np.abs(np.asarray(ref)).max()
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6 * scale)
 

@@ -163,11 +163,12 @@ MUTATIONS = [
         ("tests/test_conformance_attention.py::test_nonfinite_rows_reach_only_their_readers",),
     ),
     Mutation(
-        "head_groups_drop_key_grad",
-        "V3.2 attention in head groups: the groups' gradients of the latent keys dropped",
+        "parts_drop_shared_grad",
+        "V3.2 attention split into parts (head groups, query chunks): the parts' gradients of "
+        "the shared arrays (the latent keys; query chunks: kv_b_proj too) dropped",
         "csa_eqx/_layers/v32.py",
-        "return d_keys + d_group_keys.astype(jnp.float32), tuple(d_args)",
-        "return d_keys + 0 * d_group_keys.astype(jnp.float32), tuple(d_args)",
+        "lambda d, p: d + p.astype(jnp.float32), d_shared, d_part",
+        "lambda d, p: d + 0 * p.astype(jnp.float32), d_shared, d_part",
         ("tests/test_v32.py::test_attention_in_head_groups_matches_hf",),
     ),
     Mutation(

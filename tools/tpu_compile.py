@@ -3,7 +3,7 @@ chip's compiled memory: XLA's ``memory_analysis`` of each program as the TPU com
 
     PYTHONPATH=/tmp/libtpu python tools/tpu_compile.py --seqs 4096 16384 \\
         --programs stage fwd fwdbwd [--layer v4_flash_csa] [--execution "ce.Execution(...)"] \\
-        [--json out.json]
+        [--v32-split queries] [--json out.json]
 
 It needs ``libtpu`` (the TPU compiler; no chip), installed OUTSIDE the project's environments,
 where JAX would otherwise try to start a TPU backend::
@@ -89,6 +89,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help='an expression in csa_eqx as "ce", e.g. '
         '"ce.Execution(attention=ce.MosaicAttention(query_block=64))" (default: automatic)',
     )
+    p.add_argument(
+        "--v32-split",
+        choices=("heads", "queries"),
+        help="how V3.2's long calls split (csa_eqx._layers.v32.SPLIT; default: the library's)",
+    )
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args(argv)
     if "stage" in args.programs and args.layer == "v32_dsa":
@@ -109,6 +114,7 @@ def compile_rows(args: argparse.Namespace) -> list[dict]:
     import csa_eqx as ce
     from benchmarks import harness, layer_speed
     from benchmarks.accelerator_table import Program, cast, needed_bytes, released_layer
+    from csa_eqx._layers import v32
 
     topology = topologies.get_topology_desc(
         topology_name="v5e:1x1",
@@ -143,7 +149,9 @@ def compile_rows(args: argparse.Namespace) -> list[dict]:
         x = on_chip(jax.ShapeDtypeStruct((1, seq, config.hidden_size), jnp.bfloat16))
         for name in args.programs:
             start = time.perf_counter()
-            with mock.patch.object(jax, "default_backend", return_value="tpu"):
+            split = args.v32_split or v32.SPLIT
+            with mock.patch.object(jax, "default_backend", return_value="tpu"), \
+                    mock.patch.object(v32, "SPLIT", split):  # fmt: skip
                 program = Program(functions[name], (layer, x))
             row = dict(program=name, seq=seq, kernel_calls=program.kernel_calls)
             try:
@@ -187,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER, flush=True)
     rows = compile_rows(args)
     if args.json:
-        args.json.write_text(json.dumps(dict(execution=args.execution, rows=rows), indent=1))
+        args.json.write_text(
+            json.dumps(
+                dict(execution=args.execution, v32_split=args.v32_split, rows=rows), indent=1
+            )
+        )
     return 0
 
 

@@ -180,7 +180,7 @@ class MosaicAttention(AbstractAttentionKernel):
         """The attention whose forward already ran: ``(out, lse)`` as given (``attend``'s with
         ``return_lse``, on these very arguments), differentiable as ``attend``: its backward
         runs the backward kernel on them and no forward kernel (V3.2's head groups keep
-        ``out`` and ``lse`` for their backward, ``csa_eqx._layers.v32.in_head_groups``). The
+        ``out`` and ``lse`` for their backward, ``csa_eqx._layers.v32.in_parts``). The
         plain XLA preparation of the reads runs again (the backward needs its tables).
 
         **Arguments:** as ``attend``'s, and its outputs ``out [B, S, H, vdim]`` and ``lse

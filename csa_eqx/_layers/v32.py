@@ -41,30 +41,36 @@ __all__ = ["V32Attention"]
 
 
 # the absorbed queries ``[B, S, heads, kv_lora + rope]`` (elements) one attention call takes;
-# above ONE_CALL the heads run in groups of at most GROUP, one after the other, each recomputed
-# in the backward (compiled for a v5e, V3.2 at released sizes, 128 heads x 576, bf16 fwd+bwd:
-# 16k, 1.2e9, one call, 12.3 GiB of temporaries; 32k in one call 24.8 GiB, in 2 groups 16.4,
-# in 4 groups 12.2; docs/memory.md, "Released sizes on one TPU v5e")
+# above ONE_CALL the call is split into parts of at most GROUP elements each, run one after the
+# other, each recomputed in the backward (compiled for a v5e, V3.2 at released sizes, 128 heads
+# x 576, bf16 fwd+bwd: 16k, 1.2e9, one call, 12.3 GiB of temporaries; 32k in one call 24.8 GiB,
+# in 2 groups 16.4, in 4 groups 12.2; docs/memory.md, "Released sizes on one TPU v5e")
 ONE_CALL = 1 << 31
 GROUP = 5 << 27
-# the latent outputs ``[B, S, heads, kv_lora]`` (elements) the head groups keep for their
-# backward (``kept_groups``), whole groups, the first ones; the others' forward is recomputed
-# (compiled for a v5e, V3.2 at released sizes, bf16 fwd+bwd at 32k in 4 groups: temporaries
-# 11.45 GiB keeping none, 12.29 keeping the first group (this budget), 14.03 the first two
-# (needs 15.65 GiB with arguments and outputs: at the chip's edge), 18.76 all four;
-# docs/memory.md)
+# the latent outputs ``[B, S, heads, kv_lora]`` (elements) the parts keep for their backward
+# (``kept_parts``), whole parts, the first ones; the others' forward is recomputed (compiled for
+# a v5e, V3.2 at released sizes, bf16 fwd+bwd at 32k in 4 head groups: temporaries 11.45 GiB
+# keeping none, 12.29 keeping the first group (this budget), 14.03 the first two (needs 15.65
+# GiB with arguments and outputs: at the chip's edge), 18.76 all four; docs/memory.md)
 KEEP = 1 << 29
+# what a split call's parts are: ``"heads"``, groups of consecutive heads over every query (the
+# measured path, docs/benchmarks_tpu.md), or ``"queries"``, chunks of consecutive queries with
+# every head, so that a query's picked rows are fetched once for all its heads rather than once
+# per group (the same memory: a chunk's arrays are a group's; compiled for a v5e, its chip A/B
+# prepared: ``benchmarks.layer_ab --variants query-chunks``; docs/kernels.md, "V3.2 since issue
+# 54"); queries where the sequence does not split into equal chunks run in head groups
+SPLIT = "heads"
 
 
-def kept_groups(shape: tuple[int, ...], groups: int, width: int) -> int:
-    """**Arguments:** the per-head queries' ``shape`` ``[B, S, H, d]``, their head ``groups``
-    and the latent values' ``width``.
+def kept_parts(shape: tuple[int, ...], parts: int, width: int) -> int:
+    """**Arguments:** the per-head queries' ``shape`` ``[B, S, H, d]``, the number of ``parts``
+    the call is split into and the latent values' ``width``.
 
-    **Returns:** how many head groups keep their kernel's latent output ``[B, S, H / groups,
-    width]`` for the backward (``in_head_groups``' ``keep``): as many as fit ``KEEP``
+    **Returns:** how many parts keep their kernel's latent output (``[B, S, H, width]`` /
+    ``parts`` elements each) for the backward (``in_parts``' ``keep``): as many as fit ``KEEP``
     elements."""
     b, s, heads, _ = shape
-    return min(groups, KEEP // max(b * s * (heads // groups) * width, 1))
+    return min(parts, KEEP // max(b * s * heads * width // parts, 1))
 
 
 def head_groups(shape: tuple[int, ...], width: int) -> int:
@@ -85,81 +91,142 @@ def head_groups(shape: tuple[int, ...], width: int) -> int:
     return groups
 
 
-def in_head_groups(
-    attend, groups: int, q_nope: Array, q_rope: Array, weight: Array, keys, keep: int = 0
-):
-    """``attend(q_nope, q_rope, weight, keys, saved) -> ((out, lse or None), kept)`` over
-    ``groups`` groups of consecutive heads in turn (``lax.map``; ``weight`` is ``kv_b_proj``,
-    head-major rows), and its backward group by group, in the same order (a ``custom_vjp``: it keeps
-    the first groups' kernel outputs and recomputes the others', which no ``jax.checkpoint``
-    policy over one ``lax.map`` says): one group's absorbed queries and kernel
+def query_chunks(shape: tuple[int, ...], width: int) -> int:
+    """**Arguments:** as ``head_groups``'.
+
+    **Returns:** 1 where the absorbed queries fit ``ONE_CALL``, else the fewest chunks of
+    consecutive queries (a power of two dividing ``S``) of at most ``GROUP`` elements each, or
+    0 where ``S`` has no such split."""
+    b, s, heads, _ = shape
+    if b * s * heads * width <= ONE_CALL:
+        return 1
+    chunks = 1
+    while b * (s // chunks) * heads * width > GROUP:
+        if s % (chunks * 2):
+            return 0
+        chunks *= 2
+    return chunks
+
+
+def split_of(shape: tuple[int, ...], width: int) -> tuple[str, int]:
+    """**Returns:** how a call of per-head queries of ``shape`` ``[B, S, H, d]`` over latent
+    keys ``width`` wide runs: ``(SPLIT, parts)`` (``head_groups`` or ``query_chunks``; one part:
+    one call), in head groups where ``SPLIT`` is ``"queries"`` but ``query_chunks`` finds no
+    split."""
+    if SPLIT == "queries" and (chunks := query_chunks(shape, width)):
+        return "queries", chunks
+    return "heads", head_groups(shape, width)
+
+
+def in_parts(attend, parts: int, split: tuple, fixed: tuple, shared: tuple, keep: int = 0):
+    """``attend(split, fixed, shared, saved) -> ((out, lse or None), kept)`` over ``parts``
+    parts in turn (``lax.map``): ``split`` (float arrays, differentiated) and ``fixed`` (int
+    arrays) stacked on a leading axis of ``parts``, ``shared`` the same for every part (V3.2's
+    head groups: the groups' queries and ``kv_b_proj`` rows split, the latent keys shared; its
+    query chunks: the chunks' queries split, their query rows and picks fixed, ``kv_b_proj`` and
+    the keys shared). Its backward runs part by part, in the same order (a ``custom_vjp``: it
+    keeps the first parts' kernel outputs and recomputes the others', which no
+    ``jax.checkpoint`` policy over one ``lax.map`` says): one part's absorbed queries and kernel
     buffers are live at a time. ``attend`` is called with ``saved=None`` in the forward;
-    ``kept`` is what it keeps of a group for the backward (``V32Attention`` with a kernel that
+    ``kept`` is what it keeps of a part for the backward (``V32Attention`` with a kernel that
     can ``replay``: the kernel's latent output and ``lse``), or ``None``. The first ``keep``
-    groups' ``kept`` is saved: the backward calls ``attend`` again with it as ``saved``
+    parts' ``kept`` is saved: the backward calls ``attend`` again with it as ``saved``
     (differentiated: the backward kernel on the kept outputs, no forward kernel), first, so
-    the kept outputs are gone before the other groups' forward is recomputed there
-    (``saved=None``). The keys' gradient is the groups' summed in float32, in group order."""
+    the kept outputs are gone before the other parts' forward is recomputed there
+    (``saved=None``). ``shared``'s gradients are the parts' summed in float32, in part order.
 
-    def split(a):
-        return jnp.moveaxis(a.reshape(*a.shape[:2], groups, -1, *a.shape[3:]), 2, 0)
+    **Returns:** ``(out, lse or None)``, stacked on the leading axis of ``parts``."""
 
-    def join(a):
-        a = jnp.moveaxis(a, 0, 2)
-        return a.reshape(*a.shape[:2], -1, *a.shape[4:])
-
-    def parts(q_nope, q_rope, weight):
-        return split(q_nope), split(q_rope), weight.reshape(groups, -1, weight.shape[-1])
-
-    def halves(tree):  # the kept groups, the recomputed ones
+    def halves(tree):  # the kept parts, the recomputed ones
         return jax.tree.map(lambda a: a[:keep], tree), jax.tree.map(lambda a: a[keep:], tree)
 
-    def mapped(xs, keys, keeping: bool):
+    def mapped(xs, shared, keeping: bool):
         def one(a):
-            out, kept = attend(*a, keys, None)
+            out, kept = attend(*a, shared, None)
             return (out, kept) if keeping else out
 
         return jax.lax.map(one, xs)
 
     @jax.custom_vjp
-    def run(q_nope, q_rope, weight, keys):
-        return jax.tree.map(join, mapped(parts(q_nope, q_rope, weight), keys, False))
+    def run(split, fixed, shared):
+        return mapped((split, fixed), shared, False)
 
-    def forward(q_nope, q_rope, weight, keys):
-        saved, recomputed = halves(parts(q_nope, q_rope, weight))
+    def forward(split, fixed, shared):
+        saved, recomputed = halves((split, fixed))
         outs, kept = [], None
         if keep:
-            out, kept = mapped(saved, keys, True)
+            out, kept = mapped(saved, shared, True)
             outs.append(out)
-        if keep < groups:
-            outs.append(mapped(recomputed, keys, False))
+        if keep < parts:
+            outs.append(mapped(recomputed, shared, False))
         out = outs[0] if len(outs) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
-        return jax.tree.map(join, out), (q_nope, q_rope, weight, keys, kept)
+        return out, (split, fixed, shared, kept)
 
     def backward(residuals, grads):
-        q_nope, q_rope, weight, keys, kept = residuals
+        split, fixed, shared, kept = residuals
 
-        def group(d_keys, a):
-            *args, saved, g = a
-            _, vjp = jax.vjp(lambda *args: attend(*args, saved)[0], *args, keys)
-            *d_args, d_group_keys = vjp(g)
-            return d_keys + d_group_keys.astype(jnp.float32), tuple(d_args)
+        def part(d_shared, a):
+            xs, ints, saved, g = a
+            _, vjp = jax.vjp(lambda xs, sh: attend(xs, ints, sh, saved)[0], xs, shared)
+            d_xs, d_part = vjp(g)
+            summed = jax.tree.map(lambda d, p: d + p.astype(jnp.float32), d_shared, d_part)
+            return summed, d_xs
 
-        saved, recomputed = halves((*parts(q_nope, q_rope, weight), jax.tree.map(split, grads)))
-        d_keys, ds = jnp.zeros(keys.shape, jnp.float32), []
+        saved, recomputed = halves((split, fixed, grads))
+        d_shared = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), shared)
+        ds = []
         if keep:
-            *xs, g = saved
-            d_keys, d = jax.lax.scan(group, d_keys, (*xs, kept, g))
+            xs, ints, g = saved
+            d_shared, d = jax.lax.scan(part, d_shared, (xs, ints, kept, g))
             ds.append(d)
-        if keep < groups:
-            *xs, g = recomputed
-            d_keys, d = jax.lax.scan(group, d_keys, (*xs, None, g))
+        if keep < parts:
+            xs, ints, g = recomputed
+            d_shared, d = jax.lax.scan(part, d_shared, (xs, ints, None, g))
             ds.append(d)
         d = ds[0] if len(ds) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *ds)
-        return join(d[0]), join(d[1]), d[2].reshape(weight.shape), d_keys.astype(keys.dtype)
+        d_shared = jax.tree.map(lambda d, a: d.astype(a.dtype), d_shared, shared)
+        return d, None, d_shared
 
     run.defvjp(forward, backward)
-    return run(q_nope, q_rope, weight, keys)
+    return run(split, fixed, shared)
+
+
+def split_call(
+    attend, split: str, parts: int, q_nope, q_rope, weight, keys, visibility, picks, keep: int
+):
+    """``attend(q_nope, q_rope, weight, keys, visibility, picks, saved) -> ((out, lse or None),
+    kept)`` over the ``parts`` of ``split`` (``split_of``; ``in_parts``: ``keep`` parts keep
+    their kernel outputs) of the per-head queries ``q_nope`` and ``q_rope`` ``[B, S, H, d]``,
+    ``kv_b_proj`` (``weight``, head-major rows), the latent ``keys``, the queries'
+    ``visibility`` and ``picks`` (``[B, S, k]`` or ``None``).
+
+    **Returns:** ``(out [B, S, H, v], lse [B, S, H] or None)``, the parts' joined."""
+    if split == "heads":
+        axis, fixed, shared = 2, (), (keys,)
+        split_args = (q_nope, q_rope)
+    else:
+        axis, shared = 1, (weight, keys)
+        rows = (visibility.query_index, visibility.query_segment)
+        fixed, split_args = rows + (() if picks is None else (picks,)), (q_nope, q_rope)
+
+    def cut(a):  # [..., n, ...] at ``axis`` -> [parts, ..., n / parts, ...]
+        return jnp.moveaxis(a.reshape(*a.shape[:axis], parts, -1, *a.shape[axis + 1 :]), axis, 0)
+
+    def join(a):
+        a = jnp.moveaxis(a, 0, axis)
+        return a.reshape(*a.shape[:axis], -1, *a.shape[axis + 2 :])
+
+    def part(xs, ints, shared, saved):
+        if split == "heads":
+            return attend(*xs, *shared, visibility, picks, saved)
+        qi, segment, *pk = ints
+        seen = visibility._replace(query_index=qi, query_segment=segment)
+        return attend(*xs, *shared, seen, pk[0] if pk else None, saved)
+
+    xs = tuple(map(cut, split_args))
+    if split == "heads":
+        xs += (weight.reshape(parts, -1, weight.shape[-1]),)
+    return jax.tree.map(join, in_parts(part, parts, xs, tuple(map(cut, fixed)), shared, keep))
 
 
 def replaying(attention, numerics, up: LatentUp, dtype):
@@ -313,27 +380,24 @@ class V32Attention(AbstractIndexedAttention):
         up = LatentUp(self.kv_b_proj, c.qk_nope_head_dim, c.v_head_dim, expanded)
         kernel = dict(numerics=nx, query_block=ex.query_block, tiles=ex.tiles)
 
-        def attend(q_nope, q_rope, weight, keys):
-            reads = entry_reads(ex.picks, keys, visibility, picks, value_width=c.kv_lora_rank)
-            up = LatentUp(weight, c.qk_nope_head_dim, c.v_head_dim, expanded)
-            out = ex.attention.latent(
-                q_nope, q_rope, reads, up, self.softmax_scale, return_lse=want_loss, **kernel
-            )
-            return out if want_loss else (out, None)
-
-        width = keys.shape[-1]
-        groups = 1 if isinstance(self.kv_b_proj, Fp8Weight) else head_groups(q_nope.shape, width)
+        shape, width = q_nope.shape, keys.shape[-1]
+        one = isinstance(self.kv_b_proj, Fp8Weight)
+        split, parts = ("heads", 1) if one else split_of(shape, width)
         replays = replaying(ex.attention, nx, up, q_nope.dtype)
 
-        def attend_group(q_nope, q_rope, weight, keys, saved):
-            """A head group's ``((out, lse or None), kept)`` (``in_head_groups``): with a
-            kernel that can ``replay``, the absorbed MLA of ``AbstractAttentionKernel.latent``
-            step by step, keeping the kernel's latent output and ``lse`` (``saved``: the
-            group's kept ones, replayed); else ``attend``, nothing kept."""
-            if replays is None:
-                return attend(q_nope, q_rope, weight, keys), None
-            reads = entry_reads(ex.picks, keys, visibility, picks, value_width=c.kv_lora_rank)
+        def attend(q_nope, q_rope, weight, keys, seen=visibility, picks=picks, saved=None):
+            """The attention of queries ``seen`` (a part's: ``split_call``) over their
+            ``picks``: ``((out, lse or None), kept)``. Split, with a kernel that can
+            ``replay``: the absorbed MLA of ``AbstractAttentionKernel.latent`` step by step,
+            keeping the kernel's latent output and ``lse`` (``saved``: the part's kept ones,
+            replayed); else the kernel's ``latent``, nothing kept."""
+            reads = entry_reads(ex.picks, keys, seen, picks, value_width=c.kv_lora_rank)
             up = LatentUp(weight, c.qk_nope_head_dim, c.v_head_dim, expanded)
+            if replays is None or parts == 1:
+                out = ex.attention.latent(
+                    q_nope, q_rope, reads, up, self.softmax_scale, return_lse=want_loss, **kernel
+                )
+                return (out if want_loss else (out, None)), None
             q = up.absorb(q_nope, q_rope)
             if saved is None:
                 o, lse = replays(q, reads, None, self.softmax_scale, return_lse=True, **kernel)
@@ -341,12 +405,12 @@ class V32Attention(AbstractIndexedAttention):
                 o, lse = replays.replay(q, reads, None, self.softmax_scale, *saved, numerics=nx)
             return (up.values(o), lse if want_loss else None), (o, lse)
 
-        if groups == 1:
-            o, lse = attend(q_nope, q_rope, self.kv_b_proj, keys)
+        if parts == 1:
+            (o, lse), _ = attend(q_nope, q_rope, self.kv_b_proj, keys)
         else:
-            keep = 0 if replays is None else kept_groups(q_nope.shape, groups, c.kv_lora_rank)
-            args = (q_nope, q_rope, self.kv_b_proj, keys, keep)
-            o, lse = in_head_groups(attend_group, groups, *args)
+            keep = 0 if replays is None else kept_parts(shape, parts, c.kv_lora_rank)
+            given = (q_nope, q_rope, self.kv_b_proj, keys, visibility, picks, keep)
+            o, lse = split_call(attend, split, parts, *given)
         y = nx.linear(o.reshape(*o.shape[:2], -1), self.o_proj)
         target = None
         if want_loss:  # KL distillation against the absorbed MLA queries and keys attended
