@@ -29,10 +29,12 @@ __all__ = ["launch", "typed", "converted_for_blocks"]
 def typed(out_shape, args):
     """``out_shape`` (a ``jax.ShapeDtypeStruct`` pytree) varying over every manual mesh axis
     any of ``args`` varies over: what a kernel's outputs are inside a ``shard_map`` with
-    ``check_vma`` (unchanged outside one)."""
+    ``check_vma`` (invariant where none of ``args`` varies: a batch replicated over the manual
+    axes; unchanged outside one)."""
     mats = [jax.typeof(a).manual_axis_type for a in jax.tree.leaves(args)]
     varying = frozenset().union(*(m.varying for m in mats))
-    if not varying:
+    manual = any(t == AxisType.Manual for t in jax.sharding.get_abstract_mesh().axis_types)
+    if not varying and not manual:
         return out_shape
     mat = type(mats[0])(varying=varying)
     # the manual axis type of an abstract value needs a sharding over the (manual) mesh

@@ -6,6 +6,7 @@ The mesh is the one set with ``jax.set_mesh`` unless a strategy holds ``mesh=``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
@@ -29,6 +30,7 @@ __all__ = [
     "run_sharded",
     "in_manual_context",
     "per_device",
+    "typed_mesh",
 ]
 
 MeshLike = Mesh | AbstractMesh
@@ -177,15 +179,18 @@ def in_manual_context() -> bool:
 
 
 def per_device(fn: Callable, batched, replicated=(), differentiable: bool = True):
-    """``fn(batched, replicated)`` once per device of the mesh in context, where the compiler
-    shards its batch: a Pallas kernel is one device's program, so under a mesh whose axes are
-    not all ``Manual`` (``jit`` sharding the batch, no placement) it runs in a ``shard_map``
-    manual over the axes that shard the batch, ``batched`` split over them and ``replicated``
-    whole (an ``Explicit`` axis of size 1 included: the arrays stay typed sharded over it).
-    Elsewhere (no mesh, ``Auto`` axes of size 1, inside a ``shard_map`` over them, a batch no
-    axis shards) ``fn`` is called as it is (the compiler replicates a kernel over the other
-    axes). Under ``jax.vmap`` the mapped axis folds into the batch first (``_folded``): the
-    kernel's grid takes it, not a loop of kernel calls.
+    """``fn(batched, replicated)`` once per device of the mesh in context (with none in
+    context, the mesh the arrays are typed over: ``typed_mesh``), where the compiler shards
+    its batch: a Pallas kernel is one device's program, so under a mesh whose axes are not all
+    ``Manual`` (``jit`` sharding the batch, no placement) it runs in a ``shard_map`` manual
+    over the axes that shard the batch (an ``Explicit`` one of size 1 included: the arrays
+    stay typed sharded over it, which the kernels' reshapes and refs refuse) and every other
+    ``Explicit`` axis of size 1 (a batch replicated over it: the Pallas interpreter's buffers
+    lose its type), ``batched`` split over the batch's axes and whole over the others,
+    ``replicated`` whole. Elsewhere (no mesh, ``Auto`` axes of size 1, inside a ``shard_map``
+    over them, a batch replicated over larger axes) ``fn`` is called as it is (the compiler
+    replicates a kernel over the other axes). Under ``jax.vmap`` the mapped axis folds into
+    the batch first (``_folded``): the kernel's grid takes it, not a loop of kernel calls.
 
     The batch axes are the ``Explicit`` ones ``batched``'s first array is sharded over, else
     the ``Auto`` axes (in mesh order) whose sizes divide the batch.
@@ -211,8 +216,40 @@ def _with_static(fn: Callable, static, arrays, replicated):
     return fn(eqx.combine(arrays, static), replicated)
 
 
+def _typed_mesh(tree) -> AbstractMesh | None:
+    """**Returns:** the mesh ``tree``'s arrays are typed over (``Explicit`` axes: arrays put on
+    a ``jax.make_mesh`` mesh and jitted without ``jax.set_mesh``), else ``None``."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            mesh = getattr(jax.typeof(leaf).sharding, "mesh", None)
+            if mesh is not None and mesh.axis_names:
+                return mesh
+    return None
+
+
+def typed_mesh(*trees):
+    """A context: where no mesh is in context but the arrays of ``trees`` are typed over one
+    (put on a ``jax.make_mesh`` mesh, whose axes are ``Explicit``, and jitted without
+    ``jax.set_mesh``), that mesh as the abstract mesh in context, so that the arrays the
+    library builds from constants (loop carries, buffers) are typed over it as the inputs are
+    (a ``dynamic_update_slice`` of one by the other is otherwise a sharding type error); else
+    nothing."""
+    if jax.sharding.get_abstract_mesh().axis_names or (mesh := _typed_mesh(trees)) is None:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh)
+
+
 def _sharded(fn: Callable, batched, replicated):
-    """``per_device`` after the fold: the ``shard_map`` over the batch's axes, if any."""
+    """``per_device`` after the fold: the ``shard_map`` over the batch's axes and every
+    ``Explicit`` axis, if any."""
+    if not jax.sharding.get_abstract_mesh().axis_names:
+        with typed_mesh(batched, replicated):  # no mesh in context: the arrays' own, if any
+            return _sharded_on(fn, batched, replicated)
+    return _sharded_on(fn, batched, replicated)
+
+
+def _sharded_on(fn: Callable, batched, replicated):
+    """``_sharded`` on the mesh in context."""
     mesh = jax.sharding.get_abstract_mesh()
     # an Explicit axis of size 1 counts too: the arrays stay typed sharded over it, which a
     # kernel's reshapes and refs refuse (one chip, a mesh written for many)
@@ -230,11 +267,15 @@ def _sharded(fn: Callable, batched, replicated):
             if not is_explicit(mesh, a) and first.shape[0] % (size * mesh.shape[a]) == 0:
                 chosen.append(a)
                 size *= mesh.shape[a]
-    if not chosen:
+    # an Explicit axis of size 1 is manual too, the batch replicated over it: the Pallas
+    # interpreter's buffers lose it (a sharding type error); over a larger one the kernels
+    # run replicated as they are (a nested shard_map there fails to lower under vmap)
+    manual = set(chosen) | {a for a in axes if is_explicit(mesh, a) and mesh.shape[a] == 1}
+    if not manual:
         return fn(batched, replicated)
-    spec = P(tuple(chosen))
+    spec = P(tuple(chosen)) if chosen else P()
     in_specs = (each(batched, spec), each(replicated, P()))
-    return run_sharded(fn, mesh, in_specs, spec, set(chosen), batched, replicated)
+    return run_sharded(fn, mesh, in_specs, spec, manual, batched, replicated)
 
 
 def _folded(fn: Callable) -> Callable:

@@ -15,6 +15,7 @@ run forced; the kernels in plain interpret mode. Each program is traced once: th
 trace is the one compiled and run.
 """
 
+import contextlib
 import functools
 
 import equinox as eqx
@@ -330,6 +331,29 @@ def test_kernels_run_per_device_under_jit_sharding():
     np.testing.assert_allclose(value, want_value, rtol=1e-5)
     assert_gradients_close(grads, want_grads)
     np.testing.assert_allclose(y, want, atol=1e-6)
+    np.testing.assert_array_equal(aux["selection"], want_aux["selection"])
+
+
+@pytest.mark.parametrize(
+    "devices, context, batch",
+    [(1, True, None), (2, True, None), (2, False, None), (2, False, "data")],
+    ids=["1-set_mesh-replicated", "2-set_mesh-replicated", "2-replicated", "2-sharded"],
+)
+def test_kernels_run_on_a_mesh_the_batch_is_typed_over(devices, context, batch):
+    """Arrays put on a ``jax.make_mesh`` mesh (``Explicit`` axes) and jitted, with
+    ``jax.set_mesh`` or without it (their types carry the mesh), the batch replicated or
+    sharded over ``data``: the kernels run per device (a ``shard_map`` over the batch's axes
+    and a one-device mesh's axis; a replicated batch whole on each device), the library's own
+    buffers typed over the inputs' mesh; the output and selection equal one device's. Before,
+    all but the second failed (a buffer without the mesh updated by a row with it; a kernel
+    ref sliced along a sharded axis)."""
+    layer, x, _, _, (want, want_aux) = kernels_on_one_device()
+    mesh = jax.make_mesh((devices,), ("data",))
+    on_mesh = jax.device_put(layer, jax.NamedSharding(mesh, jax.P()))
+    xs = jax.device_put(x, jax.NamedSharding(mesh, jax.P(batch)))
+    with jax.set_mesh(mesh) if context else contextlib.nullcontext():
+        got, aux = call(on_mesh, xs)
+    np.testing.assert_allclose(got, want, atol=1e-6)
     np.testing.assert_array_equal(aux["selection"], want_aux["selection"])
 
 

@@ -36,6 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "testing.md"
 START, END = "<!-- mutations:start -->", "<!-- mutations:end -->"
 
+TYPED_OVER = (
+    "tests/test_conformance_transforms.py::test_kernels_run_on_a_mesh_the_batch_is_typed_over"
+)
 # Test targets and the reference each one checks against ("" = our own code: not independent).
 INDEPENDENT = {
     "tests/test_v4_parity.py": "HF transformers",
@@ -107,6 +110,7 @@ INDEPENDENT = {
     "tests/test_conformance_transforms.py::test_kernels_run_on_a_one_device_mesh": (
         "the same layer's output and selection with no mesh"
     ),
+    TYPED_OVER: "the same layer's output and selection with no mesh",
     "tests/test_mosaic_attention.py::test_resident_rows_are_offered_for_gathered_sets_only": (
         "the rule's choices written out"
     ),
@@ -850,6 +854,25 @@ MUTATIONS += [
         "lambda b, i, j, *_: (0, b * n_q + i)",
         "lambda b, i, j, *_: (0, i)",
         ("tests/test_mosaic_attention.py::test_randomised_sweep_against_numpy",),
+    ),
+    Mutation(
+        "explicit_axes_not_manual",
+        "the kernels under jit sharding: the per-device shard_map manual over the batch's axes "
+        "only, so a batch replicated over an Explicit axis of size 1 reaches the kernels typed "
+        "over it",
+        "csa_eqx/_mesh.py",
+        "manual = set(chosen) | {a for a in axes if is_explicit(mesh, a) and mesh.shape[a] == 1}",
+        "manual = set(chosen)",
+        (TYPED_OVER,),
+    ),
+    Mutation(
+        "inputs_mesh_not_entered",
+        "a layer jitted without jax.set_mesh on arrays typed over a jax.make_mesh mesh: the "
+        "inputs' mesh not entered, so buffers built from constants lack it",
+        "csa_eqx/_layers/base.py",
+        "            with typed_mesh(inputs, self):",
+        "            with typed_mesh():",
+        (TYPED_OVER,),
     ),
 ]
 

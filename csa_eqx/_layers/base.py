@@ -26,6 +26,7 @@ from .._decode.cache import AbstractCache
 from .._decode.chunks import ChunkSource, chunk_rows
 from .._indexer.base import AbstractIndexer
 from .._layout import segment_positions, token_rows
+from .._mesh import typed_mesh
 from .._numerics.base import DeepSeekFormats
 from .._placement.base import Carried, SingleDevice
 from .._rows import Rows, whole_rows
@@ -130,7 +131,8 @@ class AbstractIndexedAttention(eqx.Module):
             return y[0], {**aux, "selection": None if selection is None else selection[0]}
         inputs = (x, positions, segment_ids)
         try:
-            return self._call(*inputs, return_aux, indexer_loss, shared)
+            with typed_mesh(inputs, self):  # jitted without jax.set_mesh: the inputs' mesh
+                return self._call(*inputs, return_aux, indexer_loss, shared)
         except TypeCheckError as error:
             raise checks.readable(error, self.config.hidden_size, *inputs) from None
 
@@ -366,7 +368,10 @@ class AbstractIndexedAttention(eqx.Module):
         types and shapes raise as ``__call__``'s.
         """
         try:
-            return self._extend(x, cache, lengths, segment_ids, return_aux, indexer_loss, shared)
+            with typed_mesh((x, cache, lengths, segment_ids), self):  # as __call__
+                return self._extend(
+                    x, cache, lengths, segment_ids, return_aux, indexer_loss, shared
+                )
         except TypeCheckError as error:
             size = self.config.hidden_size
             raise checks.readable(error, size, x, None, segment_ids, lengths) from None
