@@ -189,8 +189,10 @@ def per_device(fn: Callable, batched, replicated=(), differentiable: bool = True
     lose its type), ``batched`` split over the batch's axes and whole over the others,
     ``replicated`` whole. Elsewhere (no mesh, ``Auto`` axes of size 1, inside a ``shard_map``
     over them, a batch replicated over larger axes) ``fn`` is called as it is (the compiler
-    replicates a kernel over the other axes). Under ``jax.vmap`` the mapped axis folds into
-    the batch first (``_folded``): the kernel's grid takes it, not a loop of kernel calls.
+    replicates a kernel over the other axes; under ``Explicit`` axes its outputs, which carry
+    no mesh, typed replicated over the mesh, as the arrays they meet are). Under ``jax.vmap``
+    the mapped axis folds into the batch first (``_folded``): the kernel's grid takes it, not
+    a loop of kernel calls.
 
     The batch axes are the ``Explicit`` ones ``batched``'s first array is sharded over, else
     the ``Auto`` axes (in mesh order) whose sizes divide the batch.
@@ -272,7 +274,10 @@ def _sharded_on(fn: Callable, batched, replicated):
     # run replicated as they are (a nested shard_map there fails to lower under vmap)
     manual = set(chosen) | {a for a in axes if is_explicit(mesh, a) and mesh.shape[a] == 1}
     if not manual:
-        return fn(batched, replicated)
+        out = fn(batched, replicated)
+        if any(is_explicit(mesh, a) for a in axes):  # a kernel's outputs carry no mesh: typed
+            out = jax.tree.map(lambda o: jax.reshard(o, P()), out)  # replicated over it
+        return out
     spec = P(tuple(chosen)) if chosen else P()
     in_specs = (each(batched, spec), each(replicated, P()))
     return run_sharded(fn, mesh, in_specs, spec, manual, batched, replicated)

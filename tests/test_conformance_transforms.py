@@ -16,6 +16,7 @@ trace is the one compiled and run.
 """
 
 import contextlib
+import dataclasses
 import functools
 
 import equinox as eqx
@@ -344,12 +345,17 @@ def test_kernels_run_on_a_mesh_the_batch_is_typed_over(devices, context, batch):
     ``jax.set_mesh`` or without it (their types carry the mesh), the batch replicated or
     sharded over ``data``: the kernels run per device (a ``shard_map`` over the batch's axes
     and a one-device mesh's axis; a replicated batch whole on each device), the library's own
-    buffers typed over the inputs' mesh; the output and selection equal one device's. Before,
-    all but the second failed (a buffer without the mesh updated by a row with it; a kernel
-    ref sliced along a sharded axis)."""
+    buffers and the kernels' outputs typed over the inputs' mesh; the output and selection
+    (in row chunks of 8 queries: a loop whose carry the layer builds from constants) equal
+    one device's. Before, each failed (a buffer without the mesh updated by a row with it, or
+    the reverse; a kernel ref sliced along a sharded axis)."""
     layer, x, _, _, (want, want_aux) = kernels_on_one_device()
+    # the selection in row chunks of 8 queries (picks bitwise the one call's): the chunks'
+    # loop carries a buffer the layer builds from constants
+    selection = ce.MosaicSelection(query_block=8, query_chunk=8)
+    chunked = dataclasses.replace(layer.execution, selection=selection)
     mesh = jax.make_mesh((devices,), ("data",))
-    on_mesh = jax.device_put(layer, jax.NamedSharding(mesh, jax.P()))
+    on_mesh = jax.device_put(layer.with_execution(chunked), jax.NamedSharding(mesh, jax.P()))
     xs = jax.device_put(x, jax.NamedSharding(mesh, jax.P(batch)))
     with jax.set_mesh(mesh) if context else contextlib.nullcontext():
         got, aux = call(on_mesh, xs)

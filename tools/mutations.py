@@ -866,6 +866,15 @@ MUTATIONS += [
         (TYPED_OVER,),
     ),
     Mutation(
+        "kernel_outputs_left_meshless",
+        "the kernels under Explicit mesh axes with a replicated batch: the kernel's outputs, "
+        "called as it is, left without the mesh the arrays they meet carry",
+        "csa_eqx/_mesh.py",
+        "            out = jax.tree.map(lambda o: jax.reshard(o, P()), out)",
+        "            out = out",
+        (TYPED_OVER,),
+    ),
+    Mutation(
         "inputs_mesh_not_entered",
         "a layer jitted without jax.set_mesh on arrays typed over a jax.make_mesh mesh: the "
         "inputs' mesh not entered, so buffers built from constants lack it",
