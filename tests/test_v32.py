@@ -5,6 +5,7 @@ path against HF itself: default tiles, small key blocks (streaming top-k), small
 blocks, head-chunked scoring, and picks attended by masked matmul or gathered.
 """
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jaxtyping
@@ -271,3 +272,38 @@ def test_wrong_input_shape_is_a_jaxtyping_error():
         layer(jnp.zeros((1, 1, 5, config.hidden_size)))
     with pytest.raises(jaxtyping.TypeCheckError):
         layer(jnp.zeros((1, 5, config.hidden_size)), positions=jnp.zeros((1, 4), jnp.int32))
+
+
+@pytest.mark.parametrize("split", ["heads", "queries"])
+def test_split_attention_inside_a_users_shard_map(monkeypatch, split):
+    """The MLA split into parts (forced: 2 head groups or 2 query chunks) inside a user's
+    ``shard_map`` with ``check_vma`` (the batch over two devices, the weights replicated):
+    the summed loss and every gradient equal the one call's without a mesh (before, the
+    backward's float32 carry of the shared gradients was typed invariant, a scan type error;
+    a replicated ``kv_b_proj``'s chunk gradients must be summed over the devices once)."""
+    from csa_eqx._layers import v32
+
+    layer = V32Attention(tiny_v32(), key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(2), (2, 16, layer.config.hidden_size))
+    params, static = eqx.partition(layer, eqx.is_array)
+
+    def loss(p, x):
+        return jnp.sum(eqx.combine(p, static)(x) ** 2)
+
+    want_value, want_grads = jax.jit(jax.value_and_grad(loss))(params, x)
+    monkeypatch.setattr(v32, "ONE_CALL", 0)
+    monkeypatch.setattr(v32, "SPLIT", split)
+    monkeypatch.setattr(v32, "head_groups" if split == "heads" else "query_chunks", lambda *a: 2)
+    mesh = jax.make_mesh((2,), ("data",))
+
+    def local(p, x):
+        return jax.value_and_grad(lambda p, x: jax.lax.psum(loss(p, x), "data"))(p, x)
+
+    specs = dict(in_specs=(jax.P(), jax.P("data")), out_specs=jax.P(), axis_names={"data"})
+    with jax.set_mesh(mesh):
+        run = jax.jit(jax.shard_map(local, mesh=mesh, **specs))
+        value, grads = run(jax.device_put(params, jax.P()), jax.device_put(x, jax.P("data")))
+    np.testing.assert_allclose(float(value), float(want_value), rtol=1e-6)
+    for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        scale = np.abs(np.asarray(ref)).max()
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6 * scale)

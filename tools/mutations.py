@@ -111,6 +111,9 @@ INDEPENDENT = {
         "the same layer's output and selection with no mesh"
     ),
     TYPED_OVER: "the same layer's output and selection with no mesh",
+    "tests/test_v32.py::test_split_attention_inside_a_users_shard_map": (
+        "the same layer's loss and gradients in one call with no mesh"
+    ),
     "tests/test_mosaic_attention.py::test_resident_rows_are_offered_for_gathered_sets_only": (
         "the rule's choices written out"
     ),
@@ -864,6 +867,15 @@ MUTATIONS += [
         "manual = set(chosen) | {a for a in axes if is_explicit(mesh, a) and mesh.shape[a] == 1}",
         "manual = set(chosen)",
         (TYPED_OVER,),
+    ),
+    Mutation(
+        "parts_carry_invariant",
+        "V3.2 attention split into parts inside a user's check_vma shard_map: the backward's "
+        "float32 carry of the shared gradients built invariant",
+        "csa_eqx/_layers/v32.py",
+        "d_shared = varying_like(zeros, split, shared, grads)",
+        "d_shared = zeros",
+        ("tests/test_v32.py::test_split_attention_inside_a_users_shard_map",),
     ),
     Mutation(
         "kernel_outputs_left_meshless",

@@ -31,7 +31,7 @@ from .._layout import Visibility
 from .._loss.base import AttentionTarget
 from .._numerics.base import V32_FORMATS, DeepSeekFormats
 from .._numerics.fp8_weight import Fp8Weight
-from .._ops import init_linear, rms_norm, round_to
+from .._ops import init_linear, rms_norm, round_to, varying_like
 from .._placement.heads import split_specs
 from .._rope import apply_rope_interleaved, yarn_mscale, yarn_table
 from .base import AbstractIndexedAttention, config_sizes
@@ -173,7 +173,9 @@ def in_parts(attend, parts: int, split: tuple, fixed: tuple, shared: tuple, keep
             return summed, d_xs
 
         saved, recomputed = halves((split, fixed, grads))
-        d_shared = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), shared)
+        # the carry varies as the parts' gradients will (inside a check_vma shard_map)
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), shared)
+        d_shared = varying_like(zeros, split, shared, grads)
         ds = []
         if keep:
             xs, ints, g = saved
@@ -223,6 +225,9 @@ def split_call(
         seen = visibility._replace(query_index=qi, query_segment=segment)
         return attend(*xs, *shared, seen, pk[0] if pk else None, saved)
 
+    # the shared arrays vary as the queries do (inside a check_vma shard_map: their summed
+    # cotangents vary, and JAX's own transpose of this cast sums a replicated one's)
+    shared = varying_like(shared, split_args)
     xs = tuple(map(cut, split_args))
     if split == "heads":
         xs += (weight.reshape(parts, -1, weight.shape[-1]),)
