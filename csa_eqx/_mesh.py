@@ -244,10 +244,8 @@ def typed_mesh(*trees):
 def _sharded(fn: Callable, batched, replicated):
     """``per_device`` after the fold: the ``shard_map`` over the batch's axes and every
     ``Explicit`` axis, if any."""
-    if not jax.sharding.get_abstract_mesh().axis_names:
-        with typed_mesh(batched, replicated):  # no mesh in context: the arrays' own, if any
-            return _sharded_on(fn, batched, replicated)
-    return _sharded_on(fn, batched, replicated)
+    with typed_mesh(batched, replicated):  # no mesh in context: the arrays' own, if any
+        return _sharded_on(fn, batched, replicated)
 
 
 def _sharded_on(fn: Callable, batched, replicated):
